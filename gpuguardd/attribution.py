@@ -1,0 +1,120 @@
+"""Which systemd unit, container and cgroup a process belongs to, from /proc/<pid>/cgroup.
+
+The container prefix is looked at before the unit: `/lxc/129/system.slice/sglang.service` is
+the container's sglang.service, and must never match a host `SweepUnit("sglang.service")`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap", ".slice", ".target",
+                 ".timer", ".path", ".device", ".automount")
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+$")
+_CONTAINER_LABEL = re.compile(r"^[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+$")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    cgroup: str
+    unit: str
+    container: str
+
+
+def cgroup_path(cgroup_file: str) -> str:
+    """The path that systemd uses for tracking: name=systemd on v1/hybrid, else the v2 line."""
+    unified = ""
+    for line in cgroup_file.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "name=systemd":
+            return parts[2]
+        if parts[0] == "0" and parts[1] == "":
+            unified = parts[2]
+    return unified
+
+
+# (pattern over the whole path, label prefix). First match wins; order matters where a runtime
+# nests inside another's slice.
+_CONTAINER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^/lxc\.payload[./]([^/]+)"), "lxc"),  # upstream LXC >= 4
+    (re.compile(r"^/lxc/([^/]+)"), "lxc"),  # Proxmox VE and older LXC
+    (re.compile(r"/docker-([0-9a-f]{12,})\.scope"), "docker"),
+    (re.compile(r"^/docker/([0-9a-f]{12,})"), "docker"),
+    (re.compile(r"/libpod-(?:conmon-)?([0-9a-f]{12,})\.scope"), "podman"),
+    (re.compile(r"^/libpod_parent/libpod-([0-9a-f]{12,})"), "podman"),
+    (re.compile(r"/cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
+    (re.compile(r"/crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
+    (re.compile(r"^/kubepods(?:/[a-z]+)?/pod[0-9a-f-]+/([0-9a-f]{12,})"), "kubepods"),
+    (re.compile(r"/systemd-nspawn@([^/]+)\.service"), "nspawn"),
+    (re.compile(r"^/machine\.slice/machine-([^/]+)\.scope"), "machine"),
+)
+
+
+def container_of(path: str) -> tuple[str, str]:
+    """(label, the cgroup path inside the container) for a cgroup path; ("", path) on the host."""
+    for pattern, kind in _CONTAINER_PATTERNS:
+        match = pattern.search(path)
+        if match:
+            name = match.group(1)
+            if kind == "machine":
+                # systemd escapes '-' in machine scope names as \x2d
+                name = name.replace("\\x2d", "-")
+            return f"{kind}/{name}", path[match.end():] or "/"
+    return "", path
+
+
+def unit_of(path: str) -> str:
+    """The unit systemd would name for a cgroup path: the first component that is not a slice."""
+    for component in path.split("/"):
+        if not component or component.endswith(".slice"):
+            continue
+        if component.endswith(UNIT_SUFFIXES):
+            return component
+        return ""
+    return ""
+
+
+def attribute(cgroup_file: str | None) -> Attribution:
+    if not cgroup_file:
+        return Attribution("", "", "")
+    path = cgroup_path(cgroup_file)
+    container, inner = container_of(path)
+    return Attribution(cgroup=path, unit=unit_of(inner), container=container)
+
+
+def normalize_unit_name(name: str) -> str:
+    """Validate a unit name as systemd would, adding ".service" the way systemctl does.
+
+    Raises ValueError naming the problem.
+    """
+    if not name:
+        raise ValueError("empty unit name")
+    if len(name) > 255:
+        raise ValueError(f"unit name too long ({len(name)} characters): {name[:40]!r}...")
+    if not name.endswith(UNIT_SUFFIXES):
+        name = name + ".service"
+    stem = name.rsplit(".", 1)[0]
+    if not stem or not _UNIT_NAME.match(name) or name.startswith(".") or "/" in name:
+        raise ValueError(f"invalid unit name {name!r}")
+    return name
+
+
+def validate_container_label(label: str) -> str:
+    if not _CONTAINER_LABEL.match(label):
+        raise ValueError(f"invalid container {label!r} (expected e.g. lxc/129 or docker/3f2a9c1d)")
+    return label
+
+
+def container_matches(label: str, wanted: str) -> bool:
+    """Exact match, or an id prefix as `docker ps` prints it (docker/3f2a9c1d5e6f)."""
+    if not wanted or not label:
+        return label == wanted
+    if label == wanted:
+        return True
+    kind, _, ident = label.partition("/")
+    wanted_kind, _, wanted_ident = wanted.partition("/")
+    return kind == wanted_kind and len(wanted_ident) >= 4 and ident.startswith(wanted_ident)
+

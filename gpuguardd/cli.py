@@ -1,0 +1,271 @@
+"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pwd
+import sys
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from . import __version__, output
+from .config import load_config, parse_timespan
+from .engine import Engine, HolderFilter, gpu_summaries
+from .errors import ConfigError, GpuGuardError, InvalidArgument, NotAuthorized
+from .log import setup_logging
+from .models import (
+    OUTCOME_DRY_RUN,
+    OUTCOME_ERROR,
+    OUTCOME_FREED,
+    OUTCOME_NOT_RELEASED,
+    OUTCOME_NOTHING,
+    OUTCOME_SURVIVORS,
+    OUTCOME_UNVERIFIED,
+    SweepRequest,
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_SURVIVORS = 3
+EXIT_NOT_RELEASED = 4
+EXIT_NOT_AUTHORIZED = 5
+EXIT_UNVERIFIED = 6
+
+OUTCOME_EXIT = {
+    OUTCOME_FREED: EXIT_OK,
+    OUTCOME_NOTHING: EXIT_OK,
+    OUTCOME_DRY_RUN: EXIT_OK,
+    OUTCOME_SURVIVORS: EXIT_SURVIVORS,
+    OUTCOME_NOT_RELEASED: EXIT_NOT_RELEASED,
+    OUTCOME_UNVERIFIED: EXIT_UNVERIFIED,
+    OUTCOME_ERROR: EXIT_ERROR,
+}
+
+log = logging.getLogger("gpuguard.cli")
+
+
+class DaemonUnavailable(Exception):
+    """No gpuguardd answers on the bus."""
+
+
+class Backend(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    def gpus(self) -> list[dict[str, Any]]: ...
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[dict[str, Any]]: ...
+
+    def sweep(self, request: SweepRequest) -> dict[str, Any]: ...
+
+    def history(self, count: int) -> list[dict[str, Any]]: ...
+
+
+def requester_description() -> str:
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    return f"uid {uid} ({name}) via gpuguardctl --local"
+
+
+class LocalBackend:
+    """The engine in this process: for root, when no daemon runs (or --local is given)."""
+
+    def __init__(self, config_files: Sequence[str] | None) -> None:
+        self.engine = Engine(load_config(config_files))
+
+    def status(self) -> dict[str, Any]:
+        snap = self.engine.snapshot(with_processes=False)
+        config = self.engine.config
+        return {"version": __version__, "nvml_available": snap.available,
+                "nvml_error": snap.error, "driver_version": snap.driver_version,
+                "gpu_count": len(snap.gpus), "busy": False, "last_sweep": {},
+                "watched_units": list(config.watch_units), "mode": "local",
+                "config_files": list(config.sources)}
+
+    def gpus(self) -> list[dict[str, Any]]:
+        scan = self.engine.scan()
+        return gpu_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024)
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[dict[str, Any]]:
+        scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
+                                                               container=container))
+        found, scan = self.engine.list_holders(HolderFilter(
+            gpus=scope.gpus, unit=scope.unit, container=scope.container,
+            include_protected=include_protected))
+        for warning in scan.warnings:
+            log.warning("%s", warning)
+        return [h.to_dict() for h in found]
+
+    def sweep(self, request: SweepRequest) -> dict[str, Any]:
+        request.requested_by = request.requested_by or requester_description()
+        return self.engine.sweep(request).to_dict()
+
+    def history(self, count: int) -> list[dict[str, Any]]:
+        raise InvalidArgument("history is kept by the daemon; it is not available with --local")
+
+
+def connect(args: argparse.Namespace) -> Backend:
+    """The daemon if it answers; the local engine when asked, or for root's sweep as fallback."""
+    if args.local:
+        return _local(args)
+    try:
+        from .client import DBusBackend
+        return DBusBackend(bus_address=getattr(args, "bus_address", None))  # type: ignore[no-any-return]
+    except (ImportError, DaemonUnavailable) as exc:
+        if args.verb == "sweep" and os.geteuid() == 0:
+            log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
+            return _local(args)
+        raise DaemonUnavailable(
+            f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
+
+
+def _local(args: argparse.Namespace) -> Backend:
+    if os.geteuid() != 0:
+        log.warning("running --local as a non-root user: processes of other users are invisible")
+    return LocalBackend(args.config)
+
+
+def _grace(text: str) -> int:
+    try:
+        seconds = parse_timespan(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return int(seconds * 1000)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    common.add_argument("--local", action="store_true", default=argparse.SUPPRESS,
+                        help="run the engine in this process instead of asking gpuguardd (root)")
+    common.add_argument("--config", action="append", metavar="FILE", default=argparse.SUPPRESS,
+                        help="with --local: read FILE instead of /etc/gpuguard (repeatable)")
+    common.add_argument("--bus-address", metavar="ADDRESS", default=argparse.SUPPRESS,
+                        help="talk to gpuguardd on this D-Bus address instead of the system bus")
+
+    parser = argparse.ArgumentParser(
+        prog="gpuguardctl", parents=[common],
+        description="Find and safely end processes that keep NVIDIA GPUs busy.")
+    parser.add_argument("--version", action="version", version=f"gpuguardctl {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    verbs.required = True
+
+    verbs.add_parser("status", parents=[common], help="daemon and NVML state")
+    verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
+
+    def scope_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+                       help="only this GPU (repeatable)")
+        p.add_argument("--unit", default="", metavar="UNIT", help="only this systemd unit")
+        p.add_argument("--container", default="", metavar="ID",
+                       help="only this container (lxc/129, docker/3f2a...)")
+
+    holders = verbs.add_parser("holders", parents=[common], help="processes holding GPUs")
+    scope_args(holders)
+    holders.add_argument("--hide-protected", action="store_true",
+                         help="leave out processes a sweep would never touch")
+
+    sweep = verbs.add_parser("sweep", parents=[common],
+                             help="end the holders in a scope and verify the memory came back")
+    scope_args(sweep)
+    sweep.add_argument("--grace", type=_grace, default=None, metavar="SEC",
+                       help="time between SIGTERM and SIGKILL (default: GraceSec)")
+    sweep.add_argument("--dry-run", action="store_true", default=None,
+                       help="report what would be done, signal nothing")
+    sweep.add_argument("--include-management", action="store_true",
+                       help="also end management clients (nvidia-smi, exporters)")
+    sweep.add_argument("--reason", default="", help="recorded in the report and the journal")
+
+    history = verbs.add_parser("history", parents=[common], help="past sweep reports")
+    history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
+    return parser
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    for name, value in (("json", False), ("local", False), ("config", None), ("bus_address", None)):
+        if not hasattr(args, name):
+            setattr(args, name, value)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _defaults(args)
+    setup_logging("gpuguardctl")
+    if args.config and not args.local:
+        parser.error("--config only applies with --local (the daemon reads its own files)")
+    out = sys.stdout
+    try:
+        backend = connect(args)
+        if args.verb == "status":
+            status = backend.status()
+            if args.json:
+                output.print_json(status, out)
+            else:
+                for key in sorted(status):
+                    out.write(f"{key}: {status[key]}\n")
+            return EXIT_OK
+        if args.verb == "gpus":
+            gpus = backend.gpus()
+            output.print_json(gpus, out) if args.json else output.print_gpus(gpus, out)
+            return EXIT_OK
+        if args.verb == "holders":
+            found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)
+            output.print_json(found, out) if args.json else output.print_holders(found, out)
+            return EXIT_OK
+        if args.verb == "sweep":
+            request = SweepRequest(gpus=args.gpu, unit=args.unit, container=args.container,
+                                   grace_ms=args.grace, dry_run=args.dry_run,
+                                   include_management=args.include_management,
+                                   reason=args.reason)
+            report = backend.sweep(request)
+            output.print_json(report, out) if args.json else output.print_report(report, out)
+            return OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+        if args.verb == "history":
+            reports = backend.history(args.count)
+            if args.json:
+                output.print_json(reports, out)
+            else:
+                for report in reports:
+                    output.print_report(report, out)
+            return EXIT_OK
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except InvalidArgument as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except NotAuthorized as exc:
+        log.error("not authorized: %s", exc)
+        return EXIT_NOT_AUTHORIZED
+    except (GpuGuardError, DaemonUnavailable) as exc:
+        log.error("%s", exc)
+        return EXIT_ERROR
+    parser.error(f"unknown verb {args.verb!r}")
+    return EXIT_USAGE
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

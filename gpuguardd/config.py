@@ -1,0 +1,279 @@
+"""Configuration: built-in defaults, overridden by systemd-style INI files.
+
+The files are read in the order systemd admins expect (main file, then drop-ins in name order).
+Lists follow systemd's rules: each assignment appends, an empty assignment resets. Unknown keys
+are errors rather than warnings, because a typo in `ProtectedExecutables=` must not silently
+leave nvidia-persistenced unprotected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
+DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
+
+# Real paths as shipped by NVIDIA's and the distributions' packages. Matching is on the resolved
+# /proc/<pid>/exe, so the paths here are resolved again at load time (merged /usr, symlinks).
+DEFAULT_PROTECTED_EXECUTABLES = (
+    "/usr/bin/nvidia-persistenced",
+    "/usr/bin/nv-fabricmanager",
+    "/usr/bin/nvidia-fabricmanager",
+    "/usr/bin/nv-hostengine",
+    "/usr/lib/xorg/Xorg",
+    "/usr/libexec/Xorg",
+    "/usr/bin/Xorg",
+    "/usr/bin/Xwayland",
+    "/usr/sbin/gdm3",
+    "/usr/sbin/gdm",
+    "/usr/bin/sddm",
+    "/usr/sbin/lightdm",
+    "/usr/bin/gnome-shell",
+    "/usr/bin/kwin_wayland",
+)
+
+DEFAULT_PROTECTED_UNITS = (
+    "nvidia-persistenced.service",
+    "nvidia-fabricmanager.service",
+    "nvidia-dcgm.service",
+    "dcgm.service",
+    "display-manager.service",
+    "gdm.service",
+    "gdm3.service",
+    "sddm.service",
+    "lightdm.service",
+)
+
+DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*")
+
+
+@dataclass(frozen=True)
+class Config:
+    grace_sec: float = 10.0
+    kill_timeout_sec: float = 5.0
+    verify_timeout_sec: float = 30.0
+    released_below_mib: int = 256
+    protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
+    protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+    dry_run: bool = False
+    watch_units: tuple[str, ...] = ()
+    device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
+    poll_interval_sec: float = 2.0
+    state_directory: str = "/var/lib/gpuguard"
+    runtime_directory: str = "/run/gpuguard"
+    history_max: int = 1000
+    # Where each value came from, for `gpuguardctl status` and error messages.
+    sources: tuple[str, ...] = field(default=(), compare=False)
+
+    def protected_executable_patterns(self) -> tuple[str, ...]:
+        """The configured paths plus their resolved forms, so /usr/bin/X matches /usr/lib/x/X."""
+        resolved: list[str] = []
+        for pattern in self.protected_executables:
+            resolved.append(pattern)
+            if not glob.has_magic(pattern):
+                real = os.path.realpath(pattern)
+                if real != pattern:
+                    resolved.append(real)
+        return tuple(dict.fromkeys(resolved))
+
+    def is_protected_executable(self, exe: str) -> str | None:
+        """The pattern that protects `exe` (a resolved path), if any."""
+        for pattern in self.protected_executable_patterns():
+            if fnmatch.fnmatchcase(exe, pattern):
+                return pattern
+        return None
+
+    def is_protected_unit(self, unit: str) -> str | None:
+        for pattern in self.protected_units:
+            if unit and fnmatch.fnmatchcase(unit, pattern):
+                return pattern
+        return None
+
+
+_TIME_UNITS = {
+    "us": 1e-6, "usec": 1e-6,
+    "ms": 1e-3, "msec": 1e-3,
+    "": 1.0, "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0,
+}
+_TIME_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
+
+
+def parse_timespan(text: str) -> float:
+    """Seconds from a systemd time span ("10", "1.5s", "500ms", "1min 30s")."""
+    text = text.strip().lower()
+    if not text:
+        raise ValueError("empty time span")
+    total = 0.0
+    pos = 0
+    while pos < len(text):
+        match = _TIME_PART.match(text, pos)
+        if not match or match.group(2) not in _TIME_UNITS:
+            raise ValueError(f"invalid time span {text!r}")
+        total += float(match.group(1)) * _TIME_UNITS[match.group(2)]
+        pos = match.end()
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+    return total
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "yes", "y", "true", "t", "on"):
+        return True
+    if value in ("0", "no", "n", "false", "f", "off"):
+        return False
+    raise ValueError(f"invalid boolean {text!r} (use yes or no)")
+
+
+def _parse_mib(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"negative size {text!r}")
+    return value
+
+
+def _parse_positive_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError(f"{text!r} is not a positive number")
+    return value
+
+
+def _parse_absolute_path(text: str) -> str:
+    value = text.strip()
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} is not an absolute path")
+    return value
+
+
+def _timespan_field(minimum: float = 0.0) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = parse_timespan(text)
+        if value < minimum:
+            raise ValueError(f"{text!r} is below the minimum of {minimum}s")
+        return value
+    return parse
+
+
+def _split_list(text: str) -> list[str]:
+    return text.split()
+
+
+def _absolute_list(text: str) -> list[str]:
+    items = _split_list(text)
+    for item in items:
+        if not item.startswith("/"):
+            raise ValueError(f"{item!r} is not an absolute path")
+    return items
+
+
+# (section, key) -> (dataclass field, parser, is_list)
+_Parser = Callable[[str], object]
+_KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
+    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(), False),
+    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(), False),
+    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(), False),
+    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _parse_mib, False),
+    ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
+    ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
+    ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
+    ("Watch", "Units"): ("watch_units", _split_list, True),
+    ("Devices", "Paths"): ("device_paths", _absolute_list, True),
+    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(0.1), False),
+    ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
+    ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
+    ("Daemon", "HistoryMax"): ("history_max", _parse_positive_int, False),
+}
+
+KNOWN_KEYS: tuple[tuple[str, str], ...] = tuple(_KEYS)
+
+
+def _apply_file(path: str, values: dict[str, object]) -> None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, 0, "", f"not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(path, 0, "", exc.strerror or str(exc)) from None
+    section = ""
+    # Lists restart from the defaults' value only when a file assigns them; systemd semantics.
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            if not line.endswith("]") or len(line) < 3:
+                raise ConfigError(path, number, "", f"malformed section header {line!r}")
+            section = line[1:-1].strip()
+            if section not in {s for s, _ in _KEYS}:
+                raise ConfigError(path, number, "", f"unknown section [{section}]")
+            continue
+        if "=" not in line:
+            raise ConfigError(path, number, "", f"expected Key=value, got {line!r}")
+        key, value = (part.strip() for part in line.split("=", 1))
+        if not section:
+            raise ConfigError(path, number, key, "assignment outside of a [Section]")
+        spec = _KEYS.get((section, key))
+        if spec is None:
+            raise ConfigError(path, number, f"[{section}] {key}", "unknown key")
+        name, parser, is_list = spec
+        try:
+            if is_list:
+                if not value:
+                    values[name] = []
+                else:
+                    current = values.get(name)
+                    items = list(current) if isinstance(current, list) else []
+                    parsed = parser(value)
+                    assert isinstance(parsed, list)
+                    values[name] = items + parsed
+            else:
+                values[name] = parser(value)
+        except ValueError as exc:
+            raise ConfigError(path, number, f"[{section}] {key}", str(exc)) from None
+
+
+def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROPIN_DIR) -> list[str]:
+    files = [main] if os.path.exists(main) else []
+    try:
+        names = sorted(n for n in os.listdir(dropin_dir) if n.endswith(".conf"))
+    except OSError:
+        names = []
+    files.extend(os.path.join(dropin_dir, n) for n in names)
+    return files
+
+
+def load_config(paths: Sequence[str] | None = None) -> Config:
+    """Defaults overridden by `paths` (default: the system files). Raises ConfigError.
+
+    An explicit path that does not exist is an error; the system files are optional.
+    """
+    files = list(paths) if paths is not None else config_files()
+    defaults = Config()
+    values: dict[str, object] = {}
+    for path in files:
+        _apply_file(path, values)
+    final: dict[str, object] = {}
+    for f in dataclasses.fields(Config):
+        if f.name in values:
+            value = values[f.name]
+            final[f.name] = tuple(value) if isinstance(value, list) else value
+    state_dir = os.environ.get("STATE_DIRECTORY")
+    if state_dir and "state_directory" not in final:
+        # systemd's StateDirectory= may list several; the first is ours.
+        final["state_directory"] = state_dir.split(":")[0]
+    runtime_dir = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime_dir and "runtime_directory" not in final:
+        final["runtime_directory"] = runtime_dir.split(":")[0]
+    return dataclasses.replace(defaults, sources=tuple(files), **final)  # type: ignore[arg-type]

@@ -1,0 +1,264 @@
+"""The engine's front door: configuration + NVML + discovery + sweeps, free of D-Bus.
+
+The daemon, `gpuguardctl --local` and the tests all drive this class, so there is one code
+path from "who holds the GPUs" to "the memory is back".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import procfs
+from .attribution import (
+    container_matches,
+    normalize_unit_name,
+    validate_container_label,
+)
+from .config import Config
+from .devices import DeviceMap, build_device_map
+from .errors import InvalidArgument
+from .holders import find_holders
+from .locks import UNKNOWN_GPU, GpuLocks
+from .models import Holder, NvmlSnapshot, Report, ScanResult, Scope, SweepRequest
+from .nvml import Nvml
+from .process import pidfds_supported
+from .protection import mark_protection
+from .sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+
+log = logging.getLogger("gpuguard.engine")
+
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+MAX_GRACE_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class HolderFilter:
+    gpus: tuple[int, ...] = ()
+    unit: str = ""
+    container: str = ""
+    include_protected: bool = True
+
+
+class Engine:
+    def __init__(self, config: Config, nvml: Nvml | None = None,
+                 use_pidfd: bool | None = None) -> None:
+        self._config = config
+        self._config_lock = threading.Lock()
+        self.nvml = nvml or Nvml()
+        self.use_pidfd = pidfds_supported() if use_pidfd is None else use_pidfd
+        if not self.use_pidfd:
+            log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
+                        "checks before each signal")
+
+    @property
+    def config(self) -> Config:
+        with self._config_lock:
+            return self._config
+
+    def set_config(self, config: Config) -> None:
+        with self._config_lock:
+            self._config = config
+
+    # -- inventory -----------------------------------------------------------------------
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        return self.nvml.snapshot(with_processes=with_processes)
+
+    def device_map(self) -> DeviceMap:
+        return build_device_map(self.config.device_paths)
+
+    def _scan_pinned(self, nvml: NvmlSnapshot | None = None
+                     ) -> tuple[Pinned, NvmlSnapshot, list[int], list[str]]:
+        config = self.config
+        snap = nvml if nvml is not None else self.snapshot()
+        device_map = build_device_map(config.device_paths)
+        pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
+        own_chain = procfs.ancestors(os.getpid())
+        for holder, _ in pinned:
+            mark_protection(holder, config, own_chain)
+        warnings = list(device_map.warnings)
+        hidden = [pid for pid in unreadable if pid != 1 or os.geteuid() != 0]
+        if hidden:
+            shown = ", ".join(str(p) for p in hidden[:5]) + (" ..." if len(hidden) > 5 else "")
+            warnings.append(f"could not read the open files of {len(hidden)} process(es) "
+                            f"({shown}): permission denied"
+                            + ("; run as root to see every holder" if os.geteuid() != 0 else ""))
+        return pinned, snap, unreadable, warnings
+
+    def scan(self) -> ScanResult:
+        pinned, snap, unreadable, warnings = self._scan_pinned()
+        for _, handle in pinned:
+            handle.close()
+        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
+                          warnings=warnings)
+
+    def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
+        result = self.scan()
+        scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
+                      container=holder_filter.container)
+        holders = [h for h in result.holders
+                   if (holder_filter.include_protected or not h.protected)
+                   and (not holder_filter.container or container_matches(h.container, holder_filter.container))
+                   and in_scope(h, scope)]
+        return holders, result
+
+    # -- validation ----------------------------------------------------------------------
+
+    def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
+                     ) -> tuple[tuple[int, ...], list[str]]:
+        """NVML indices for what the caller named (index or UUID); InvalidArgument otherwise."""
+        items = list(wanted)
+        if not items:
+            return (), []
+        snap = nvml if nvml is not None else self.snapshot(with_processes=False)
+        warnings: list[str] = []
+        indices: set[int] = set()
+        known = ", ".join(str(g.index) for g in snap.gpus) or "none"
+        for item in items:
+            text = str(item).strip()
+            if isinstance(item, int) or text.isdigit():
+                index = int(text)
+                if snap.available and snap.by_index(index) is None:
+                    raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
+                if not snap.available:
+                    warnings.append(f"NVML unavailable: GPU {index} taken to be /dev/nvidia{index}")
+                indices.add(index)
+            elif _UUID.match(text):
+                matches = [g.index for g in snap.gpus if g.uuid.lower() == text.lower()]
+                if not matches:
+                    raise InvalidArgument(f"unknown GPU UUID {text!r}" + (
+                        "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
+                indices.update(matches)
+            else:
+                raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
+        return tuple(sorted(indices)), warnings
+
+    def resolve_request(self, request: SweepRequest) -> tuple[Scope, SweepSettings, list[str]]:
+        config = self.config
+        nvml = self.snapshot(with_processes=False)
+        gpus, warnings = self.resolve_gpus(request.gpus, nvml)
+        unit = ""
+        if request.unit:
+            try:
+                unit = normalize_unit_name(request.unit)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        container = ""
+        if request.container:
+            try:
+                container = validate_container_label(request.container)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
+            raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
+        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+        dry_run = config.dry_run if request.dry_run is None else request.dry_run
+        scope = Scope(gpus=gpus, unit=unit, container=container,
+                      include_management=request.include_management)
+        settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
+                                 verify_timeout_sec=config.verify_timeout_sec,
+                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
+                                 dry_run=dry_run)
+        return scope, settings, warnings
+
+    # -- sweeping ------------------------------------------------------------------------
+
+    def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
+        names: set[str] = {str(g) for g in scope.gpus}
+        for holder, _ in pinned:
+            if is_target(holder, scope):
+                names.update(str(g) for g in holder.gpus)
+                if not holder.gpus:
+                    names.add(UNKNOWN_GPU)
+        if scope.whole_host:
+            names.update(str(g.index) for g in nvml.gpus)
+            names.add(UNKNOWN_GPU)
+        return names
+
+    def sweep(self, request: SweepRequest, observer: SweepObserver | None = None) -> Report:
+        scope, settings, warnings = self.resolve_request(request)
+        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
+        try:
+            if not settings.dry_run:
+                # Which GPUs the sweep touches is only known from a scan; lock those, and if
+                # the scan after locking reaches further, widen the lock and look again.
+                pinned, nvml, _, _ = self._scan_pinned()
+                wanted = self._lock_names(scope, pinned, nvml)
+                for _, handle in pinned:
+                    handle.close()
+                held: set[str] = set()
+                while not wanted <= held:
+                    locks.release()
+                    held = held | wanted
+                    problem = locks.acquire(held)
+                    if problem:
+                        warnings.append(problem)
+                        break
+                    pinned, nvml, _, _ = self._scan_pinned()
+                    wanted = self._lock_names(scope, pinned, nvml)
+                    for _, handle in pinned:
+                        handle.close()
+
+            def scanner() -> tuple[Pinned, NvmlSnapshot, list[str]]:
+                pinned_now, snap, _, scan_warnings = self._scan_pinned()
+                return pinned_now, snap, scan_warnings
+
+            sweep = Sweep(scope, settings, scanner, self.snapshot,
+                          requested_by=request.requested_by, reason=request.reason,
+                          observer=observer)
+            sweep.report.warnings.extend(warnings)
+            if not self.use_pidfd:
+                sweep.report.warnings.append(
+                    "pidfds unavailable: PIDs were checked by start time before each signal")
+            log.info("sweep %s started by %s: %s%s", sweep.report.id[:8],
+                     request.requested_by or "unknown", describe_scope(scope),
+                     f" (reason: {request.reason})" if request.reason else "")
+            report = sweep.run()
+        finally:
+            locks.release()
+        level = logging.INFO if report.outcome in ("freed", "nothing-to-do", "dry-run") else logging.WARNING
+        log.log(level, "sweep %s finished: %s (%d terminated, %d survived, %d spared) in %d ms",
+                report.id[:8], report.outcome, len(report.terminated), len(report.survived),
+                len(report.spared), report.duration_ms)
+        return report
+
+
+def describe_scope(scope: Scope) -> str:
+    parts: list[str] = []
+    if scope.gpus:
+        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
+    if scope.unit:
+        parts.append(f"unit {scope.unit}")
+    if scope.container:
+        parts.append(f"container {scope.container}")
+    text = ", ".join(parts) if parts else "the whole host"
+    return text + (" including management clients" if scope.include_management else "")
+
+
+
+def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  # type: ignore[type-arg]
+    """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
+    summaries = []
+    for gpu in scan.nvml.gpus:
+        holders = [h for h in scan.holders if gpu.index in h.gpus]
+        if gpu.lost:
+            state = "lost"
+        elif holders or gpu.processes:
+            state = "in-use"
+        elif gpu.memory_used > released_below_bytes:
+            state = "leaked"
+        else:
+            state = "idle"
+        summaries.append({
+            "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
+            "pci_bus_id": gpu.pci_bus_id, "minor": gpu.minor if gpu.minor is not None else 0,
+            "device_path": gpu.device_path, "memory_total": gpu.memory_total,
+            "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state,
+            "error": gpu.error,
+        })
+    return summaries

@@ -1,0 +1,39 @@
+"""Exceptions shared by the engine, the service and the CLI.
+
+Each maps to one D-Bus error name of the contract, so the service can translate them without
+knowing where they came from.
+"""
+
+from __future__ import annotations
+
+
+class GpuGuardError(Exception):
+    """Base class; `dbus_name` is the suffix under org.gpuguard.GpuGuard1.Error."""
+
+    dbus_name = "Failed"
+
+
+class InvalidArgument(GpuGuardError):
+    dbus_name = "InvalidArgument"
+
+
+class NotAuthorized(GpuGuardError):
+    dbus_name = "NotAuthorized"
+
+
+class NvmlError(GpuGuardError):
+    dbus_name = "NvmlError"
+
+
+class ConfigError(GpuGuardError):
+    """A configuration file that cannot be used, located down to file, line and key."""
+
+    dbus_name = "InvalidArgument"
+
+    def __init__(self, path: str, line: int, key: str, message: str) -> None:
+        self.path = path
+        self.line = line
+        self.key = key
+        self.message = message
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {key + ': ' if key else ''}{message}")

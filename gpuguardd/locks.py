@@ -1,0 +1,46 @@
+"""One sweep per GPU at a time, across threads of the daemon and `gpuguardctl --local` runs.
+
+flock() locks belong to an open file description, so two opens of the same lock file conflict
+within one process as well as between processes: one mechanism serves both.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterable
+
+# Holders whose GPU nobody can name (control devices only, no NVML) share this lock.
+UNKNOWN_GPU = "unknown"
+
+
+class GpuLocks:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._fds: list[int] = []
+
+    def acquire(self, gpus: Iterable[object]) -> str | None:
+        """Lock the GPUs in a fixed order (no deadlock). Returns a warning if locking is off."""
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create lock directory {self.directory}: {exc.strerror}; sweeps are not serialized"
+        names = sorted({str(g) for g in gpus})
+        for name in names:
+            path = os.path.join(self.directory, f"gpu-{name}.lock")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                self.release()
+                return f"cannot open {path}: {exc.strerror}; sweeps are not serialized"
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._fds.append(fd)
+        return None
+
+    def release(self) -> None:
+        while self._fds:
+            fd = self._fds.pop()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)

@@ -1,0 +1,54 @@
+"""Logging to stderr with sd-daemon priority prefixes, so journald keeps each line's level."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6,
+             logging.DEBUG: 7}
+
+
+class SdDaemonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        priority = _PRIORITY.get(record.levelno, 6)
+        text = super().format(record)
+        # Every line of a multi-line message keeps the prefix, or journald would demote it.
+        return "\n".join(f"<{priority}>{line}" for line in text.splitlines() or [""])
+
+
+class PlainFormatter(logging.Formatter):
+    def __init__(self, program: str) -> None:
+        super().__init__()
+        self.program = program
+
+    def format(self, record: logging.LogRecord) -> str:
+        label = {logging.WARNING: "warning: ", logging.ERROR: "error: ",
+                 logging.CRITICAL: "error: "}.get(record.levelno, "")
+        return f"{self.program}: {label}{record.getMessage()}"
+
+
+def under_journald() -> bool:
+    """True when stderr is connected to the journal (systemd sets JOURNAL_STREAM to match)."""
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    if not stream or ":" not in stream:
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    device, inode = stream.split(":", 1)
+    return f"{st.st_dev}" == device and f"{st.st_ino}" == inode
+
+
+def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None,
+                  stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    use_prefix = under_journald() if sd_daemon is None else sd_daemon
+    handler.setFormatter(SdDaemonFormatter("%(message)s") if use_prefix else PlainFormatter(program))
+    root = logging.getLogger("gpuguard")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

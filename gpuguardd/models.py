@@ -1,0 +1,206 @@
+"""Plain data passed between the engine's modules, the service and the CLI.
+
+`to_dict()` gives the contract's field names with plain Python values; the service turns those
+into D-Bus variants and the CLI into JSON, so both speak the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KIND_COMPUTE = "compute"
+KIND_MANAGEMENT = "management"
+
+OUTCOME_FREED = "freed"
+OUTCOME_NOTHING = "nothing-to-do"
+OUTCOME_SURVIVORS = "survivors"
+OUTCOME_NOT_RELEASED = "memory-not-released"
+OUTCOME_DRY_RUN = "dry-run"
+OUTCOME_ERROR = "error"
+# Processes ended, but without NVML nobody can say the memory came back: never call that "freed".
+OUTCOME_UNVERIFIED = "unverified"
+
+GPU_IDLE = "idle"
+GPU_IN_USE = "in-use"
+GPU_LEAKED = "leaked"
+GPU_LOST = "lost"
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """One device file gpuguard watches, and what holding it means."""
+
+    path: str
+    role: str  # gpu, control, uvm, modeset, caps, other
+    minor: int | None = None  # the GPU's minor number, for role "gpu"
+    rdev: int | None = None  # for character devices
+    inode: tuple[int, int] | None = None  # (st_dev, st_ino) of the node itself, for mmaps
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    uuid: str = ""
+    name: str = ""
+    pci_bus_id: str = ""
+    minor: int | None = None
+    memory_total: int = 0
+    memory_used: int = 0
+    lost: bool = False
+    error: str = ""
+    # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS
+    processes: dict[int, int | None] = field(default_factory=dict)
+
+    @property
+    def device_path(self) -> str:
+        return f"/dev/nvidia{self.minor}" if self.minor is not None else ""
+
+
+@dataclass
+class NvmlSnapshot:
+    available: bool
+    error: str = ""
+    driver_version: str = ""
+    gpus: list[GpuInfo] = field(default_factory=list)
+
+    def by_index(self, index: int) -> GpuInfo | None:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+
+    def index_for_minor(self, minor: int) -> int | None:
+        for gpu in self.gpus:
+            if gpu.minor == minor:
+                return gpu.index
+        return None
+
+
+@dataclass
+class Holder:
+    pid: int
+    comm: str = ""
+    exe: str = ""
+    cmdline: str = ""
+    uid: int = 0
+    user: str = ""
+    unit: str = ""
+    cgroup: str = ""
+    container: str = ""
+    devices: list[str] = field(default_factory=list)
+    how: list[str] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    gpu_memory: int = 0
+    state: str = ""
+    kind: str = KIND_MANAGEMENT
+    protected: bool = False
+    protected_why: str = ""
+    ppid: int = 0
+    start_time: int = 0  # clock ticks after boot, /proc/<pid>/stat field 22
+    roles: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "comm": self.comm,
+            "exe": self.exe,
+            "cmdline": self.cmdline,
+            "uid": self.uid,
+            "user": self.user,
+            "unit": self.unit,
+            "cgroup": self.cgroup,
+            "container": self.container,
+            "devices": list(self.devices),
+            "how": list(self.how),
+            "gpus": list(self.gpus),
+            "gpu_memory": self.gpu_memory,
+            "state": self.state,
+            "kind": self.kind,
+            "protected": self.protected,
+            "protected_why": self.protected_why,
+            "ppid": self.ppid,
+        }
+
+
+@dataclass
+class ScanResult:
+    holders: list[Holder]
+    nvml: NvmlSnapshot
+    # pids whose open files could not be read (permission, or /proc hiding them)
+    unreadable: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepRequest:
+    gpus: list[str] = field(default_factory=list)  # NVML index or UUID, as the caller typed it
+    unit: str = ""
+    container: str = ""
+    grace_ms: int | None = None
+    dry_run: bool | None = None
+    include_management: bool = False
+    reason: str = ""
+    requested_by: str = ""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A resolved request: GPU indices, not what the caller typed."""
+
+    gpus: tuple[int, ...] = ()
+    unit: str = ""
+    container: str = ""
+    include_management: bool = False
+
+    @property
+    def whole_host(self) -> bool:
+        return not self.gpus and not self.unit and not self.container
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpus": list(self.gpus), "unit": self.unit,
+                               "container": self.container,
+                               "include_management": self.include_management}
+        return out
+
+
+@dataclass
+class Report:
+    id: str
+    started_usec: int
+    requested_by: str
+    scope: dict[str, Any]
+    dry_run: bool
+    reason: str = ""
+    duration_ms: int = 0
+    outcome: str = OUTCOME_NOTHING
+    verified: bool = False
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    terminated: list[dict[str, Any]] = field(default_factory=list)
+    survived: list[dict[str, Any]] = field(default_factory=list)
+    spared: list[dict[str, Any]] = field(default_factory=list)
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    leaks: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "started_usec": self.started_usec,
+            "duration_ms": self.duration_ms,
+            "requested_by": self.requested_by,
+            "reason": self.reason,
+            "scope": dict(self.scope),
+            "dry_run": self.dry_run,
+            "outcome": self.outcome,
+            "verified": self.verified,
+            "targets": [dict(t) for t in self.targets],
+            "terminated": [dict(t) for t in self.terminated],
+            "survived": [dict(t) for t in self.survived],
+            "spared": [dict(t) for t in self.spared],
+            "gpus": [dict(g) for g in self.gpus],
+            "leaks": [dict(g) for g in self.leaks],
+            "warnings": list(self.warnings),
+            "error": self.error,
+        }

@@ -1,0 +1,91 @@
+"""Human-readable output for gpuguardctl: aligned tables and sizes an admin reads at a glance."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+
+def human_bytes(value: int) -> str:
+    if value >= 1024 ** 3:
+        return f"{value / 1024 ** 3:.1f} GiB"
+    if value >= 1024 ** 2:
+        return f"{value / 1024 ** 2:.0f} MiB"
+    if value >= 1024:
+        return f"{value / 1024:.0f} KiB"
+    return f"{value} B"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = [headers, *rows]
+    for line in lines:
+        cells = [cell.ljust(widths[i]) if i < len(line) - 1 else cell for i, cell in enumerate(line)]
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def print_json(data: Any, out: TextIO) -> None:
+    json.dump(data, out, indent=2, sort_keys=True, default=str)
+    out.write("\n")
+
+
+def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
+    rows = []
+    for gpu in gpus:
+        memory = f"{human_bytes(gpu['memory_used'])} / {human_bytes(gpu['memory_total'])}"
+        rows.append([str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"], memory,
+                     str(gpu["holder_count"]), gpu["state"]])
+    table(["GPU", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
+
+
+def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
+    rows = []
+    for h in holders:
+        gpus = ",".join(str(g) for g in h["gpus"]) or "?"
+        memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
+        kind = h["kind"] + (" (protected)" if h["protected"] else "")
+        # cmdlines are attacker-controlled text: no newlines or escapes into the admin's terminal
+        command = "".join(c if c.isprintable() else " " for c in (h["cmdline"] or f"[{h['comm']}]"))
+        rows.append([str(h["pid"]), h["user"] or str(h["uid"]), h["unit"] or "-",
+                     h["container"] or "-", kind, h["state"], gpus, memory,
+                     ",".join(h["how"]), command[:80]])
+    table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW",
+           "COMMAND"], rows, out)
+
+
+def print_report(report: dict[str, Any], out: TextIO) -> None:
+    scope = report.get("scope", {})
+    parts = []
+    if scope.get("gpus"):
+        parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
+    if scope.get("unit"):
+        parts.append(f"unit {scope['unit']}")
+    if scope.get("container"):
+        parts.append(f"container {scope['container']}")
+    what = ", ".join(parts) or "whole host"
+    dry = " (dry run)" if report.get("dry_run") else ""
+    out.write(f"Sweep {report['id'][:8]} of {what}{dry}, requested by {report['requested_by']}\n")
+    if report.get("dry_run"):
+        for t in report.get("targets", []):
+            out.write(f"  would end   {t['pid']:>7}  {t['comm']:<16} {t['unit'] or '-'}\n")
+    for t in report.get("terminated", []):
+        note = f", zombie of {t['zombie_parent']}" if t.get("zombie_parent") else ""
+        out.write(f"  terminated  {t['pid']:>7}  {t['comm']:<16} {t['unit'] or '-'}  "
+                  f"{t['signal'] or 'gone'} after {t['exited_after_ms']} ms{note}\n")
+    for s in report.get("survived", []):
+        out.write(f"  SURVIVED    {s['pid']:>7}  {s['comm']:<16} {s['unit'] or '-'}  {s['why']}\n")
+    for s in report.get("spared", []):
+        out.write(f"  spared      {s['pid']:>7}  {s['comm']:<16} {s['unit'] or '-'}  {s['why']}\n")
+    for g in report.get("gpus", []):
+        after = human_bytes(g["memory_used_after"]) if not report.get("dry_run") else "-"
+        flag = "" if g.get("released") or report.get("dry_run") else " (not released)"
+        out.write(f"  GPU {g['index']}: {human_bytes(g['memory_used_before'])} used before, {after} after{flag}\n")
+    for leak in report.get("leaks", []):
+        out.write(f"  LEAK: GPU {leak['gpu']} keeps {human_bytes(leak['bytes'])} with no process holding it\n")
+    for warning in report.get("warnings", []):
+        out.write(f"  warning: {warning}\n")
+    out.write(f"Outcome: {report['outcome']} in {report['duration_ms']} ms\n")

@@ -1,0 +1,345 @@
+"""Ending the holders in a scope: SIGTERM, grace, SIGKILL, then proof through NVML.
+
+The sweep works on a scan whose processes are pinned by pidfds, so everything it signals is
+exactly what it scanned. It never signals a protected holder, and it reports what it could not
+end with the reason, and the memory it could not see come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from . import procfs
+from .attribution import container_matches
+from .models import (
+    KIND_COMPUTE,
+    OUTCOME_DRY_RUN,
+    OUTCOME_FREED,
+    OUTCOME_NOT_RELEASED,
+    OUTCOME_NOTHING,
+    OUTCOME_SURVIVORS,
+    OUTCOME_UNVERIFIED,
+    GpuInfo,
+    Holder,
+    NvmlSnapshot,
+    Report,
+    Scope,
+)
+from .process import ProcessHandle, wait_for_exit
+
+log = logging.getLogger("gpuguard.sweep")
+
+MAX_ROUNDS = 3
+MiB = 1024 * 1024
+
+
+class SweepObserver(Protocol):
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None: ...
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None: ...
+
+
+class NullObserver:
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        pass
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    grace_sec: float
+    kill_timeout_sec: float
+    verify_timeout_sec: float
+    released_below_bytes: int
+    dry_run: bool
+    poll_start_sec: float = 0.005
+    poll_max_sec: float = 0.1
+
+
+Pinned = list[tuple[Holder, ProcessHandle]]
+# Returns the holders (protection already decided) with their handles, and the NVML snapshot.
+Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
+
+
+def in_scope(holder: Holder, scope: Scope) -> bool:
+    if scope.container:
+        if not container_matches(holder.container, scope.container):
+            return False
+    elif scope.unit and holder.container:
+        # A unit name without a container means the host's unit, never a container's namesake.
+        return False
+    if scope.unit and holder.unit != scope.unit:
+        return False
+    if scope.gpus:
+        return bool(set(holder.gpus) & set(scope.gpus))
+    return True
+
+
+def is_target(holder: Holder, scope: Scope) -> bool:
+    return (in_scope(holder, scope) and not holder.protected
+            and (holder.kind == KIND_COMPUTE or scope.include_management))
+
+
+def _brief(holder: Holder) -> dict[str, object]:
+    return {"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+            "container": holder.container, "kind": holder.kind, "gpus": list(holder.gpus),
+            "gpu_memory": holder.gpu_memory, "exe": holder.exe}
+
+
+def _survivor_reason(pid: int) -> tuple[str, str]:
+    stat = procfs.read_stat(pid)
+    if stat is None:
+        return "", "exited"
+    if stat.state == "Z":
+        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
+    if stat.state == "D":
+        wchan = ""
+        try:
+            with open(f"/proc/{pid}/wchan", encoding="ascii", errors="replace") as handle:
+                wchan = handle.read().strip()
+        except OSError:
+            pass
+        where = f" in {wchan}" if wchan and wchan != "0" else ""
+        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
+    return stat.state, f"still running after SIGKILL (state {stat.state})"
+
+
+class Sweep:
+    def __init__(self, scope: Scope, settings: SweepSettings, scanner: Scanner,
+                 snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
+                 observer: SweepObserver | None = None) -> None:
+        self.scope = scope
+        self.settings = settings
+        self.scanner = scanner
+        self.snapshot = snapshot
+        self.observer = observer or NullObserver()
+        scope_dict: dict[str, object] = dict(scope.to_dict())
+        scope_dict["grace_ms"] = int(settings.grace_sec * 1000)
+        self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=requested_by, reason=reason, scope=scope_dict,
+                             dry_run=settings.dry_run)
+        self._t0 = time.monotonic()
+        # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
+        self._handled: set[tuple[int, int]] = set()
+        self._terminated_pids: set[int] = set()
+
+    # -- the whole run -------------------------------------------------------------------
+
+    def run(self) -> Report:
+        report = self.report
+        self.observer.sweep_started(report.id, dict(report.scope))
+        pinned, nvml, warnings = self.scanner()
+        report.warnings.extend(warnings)
+        targets = self._plan(pinned)
+        gpus_in_scope = self._gpus_in_scope(targets, nvml)
+        before = {g.index: g for g in nvml.gpus}
+        if not nvml.available:
+            report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
+        if self.settings.dry_run:
+            report.outcome = OUTCOME_DRY_RUN
+            report.gpus = [self._gpu_entry(before.get(i), i, None) for i in gpus_in_scope]
+            self._close(pinned)
+            return self._finish()
+        rounds = 0
+        while targets and rounds < MAX_ROUNDS:
+            rounds += 1
+            self._terminate(targets)
+            self._close(pinned)
+            pinned, _, _ = self.scanner()
+            targets = [(h, p) for h, p in pinned
+                       if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
+            for holder, _ in targets:
+                report.targets.append(_brief(holder))
+            gpus_in_scope = sorted(set(gpus_in_scope) | set(self._gpus_in_scope(targets, nvml)))
+        for holder, _ in targets:
+            report.survived.append({"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                                    "state": holder.state,
+                                    "why": f"appeared again after {MAX_ROUNDS} rounds: "
+                                           "something keeps starting new holders"})
+        self._close(pinned)
+        after = self._verify(gpus_in_scope, nvml.available)
+        report.gpus = [self._gpu_entry(before.get(i), i, after.get(i)) for i in gpus_in_scope]
+        self._decide_outcome(gpus_in_scope, before, after, nvml.available)
+        return self._finish()
+
+    def _finish(self) -> Report:
+        self.report.duration_ms = int((time.monotonic() - self._t0) * 1000)
+        return self.report
+
+    @staticmethod
+    def _close(pinned: Pinned) -> None:
+        for _, handle in pinned:
+            handle.close()
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _plan(self, pinned: Pinned) -> Pinned:
+        targets: Pinned = []
+        for holder, handle in pinned:
+            if not in_scope(holder, self.scope):
+                continue
+            if holder.protected:
+                self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
+                                           "unit": holder.unit, "why": holder.protected_why})
+            elif holder.kind != KIND_COMPUTE and not self.scope.include_management:
+                self.report.spared.append({
+                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                    "why": "management client (no CUDA context); include_management ends it"})
+            else:
+                targets.append((holder, handle))
+                self.report.targets.append(_brief(holder))
+        return targets
+
+    def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[int]:
+        if self.scope.gpus:
+            return sorted(self.scope.gpus)
+        if self.scope.whole_host:
+            return [g.index for g in nvml.gpus]
+        return sorted({g for holder, _ in targets for g in holder.gpus})
+
+    # -- termination ---------------------------------------------------------------------
+
+    def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> bool:
+        sent = handle.send(sig)
+        if sent:
+            log.info("sweep %s: sent %s to pid %d (%s, unit %s%s), requested by %s",
+                     self.report.id[:8], sig.name, holder.pid, holder.comm, holder.unit or "-",
+                     f", container {holder.container}" if holder.container else "",
+                     self.report.requested_by or "unknown")
+        return sent
+
+    def _terminate(self, targets: Pinned) -> None:
+        report = self.report
+        live: dict[int, tuple[Holder, ProcessHandle]] = {}
+        for holder, handle in targets:
+            self._handled.add((holder.pid, holder.start_time))
+            if holder.state == "Z":
+                # Nothing to signal: a zombie has exited. Only its parent can release it.
+                report.survived.append({"pid": holder.pid, "comm": holder.comm,
+                                        "unit": holder.unit, "state": "Z",
+                                        "why": f"zombie: parent {holder.ppid} has not reaped it"})
+                continue
+            live[holder.pid] = (holder, handle)
+        sent_at: dict[int, float] = {}
+        for pid, (holder, handle) in list(live.items()):
+            sent_at[pid] = time.monotonic()
+            if not self._signal(holder, handle, signal.SIGTERM):
+                self._record_exit(holder, handle, "", sent_at[pid])
+                del live[pid]
+        for sig, timeout in ((signal.SIGTERM, self.settings.grace_sec),
+                             (signal.SIGKILL, self.settings.kill_timeout_sec)):
+            if sig == signal.SIGKILL:
+                for pid, (holder, handle) in list(live.items()):
+                    if not self._signal(holder, handle, signal.SIGKILL):
+                        self._record_exit(holder, handle, signal.SIGTERM.name, sent_at[pid])
+                        del live[pid]
+            exited = wait_for_exit([h for _, h in live.values()], timeout)
+            for pid, seen_at in exited.items():
+                holder, handle = live.pop(pid)
+                self._record_exit(holder, handle, sig.name, sent_at[pid], seen_at)
+            if not live:
+                break
+        for pid, (holder, _) in live.items():
+            state, why = _survivor_reason(pid)
+            report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
+                                    "state": state, "why": why})
+
+    def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
+                     sent_at: float) -> None:
+        entry: dict[str, object] = {
+            "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+            "signal": signal_name,
+            "exited_after_ms": int((time.monotonic() - sent_at) * 1000),
+        }
+        if handle.alive():
+            # Exited but not reaped: harmless unless NVML still charges memory to it (checked
+            # at verification), but worth naming the parent that should reap it.
+            stat = procfs.read_stat(holder.pid)
+            if stat is not None and stat.start_time == handle.start_time:
+                entry["zombie_parent"] = stat.ppid
+        self.report.terminated.append(entry)
+        self._terminated_pids.add(holder.pid)
+        self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
+                                         signal_name)
+
+    # -- verification --------------------------------------------------------------------
+
+    def _released(self, gpu: GpuInfo) -> bool:
+        if gpu.lost or (gpu.error and not gpu.memory_total):
+            return False
+        if any(pid in self._terminated_pids for pid in gpu.processes):
+            return False
+        others = sum(mem or 0 for pid, mem in gpu.processes.items() if os.path.exists(f"/proc/{pid}"))
+        return gpu.memory_used <= self.settings.released_below_bytes + others
+
+    def _verify(self, gpus: list[int], nvml_available: bool) -> dict[int, GpuInfo]:
+        if not gpus or not nvml_available:
+            return {}
+        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        delay = self.settings.poll_start_sec
+        while True:
+            snap = self.snapshot()
+            current = {g.index: g for g in snap.gpus if g.index in gpus}
+            if snap.available and all(i in current and self._released(current[i]) for i in gpus):
+                return current
+            if time.monotonic() >= deadline:
+                return current if snap.available else {}
+            # NVML has no "memory released" event; poll fast first, since release is usually
+            # quick once the process is gone, then back off.
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.settings.poll_max_sec)
+
+    def _gpu_entry(self, before: GpuInfo | None, index: int,
+                   after: GpuInfo | None) -> dict[str, object]:
+        entry: dict[str, object] = {"index": index, "uuid": before.uuid if before else "",
+                                    "memory_used_before": before.memory_used if before else 0,
+                                    "memory_total": before.memory_total if before else 0}
+        if after is not None:
+            entry["memory_used_after"] = after.memory_used
+            entry["released"] = self._released(after)
+        else:
+            entry["memory_used_after"] = before.memory_used if before and self.settings.dry_run else 0
+            entry["released"] = False
+        return entry
+
+    def _decide_outcome(self, gpus: list[int], before: dict[int, GpuInfo],
+                        after: dict[int, GpuInfo], nvml_available: bool) -> None:
+        report = self.report
+        verified = nvml_available and bool(gpus) and all(i in after for i in gpus)
+        not_released: list[int] = []
+        for index in gpus:
+            gpu = after.get(index)
+            if gpu is None:
+                if nvml_available:
+                    info = before.get(index)
+                    report.warnings.append(
+                        f"GPU {index}: memory could not be read"
+                        + (f" ({info.error})" if info and info.error else ""))
+                continue
+            if not self._released(gpu):
+                not_released.append(index)
+                if not gpu.processes:
+                    report.leaks.append({"gpu": index, "uuid": gpu.uuid,
+                                         "bytes": gpu.memory_used})
+        report.verified = verified and not not_released
+        if report.survived:
+            report.outcome = OUTCOME_SURVIVORS
+        elif not_released:
+            report.outcome = OUTCOME_NOT_RELEASED
+        elif not report.terminated:
+            report.outcome = OUTCOME_NOTHING
+        elif not verified:
+            report.outcome = OUTCOME_UNVERIFIED
+        else:
+            report.outcome = OUTCOME_FREED

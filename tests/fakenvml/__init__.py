@@ -1,0 +1,339 @@
+"""Fake NVML for tests: build the C library and describe the GPUs it reports.
+
+``fake_nvml.c`` compiles into a ``libnvidia-ml.so.1`` that the real, unmodified
+pynvml loads when its directory leads ``LD_LIBRARY_PATH``.  What it reports
+comes from a text state file that it re-reads on every call, so a test can
+change GPUs and processes underneath a running daemon.  The dynamic loader
+reads ``LD_LIBRARY_PATH`` only at process start and pynvml keeps the library
+it loaded for the life of the process, so code under test must run in a
+subprocess started with :func:`env_for`.
+
+Typical use::
+
+    libdir = build_library(tmp_path / "lib")
+    state = FakeNvmlState()
+    state.add_gpu()
+    state.add_proc(gpu=0, pid=child.pid, used=4 * GIB)
+    state.write(tmp_path / "state")
+    subprocess.run(cmd, env={**os.environ, **env_for(libdir, tmp_path / "state")})
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+__all__ = [
+    "DEFAULT_GPU_NAME",
+    "GIB",
+    "LIBRARY_NAME",
+    "STATE_ENV",
+    "FakeGpu",
+    "FakeNvmlBuildError",
+    "FakeNvmlState",
+    "FakeProc",
+    "ProcKind",
+    "build_library",
+    "env_for",
+]
+
+GIB = 2**30
+LIBRARY_NAME = "libnvidia-ml.so.1"
+STATE_ENV = "FAKE_NVML_STATE"
+DEFAULT_GPU_NAME = "NVIDIA H100 80GB HBM3"
+SOURCE = Path(__file__).with_name("fake_nvml.c")
+
+ProcKind = Literal["compute", "graphics", "mps"]
+_PROC_KINDS: frozenset[str] = frozenset(("compute", "graphics", "mps"))
+
+# The limits fake_nvml.c enforces, checked here as well so that a bad state
+# fails in the test that built it rather than as NVML_ERROR_UNKNOWN from
+# whatever the code under test happened to call next.
+_MAX_GPUS = 64
+_MAX_PROCS = 4096
+_MAX_UUID_LEN = 95
+_MAX_NAME_LEN = 95
+_MAX_DRIVER_LEN = 79
+_MAX_FUNCTION_LEN = 127
+_PCI_RE = re.compile(r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[01]?[0-9A-Fa-f]\.[0-7]")
+_TOKEN_RE = re.compile(r"[^\s#=]+")
+_FUNCTION_RE = re.compile(r"nvml\w+")
+
+
+class FakeNvmlBuildError(RuntimeError):
+    """The fake library could not be compiled."""
+
+
+def build_library(outdir: Path) -> Path:
+    """Compile ``fake_nvml.c`` into ``outdir/libnvidia-ml.so.1``.
+
+    Returns the directory to put first on ``LD_LIBRARY_PATH``.  An existing
+    library newer than the source is reused, so a session-scoped fixture and
+    repeated calls cost one compile.
+    """
+    outdir.mkdir(parents=True, exist_ok=True)
+    target = outdir / LIBRARY_NAME
+    if target.exists() and target.stat().st_mtime_ns > SOURCE.stat().st_mtime_ns:
+        return outdir
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise FakeNvmlBuildError("gcc not found on PATH; it is needed to build the fake NVML")
+
+    # Compile beside the target and rename into place, so parallel test
+    # workers sharing outdir never dlopen a half-written library.
+    fd, tmp_name = tempfile.mkstemp(prefix=".fake_nvml.", suffix=".so", dir=outdir)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        result = subprocess.run(
+            [
+                gcc,
+                "-std=c99",
+                "-shared",
+                "-fPIC",
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-pthread",
+                "-o",
+                str(tmp),
+                str(SOURCE),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise FakeNvmlBuildError(
+                f"gcc failed (exit {result.returncode}) building {SOURCE}:\n{result.stderr}"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return outdir
+
+
+def env_for(libdir: Path, state_path: Path) -> dict[str, str]:
+    """Environment variables that point a new process at the fake NVML.
+
+    Merge them over ``os.environ``; any ``LD_LIBRARY_PATH`` already set is
+    kept, after ``libdir``, so the fake wins over an installed driver.
+    """
+    inherited = os.environ.get("LD_LIBRARY_PATH", "")
+    search = str(libdir) if not inherited else f"{libdir}{os.pathsep}{inherited}"
+    return {"LD_LIBRARY_PATH": search, STATE_ENV: str(state_path)}
+
+
+def _check_token(what: str, value: str, max_len: int) -> None:
+    # The file is whitespace-separated key=value text: a space, '#' or '='
+    # inside a value would silently change what the library reads.
+    if not _TOKEN_RE.fullmatch(value) or len(value) > max_len:
+        raise ValueError(
+            f"{what} {value!r} must be 1-{max_len} characters without whitespace, '#' or '='"
+        )
+
+
+@dataclass
+class FakeGpu:
+    """One GPU as the fake NVML reports it.
+
+    ``minor`` defaults to ``index`` and ``pci_bus_id`` to a distinct bus per
+    index.  ``base_used`` is memory in use with no process to show for it: a
+    driver reservation, or a leak gpuguard has to notice.  A ``lost`` GPU
+    still enumerates but answers every query with NVML_ERROR_GPU_IS_LOST.
+    """
+
+    index: int
+    uuid: str
+    name: str = DEFAULT_GPU_NAME
+    minor: int | None = None
+    pci_bus_id: str | None = None
+    memory_total: int = 80 * GIB
+    base_used: int = 0
+    lost: bool = False
+
+    def __post_init__(self) -> None:
+        if self.minor is None:
+            self.minor = self.index
+        if self.pci_bus_id is None:
+            self.pci_bus_id = f"00000000:{self.index + 1:02X}:00.0"
+
+    def _line(self) -> str:
+        _check_token("uuid", self.uuid, _MAX_UUID_LEN)
+        # '_' stands for a space in the file, so a literal one would come
+        # back as a space; no NVIDIA product name contains one.
+        if "_" in self.name:
+            raise ValueError(f"GPU name {self.name!r} must not contain '_'")
+        file_name = self.name.replace(" ", "_")
+        _check_token("GPU name", file_name, _MAX_NAME_LEN)
+        pci = self.pci_bus_id
+        if pci is None or not _PCI_RE.fullmatch(pci):
+            raise ValueError(f"pci_bus_id {pci!r} is not domain:bus:device.function")
+        minor = self.index if self.minor is None else self.minor
+        for what, number in (
+            ("minor", minor),
+            ("memory_total", self.memory_total),
+            ("base_used", self.base_used),
+        ):
+            if number < 0:
+                raise ValueError(f"GPU {self.index}: {what} must not be negative, got {number}")
+        line = (
+            f"gpu {self.index} uuid={self.uuid} name={file_name} minor={minor}"
+            f" pci={pci} total={self.memory_total} used={self.base_used}"
+        )
+        return line + " lost" if self.lost else line
+
+
+@dataclass
+class FakeProc:
+    """A process holding ``used`` bytes on GPU ``gpu``.
+
+    The library checks ``pid`` with ``kill(pid, 0)`` on every call: while
+    it exists (zombies included) the memory is in use and the process is
+    listed; once gone, both last ``release_delay_ms`` more, timed from the
+    first call that found it gone.
+    """
+
+    gpu: int
+    pid: int
+    used: int
+    kind: ProcKind = "compute"
+    release_delay_ms: int = 0
+
+    def _line(self) -> str:
+        if self.kind not in _PROC_KINDS:
+            raise ValueError(f"proc kind {self.kind!r} is not one of {sorted(_PROC_KINDS)}")
+        # pid 0 and negative pids would make kill(pid, 0) probe a process
+        # group, never this process.
+        if not 0 < self.pid <= 2**31 - 1:
+            raise ValueError(f"pid {self.pid} is not a valid process id")
+        if self.used < 0 or self.release_delay_ms < 0:
+            raise ValueError(f"pid {self.pid}: used and release_delay_ms must not be negative")
+        return (
+            f"proc {self.gpu} {self.pid} {self.used} {self.kind}"
+            f" release_delay_ms={self.release_delay_ms}"
+        )
+
+
+@dataclass
+class FakeNvmlState:
+    """Everything the fake NVML reports; :meth:`write` publishes it.
+
+    ``init_error``, when non-zero, is what nvmlInit returns.  ``fail`` maps an
+    exported function name (e.g. ``"nvmlDeviceGetComputeRunningProcesses_v3"``)
+    to the NVML return code it is forced to give.
+    """
+
+    driver_version: str = "550.54.15"
+    gpus: list[FakeGpu] = field(default_factory=list)
+    procs: list[FakeProc] = field(default_factory=list)
+    init_error: int = 0
+    fail: dict[str, int] = field(default_factory=dict)
+
+    def add_gpu(
+        self,
+        *,
+        uuid: str | None = None,
+        name: str = DEFAULT_GPU_NAME,
+        minor: int | None = None,
+        pci_bus_id: str | None = None,
+        memory_total: int = 80 * GIB,
+        base_used: int = 0,
+        lost: bool = False,
+    ) -> FakeGpu:
+        """Append a GPU at the next index; ``uuid`` defaults to one derived from it."""
+        index = len(self.gpus)
+        gpu = FakeGpu(
+            index=index,
+            uuid=uuid if uuid is not None else f"GPU-00000000-0000-4000-8000-{index:012x}",
+            name=name,
+            minor=minor,
+            pci_bus_id=pci_bus_id,
+            memory_total=memory_total,
+            base_used=base_used,
+            lost=lost,
+        )
+        self.gpus.append(gpu)
+        return gpu
+
+    def add_proc(
+        self,
+        gpu: int,
+        pid: int,
+        used: int,
+        kind: ProcKind = "compute",
+        release_delay_ms: int = 0,
+    ) -> FakeProc:
+        """Add a process holding ``used`` bytes on GPU ``gpu``."""
+        if not 0 <= gpu < len(self.gpus):
+            raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
+        proc = FakeProc(
+            gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms
+        )
+        self.procs.append(proc)
+        return proc
+
+    def remove_proc(self, pid: int) -> None:
+        """Drop every record for ``pid``, on all GPUs and of every kind."""
+        kept = [p for p in self.procs if p.pid != pid]
+        if len(kept) == len(self.procs):
+            raise KeyError(f"no proc with pid {pid}")
+        self.procs = kept
+
+    def render(self) -> str:
+        """The state file text; raises ValueError if the library would reject it."""
+        _check_token("driver_version", self.driver_version, _MAX_DRIVER_LEN)
+        if len(self.gpus) > _MAX_GPUS or len(self.procs) > _MAX_PROCS:
+            raise ValueError(f"at most {_MAX_GPUS} GPUs and {_MAX_PROCS} procs")
+        # The library numbers GPUs by their order in the file, so a gap or
+        # reordering here would silently shift every later GPU's identity.
+        indices = [g.index for g in self.gpus]
+        if indices != list(range(len(self.gpus))):
+            raise ValueError(f"GPU indices must be 0..{len(self.gpus) - 1} in order, got {indices}")
+        lines = [f"driver {self.driver_version}"]
+        if self.init_error:
+            lines.append(f"init_error {self._code('init_error', self.init_error)}")
+        for function, code in self.fail.items():
+            if not _FUNCTION_RE.fullmatch(function) or len(function) > _MAX_FUNCTION_LEN:
+                raise ValueError(f"fail: {function!r} is not an NVML function name")
+            lines.append(f"fail {function} {self._code(function, code)}")
+        lines.extend(g._line() for g in self.gpus)
+        for proc in self.procs:
+            if not 0 <= proc.gpu < len(self.gpus):
+                raise ValueError(f"pid {proc.pid} is on GPU {proc.gpu}, which does not exist")
+            lines.append(proc._line())
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _code(what: str, code: int) -> int:
+        if not 0 <= code <= 2**31 - 1:
+            raise ValueError(f"{what}: {code} is not an NVML return code")
+        return code
+
+    def write(self, path: Path) -> None:
+        """Publish the state to ``path`` atomically.
+
+        The library may read the file at any instant from another process;
+        replacing it whole means it sees the old state or the new, never a
+        torn one.
+        """
+        text = self.render()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        tmp = Path(tmp_name)
+        try:
+            # mkstemp creates 0600; the reader may be a daemon running as
+            # another user.
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "w", encoding="ascii") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)

@@ -1,0 +1,1098 @@
+/*
+ * A fake libnvidia-ml.so.1 for gpuguard's tests.
+ *
+ * Built into a directory placed first on LD_LIBRARY_PATH, it is what the
+ * real, unmodified pynvml loads, so the code under test goes through the
+ * same ctypes calls, struct layouts, two-call buffer protocols and error
+ * codes it meets on a machine with NVIDIA GPUs.  Nothing here talks to
+ * hardware: the GPUs and the processes holding them are described by a text
+ * file (path in $FAKE_NVML_STATE, default /run/fake-nvml/state) that is
+ * re-read on every call, so a test can change the world between any two
+ * calls of a running daemon.
+ *
+ * State file, one record per line, '#' starts a comment:
+ *
+ *   driver 550.54.15
+ *   init_error 9
+ *   fail nvmlDeviceGetComputeRunningProcesses_v3 999
+ *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0
+ *         pci=00000000:17:00.0 total=85899345920 used=0 [lost]
+ *   proc 0 12345 4294967296 compute release_delay_ms=0
+ *
+ * gpu records must be numbered 0, 1, 2... in order; '_' in a name stands
+ * for a space.  proc records name the gpu index, pid, bytes used and one of
+ * compute / graphics / mps.
+ *
+ * Liveness: a proc whose pid has exited keeps holding its memory (and stays
+ * listed) until release_delay_ms after this library first noticed it was
+ * gone, because real drivers tear contexts down asynchronously and gpuguard
+ * must cope with memory that lingers after a kill.  Zombies still count as
+ * alive, as on a real driver, whose context belongs to the process until it
+ * is reaped.
+ *
+ * The layouts below must match pynvml.py (nvidia-ml-py 13.x) byte for byte;
+ * each one names the pynvml class it mirrors.
+ */
+
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+
+typedef enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
+    NVML_ERROR_ALREADY_INITIALIZED = 5,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
+    NVML_ERROR_OPERATING_SYSTEM = 17,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+    NVML_ERROR_IN_USE = 19,
+    NVML_ERROR_MEMORY = 20,
+    NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_DEPRECATED = 26,
+    NVML_ERROR_NOT_READY = 27,
+    NVML_ERROR_GPU_NOT_FOUND = 28,
+    NVML_ERROR_INVALID_STATE = 29,
+    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30,
+    NVML_ERROR_UNKNOWN = 999
+} nvmlReturn_t;
+
+/* c_nvmlMemory_t */
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+/* c_nvmlMemory_v2_t */
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+/* Same formula as NVML_STRUCT_VERSION(Memory, 2); pynvml hardcodes the
+ * result, 0x02000028, so the size check below keeps the two in step. */
+#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+typedef char memory_v2_is_40_bytes[sizeof(nvmlMemory_v2_t) == 40 ? 1 : -1];
+
+/* Layout the unversioned process-list entry points have in the real ABI.
+ * pynvml never calls them (its unversioned wrappers forward to _v3), but C
+ * callers linked against an old nvml.h do. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+/* c_nvmlProcessInfo_v2_t, which pynvml also uses for _v3 */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+/* nvmlPciInfo_v2_t: the layout of nvmlDeviceGetPciInfo and _v2.  It is 16
+ * bytes shorter than the v3 struct, so the aliases must not share a writer
+ * with _v3 or they would overrun a legacy caller's buffer. */
+typedef struct {
+    char busId[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    unsigned int reserved0;
+    unsigned int reserved1;
+    unsigned int reserved2;
+    unsigned int reserved3;
+} nvmlPciInfo_v2_t;
+
+/* nvmlPciInfo_t */
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+#define MAX_GPUS 64
+#define MAX_PROCS 4096
+#define MAX_FAILS 256
+/* NVML_DEVICE_UUID_V2_BUFFER_SIZE and NVML_DEVICE_NAME_V2_BUFFER_SIZE: what
+ * pynvml allocates, so anything longer could never be returned anyway. */
+#define UUID_SIZE 96
+#define NAME_SIZE 96
+#define DRIVER_SIZE 80 /* NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE */
+#define FUNC_NAME_SIZE 128
+#define MAX_LINE 1024
+#define DELIMS " \t\r\n"
+/* NVIDIA's PCI vendor id with no device id: tests have no use for a
+ * particular board's id, and a made-up one would look authoritative. */
+#define FAKE_PCI_DEVICE_ID 0x000010DEu
+#define DEFAULT_STATE_PATH "/run/fake-nvml/state"
+#define DEFAULT_DRIVER "550.54.15"
+
+typedef enum { KIND_COMPUTE, KIND_GRAPHICS, KIND_MPS } proc_kind;
+
+struct fake_gpu {
+    char uuid[UUID_SIZE];
+    char name[NAME_SIZE];
+    unsigned int minor;
+    unsigned int pci_domain;
+    unsigned int pci_bus;
+    unsigned int pci_device;
+    unsigned int pci_function;
+    unsigned long long total;
+    unsigned long long base_used;
+    int lost;
+};
+
+/* pynvml only ever holds a pointer to it, so the handle type can be the
+ * device record itself; a handle is a slot in state.gpus and so names
+ * whichever GPU the current state file lists at that index. */
+typedef struct fake_gpu *nvmlDevice_t;
+
+struct fake_proc {
+    unsigned int gpu;
+    pid_t pid;
+    unsigned long long used;
+    proc_kind kind;
+    unsigned long long release_delay_ms;
+};
+
+struct fail_rule {
+    char function[FUNC_NAME_SIZE];
+    nvmlReturn_t code;
+};
+
+struct state {
+    char driver[DRIVER_SIZE];
+    nvmlReturn_t init_error;
+    struct fail_rule fails[MAX_FAILS];
+    unsigned int fail_count;
+    struct fake_gpu gpus[MAX_GPUS];
+    unsigned int gpu_count;
+    struct fake_proc procs[MAX_PROCS];
+    unsigned int proc_count;
+};
+
+struct dead_pid {
+    pid_t pid;
+    unsigned long long first_seen_dead_ns;
+};
+
+/* One lock for everything: calls are cheap, and it makes each call see one
+ * consistent snapshot of the file even when the daemon polls from several
+ * threads. */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned int g_init_count;
+/* Handles point into g_state.gpus, so a reload must never move it: parse
+ * into g_scratch and copy over only once the whole file is known good. */
+static struct state g_state;
+static struct state g_scratch;
+/* Outlives reloads and shutdown: it models the driver's view of exited
+ * processes, which does not reset when a client re-reads anything. */
+static struct dead_pid g_dead[MAX_PROCS];
+static unsigned int g_dead_count;
+
+static unsigned long long monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+/* ---- state file parsing ---------------------------------------------- */
+
+struct parse_ctx {
+    const char *path;
+    unsigned int line;
+};
+
+static void parse_error(const struct parse_ctx *ctx, const char *what, const char *token)
+{
+    /* Once per call: a broken state file is a bug in the test, and a line
+     * on stderr is the quickest way to the culprit. */
+    fprintf(stderr, "fake_nvml: %s:%u: %s%s%s%s\n", ctx->path, ctx->line, what,
+            token ? " '" : "", token ? token : "", token ? "'" : "");
+}
+
+static int parse_ull(const char *s, unsigned long long *out)
+{
+    char *end;
+    unsigned long long v;
+    /* strtoull would silently wrap a leading '-' into a huge value. */
+    if (s == NULL || *s < '0' || *s > '9')
+        return 0;
+    errno = 0;
+    v = strtoull(s, &end, 10);
+    if (errno != 0 || *end != '\0')
+        return 0;
+    *out = v;
+    return 1;
+}
+
+static int parse_code(const char *s, nvmlReturn_t *out)
+{
+    unsigned long long v;
+    if (!parse_ull(s, &v) || v > INT_MAX)
+        return 0;
+    *out = (nvmlReturn_t)v;
+    return 1;
+}
+
+static unsigned int parse_hex_field(const char **p, unsigned int max_digits, int *ok)
+{
+    unsigned long v = 0;
+    unsigned int n = 0;
+    for (;;) {
+        char c = **p;
+        int d;
+        if (c >= '0' && c <= '9')
+            d = c - '0';
+        else if (c >= 'a' && c <= 'f')
+            d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F')
+            d = c - 'A' + 10;
+        else
+            break;
+        v = v * 16 + (unsigned long)d;
+        ++n;
+        ++*p;
+    }
+    if (n == 0 || n > max_digits)
+        *ok = 0;
+    return (unsigned int)v;
+}
+
+/* Accepts "domain:bus:device.function" with a 4- or 8-digit domain, and
+ * "bus:device.function", the spellings NVML's own lookup accepts. */
+static int parse_pci(const char *s, unsigned int *domain, unsigned int *bus,
+                     unsigned int *device, unsigned int *function)
+{
+    const char *p = s;
+    unsigned int a, b;
+    int ok = 1;
+
+    a = parse_hex_field(&p, 8, &ok);
+    if (!ok || *p++ != ':')
+        return 0;
+    b = parse_hex_field(&p, 8, &ok);
+    if (!ok)
+        return 0;
+    if (*p == ':') {
+        ++p;
+        *domain = a;
+        *bus = b;
+        *device = parse_hex_field(&p, 2, &ok);
+    } else {
+        *domain = 0;
+        *bus = a;
+        *device = b;
+    }
+    if (!ok || *p++ != '.')
+        return 0;
+    *function = parse_hex_field(&p, 1, &ok);
+    return ok && *p == '\0' && *bus <= 0xff && *device <= 0x1f && *function <= 7;
+}
+
+static int copy_token(char *dst, size_t size, const char *src)
+{
+    size_t n = strlen(src);
+    if (n == 0 || n >= size)
+        return 0;
+    memcpy(dst, src, n + 1);
+    return 1;
+}
+
+static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
+{
+    struct fake_gpu *gpu;
+    unsigned long long index, v;
+    int have_uuid = 0, have_name = 0, have_pci = 0, have_total = 0, have_minor = 0;
+    char *tok = strtok_r(NULL, DELIMS, save);
+
+    if (!parse_ull(tok, &index) || index != st->gpu_count) {
+        parse_error(ctx, "gpu records must be numbered 0, 1, 2... in order, got", tok);
+        return 0;
+    }
+    if (st->gpu_count >= MAX_GPUS) {
+        parse_error(ctx, "too many gpu records", NULL);
+        return 0;
+    }
+    gpu = &st->gpus[st->gpu_count];
+    memset(gpu, 0, sizeof *gpu);
+
+    while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
+        char *value = strchr(tok, '=');
+        if (strcmp(tok, "lost") == 0) {
+            gpu->lost = 1;
+            continue;
+        }
+        if (value == NULL) {
+            parse_error(ctx, "expected key=value or 'lost', got", tok);
+            return 0;
+        }
+        *value++ = '\0';
+        if (strcmp(tok, "uuid") == 0) {
+            have_uuid = copy_token(gpu->uuid, sizeof gpu->uuid, value);
+            if (!have_uuid) {
+                parse_error(ctx, "bad uuid", value);
+                return 0;
+            }
+        } else if (strcmp(tok, "name") == 0) {
+            char *c;
+            have_name = copy_token(gpu->name, sizeof gpu->name, value);
+            if (!have_name) {
+                parse_error(ctx, "bad name", value);
+                return 0;
+            }
+            for (c = gpu->name; *c; ++c)
+                if (*c == '_')
+                    *c = ' ';
+        } else if (strcmp(tok, "minor") == 0) {
+            if (!parse_ull(value, &v) || v > UINT_MAX) {
+                parse_error(ctx, "bad minor", value);
+                return 0;
+            }
+            gpu->minor = (unsigned int)v;
+            have_minor = 1;
+        } else if (strcmp(tok, "pci") == 0) {
+            have_pci = parse_pci(value, &gpu->pci_domain, &gpu->pci_bus, &gpu->pci_device,
+                                 &gpu->pci_function);
+            if (!have_pci) {
+                parse_error(ctx, "bad pci bus id", value);
+                return 0;
+            }
+        } else if (strcmp(tok, "total") == 0) {
+            have_total = parse_ull(value, &gpu->total);
+            if (!have_total) {
+                parse_error(ctx, "bad total", value);
+                return 0;
+            }
+        } else if (strcmp(tok, "used") == 0) {
+            if (!parse_ull(value, &gpu->base_used)) {
+                parse_error(ctx, "bad used", value);
+                return 0;
+            }
+        } else {
+            parse_error(ctx, "unknown gpu key", tok);
+            return 0;
+        }
+    }
+    if (!have_uuid || !have_name || !have_pci || !have_total) {
+        parse_error(ctx, "gpu record needs uuid=, name=, pci= and total=", NULL);
+        return 0;
+    }
+    if (!have_minor)
+        gpu->minor = (unsigned int)index;
+    ++st->gpu_count;
+    return 1;
+}
+
+static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
+{
+    struct fake_proc *proc;
+    unsigned long long gpu, pid;
+    char *tok;
+
+    if (st->proc_count >= MAX_PROCS) {
+        parse_error(ctx, "too many proc records", NULL);
+        return 0;
+    }
+    proc = &st->procs[st->proc_count];
+    memset(proc, 0, sizeof *proc);
+
+    tok = strtok_r(NULL, DELIMS, save);
+    /* gpu records come first, so an index past them is a typo, not a
+     * forward reference. */
+    if (!parse_ull(tok, &gpu) || gpu >= st->gpu_count) {
+        parse_error(ctx, "proc names no gpu listed above it", tok);
+        return 0;
+    }
+    proc->gpu = (unsigned int)gpu;
+
+    tok = strtok_r(NULL, DELIMS, save);
+    /* kill(0, 0) and kill(-1, 0) address process groups, which would make
+     * every liveness check lie. */
+    if (!parse_ull(tok, &pid) || pid == 0 || pid > INT_MAX) {
+        parse_error(ctx, "bad pid", tok);
+        return 0;
+    }
+    proc->pid = (pid_t)pid;
+
+    tok = strtok_r(NULL, DELIMS, save);
+    if (!parse_ull(tok, &proc->used)) {
+        parse_error(ctx, "bad bytes used", tok);
+        return 0;
+    }
+
+    tok = strtok_r(NULL, DELIMS, save);
+    if (tok != NULL && strcmp(tok, "compute") == 0)
+        proc->kind = KIND_COMPUTE;
+    else if (tok != NULL && strcmp(tok, "graphics") == 0)
+        proc->kind = KIND_GRAPHICS;
+    else if (tok != NULL && strcmp(tok, "mps") == 0)
+        proc->kind = KIND_MPS;
+    else {
+        parse_error(ctx, "proc kind must be compute, graphics or mps, got", tok);
+        return 0;
+    }
+
+    while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
+        if (strncmp(tok, "release_delay_ms=", 17) != 0 ||
+            !parse_ull(tok + 17, &proc->release_delay_ms) ||
+            proc->release_delay_ms > ULLONG_MAX / 1000000ull) {
+            parse_error(ctx, "unexpected proc field", tok);
+            return 0;
+        }
+    }
+    ++st->proc_count;
+    return 1;
+}
+
+static int parse_line(struct parse_ctx *ctx, struct state *st, char *line)
+{
+    char *save = NULL;
+    char *hash = strchr(line, '#');
+    char *kw, *a, *b;
+
+    if (hash != NULL)
+        *hash = '\0';
+    kw = strtok_r(line, DELIMS, &save);
+    if (kw == NULL)
+        return 1;
+
+    if (strcmp(kw, "gpu") == 0)
+        return parse_gpu(ctx, st, &save);
+    if (strcmp(kw, "proc") == 0)
+        return parse_proc(ctx, st, &save);
+
+    a = strtok_r(NULL, DELIMS, &save);
+    b = strtok_r(NULL, DELIMS, &save);
+    if (strcmp(kw, "driver") == 0) {
+        if (!a || b || !copy_token(st->driver, sizeof st->driver, a)) {
+            parse_error(ctx, "expected 'driver VERSION'", NULL);
+            return 0;
+        }
+    } else if (strcmp(kw, "init_error") == 0) {
+        if (!a || b || !parse_code(a, &st->init_error)) {
+            parse_error(ctx, "expected 'init_error CODE'", NULL);
+            return 0;
+        }
+    } else if (strcmp(kw, "fail") == 0) {
+        struct fail_rule *rule;
+        if (st->fail_count >= MAX_FAILS) {
+            parse_error(ctx, "too many fail records", NULL);
+            return 0;
+        }
+        rule = &st->fails[st->fail_count];
+        if (!a || !b || strtok_r(NULL, DELIMS, &save) != NULL ||
+            !copy_token(rule->function, sizeof rule->function, a) || !parse_code(b, &rule->code)) {
+            parse_error(ctx, "expected 'fail FUNCTION CODE'", NULL);
+            return 0;
+        }
+        ++st->fail_count;
+    } else {
+        parse_error(ctx, "unknown record", kw);
+        return 0;
+    }
+    return 1;
+}
+
+/* Forget exited pids that no record mentions any more, which also bounds
+ * the table: it can never hold more pids than there are proc records. */
+static void prune_dead_table(void)
+{
+    unsigned int i, j, kept = 0;
+    for (i = 0; i < g_dead_count; ++i) {
+        for (j = 0; j < g_state.proc_count; ++j)
+            if (g_state.procs[j].pid == g_dead[i].pid)
+                break;
+        if (j < g_state.proc_count)
+            g_dead[kept++] = g_dead[i];
+    }
+    g_dead_count = kept;
+}
+
+/* Caller holds g_lock.  NVML_ERROR_DRIVER_NOT_LOADED when the file cannot
+ * be opened (no driver, as far as callers can tell), NVML_ERROR_UNKNOWN
+ * when it is malformed; g_state is untouched unless the whole file parsed. */
+static nvmlReturn_t load_state(void)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    struct parse_ctx ctx;
+    char line[MAX_LINE];
+    FILE *f;
+    int ok = 1;
+
+    if (path == NULL || *path == '\0')
+        path = DEFAULT_STATE_PATH;
+    f = fopen(path, "r");
+    if (f == NULL)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+
+    memset(&g_scratch, 0, sizeof g_scratch);
+    memcpy(g_scratch.driver, DEFAULT_DRIVER, sizeof DEFAULT_DRIVER);
+    ctx.path = path;
+    ctx.line = 0;
+    while (ok && fgets(line, sizeof line, f) != NULL) {
+        ++ctx.line;
+        if (strchr(line, '\n') == NULL && !feof(f)) {
+            parse_error(&ctx, "line too long", NULL);
+            ok = 0;
+            break;
+        }
+        ok = parse_line(&ctx, &g_scratch, line);
+    }
+    if (ok && ferror(f))
+        ok = 0;
+    fclose(f);
+    if (!ok)
+        return NVML_ERROR_UNKNOWN;
+
+    memcpy(&g_state, &g_scratch, sizeof g_state);
+    prune_dead_table();
+    return NVML_SUCCESS;
+}
+
+/* ---- liveness ------------------------------------------------------ */
+
+static int pid_alive(pid_t pid)
+{
+    /* EPERM means the pid exists but belongs to someone else; a zombie
+     * answers 0.  Both still hold a real driver context. */
+    return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+/* Whether the proc still holds its memory: alive, or dead for less than its
+ * release delay.  Caller holds g_lock. */
+static int proc_counted(const struct fake_proc *proc, unsigned long long now)
+{
+    unsigned int i;
+
+    for (i = 0; i < g_dead_count; ++i)
+        if (g_dead[i].pid == proc->pid)
+            break;
+
+    if (pid_alive(proc->pid)) {
+        /* The pid was reused by a new process: its old death no longer
+         * applies. */
+        if (i < g_dead_count)
+            g_dead[i] = g_dead[--g_dead_count];
+        return 1;
+    }
+    if (i == g_dead_count) {
+        /* Cannot overflow: pruning keeps one entry per distinct pid in the
+         * state, and the state holds at most MAX_PROCS records. */
+        g_dead[g_dead_count].pid = proc->pid;
+        g_dead[g_dead_count].first_seen_dead_ns = now;
+        ++g_dead_count;
+    }
+    return now - g_dead[i].first_seen_dead_ns < proc->release_delay_ms * 1000000ull;
+}
+
+/* ---- call prologue -------------------------------------------------- */
+
+static nvmlReturn_t forced_failure(const char *function)
+{
+    unsigned int i;
+    for (i = 0; i < g_state.fail_count; ++i)
+        if (strcmp(g_state.fails[i].function, function) == 0)
+            return g_state.fails[i].code;
+    return NVML_SUCCESS;
+}
+
+/* Locks g_lock, which the caller releases whatever this returns. */
+static nvmlReturn_t enter(const char *function)
+{
+    nvmlReturn_t rc;
+    pthread_mutex_lock(&g_lock);
+    if (g_init_count == 0)
+        return NVML_ERROR_UNINITIALIZED;
+    rc = load_state();
+    if (rc != NVML_SUCCESS)
+        return rc;
+    return forced_failure(function);
+}
+
+static int handle_index(nvmlDevice_t device, unsigned int *index)
+{
+    /* Compared as integers: relational operators on pointers into
+     * different objects are undefined, and a bad handle is exactly that. */
+    uintptr_t p = (uintptr_t)device;
+    uintptr_t base = (uintptr_t)g_state.gpus;
+    if (p < base || (p - base) % sizeof g_state.gpus[0] != 0)
+        return 0;
+    *index = (unsigned int)((p - base) / sizeof g_state.gpus[0]);
+    return *index < g_state.gpu_count;
+}
+
+/* enter() plus the checks every per-device call shares. */
+static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, struct fake_gpu **gpu)
+{
+    unsigned int index;
+    nvmlReturn_t rc = enter(function);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (!handle_index(device, &index))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *gpu = &g_state.gpus[index];
+    return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+static nvmlReturn_t leave(nvmlReturn_t rc)
+{
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+static nvmlReturn_t copy_out(char *dst, unsigned int length, const char *src)
+{
+    size_t n = strlen(src);
+    if (dst == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (n >= length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, n + 1);
+    return NVML_SUCCESS;
+}
+
+/* ---- init / shutdown ------------------------------------------------- */
+
+static nvmlReturn_t do_init(const char *function)
+{
+    nvmlReturn_t rc;
+    pthread_mutex_lock(&g_lock);
+    rc = load_state();
+    if (rc == NVML_SUCCESS)
+        rc = forced_failure(function);
+    if (rc == NVML_SUCCESS)
+        rc = g_state.init_error;
+    if (rc == NVML_SUCCESS)
+        ++g_init_count;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlInit(void) { return do_init(__func__); }
+nvmlReturn_t nvmlInit_v2(void) { return do_init(__func__); }
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    return do_init(__func__);
+}
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    nvmlReturn_t rc = NVML_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_init_count == 0)
+        return leave(NVML_ERROR_UNINITIALIZED);
+    /* A vanished state file must not stop a clean shutdown; it only means
+     * no fail rule can apply. */
+    if (load_state() == NVML_SUCCESS)
+        rc = forced_failure(__func__);
+    if (rc == NVML_SUCCESS)
+        --g_init_count;
+    return leave(rc);
+}
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    /* NVML's own wording, so error text in gpuguard's logs reads the same
+     * in tests as in production. */
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_VGPU_ECC_NOT_SUPPORTED:
+        return "The requested vgpu operation is not available on target device, because ECC is "
+               "enabled";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient Resources";
+    case NVML_ERROR_FREQ_NOT_SUPPORTED: return "Frequency not supported";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    case NVML_ERROR_DEPRECATED: return "Deprecated";
+    case NVML_ERROR_NOT_READY: return "Not Ready";
+    case NVML_ERROR_GPU_NOT_FOUND: return "GPU not found";
+    case NVML_ERROR_INVALID_STATE: return "Invalid state";
+    case NVML_ERROR_RESET_TYPE_NOT_SUPPORTED: return "Reset type not supported";
+    case NVML_ERROR_UNKNOWN:
+    default: return "Unknown Error";
+    }
+}
+
+/* ---- system queries -------------------------------------------------- */
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    nvmlReturn_t rc = enter(__func__);
+    if (rc == NVML_SUCCESS)
+        rc = copy_out(version, length, g_state.driver);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    /* Real drivers report "<CUDA major>.<driver version>". */
+    char buf[DRIVER_SIZE + 8];
+    nvmlReturn_t rc = enter(__func__);
+    if (rc == NVML_SUCCESS) {
+        snprintf(buf, sizeof buf, "12.%s", g_state.driver);
+        rc = copy_out(version, length, buf);
+    }
+    return leave(rc);
+}
+
+/* ---- device enumeration ---------------------------------------------- */
+
+static nvmlReturn_t get_count(const char *function, unsigned int *count)
+{
+    nvmlReturn_t rc = enter(function);
+    if (rc == NVML_SUCCESS && count == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *count = g_state.gpu_count;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return get_count(__func__, count); }
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) { return get_count(__func__, count); }
+
+/* Succeeds for a lost GPU too, as on real drivers: enumeration still sees
+ * the device, only talking to it fails. */
+static nvmlReturn_t get_by_index(const char *function, unsigned int index, nvmlDevice_t *device)
+{
+    nvmlReturn_t rc = enter(function);
+    if (rc == NVML_SUCCESS && (device == NULL || index >= g_state.gpu_count))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *device = &g_state.gpus[index];
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return get_by_index(__func__, index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    return get_by_index(__func__, index, device);
+}
+
+/* Lookups by UUID and bus id report a lost GPU, as NVML documents for
+ * them; only index enumeration hands out its handle. */
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    unsigned int i;
+    nvmlReturn_t rc = enter(__func__);
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    if (uuid == NULL || device == NULL)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (i = 0; i < g_state.gpu_count; ++i) {
+        if (strcmp(g_state.gpus[i].uuid, uuid) == 0) {
+            if (g_state.gpus[i].lost)
+                return leave(NVML_ERROR_GPU_IS_LOST);
+            *device = &g_state.gpus[i];
+            return leave(NVML_SUCCESS);
+        }
+    }
+    return leave(NVML_ERROR_NOT_FOUND);
+}
+
+static nvmlReturn_t get_by_pci(const char *function, const char *pci_bus_id, nvmlDevice_t *device)
+{
+    unsigned int domain, bus, dev, fn, i;
+    nvmlReturn_t rc = enter(function);
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    if (pci_bus_id == NULL || device == NULL || !parse_pci(pci_bus_id, &domain, &bus, &dev, &fn))
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    for (i = 0; i < g_state.gpu_count; ++i) {
+        const struct fake_gpu *g = &g_state.gpus[i];
+        if (g->pci_domain == domain && g->pci_bus == bus && g->pci_device == dev &&
+            g->pci_function == fn) {
+            if (g->lost)
+                return leave(NVML_ERROR_GPU_IS_LOST);
+            *device = &g_state.gpus[i];
+            return leave(NVML_SUCCESS);
+        }
+    }
+    return leave(NVML_ERROR_NOT_FOUND);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *device)
+{
+    return get_by_pci(__func__, pciBusId, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    return get_by_pci(__func__, pciBusId, device);
+}
+
+/* ---- per-device queries ---------------------------------------------- */
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && index == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *index = (unsigned int)(gpu - g_state.gpus);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS)
+        rc = copy_out(uuid, length, gpu->uuid);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS)
+        rc = copy_out(name, length, gpu->name);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && minorNumber == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *minorNumber = gpu->minor;
+    return leave(rc);
+}
+
+static void format_bus_ids(const struct fake_gpu *gpu, char legacy[16], char full[32])
+{
+    /* NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT and NVML_DEVICE_PCI_BUS_ID_FMT; the
+     * legacy one keeps only 16 bits of domain, which is all its buffer
+     * holds.  parse_pci already bounded the fields; the masks let the
+     * compiler see that nothing is truncated. */
+    unsigned int bus = gpu->pci_bus & 0xffu, dev = gpu->pci_device & 0x1fu;
+    unsigned int fn = gpu->pci_function & 0x7u;
+    snprintf(legacy, 16, "%04X:%02X:%02X.%X", gpu->pci_domain & 0xffffu, bus, dev, fn);
+    snprintf(full, 32, "%08X:%02X:%02X.%X", gpu->pci_domain, bus, dev, fn);
+}
+
+static nvmlReturn_t get_pci_legacy(const char *function, nvmlDevice_t device, nvmlPciInfo_v2_t *pci)
+{
+    struct fake_gpu *gpu;
+    char full[32];
+    nvmlReturn_t rc = enter_device(function, device, &gpu);
+    if (rc == NVML_SUCCESS && pci == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memset(pci, 0, sizeof *pci);
+        format_bus_ids(gpu, pci->busId, full);
+        pci->domain = gpu->pci_domain;
+        pci->bus = gpu->pci_bus;
+        pci->device = gpu->pci_device;
+        pci->pciDeviceId = FAKE_PCI_DEVICE_ID;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v2_t *pci)
+{
+    return get_pci_legacy(__func__, device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_v2_t *pci)
+{
+    return get_pci_legacy(__func__, device, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && pci == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memset(pci, 0, sizeof *pci);
+        format_bus_ids(gpu, pci->busIdLegacy, pci->busId);
+        pci->domain = gpu->pci_domain;
+        pci->bus = gpu->pci_bus;
+        pci->device = gpu->pci_device;
+        pci->pciDeviceId = FAKE_PCI_DEVICE_ID;
+    }
+    return leave(rc);
+}
+
+static void memory_of(const struct fake_gpu *gpu, unsigned long long *used, unsigned long long *free_)
+{
+    unsigned int index = (unsigned int)(gpu - g_state.gpus), i;
+    unsigned long long now = monotonic_ns();
+    *used = gpu->base_used;
+    for (i = 0; i < g_state.proc_count; ++i)
+        if (g_state.procs[i].gpu == index && proc_counted(&g_state.procs[i], now))
+            *used += g_state.procs[i].used;
+    /* A test may over-commit a GPU; report it full rather than wrap. */
+    *free_ = *used < gpu->total ? gpu->total - *used : 0;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        memory->total = gpu->total;
+        memory_of(gpu, &memory->used, &memory->free);
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && memory == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    /* Versioned structs are how NVML keeps old callers safe; a mismatch
+     * must fail here too, or a caller passing the wrong version would
+     * pass its tests and break on real hardware. */
+    if (rc == NVML_SUCCESS && memory->version != NVML_MEMORY_V2)
+        rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (rc == NVML_SUCCESS) {
+        memory->total = gpu->total;
+        memory->reserved = 0;
+        memory_of(gpu, &memory->used, &memory->free);
+    }
+    return leave(rc);
+}
+
+/* ---- running processes ---------------------------------------------- */
+
+/* The NVML two-call protocol: when *count is too small (pynvml's first
+ * call passes 0 and NULL) report the needed size with INSUFFICIENT_SIZE,
+ * except that an empty list succeeds at once. */
+static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_kind kind,
+                               unsigned int *count, nvmlProcessInfo_v1_t *infos_v1,
+                               nvmlProcessInfo_t *infos)
+{
+    struct fake_gpu *gpu;
+    unsigned int index, i, needed = 0, n = 0;
+    unsigned long long now = monotonic_ns();
+    nvmlReturn_t rc = enter_device(function, device, &gpu);
+
+    if (rc != NVML_SUCCESS)
+        return leave(rc);
+    if (count == NULL)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+    index = (unsigned int)(gpu - g_state.gpus);
+    for (i = 0; i < g_state.proc_count; ++i) {
+        const struct fake_proc *p = &g_state.procs[i];
+        if (p->gpu == index && p->kind == kind && proc_counted(p, now))
+            ++needed;
+    }
+    if (needed > *count) {
+        *count = needed;
+        return leave(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    if (needed > 0 && infos_v1 == NULL && infos == NULL)
+        return leave(NVML_ERROR_INVALID_ARGUMENT);
+
+    /* Liveness is sampled again below and a pid can be reused in between;
+     * bounding by the first count keeps that from overrunning the buffer. */
+    for (i = 0; i < g_state.proc_count && n < needed; ++i) {
+        const struct fake_proc *p = &g_state.procs[i];
+        if (p->gpu != index || p->kind != kind || !proc_counted(p, now))
+            continue;
+        if (infos != NULL) {
+            infos[n].pid = (unsigned int)p->pid;
+            infos[n].usedGpuMemory = p->used;
+            /* 0xFFFFFFFF: not a MIG instance. */
+            infos[n].gpuInstanceId = 0xFFFFFFFFu;
+            infos[n].computeInstanceId = 0xFFFFFFFFu;
+        } else {
+            infos_v1[n].pid = (unsigned int)p->pid;
+            infos_v1[n].usedGpuMemory = p->used;
+        }
+        ++n;
+    }
+    *count = n;
+    return leave(NVML_SUCCESS);
+}
+
+#define PROC_LIST_API(name, kind)                                                              \
+    nvmlReturn_t name(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos) \
+    {                                                                                          \
+        return list_procs(#name, device, kind, infoCount, infos, NULL);                       \
+    }                                                                                          \
+    nvmlReturn_t name##_v2(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos) \
+    {                                                                                          \
+        return list_procs(#name "_v2", device, kind, infoCount, NULL, infos);                 \
+    }                                                                                          \
+    nvmlReturn_t name##_v3(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos) \
+    {                                                                                          \
+        return list_procs(#name "_v3", device, kind, infoCount, NULL, infos);                 \
+    }
+
+PROC_LIST_API(nvmlDeviceGetComputeRunningProcesses, KIND_COMPUTE)
+PROC_LIST_API(nvmlDeviceGetGraphicsRunningProcesses, KIND_GRAPHICS)
+PROC_LIST_API(nvmlDeviceGetMPSComputeRunningProcesses, KIND_MPS)
