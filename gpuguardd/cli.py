@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from . import __version__, output
 from .config import load_config, parse_timespan
 from .engine import Engine, HolderFilter, gpu_summaries
-from .errors import ConfigError, GpuGuardError, InvalidArgument, NotAuthorized
+from .errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from .log import setup_logging
 from .models import (
     OUTCOME_DRY_RUN,
@@ -45,10 +45,6 @@ OUTCOME_EXIT = {
 }
 
 log = logging.getLogger("gpuguard.cli")
-
-
-class DaemonUnavailable(Exception):
-    """No gpuguardd answers on the bus."""
 
 
 class Backend(Protocol):

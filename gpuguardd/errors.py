@@ -37,3 +37,7 @@ class ConfigError(GpuGuardError):
         self.message = message
         where = f"{path}:{line}" if line else path
         super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
+
+
+class DaemonUnavailable(GpuGuardError):
+    """No gpuguardd answers on the bus (not running, not installed, or the bus is down)."""

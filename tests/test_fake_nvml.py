@@ -22,9 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import pytest
-
 import fakenvml
+import pytest
 from fakenvml import (
     GIB,
     LIBRARY_NAME,
@@ -40,7 +39,7 @@ CALL_TIMEOUT_S = 30.0
 
 # Runs in the child.  Helpers return plain JSON-able values so a failing
 # assertion shows exactly what pynvml handed back.
-SERVER = r'''
+SERVER = r"""
 import ctypes, json, sys, threading, time
 from ctypes import byref, c_char_p, c_uint, c_ubyte, c_ulonglong, c_void_p
 import pynvml as N
@@ -218,7 +217,7 @@ for line in sys.stdin:
     # default=repr: a bare handle is not JSON, and a test that merely needs
     # the call to succeed should not have to wrap it.
     print(json.dumps(reply, default=repr), flush=True)
-'''
+"""
 
 
 class NvmlCallError(Exception):
@@ -401,9 +400,7 @@ def test_build_library_reuses_a_fresh_library(libdir: Path) -> None:
     assert target.stat().st_mtime_ns == before
 
 
-def test_build_library_reports_gcc_errors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, libdir: Path
-) -> None:
+def test_build_library_reports_gcc_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, libdir: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("int main(void) { return undeclared_identifier; }\n")
     monkeypatch.setattr(fakenvml, "SOURCE", broken)
@@ -426,10 +423,8 @@ def test_render_matches_the_documented_format() -> None:
         "driver 535.129.03",
         "init_error 9",
         "fail nvmlDeviceGetComputeRunningProcesses_v3 999",
-        "gpu 0 uuid=GPU-a name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0"
-        f" total={80 * GIB} used=5",
-        f"gpu 1 uuid=GPU-b name=Tesla_T4 minor=7 pci=00000000:02:00.0 total={16 * GIB}"
-        " used=0 lost",
+        f"gpu 0 uuid=GPU-a name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total={80 * GIB} used=5",
+        f"gpu 1 uuid=GPU-b name=Tesla_T4 minor=7 pci=00000000:02:00.0 total={16 * GIB} used=0 lost",
         f"proc 1 4242 {3 * GIB} mps release_delay_ms=250",
     ]
 
@@ -544,9 +539,7 @@ def test_init_error(start: StartSession, state_path: Path, code: int, name: str)
     assert nvml.call("count()") == 1
 
 
-def test_every_init_entry_point_and_refcounted_shutdown(
-    start: StartSession, state_path: Path
-) -> None:
+def test_every_init_entry_point_and_refcounted_shutdown(start: StartSession, state_path: Path) -> None:
     one_gpu().write(state_path)
     nvml = start()
     assert nvml.error("count()").code == 1, "calls before init must be Uninitialized"
@@ -690,9 +683,7 @@ def test_string_buffers_too_small(start: StartSession, state_path: Path) -> None
 # ---- memory and processes ------------------------------------------------------
 
 
-def test_memory_info_sums_base_and_every_kind_of_process(
-    start: StartSession, state_path: Path, spawn: Spawn
-) -> None:
+def test_memory_info_sums_base_and_every_kind_of_process(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     graphics, mps = spawn(), spawn()
     state = FakeNvmlState()
     state.add_gpu(memory_total=80 * GIB, base_used=1 * GIB)
@@ -733,9 +724,7 @@ def test_overcommitted_gpu_reports_no_free_memory(start: StartSession, state_pat
 
 
 @pytest.mark.parametrize("version", ["", "_v2"])
-def test_process_lists_split_by_kind(
-    start: StartSession, state_path: Path, spawn: Spawn, version: str
-) -> None:
+def test_process_lists_split_by_kind(start: StartSession, state_path: Path, spawn: Spawn, version: str) -> None:
     a, b, c, d = spawn(), spawn(), spawn(), spawn()
     state = FakeNvmlState()
     state.add_gpu()
@@ -778,9 +767,7 @@ def test_two_call_protocol(start: StartSession, state_path: Path, spawn: Spawn) 
     assert nvml.call(f"raw_procs(0, {f}, 8, null=True)") == [2, 8, []]
 
 
-def test_memory_released_when_process_dies(
-    start: StartSession, state_path: Path, spawn: Spawn
-) -> None:
+def test_memory_released_when_process_dies(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     holder = spawn()
     state = one_gpu(base_used=1 * GIB)
     state.add_proc(0, holder.pid, 20 * GIB)
@@ -794,9 +781,7 @@ def test_memory_released_when_process_dies(
     assert nvml.call("mem(0)")["used"] == 1 * GIB
 
 
-def test_release_delay_counts_from_the_kill(
-    start: StartSession, state_path: Path, spawn: Spawn
-) -> None:
+def test_release_delay_counts_from_the_kill(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     holder = spawn()
     state = one_gpu()
     state.add_proc(0, holder.pid, 20 * GIB, release_delay_ms=1000)
@@ -813,9 +798,7 @@ def test_release_delay_counts_from_the_kill(
     assert nvml.call("pids(0)") == []
 
 
-def test_release_delay_starts_when_first_observed_dead(
-    start: StartSession, state_path: Path, spawn: Spawn
-) -> None:
+def test_release_delay_starts_when_first_observed_dead(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     pid = dead_pid(spawn)
     state = one_gpu()
     state.add_proc(0, pid, 20 * GIB, release_delay_ms=1000)
@@ -917,9 +900,7 @@ def test_fail_injection_on_init_and_shutdown(start: StartSession, state_path: Pa
     assert nvml.call("count()") == 1, "a failed shutdown must leave NVML initialised"
 
 
-def test_state_is_reread_on_every_call(
-    start: StartSession, state_path: Path, spawn: Spawn
-) -> None:
+def test_state_is_reread_on_every_call(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     state = one_gpu()
     state.write(state_path)
     nvml = start()

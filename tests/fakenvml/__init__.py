@@ -111,9 +111,7 @@ def build_library(outdir: Path) -> Path:
             check=False,
         )
         if result.returncode != 0:
-            raise FakeNvmlBuildError(
-                f"gcc failed (exit {result.returncode}) building {SOURCE}:\n{result.stderr}"
-            )
+            raise FakeNvmlBuildError(f"gcc failed (exit {result.returncode}) building {SOURCE}:\n{result.stderr}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -135,9 +133,7 @@ def _check_token(what: str, value: str, max_len: int) -> None:
     # The file is whitespace-separated key=value text: a space, '#' or '='
     # inside a value would silently change what the library reads.
     if not _TOKEN_RE.fullmatch(value) or len(value) > max_len:
-        raise ValueError(
-            f"{what} {value!r} must be 1-{max_len} characters without whitespace, '#' or '='"
-        )
+        raise ValueError(f"{what} {value!r} must be 1-{max_len} characters without whitespace, '#' or '='")
 
 
 @dataclass
@@ -216,10 +212,7 @@ class FakeProc:
             raise ValueError(f"pid {self.pid} is not a valid process id")
         if self.used < 0 or self.release_delay_ms < 0:
             raise ValueError(f"pid {self.pid}: used and release_delay_ms must not be negative")
-        return (
-            f"proc {self.gpu} {self.pid} {self.used} {self.kind}"
-            f" release_delay_ms={self.release_delay_ms}"
-        )
+        return f"proc {self.gpu} {self.pid} {self.used} {self.kind} release_delay_ms={self.release_delay_ms}"
 
 
 @dataclass
@@ -274,9 +267,7 @@ class FakeNvmlState:
         """Add a process holding ``used`` bytes on GPU ``gpu``."""
         if not 0 <= gpu < len(self.gpus):
             raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
-        proc = FakeProc(
-            gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms
-        )
+        proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms)
         self.procs.append(proc)
         return proc
 

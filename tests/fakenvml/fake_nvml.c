@@ -669,7 +669,7 @@ static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, stru
     if (!handle_index(device, &index))
         return NVML_ERROR_INVALID_ARGUMENT;
     *gpu = &g_state.gpus[index];
-    return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+    return NVML_SUCCESS;
 }
 
 static nvmlReturn_t leave(nvmlReturn_t rc)

@@ -1,0 +1,157 @@
+"""Shared fixtures: a fake GPU host (device nodes, fake NVML, config) and real holder processes.
+
+Device nodes: the GPU and control nodes use major 120 (reserved for local use, no driver on
+any machine), so nothing outside the tests can hold them; they can only be opened O_PATH,
+which looks the same in /proc/<pid>/fd. nvidia-uvm uses /dev/zero's numbers (1,5) so holders
+can really open and mmap it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.fakenvml import FakeNvmlState, build_library, env_for
+
+ROOT = Path(__file__).resolve().parent.parent
+HOLDER = Path(__file__).resolve().parent / "holder.py"
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+NODES = {
+    "nvidia0": (120, 0),
+    "nvidia1": (120, 1),
+    "nvidiactl": (120, 255),
+    "nvidia-modeset": (120, 254),
+    "nvidia-uvm": (1, 5),
+}
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the suite needs root (mknod, signalling, cgroups); CI runs as root")
+        pytest.skip("needs root")
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_libdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("gcc") is None and os.environ.get("CI"):
+        pytest.fail("gcc is required to build the fake NVML library")
+    return build_library(tmp_path_factory.mktemp("fakenvml"))
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    pid: int
+    zombie: int = 0
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(timeout=10)
+
+
+@dataclass
+class GpuHost:
+    root: Path
+    dev: Path
+    config_path: Path
+    state_path: Path
+    libdir: Path
+    state: FakeNvmlState
+    procs: list[Proc] = field(default_factory=list)
+    config_extra: str = ""
+
+    def node(self, name: str) -> str:
+        return str(self.dev / name)
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(env_for(self.libdir, self.state_path))
+        env["PYTHONPATH"] = str(ROOT)
+        return env
+
+    def publish(self) -> None:
+        self.state.write(self.state_path)
+
+    def write_config(self, extra: str = "") -> None:
+        self.config_extra = extra
+        self.config_path.write_text(
+            "[Devices]\n"
+            f"Paths={self.dev}/nvidia*\n"
+            "[Sweep]\n"
+            "GraceSec=2\n"
+            "KillTimeoutSec=3\n"
+            "VerifyTimeoutSec=3\n"
+            "ReleasedBelowMiB=64\n"
+            "[Daemon]\n"
+            f"RuntimeDirectory={self.root}/run\n"
+            f"StateDirectory={self.root}/state\n" + extra)
+
+    def spawn(self, *args: str, exe: str | None = None, nvml: tuple[int, int] | None = None,
+              release_delay_ms: int = 0, kind: str = "compute") -> Proc:
+        """Start tests/holder.py with `args`; `nvml=(gpu, bytes)` lists it in the fake NVML."""
+        argv = [exe or sys.executable, str(HOLDER), *args]
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert popen.stdout is not None
+        line = popen.stdout.readline().split()
+        assert line and line[0] == "ready", f"holder did not start: {line}"
+        proc = Proc(popen, int(line[1]))
+        for word in line[2:]:
+            if word.startswith("zombie="):
+                proc.zombie = int(word.split("=", 1)[1])
+        self.procs.append(proc)
+        if nvml is not None:
+            self.state.add_proc(nvml[0], proc.pid, nvml[1], kind=kind,  # type: ignore[arg-type]
+                                release_delay_ms=release_delay_ms)
+            self.publish()
+        return proc
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuguardd.cli", *args, "--local", "--config",
+             str(self.config_path)],
+            check=False, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+
+def make_host(root: Path, libdir: Path) -> GpuHost:
+    dev = root / "dev"
+    dev.mkdir()
+    for name, (major, minor) in NODES.items():
+        os.mknod(dev / name, 0o666 | 0o020000, os.makedev(major, minor))
+    state = FakeNvmlState()
+    state.add_gpu(minor=0, memory_total=80 * GiB)
+    state.add_gpu(minor=1, memory_total=80 * GiB)
+    host = GpuHost(root=root, dev=dev, config_path=root / "gpuguard.conf",
+                   state_path=root / "nvml.state", libdir=libdir, state=state)
+    host.write_config()
+    host.publish()
+    return host
+
+
+@pytest.fixture
+def gpu_host(tmp_path: Path, fake_nvml_libdir: Path) -> Iterator[GpuHost]:
+    require_root()
+    host = make_host(tmp_path, fake_nvml_libdir)
+    try:
+        yield host
+    finally:
+        for proc in host.procs:
+            proc.stop()

@@ -1,0 +1,68 @@
+"""A real process that holds test GPU device nodes the way CUDA programs and tools do.
+
+Run by the tests (never imported): opens and maps the nodes named on the command line, prints
+"ready <pid>" on stdout, and sleeps until killed. Nodes whose major has no driver on the test
+machine can only be opened O_PATH; the fd in /proc/<pid>/fd looks the same to a scanner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import signal
+import sys
+import time
+
+
+def set_comm(name: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NAME = 15
+    libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def open_node(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR)
+    except OSError:
+        return os.open(path, os.O_PATH)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hold", action="append", default=[], help="keep an fd on this node")
+    parser.add_argument("--mmap", action="append", default=[], help="map this node, close the fd")
+    parser.add_argument("--ignore-term", action="store_true")
+    parser.add_argument("--setsid", action="store_true")
+    parser.add_argument("--comm", default="")
+    parser.add_argument("--spawn-zombie", action="store_true",
+                        help="fork a child that exits at once and is never reaped; print its pid")
+    args = parser.parse_args()
+    if args.setsid:
+        os.setsid()
+    if args.comm:
+        set_comm(args.comm)
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fds = [open_node(path) for path in args.hold]
+    maps = []
+    for path in args.mmap:
+        fd = os.open(path, os.O_RDWR)
+        maps.append(mmap.mmap(fd, 4096, mmap.MAP_PRIVATE))
+        os.close(fd)
+    extra = ""
+    if args.spawn_zombie:
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        extra = f" zombie={child}"
+    sys.stdout.write(f"ready {os.getpid()}{extra}\n")
+    sys.stdout.flush()
+    del fds, maps
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()
