@@ -114,14 +114,14 @@ class ProcessHandle:
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
 
-def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float) -> set[int]:
+def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float) -> dict[int, float]:
     """Wait until every handle's process has exited or `timeout` passes; the pids that exited.
 
     pidfds become readable the moment their process exits, so this returns without delay; the
     fallback has to poll /proc.
     """
     pending: dict[int, ProcessHandle] = {h.pid: h for h in handles}
-    done: set[int] = set()
+    done: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     poller = select.poll()
     by_fd: dict[int, int] = {}

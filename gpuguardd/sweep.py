@@ -256,11 +256,12 @@ class Sweep:
                                     "state": state, "why": why})
 
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
-                     sent_at: float) -> None:
+                     sent_at: float, seen_at: float | None = None) -> None:
+        seen = time.monotonic() if seen_at is None else seen_at
         entry: dict[str, object] = {
             "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
             "signal": signal_name,
-            "exited_after_ms": int((time.monotonic() - sent_at) * 1000),
+            "exited_after_ms": max(0, int((seen - sent_at) * 1000)),
         }
         if handle.alive():
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked

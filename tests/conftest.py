@@ -13,7 +13,9 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +116,9 @@ class GpuHost:
         line = popen.stdout.readline().split()
         assert line and line[0] == "ready", f"holder did not start: {line}"
         proc = Proc(popen, int(line[1]))
+        # Reap it the moment it exits, as systemd would: an unreaped zombie still counts as
+        # alive for the fake NVML (kill(pid, 0) succeeds), which no real service leaves behind.
+        threading.Thread(target=popen.wait, daemon=True).start()
         for word in line[2:]:
             if word.startswith("zombie="):
                 proc.zombie = int(word.split("=", 1)[1])
@@ -155,3 +160,67 @@ def gpu_host(tmp_path: Path, fake_nvml_libdir: Path) -> Iterator[GpuHost]:
     finally:
         for proc in host.procs:
             proc.stop()
+
+
+@pytest.fixture
+def inproc_nvml(gpu_host: GpuHost, monkeypatch: pytest.MonkeyPatch) -> GpuHost:
+    """Point this process's real pynvml at the fake library and this test's state file.
+
+    pynvml loads libnvidia-ml.so.1 once per process through LD_LIBRARY_PATH, which cannot be
+    changed after start-up; handing pynvml the already-loaded library is the supported seam
+    (`nvmlLib` is what `_LoadNvmlLibrary` fills in).
+    """
+    import ctypes
+
+    import pynvml
+
+    monkeypatch.setenv("FAKE_NVML_STATE", str(gpu_host.state_path))
+    if pynvml.nvmlLib is None:
+        pynvml.nvmlLib = ctypes.CDLL(str(gpu_host.libdir / "libnvidia-ml.so.1"))
+    return gpu_host
+
+
+@dataclass
+class CgroupDir:
+    """A directory in the named systemd v1 hierarchy, so /proc/<pid>/cgroup shows a unit path."""
+
+    path: Path
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+
+@pytest.fixture
+def systemd_cgroup() -> Iterator[Callable[[str], CgroupDir]]:
+    """Make cgroups like systemd's (`system.slice/x.service`, `lxc/129/...`) for attribution.
+
+    Uses the name=systemd v1 hierarchy where it is mounted (hybrid hosts, these CI machines);
+    otherwise the v2 root. Each is removed after the test once its processes are gone.
+    """
+    base = None
+    for candidate in ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        if os.path.exists(os.path.join(candidate, "cgroup.procs")):
+            base = Path(candidate)
+            break
+    if base is None:
+        pytest.fail("no writable cgroup hierarchy to place test processes in")
+    made: list[Path] = []
+
+    def make(relative: str) -> CgroupDir:
+        path = base / relative.strip("/")
+        parts = Path(relative.strip("/")).parts
+        for i in range(1, len(parts) + 1):
+            p = base.joinpath(*parts[:i])
+            if not p.exists():
+                p.mkdir()
+                made.append(p)
+        return CgroupDir(path)
+
+    yield make
+    for path in reversed(made):
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)

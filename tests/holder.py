@@ -29,6 +29,21 @@ def open_node(path: str) -> int:
         return os.open(path, os.O_PATH)
 
 
+def map_and_close(path: str) -> int:
+    """mmap through libc: Python's mmap object keeps a dup of the fd, and the point here is a
+    process that holds the device by its mapping alone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    fd = os.open(path, os.O_RDWR)
+    address = libc.mmap(None, 4096, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap {path}")
+    return int(address)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold", action="append", default=[], help="keep an fd on this node")
@@ -46,11 +61,7 @@ def main() -> None:
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fds = [open_node(path) for path in args.hold]
-    maps = []
-    for path in args.mmap:
-        fd = os.open(path, os.O_RDWR)
-        maps.append(mmap.mmap(fd, 4096, mmap.MAP_PRIVATE))
-        os.close(fd)
+    maps = [map_and_close(path) for path in args.mmap]
     extra = ""
     if args.spawn_zombie:
         child = os.fork()
@@ -59,8 +70,8 @@ def main() -> None:
         extra = f" zombie={child}"
     sys.stdout.write(f"ready {os.getpid()}{extra}\n")
     sys.stdout.flush()
-    del fds, maps
-    while True:
+    # fds and maps stay referenced for the life of the process: that is the point.
+    while fds is not None and maps is not None:
         time.sleep(3600)
 
 

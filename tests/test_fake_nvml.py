@@ -14,7 +14,6 @@ import ctypes.util
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -22,9 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import fakenvml
 import pytest
-from fakenvml import (
+
+from tests import fakenvml
+from tests.fakenvml import (
     GIB,
     LIBRARY_NAME,
     FakeGpu,
@@ -300,24 +300,17 @@ StartSession = Callable[[], NvmlSession]
 Spawn = Callable[..., "subprocess.Popen[bytes]"]
 
 
-@pytest.fixture(scope="session")
-def libdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build the fake NVML")
-    return build_library(tmp_path_factory.mktemp("fakenvml"))
-
-
 @pytest.fixture
 def state_path(tmp_path: Path) -> Path:
     return tmp_path / "nvml-state"
 
 
 @pytest.fixture
-def start(libdir: Path, state_path: Path, tmp_path: Path) -> Iterator[StartSession]:
+def start(fake_nvml_libdir: Path, state_path: Path, tmp_path: Path) -> Iterator[StartSession]:
     sessions: list[NvmlSession] = []
 
     def _start() -> NvmlSession:
-        env = {**os.environ, **env_for(libdir, state_path)}
+        env = {**os.environ, **env_for(fake_nvml_libdir, state_path)}
         session = NvmlSession(env, tmp_path / f"child{len(sessions)}.stderr")
         sessions.append(session)
         return session
@@ -364,9 +357,9 @@ def one_gpu(**kwargs: Any) -> FakeNvmlState:
 # ---- building ----------------------------------------------------------------
 
 
-def test_library_compiles_warning_free_as_strict_c99(tmp_path: Path) -> None:
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is needed to build the fake NVML")
+def test_library_compiles_warning_free_as_strict_c99(tmp_path: Path, fake_nvml_libdir: Path) -> None:
+    # fake_nvml_libdir: gcc exists, or the suite's policy on its absence
+    # (skip locally, fail in CI) has already applied.
     result = subprocess.run(
         [
             "gcc",
@@ -393,14 +386,17 @@ def test_library_compiles_warning_free_as_strict_c99(tmp_path: Path) -> None:
     assert result.stderr == ""
 
 
-def test_build_library_reuses_a_fresh_library(libdir: Path) -> None:
-    target = libdir / LIBRARY_NAME
+def test_build_library_reuses_a_fresh_library(fake_nvml_libdir: Path) -> None:
+    target = fake_nvml_libdir / LIBRARY_NAME
     before = target.stat().st_mtime_ns
-    assert build_library(libdir) == libdir
+    assert build_library(fake_nvml_libdir) == fake_nvml_libdir
     assert target.stat().st_mtime_ns == before
 
 
-def test_build_library_reports_gcc_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, libdir: Path) -> None:
+def test_build_library_reports_gcc_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_nvml_libdir: Path
+) -> None:
+    # fake_nvml_libdir only for its gcc check, as above.
     broken = tmp_path / "broken.c"
     broken.write_text("int main(void) { return undeclared_identifier; }\n")
     monkeypatch.setattr(fakenvml, "SOURCE", broken)
@@ -755,11 +751,15 @@ def test_two_call_protocol(start: StartSession, state_path: Path, spawn: Spawn) 
     state.add_gpu()
     state.add_proc(0, a.pid, 1 * GIB)
     state.add_proc(0, b.pid, 2 * GIB)
+    state.add_proc(0, a.pid, 3 * GIB, kind="graphics")
+    state.add_proc(1, b.pid, 4 * GIB, kind="mps")
     state.write(state_path)
     nvml = start()
     nvml.call("init()")
     f = "'nvmlDeviceGetComputeRunningProcesses_v3'"
+    # The size query counts only this GPU's processes of this kind.
     assert nvml.call(f"raw_procs(0, {f}, 0, null=True)") == [7, 2, []]
+    assert nvml.call("raw_procs(0, 'nvmlDeviceGetGraphicsRunningProcesses_v3', 0, null=True)") == [7, 1, []]
     assert nvml.call(f"raw_procs(0, {f}, 1)") == [7, 2, []]
     assert nvml.call(f"raw_procs(0, {f}, 8)") == [0, 2, [[a.pid, 1 * GIB], [b.pid, 2 * GIB]]]
     assert nvml.call(f"raw_procs(1, {f}, 0, null=True)") == [0, 0, []]

@@ -132,8 +132,8 @@ def env_for(libdir: Path, state_path: Path) -> dict[str, str]:
 def _check_token(what: str, value: str, max_len: int) -> None:
     # The file is whitespace-separated key=value text: a space, '#' or '='
     # inside a value would silently change what the library reads.
-    if not _TOKEN_RE.fullmatch(value) or len(value) > max_len:
-        raise ValueError(f"{what} {value!r} must be 1-{max_len} characters without whitespace, '#' or '='")
+    if not value.isascii() or not _TOKEN_RE.fullmatch(value) or len(value) > max_len:
+        raise ValueError(f"{what} {value!r} must be 1-{max_len} ASCII characters without whitespace, '#' or '='")
 
 
 @dataclass

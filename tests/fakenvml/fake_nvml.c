@@ -15,20 +15,22 @@
  *   driver 550.54.15
  *   init_error 9
  *   fail nvmlDeviceGetComputeRunningProcesses_v3 999
- *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0
- *         pci=00000000:17:00.0 total=85899345920 used=0 [lost]
+ *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost]
  *   proc 0 12345 4294967296 compute release_delay_ms=0
  *
- * gpu records must be numbered 0, 1, 2... in order; '_' in a name stands
- * for a space.  proc records name the gpu index, pid, bytes used and one of
- * compute / graphics / mps.
+ * gpu records must be numbered 0, 1, 2... in order and come before the
+ * procs that name them; '_' in a name stands for a space; minor defaults to
+ * the index and used (memory held with no process to show for it) to 0.
+ * proc records give the gpu index, pid, bytes used and one of compute /
+ * graphics / mps.  Anything else is rejected with a message on stderr.
  *
  * Liveness: a proc whose pid has exited keeps holding its memory (and stays
  * listed) until release_delay_ms after this library first noticed it was
  * gone, because real drivers tear contexts down asynchronously and gpuguard
- * must cope with memory that lingers after a kill.  Zombies still count as
- * alive, as on a real driver, whose context belongs to the process until it
- * is reaped.
+ * must cope with memory that lingers after a kill.  Zombies count as alive:
+ * kill(pid, 0) reports them as existing, so that is what a caller probing
+ * the pid sees too, and it gives tests a listed pid that no signal removes
+ * until its parent reaps it.
  *
  * The layouts below must match pynvml.py (nvidia-ml-py 13.x) byte for byte;
  * each one names the pynvml class it mirrors.
@@ -242,8 +244,9 @@ struct parse_ctx {
 
 static void parse_error(const struct parse_ctx *ctx, const char *what, const char *token)
 {
-    /* Once per call: a broken state file is a bug in the test, and a line
-     * on stderr is the quickest way to the culprit. */
+    /* Repeated on every failed load, which is noisy on purpose: a broken
+     * state file is a bug in the test, and stderr is where its author will
+     * look first. */
     fprintf(stderr, "fake_nvml: %s:%u: %s%s%s%s\n", ctx->path, ctx->line, what,
             token ? " '" : "", token ? token : "", token ? "'" : "");
 }
@@ -653,10 +656,14 @@ static int handle_index(nvmlDevice_t device, unsigned int *index)
      * different objects are undefined, and a bad handle is exactly that. */
     uintptr_t p = (uintptr_t)device;
     uintptr_t base = (uintptr_t)g_state.gpus;
+    uintptr_t slot;
     if (p < base || (p - base) % sizeof g_state.gpus[0] != 0)
         return 0;
-    *index = (unsigned int)((p - base) / sizeof g_state.gpus[0]);
-    return *index < g_state.gpu_count;
+    slot = (p - base) / sizeof g_state.gpus[0];
+    if (slot >= g_state.gpu_count)
+        return 0;
+    *index = (unsigned int)slot;
+    return 1;
 }
 
 /* enter() plus the checks every per-device call shares. */
@@ -669,7 +676,7 @@ static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, stru
     if (!handle_index(device, &index))
         return NVML_ERROR_INVALID_ARGUMENT;
     *gpu = &g_state.gpus[index];
-    return NVML_SUCCESS;
+    return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
 }
 
 static nvmlReturn_t leave(nvmlReturn_t rc)

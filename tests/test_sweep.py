@@ -1,0 +1,345 @@
+"""Sweeps against real processes: escalation, safety, verification through the fake NVML."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuguardd import procfs
+from gpuguardd.config import Config
+from gpuguardd.engine import Engine
+from gpuguardd.locks import GpuLocks
+from gpuguardd.models import SweepRequest
+from gpuguardd.process import ProcessHandle
+from tests.conftest import GiB, GpuHost, MiB
+
+
+def sweep_json(host: GpuHost, *args: str) -> tuple[int, dict[str, Any], str]:
+    result = host.cli("sweep", "--json", *args)
+    assert result.stdout, result.stderr
+    return result.returncode, json.loads(result.stdout), result.stderr
+
+
+def gone(pid: int) -> bool:
+    stat = procfs.read_stat(pid)
+    return stat is None or stat.state == "Z"
+
+
+def test_sweep_of_one_gpu_ends_its_holders_and_verifies_memory(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    on0 = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
+                     nvml=(0, 4 * GiB), release_delay_ms=200)
+    on1 = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"), nvml=(1, 2 * GiB))
+    code, report, stderr = sweep_json(host, "--gpu", "0", "--reason", "test")
+    assert code == 0, stderr
+    assert report["outcome"] == "freed"
+    assert report["verified"] is True
+    assert [t["pid"] for t in report["terminated"]] == [on0.pid]
+    assert report["terminated"][0]["signal"] == "SIGTERM"
+    assert not on0.alive() and on1.alive()
+    gpu0 = report["gpus"][0]
+    assert gpu0["index"] == 0 and gpu0["uuid"] == host.state.gpus[0].uuid
+    assert gpu0["memory_used_before"] == 4 * GiB
+    assert gpu0["memory_used_after"] <= 64 * MiB
+    assert report["reason"] == "test"
+    assert f"sent SIGTERM to pid {on0.pid}" in stderr
+
+
+def test_sigterm_ignored_escalates_to_sigkill(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    stubborn = host.spawn("--ignore-term", "--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    code, report, _ = sweep_json(host, "--grace", "300ms")
+    assert code == 0
+    assert report["terminated"][0]["pid"] == stubborn.pid
+    assert report["terminated"][0]["signal"] == "SIGKILL"
+    assert report["terminated"][0]["exited_after_ms"] >= 300
+    assert stubborn.popen.wait(5) == -signal.SIGKILL
+
+
+def test_holder_in_its_own_session_is_swept(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    detached = host.spawn("--setsid", "--hold", host.node("nvidia-uvm"))
+    assert os.getsid(detached.pid) == detached.pid
+    code, report, _ = sweep_json(host)
+    assert report["outcome"] == "unverified" or code == 0
+    assert [t["pid"] for t in report["terminated"]] == [detached.pid]
+
+
+def test_a_process_named_like_persistenced_is_still_swept(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    impostor = host.spawn("--comm", "nvidia-persiste", "--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    assert procfs.read_stat(impostor.pid).comm == "nvidia-persiste"  # type: ignore[union-attr]
+    code, report, _ = sweep_json(host)
+    assert code == 0
+    assert [t["pid"] for t in report["terminated"]] == [impostor.pid]
+
+
+def test_protected_executable_is_spared_by_real_path(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    bindir = host.root / "usr-bin"
+    bindir.mkdir()
+    protected_exe = bindir / "nvidia-persistenced"
+    shutil.copy2(os.path.realpath(sys.executable), protected_exe)
+    # Reached through a symlink: matching is on the resolved /proc/<pid>/exe.
+    link = host.root / "persistenced-link"
+    link.symlink_to(protected_exe)
+    host.write_config(f"ProtectedExecutables={protected_exe}\n".join(["[Sweep]\n", ""]))
+    daemon = host.spawn("--hold", host.node("nvidia-uvm"), exe=str(link), nvml=(0, GiB))
+    victim = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    code, report, _ = sweep_json(host, "--gpu", "0")
+    assert [t["pid"] for t in report["terminated"]] == [victim.pid]
+    spared = {s["pid"]: s["why"] for s in report["spared"]}
+    assert "protected executable" in spared[daemon.pid]
+    assert daemon.alive()
+    # Its memory still counts, and the threshold accounts for it: freed, not "not released".
+    assert report["outcome"] == "freed", report
+    assert code == 0
+
+
+def test_management_client_is_spared_unless_asked(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    smi = host.spawn("--hold", host.node("nvidiactl"), "--hold", host.node("nvidia0"))
+    _, report, _ = sweep_json(host)
+    assert report["terminated"] == []
+    assert "management client" in {s["pid"]: s["why"] for s in report["spared"]}[smi.pid]
+    assert smi.alive()
+    _, report, _ = sweep_json(host, "--include-management")
+    assert [t["pid"] for t in report["terminated"]] == [smi.pid]
+
+
+def test_dry_run_signals_nothing(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    proc = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    code, report, _ = sweep_json(host, "--dry-run")
+    assert code == 0
+    assert report["outcome"] == "dry-run" and report["dry_run"] is True
+    assert [t["pid"] for t in report["targets"]] == [proc.pid]
+    assert report["terminated"] == []
+    assert proc.alive()
+
+
+def test_unreaped_zombie_is_a_survivor_naming_its_parent(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    parent = host.spawn("--spawn-zombie")
+    assert parent.zombie
+    deadline = time.monotonic() + 5
+    while procfs.read_stat(parent.zombie).state != "Z":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    host.state.add_proc(1, parent.zombie, GiB)
+    host.publish()
+    code, report, _ = sweep_json(host, "--gpu", "1")
+    assert code == 3
+    assert report["outcome"] == "survivors"
+    survivor = report["survived"][0]
+    assert survivor["pid"] == parent.zombie
+    assert survivor["why"] == f"zombie: parent {parent.pid} has not reaped it"
+    assert parent.alive()
+
+
+@pytest.fixture
+def frozen_cgroup() -> Any:
+    freezer = Path("/sys/fs/cgroup/freezer")
+    if not (freezer / "cgroup.procs").exists():
+        pytest.fail("the v1 freezer (needed to make a process that survives SIGKILL) is not mounted")
+    path = freezer / f"gg-test-{os.getpid()}"
+    path.mkdir()
+    yield path
+    (path / "freezer.state").write_text("THAWED")
+    for _ in range(100):
+        try:
+            path.rmdir()
+            break
+        except OSError:
+            time.sleep(0.05)
+
+
+def test_uninterruptible_holder_is_reported_not_hidden(gpu_host: GpuHost, frozen_cgroup: Path) -> None:
+    """A v1-frozen task sleeps uninterruptibly and ignores SIGKILL until thawed, like a D-state
+    process stuck in the driver."""
+    host = gpu_host
+    stuck = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    (frozen_cgroup / "cgroup.procs").write_text(str(stuck.pid))
+    (frozen_cgroup / "freezer.state").write_text("FROZEN")
+    deadline = time.monotonic() + 5
+    while procfs.read_stat(stuck.pid).state != "D":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    host.write_config("[Sweep]\nKillTimeoutSec=500ms\nVerifyTimeoutSec=200ms\n")
+    code, report, _ = sweep_json(host, "--grace", "200ms")
+    assert code == 3
+    assert report["outcome"] == "survivors"
+    assert report["survived"][0]["pid"] == stuck.pid
+    assert report["survived"][0]["why"].startswith("uninterruptible (D state)")
+    (frozen_cgroup / "freezer.state").write_text("THAWED")
+    assert stuck.popen.wait(5) < 0  # the pending signals land once it wakes
+
+
+def test_memory_that_is_never_released_is_reported(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    host.state.gpus[0].base_used = 6 * GiB
+    host.publish()
+    proc = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    host.write_config("[Sweep]\nVerifyTimeoutSec=300ms\n")
+    code, report, stderr = sweep_json(host, "--gpu", "0")
+    assert code == 4, stderr
+    assert report["outcome"] == "memory-not-released"
+    assert [t["pid"] for t in report["terminated"]] == [proc.pid]
+    assert report["leaks"] == [{"gpu": 0, "uuid": host.state.gpus[0].uuid, "bytes": 6 * GiB}]
+    assert report["gpus"][0]["memory_used_after"] == 6 * GiB
+
+
+def test_without_nvml_a_sweep_never_claims_freed(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    proc = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
+    host.state.init_error = 9
+    host.publish()
+    code, report, _ = sweep_json(host)
+    assert [t["pid"] for t in report["terminated"]] == [proc.pid]
+    assert report["outcome"] == "unverified" and code == 6
+    assert any("cannot be verified" in w for w in report["warnings"])
+
+
+def test_sweep_scoped_to_a_unit_leaves_the_containers_namesake(gpu_host: GpuHost, systemd_cgroup: Any) -> None:
+    host = gpu_host
+    on_host = host.spawn("--hold", host.node("nvidia-uvm"))
+    in_lxc = host.spawn("--hold", host.node("nvidia-uvm"))
+    systemd_cgroup("system.slice/gg-sweep-vllm.service").add(on_host.pid)
+    systemd_cgroup("lxc/130/system.slice/gg-sweep-vllm.service").add(in_lxc.pid)
+    _, report, _ = sweep_json(host, "--unit", "gg-sweep-vllm")
+    assert report["scope"]["unit"] == "gg-sweep-vllm.service"
+    assert [t["pid"] for t in report["terminated"]] == [on_host.pid]
+    assert in_lxc.alive()
+    _, report, _ = sweep_json(host, "--container", "lxc/130")
+    assert [t["pid"] for t in report["terminated"]] == [in_lxc.pid]
+
+
+def test_the_sweeper_never_signals_its_own_ancestors(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    # A holder that runs the sweep itself, like an ExecStopPost shell that still holds a device.
+    script = (f"import os, subprocess, sys; fd = os.open({host.node('nvidia-uvm')!r}, os.O_RDWR); "
+              f"r = subprocess.run([sys.executable, '-m', 'gpuguardd.cli', 'sweep', '--json', '--local', "
+              f"'--config', {str(host.config_path)!r}], capture_output=True, text=True); print(r.stdout)")
+    result = subprocess.run([sys.executable, "-c", script], env=host.env, capture_output=True,
+                            text=True, timeout=60, check=True)
+    report = json.loads(result.stdout)
+    assert report["terminated"] == []
+    assert any(s["why"] == "an ancestor of the sweeping process" for s in report["spared"])
+
+
+def test_bad_input_gets_one_clear_line_and_exit_2(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    cases = {
+        ("--gpu", "7"): "GPU index 7 out of range",
+        ("--gpu", "GPU-deadbeef-0000"): "unknown GPU UUID 'GPU-deadbeef-0000'",
+        ("--gpu", "fast"): "invalid GPU 'fast'",
+        ("--unit", "bad/unit"): "invalid unit name 'bad/unit.service'",
+        ("--container", "no spaces"): "invalid container 'no spaces'",
+        ("--grace", "soon"): "invalid time span 'soon'",
+        ("--frobnicate",): "unrecognized arguments: --frobnicate",
+    }
+    for args, message in cases.items():
+        result = host.cli("sweep", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_broken_config_is_reported_with_file_line_and_key(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    host.write_config("[Sweep]\nGraceSec=forever\n")
+    result = host.cli("holders")
+    assert result.returncode == 2
+    line = len(host.config_path.read_text().splitlines())
+    assert f"{host.config_path}:{line}: [Sweep] GraceSec: invalid time span 'forever'" in result.stderr
+
+
+def test_sweeps_of_the_same_gpu_wait_for_each_other(inproc_nvml: GpuHost) -> None:
+    host = inproc_nvml
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), runtime_directory=str(host.root / "run"),
+                           verify_timeout_sec=2))
+    proc = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    other = GpuLocks(str(host.root / "run" / "locks"))
+    assert other.acquire([0]) is None  # another sweep (say, another process) holds GPU 0
+    finished = threading.Event()
+    def sweep_gpu0() -> None:
+        engine.sweep(SweepRequest(gpus=["0"]))
+        finished.set()
+
+    thread = threading.Thread(target=sweep_gpu0)
+    thread.start()
+    time.sleep(0.5)
+    assert not finished.is_set() and proc.alive()
+    other.release()
+    thread.join(10)
+    assert finished.is_set() and not proc.alive()
+
+
+@pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "start-time-fallback"])
+def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool) -> None:
+    """Scan, let the holder die and its PID be handed to a new process, then sweep the scan."""
+    host = inproc_nvml
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), runtime_directory=str(host.root / "run"),
+                           verify_timeout_sec=0.2), use_pidfd=use_pidfd)
+    victim = host.spawn("--hold", host.node("nvidia-uvm"))
+    pid = victim.pid
+    impostor: list[subprocess.Popen[bytes]] = []
+    real_scan = engine._scan_pinned
+    calls = 0
+
+    def scan_then_recycle(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        result = real_scan(*args)
+        if calls == 3:  # the sweep's own scan, after the two lock-planning scans
+            victim.stop()
+            impostor.append(spawn_with_pid(pid))
+        return result
+
+    engine._scan_pinned = scan_then_recycle  # type: ignore[method-assign,assignment]
+    try:
+        report = engine.sweep(SweepRequest())
+        assert impostor and impostor[0].pid == pid
+        assert impostor[0].poll() is None, "the recycled PID was signalled"
+        assert [t["pid"] for t in report.terminated] == [pid]
+        assert report.terminated[0]["signal"] == ""  # gone before any signal reached it
+    finally:
+        for proc in impostor:
+            proc.kill()
+            proc.wait()
+
+
+def spawn_with_pid(pid: int) -> subprocess.Popen[bytes]:
+    """Start `sleep` as `pid`, through ns_last_pid (how CRIU restores PIDs)."""
+    for _ in range(200):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as handle:
+            handle.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    pytest.fail(f"could not get PID {pid} back")
+
+
+def test_process_handle_refuses_a_different_process() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    handle = ProcessHandle.open(sleeper.pid)
+    assert handle is not None and handle.alive()
+    sleeper.kill()
+    sleeper.wait()
+    assert not handle.alive()
+    assert handle.send(signal.SIGTERM) is False
+    handle.close()
+
+
