@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 APT_PACKAGES := python3 python3-venv python3-dev gcc make psmisc lsof dbus-daemon dbus-bin \
 	libglib2.0-bin libxml2-utils systemd-container polkitd pkexec
 
-.PHONY: all deps venv test lint typecheck unit bench clean
+.PHONY: all deps venv test lint typecheck unit gpu-test bench clean
 
 all: test
 
@@ -36,8 +36,12 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# tests/gpu needs a real NVIDIA GPU: never part of `make test` (CI has none); see gpu-test.
 unit: deps venv
-	$(BIN)/pytest -q -p no:cacheprovider tests
+	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/gpu tests
+
+gpu-test: venv
+	$(BIN)/pytest -v -p no:cacheprovider tests/gpu
 
 test: deps venv lint typecheck unit
 

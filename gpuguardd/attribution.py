@@ -40,7 +40,8 @@ def cgroup_path(cgroup_file: str) -> str:
 # nests inside another's slice.
 _CONTAINER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^/lxc\.payload[./]([^/]+)"), "lxc"),  # upstream LXC >= 4
-    (re.compile(r"^/lxc/([^/]+)"), "lxc"),  # Proxmox VE and older LXC
+    # Proxmox VE keeps the container's own hierarchy under "ns" (lxc.cgroup.dir.container.inner)
+    (re.compile(r"^/lxc/([^/]+)(?:/ns(?=/|$))?"), "lxc"),
     (re.compile(r"/docker-([0-9a-f]{12,})\.scope"), "docker"),
     (re.compile(r"^/docker/([0-9a-f]{12,})"), "docker"),
     (re.compile(r"/libpod-(?:conmon-)?([0-9a-f]{12,})\.scope"), "podman"),
@@ -48,7 +49,7 @@ _CONTAINER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"/cri-containerd-([0-9a-f]{12,})\.scope"), "containerd"),
     (re.compile(r"/crio-(?:conmon-)?([0-9a-f]{12,})\.scope"), "crio"),
     (re.compile(r"^/kubepods(?:/[a-z]+)?/pod[0-9a-f-]+/([0-9a-f]{12,})"), "kubepods"),
-    (re.compile(r"/systemd-nspawn@([^/]+)\.service"), "nspawn"),
+    (re.compile(r"/systemd-nspawn@([^/]+)\.service(?:/payload(?=/|$))?"), "nspawn"),
     (re.compile(r"^/machine\.slice/machine-([^/]+)\.scope"), "machine"),
 )
 

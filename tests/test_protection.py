@@ -1,0 +1,50 @@
+"""Who is never signalled, decided from facts the process cannot fake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from gpuguardd import procfs
+from gpuguardd.config import Config
+from gpuguardd.models import Holder
+from gpuguardd.protection import protection_reason
+
+
+def holder_for(pid: int, exe: str = "/usr/bin/python3", unit: str = "", container: str = "",
+               state: str = "S") -> Holder:
+    return Holder(pid=pid, exe=exe, unit=unit, container=container, state=state)
+
+
+def test_pid1_kernel_threads_self_and_ancestors() -> None:
+    config = Config()
+    chain = procfs.ancestors(os.getpid())
+    assert chain[0] == os.getpid() and chain[-1] in (1, chain[-1])
+    assert protection_reason(holder_for(1), config, chain) == "PID 1 (init)"
+    kthreads = [p for p in procfs.list_pids() if (s := procfs.read_stat(p)) and s.is_kernel_thread]
+    assert kthreads, "no kernel thread visible in /proc"
+    assert protection_reason(holder_for(kthreads[0]), config, chain) == "kernel thread"
+    assert protection_reason(holder_for(os.getpid()), config, chain) == "gpuguard itself"
+    parent = os.getppid()
+    if parent != 1:
+        assert protection_reason(holder_for(parent), config, chain) == "an ancestor of the sweeping process"
+
+
+def test_protected_executable_and_unit_but_not_a_containers_namesake() -> None:
+    config = Config()
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert "protected executable /usr/bin/nvidia-persistenced" in (
+            protection_reason(holder_for(child.pid, exe="/usr/bin/nvidia-persistenced"), config, []) or "")
+        assert protection_reason(holder_for(child.pid, unit="nvidia-persistenced.service"), config, []) \
+            == "protected unit nvidia-persistenced.service"
+        # The unit name inside a container is the container's business, not a host daemon.
+        assert protection_reason(holder_for(child.pid, unit="nvidia-persistenced.service",
+                                            container="lxc/129"), config, []) is None
+        assert protection_reason(holder_for(child.pid, exe=sys.executable), config, []) is None
+        # No readable exe: cannot prove it is not protected, so it is spared.
+        assert "executable unknown" in (protection_reason(holder_for(child.pid, exe=""), config, []) or "")
+    finally:
+        child.kill()
+        child.wait()
