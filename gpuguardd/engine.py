@@ -184,14 +184,12 @@ class Engine:
         scope, settings, warnings = self.resolve_request(request)
         locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
+            first = self._scan_pinned()
             if not settings.dry_run:
-                # Which GPUs the sweep touches is only known from a scan; lock those, and if
-                # the scan after locking reaches further, widen the lock and look again.
-                pinned, nvml, _, _ = self._scan_pinned()
-                wanted = self._lock_names(scope, pinned, nvml)
-                for _, handle in pinned:
-                    handle.close()
+                # Which GPUs the sweep touches is only known from a scan; lock those. If we had
+                # to wait for another sweep, look again, and widen the lock if it reaches further.
                 held: set[str] = set()
+                wanted = self._lock_names(scope, first[0], first[1])
                 while not wanted <= held:
                     locks.release()
                     held = held | wanted
@@ -199,13 +197,17 @@ class Engine:
                     if problem:
                         warnings.append(problem)
                         break
-                    pinned, nvml, _, _ = self._scan_pinned()
-                    wanted = self._lock_names(scope, pinned, nvml)
-                    for _, handle in pinned:
+                    if not locks.waited:
+                        break
+                    for _, handle in first[0]:
                         handle.close()
+                    first = self._scan_pinned()
+                    wanted = self._lock_names(scope, first[0], first[1])
+            pending_first: list[tuple[Pinned, NvmlSnapshot, list[int], list[str]]] = [first]
 
             def scanner() -> tuple[Pinned, NvmlSnapshot, list[str]]:
-                pinned_now, snap, _, scan_warnings = self._scan_pinned()
+                # The scan that decided the locks is the sweep's first; later rounds rescan.
+                pinned_now, snap, _, scan_warnings = pending_first.pop() if pending_first else self._scan_pinned()
                 return pinned_now, snap, scan_warnings
 
             sweep = Sweep(scope, settings, scanner, self.snapshot,

@@ -18,6 +18,9 @@ class GpuLocks:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._fds: list[int] = []
+        # True if the last acquire() had to wait for another sweep: what was scanned before
+        # is stale then.
+        self.waited = False
 
     def acquire(self, gpus: Iterable[object]) -> str | None:
         """Lock the GPUs in a fixed order (no deadlock). Returns a warning if locking is off."""
@@ -26,6 +29,7 @@ class GpuLocks:
         except OSError as exc:
             return f"cannot create lock directory {self.directory}: {exc.strerror}; sweeps are not serialized"
         names = sorted({str(g) for g in gpus})
+        self.waited = False
         for name in names:
             path = os.path.join(self.directory, f"gpu-{name}.lock")
             try:
@@ -33,7 +37,11 @@ class GpuLocks:
             except OSError as exc:
                 self.release()
                 return f"cannot open {path}: {exc.strerror}; sweeps are not serialized"
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.waited = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
             self._fds.append(fd)
         return None
 

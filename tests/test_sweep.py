@@ -21,6 +21,7 @@ from gpuguardd.engine import Engine
 from gpuguardd.locks import GpuLocks
 from gpuguardd.models import SweepRequest
 from gpuguardd.process import ProcessHandle
+from gpuguardd.sweep import Sweep
 from tests.conftest import GiB, GpuHost, MiB
 
 
@@ -286,7 +287,8 @@ def test_sweeps_of_the_same_gpu_wait_for_each_other(inproc_nvml: GpuHost) -> Non
 
 
 @pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "start-time-fallback"])
-def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool) -> None:
+def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Scan, let the holder die and its PID be handed to a new process, then sweep the scan."""
     host = inproc_nvml
     engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), runtime_directory=str(host.root / "run"),
@@ -294,19 +296,17 @@ def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool
     victim = host.spawn("--hold", host.node("nvidia-uvm"))
     pid = victim.pid
     impostor: list[subprocess.Popen[bytes]] = []
-    real_scan = engine._scan_pinned
-    calls = 0
+    real_terminate = Sweep._terminate
 
-    def scan_then_recycle(*args: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        result = real_scan(*args)
-        if calls == 3:  # the sweep's own scan, after the two lock-planning scans
+    def recycle_then_terminate(self: Sweep, targets: Any) -> None:
+        # Between the scan (handles taken) and the first signal: the holder dies and its PID
+        # goes to an unrelated process.
+        if not impostor:
             victim.stop()
             impostor.append(spawn_with_pid(pid))
-        return result
+        real_terminate(self, targets)
 
-    engine._scan_pinned = scan_then_recycle  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(Sweep, "_terminate", recycle_then_terminate)
     try:
         report = engine.sweep(SweepRequest())
         assert impostor and impostor[0].pid == pid
