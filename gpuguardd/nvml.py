@@ -11,9 +11,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import pynvml
+try:
+    import pynvml
+except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
+    pynvml = None
 
 from .models import GpuInfo, NvmlSnapshot
+
+PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
 
 _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses",
                   "nvmlDeviceGetGraphicsRunningProcesses",
@@ -45,6 +50,9 @@ class Nvml:
     def _ensure_init(self) -> bool:
         if self._initialized:
             return True
+        if pynvml is None:
+            self.last_error = PYNVML_MISSING
+            return False
         try:
             pynvml.nvmlInit()
         except (pynvml.NVMLError, OSError) as exc:
@@ -56,7 +64,7 @@ class Nvml:
 
     def shutdown(self) -> None:
         with self._lock:
-            if self._initialized:
+            if self._initialized and pynvml is not None:
                 try:
                     pynvml.nvmlShutdown()
                 except pynvml.NVMLError:
