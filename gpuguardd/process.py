@@ -14,7 +14,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import procfs
 
@@ -114,8 +114,12 @@ class ProcessHandle:
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
 
-def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float) -> dict[int, float]:
-    """Wait until every handle's process has exited or `timeout` passes; the pids that exited.
+def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
+                  on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
+    """Wait until every handle's process has exited or `timeout` passes.
+
+    Returns {pid: time.monotonic() when its exit was seen}, and calls `on_exit(pid, seen_at)`
+    as each exit is seen.
 
     pidfds become readable the moment their process exits, so this returns without delay; the
     fallback has to poll /proc.
@@ -134,6 +138,8 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float) -> dict[int,
         for handle in fallback:
             if handle.pid not in done and handle.exited():
                 done[handle.pid] = time.monotonic()
+                if on_exit is not None:
+                    on_exit(handle.pid, done[handle.pid])
         if len(done) >= len(pending):
             break
         remaining = deadline - time.monotonic()
@@ -152,6 +158,8 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float) -> dict[int,
             pid = by_fd.pop(fd)
             poller.unregister(fd)
             done[pid] = seen
+            if on_exit is not None:
+                on_exit(pid, seen)
     return done
 
 

@@ -73,6 +73,10 @@ Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
 
 
 def in_scope(holder: Holder, scope: Scope) -> bool:
+    if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
+        # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
+        # the unit watch chose (unitwatch.py), never a recycled PID.
+        return not scope.gpus or bool(set(holder.gpus) & set(scope.gpus))
     if scope.container:
         if not container_matches(holder.container, scope.container):
             return False
@@ -210,14 +214,21 @@ class Sweep:
 
     # -- termination ---------------------------------------------------------------------
 
-    def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> bool:
-        sent = handle.send(sig)
-        if sent:
-            log.info("sweep %s: sent %s to pid %d (%s, unit %s%s), requested by %s",
-                     self.report.id[:8], sig.name, holder.pid, holder.comm, holder.unit or "-",
-                     f", container {holder.container}" if holder.container else "",
-                     self.report.requested_by or "unknown")
-        return sent
+    def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> str:
+        """"sent", "gone" (exited before the signal) or "denied" (not ours to signal)."""
+        try:
+            sent = handle.send(sig)
+        except PermissionError:
+            log.warning("sweep %s: not permitted to send %s to pid %d (%s)", self.report.id[:8],
+                        sig.name, holder.pid, holder.comm)
+            return "denied"
+        if not sent:
+            return "gone"
+        log.info("sweep %s: sent %s to pid %d (%s, unit %s%s), requested by %s",
+                 self.report.id[:8], sig.name, holder.pid, holder.comm, holder.unit or "-",
+                 f", container {holder.container}" if holder.container else "",
+                 self.report.requested_by or "unknown")
+        return "sent"
 
     def _terminate(self, targets: Pinned) -> None:
         report = self.report
@@ -232,24 +243,33 @@ class Sweep:
                 continue
             live[holder.pid] = (holder, handle)
         sent_at: dict[int, float] = {}
-        for pid, (holder, handle) in list(live.items()):
-            sent_at[pid] = time.monotonic()
-            if not self._signal(holder, handle, signal.SIGTERM):
-                self._record_exit(holder, handle, "", sent_at[pid])
-                del live[pid]
-        for sig, timeout in ((signal.SIGTERM, self.settings.grace_sec),
-                             (signal.SIGKILL, self.settings.kill_timeout_sec)):
-            if sig == signal.SIGKILL:
-                for pid, (holder, handle) in list(live.items()):
-                    if not self._signal(holder, handle, signal.SIGKILL):
-                        self._record_exit(holder, handle, signal.SIGTERM.name, sent_at[pid])
-                        del live[pid]
-            exited = wait_for_exit([h for _, h in live.values()], timeout)
-            for pid, seen_at in exited.items():
+
+        def send_all(sig: signal.Signals, gone_as: str) -> None:
+            for pid, (holder, handle) in list(live.items()):
+                sent_at.setdefault(pid, time.monotonic())
+                result = self._signal(holder, handle, sig)
+                if result == "gone":
+                    self._record_exit(holder, handle, gone_as, sent_at[pid])
+                    del live[pid]
+                elif result == "denied":
+                    report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
+                                            "state": holder.state,
+                                            "why": f"permission denied sending {sig.name} (run as root)"})
+                    del live[pid]
+
+        def wait(sig: signal.Signals, timeout: float) -> None:
+            def exited(pid: int, seen_at: float) -> None:
+                # Recorded (and announced on the bus) the moment it happens, not when the
+                # slowest target is done.
                 holder, handle = live.pop(pid)
                 self._record_exit(holder, handle, sig.name, sent_at[pid], seen_at)
-            if not live:
-                break
+            wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
+
+        send_all(signal.SIGTERM, "")
+        wait(signal.SIGTERM, self.settings.grace_sec)
+        if live:
+            send_all(signal.SIGKILL, signal.SIGTERM.name)
+            wait(signal.SIGKILL, self.settings.kill_timeout_sec)
         for pid, (holder, _) in live.items():
             state, why = _survivor_reason(pid)
             report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,

@@ -9,6 +9,7 @@ can really open and mmap it.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,15 @@ NODES = {
     "nvidia-modeset": (120, 254),
     "nvidia-uvm": (1, 5),
 }
+
+
+def node_numbers() -> dict[str, tuple[int, int]]:
+    """NODES with the major-120 minors moved to a random block: two test runs on one machine
+    (or a leftover from a killed one) then never see each other's holders by device number.
+    The GPU minor comes from the node's name, since major 120 is no NVIDIA driver's."""
+    base = random.randrange(1, 1 << 18) * 4
+    return {name: (major, base + i if major == 120 else minor)
+            for i, (name, (major, minor)) in enumerate(NODES.items())}
 
 
 def require_root() -> None:
@@ -139,7 +149,7 @@ class GpuHost:
 def make_host(root: Path, libdir: Path) -> GpuHost:
     dev = root / "dev"
     dev.mkdir()
-    for name, (major, minor) in NODES.items():
+    for name, (major, minor) in node_numbers().items():
         os.mknod(dev / name, 0o666 | 0o020000, os.makedev(major, minor))
     state = FakeNvmlState()
     state.add_gpu(minor=0, memory_total=80 * GiB)

@@ -68,7 +68,7 @@ def test_node_at_another_path_is_matched_by_device_number(inproc_nvml: GpuHost) 
     host = inproc_nvml
     container_dev = host.root / "container-dev"
     container_dev.mkdir()
-    os.mknod(container_dev / "gpu-a", 0o666 | 0o020000, os.makedev(120, 0))
+    os.mknod(container_dev / "gpu-a", 0o666 | 0o020000, os.stat(host.node("nvidia0")).st_rdev)
     proc = host.spawn("--hold", str(container_dev / "gpu-a"))
     holder = holder_by_pid(engine_for(host).scan().holders, proc.pid)
     assert holder.devices == [host.node("nvidia0")]
