@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import glob
 import os
 import re
@@ -75,6 +76,12 @@ class Config:
 
     def protected_executable_patterns(self) -> tuple[str, ...]:
         """The configured paths plus their resolved forms, so /usr/bin/X matches /usr/lib/x/X."""
+        return self._resolved_executables
+
+    @functools.cached_property
+    def _resolved_executables(self) -> tuple[str, ...]:
+        # Asked for every holder of every scan, and realpath() costs a few lstat()s per path:
+        # resolved once per Config, so a reload (a new Config) sees symlinks changed since.
         resolved: list[str] = []
         for pattern in self.protected_executables:
             resolved.append(pattern)

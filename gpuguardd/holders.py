@@ -1,10 +1,11 @@
 """Discovery: every process that holds a watched device, by fd, by mmap, or in NVML's lists.
 
 psutil's open_files() reports regular files only, so device fds are found here, from
-/proc/<pid>/fd. One stat() per fd (following the link) gives the node's identity; no readlink
-is needed because the identity, not the name, decides. Maps are read as bytes and parsed only
-when one of the watched nodes' tokens occurs in them, which keeps a scan of thousands of
-processes close to fuser's cost.
+/proc/<pid>/fd. One stat() per fd (following the link, relative to the open fd directory)
+gives the node's identity; no readlink is needed because the identity, not the name, decides.
+Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
+substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
+details need no second look. bench/bench_scan.py measures all this against fuser and lsof.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-import stat as stat_mod
 from dataclasses import dataclass, field
 
 import psutil
@@ -24,6 +24,8 @@ from .models import KIND_COMPUTE, KIND_MANAGEMENT, DeviceNode, Holder, NvmlSnaps
 from .process import ProcessHandle
 
 PROC = procfs.PROC
+_S_IFMT = 0o170000
+_S_IFCHR = 0o020000
 
 
 @dataclass
@@ -33,22 +35,33 @@ class RawHolding:
     pid: int
     nodes: dict[str, DeviceNode] = field(default_factory=dict)
     how: set[str] = field(default_factory=set)
+    # Opened before /proc/<pid> was read: while it shows the process alive, what was read was
+    # that process's, since a PID is reused only after its process is reaped.
+    pidfd: int | None = None
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    with os.scandir(f"{PROC}/{pid}/fd") as entries:
-        for entry in entries:
+    dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        by_inode = device_map.by_inode
+        for name in os.listdir(dir_fd):
             try:
-                st = entry.stat()  # follows the link to the open file itself
+                st = os.stat(name, dir_fd=dir_fd)  # follows the link to the open file itself
             except OSError:
                 continue  # closed meanwhile, or a file we may not stat
-            if not stat_mod.S_ISCHR(st.st_mode):
+            if st.st_mode & _S_IFMT != _S_IFCHR:
                 continue
-            node = device_map.by_inode.get((st.st_dev, st.st_ino)) or \
-                device_map.node_for_rdev(st.st_rdev)
+            node = by_inode.get((st.st_dev, st.st_ino)) or device_map.node_for_rdev(st.st_rdev)
             if node is not None:
                 raw.nodes[node.path] = node
                 raw.how.add("fd")
+    finally:
+        os.close(dir_fd)
 
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
@@ -57,42 +70,68 @@ def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
             data = handle.read()
     except OSError:
         return
-    if not any(token in data for token in device_map.maps_tokens):
-        return
-    for line in data.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 5:
-            continue
-        path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
-        node = device_map.by_path.get(path)
-        if node is None:
-            try:
-                major_text, minor_text = parts[3].split(b":")
-                dev = os.makedev(int(major_text, 16), int(minor_text, 16))
-                node = device_map.by_inode.get((dev, int(parts[4])))
-            except ValueError:
-                node = None
-        if node is not None:
-            raw.nodes[node.path] = node
-            raw.how.add("mmap")
+    seen: set[int] = set()
+    for token in device_map.maps_prefilter or device_map.maps_tokens:
+        found = data.find(token)
+        while found >= 0:
+            start = data.rfind(b"\n", 0, found) + 1
+            end = data.find(b"\n", found)
+            if end < 0:
+                end = len(data)
+            found = data.find(token, end)
+            if start not in seen:
+                seen.add(start)
+                node = _maps_line_node(data[start:end], device_map)
+                if node is not None:
+                    raw.nodes[node.path] = node
+                    raw.how.add("mmap")
 
 
-def scan_raw(device_map: DeviceMap, pids: list[int] | None = None
+def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
+    parts = line.split(None, 5)
+    if len(parts) < 5:
+        return None
+    path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
+    node = device_map.by_path.get(path)
+    if node is None:
+        try:
+            major_text, minor_text = parts[3].split(b":")
+            dev = os.makedev(int(major_text, 16), int(minor_text, 16))
+            node = device_map.by_inode.get((dev, int(parts[4])))
+        except ValueError:
+            node = None
+    return node
+
+
+def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
              ) -> tuple[dict[int, RawHolding], list[int]]:
-    """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read."""
+    """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
+
+    With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
+    RawHolding.pidfd for describe() (or the caller's RawHolding.close())."""
     found: dict[int, RawHolding] = {}
     unreadable: list[int] = []
     for pid in procfs.list_pids() if pids is None else pids:
         raw = RawHolding(pid)
+        if use_pidfd:
+            try:
+                raw.pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # exited
+            except OSError:
+                pass  # e.g. EMFILE: describe() pins it later and reads it again
         try:
             _scan_fds(pid, device_map, raw)
         except OSError as exc:
             if exc.errno in (errno.EACCES, errno.EPERM):
                 unreadable.append(pid)
+            raw.close()
             continue  # ENOENT: exited; ESRCH: exiting
         _scan_maps(pid, device_map, raw)
         if raw.nodes:
             found[pid] = raw
+        else:
+            raw.close()
     return found, unreadable
 
 
@@ -142,23 +181,35 @@ def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
 
 def describe(pid: int, nvml: NvmlSnapshot,
              device_map: DeviceMap, user_cache: dict[int, str],
-             use_pidfd: bool = True) -> tuple[Holder, ProcessHandle] | None:
-    """Read a holder's details, race-free: the pidfd is taken first and the process is checked
-    to be alive after everything was read, so the details can't belong to a recycled PID."""
-    handle = ProcessHandle.open(pid, use_pidfd=use_pidfd)
-    if handle is None:
-        return None
-    stat = procfs.read_stat(pid)
-    if stat is None or stat.start_time != handle.start_time:
-        handle.close()
-        return None
-    # The fast pass ran before the pidfd existed; look again now that the PID is pinned.
-    raw = RawHolding(pid)
-    try:
-        _scan_fds(pid, device_map, raw)
-    except OSError:
-        pass
-    _scan_maps(pid, device_map, raw)
+             use_pidfd: bool = True, raw: RawHolding | None = None
+             ) -> tuple[Holder, ProcessHandle] | None:
+    """Read a holder's details, race-free: the process is pinned (pidfd, or start time) before
+    its holdings are read and checked to be alive after everything was read, so the details
+    can't belong to a recycled PID. A `raw` from scan_raw(use_pidfd=True) was read after
+    pinning: it is taken over, pidfd included. Otherwise the holdings are read again here."""
+    if raw is not None and raw.pidfd is not None:
+        stat = procfs.read_stat(pid)
+        if stat is None:
+            raw.close()
+            return None
+        handle = ProcessHandle(pid, stat.start_time, raw.pidfd)
+        raw.pidfd = None
+    else:
+        opened = ProcessHandle.open(pid, use_pidfd=use_pidfd)
+        if opened is None:
+            return None
+        handle = opened
+        stat = procfs.read_stat(pid)
+        if stat is None or stat.start_time != handle.start_time:
+            handle.close()
+            return None
+        # The fast pass ran before the process was pinned; look again now that it is.
+        raw = RawHolding(pid)
+        try:
+            _scan_fds(pid, device_map, raw)
+        except OSError:
+            pass
+        _scan_maps(pid, device_map, raw)
     holder = Holder(pid=pid, comm=stat.comm, state=stat.state, ppid=stat.ppid,
                     start_time=stat.start_time, uid=-1)
     _fill_details(holder, user_cache)
@@ -188,14 +239,18 @@ def describe(pid: int, nvml: NvmlSnapshot,
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True
                  ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
     """All holders with open handles on them (the caller closes them), and unreadable pids."""
-    raw, unreadable = scan_raw(device_map)
+    raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd)
     candidates = set(raw)
     for gpu in nvml.gpus:
         candidates.update(gpu.processes)
     user_cache: dict[int, str] = {}
     result: list[tuple[Holder, ProcessHandle]] = []
-    for pid in sorted(candidates):
-        described = describe(pid, nvml, device_map, user_cache, use_pidfd)
-        if described is not None:
-            result.append(described)
+    try:
+        for pid in sorted(candidates):
+            described = describe(pid, nvml, device_map, user_cache, use_pidfd, raw.get(pid))
+            if described is not None:
+                result.append(described)
+    finally:
+        for holding in raw.values():
+            holding.close()  # those describe() did not take over
     return result, unreadable
