@@ -4,8 +4,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := python3 python3-venv python3-dev gcc make psmisc lsof dbus-daemon dbus-bin \
 	libglib2.0-bin libxml2-utils systemd-container polkitd pkexec
+# The D-Bus service tests drive busctl (systemd), setpriv (util-linux) and dbus-send (dbus-bin).
+APT_PACKAGES += systemd util-linux
+# Packaging and docs (make man, deb, rpm and their tests): scdoc for the man pages, Debian's
+# build tool chain, rpmbuild, bash-completion; the runtime dependencies from Debian so that the
+# .deb installs without a download (the e2e container has no network) and `make install`'s
+# programs run on the system Python.
+APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
+	python3-setuptools python3-wheel python3-build python3-installer lintian rpm bash-completion \
+	python3-dbus-fast python3-psutil python3-sdnotify
 
-.PHONY: all deps venv test lint typecheck unit gpu-test bench clean
+.PHONY: all deps venv test lint typecheck unit gpu-test bench clean man install install-python \
+	install-data uninstall deb rpm demo e2e
 
 all: test
 
@@ -31,7 +41,7 @@ $(BIN)/.installed: setup.cfg pyproject.toml
 venv: $(BIN)/.installed
 
 lint: venv
-	$(BIN)/ruff check gpuguardd tests bench
+	$(BIN)/ruff check gpuguardd tests bench packaging
 
 typecheck: venv
 	$(BIN)/mypy
@@ -48,6 +58,187 @@ test: deps venv lint typecheck unit
 bench: deps venv
 	$(BIN)/python bench/bench_scan.py
 	$(BIN)/python bench/bench_sweep.py
+	$(BIN)/python bench/bench_dbus.py
+
+# Both boot the machine's own systemd as PID 1 in a throwaway systemd-nspawn container over a
+# volatile overlay of / (tests/e2e/harness.py): nothing is written to the host. Root only.
+demo: deps venv
+	$(BIN)/python demo/demo.py
+
+e2e: deps venv
+	$(BIN)/pytest -v -p no:cacheprovider tests/e2e
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info tests/fakenvml/build
+
+# --- Man pages, installation, packages (packaging/README.md explains the layout) --------------
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' gpuguardd/__init__.py)
+PREFIX ?= /usr
+DESTDIR ?=
+BINDIR ?= $(PREFIX)/bin
+LIBEXECDIR ?= $(PREFIX)/libexec
+DATADIR ?= $(PREFIX)/share
+MANDIR ?= $(DATADIR)/man
+SYSCONFDIR ?= /etc
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+DBUS_POLICYDIR ?= $(DATADIR)/dbus-1/system.d
+DBUS_SERVICEDIR ?= $(DATADIR)/dbus-1/system-services
+DBUS_INTERFACEDIR ?= $(DATADIR)/dbus-1/interfaces
+POLKIT_ACTIONDIR ?= $(DATADIR)/polkit-1/actions
+COMPLETIONDIR ?= $(DATADIR)/bash-completion/completions
+# `make install` keeps gpuguard's modules out of the system's site-packages (PEP 668: that
+# belongs to the distribution's package manager); its two programs put this first on sys.path.
+PYTHONDIR ?= $(PREFIX)/lib/gpuguard/python
+# The interpreter of the installed programs: the system's, whose packages provide dbus-fast,
+# psutil and sdnotify; never a venv's or pyenv's.
+INSTALL_PYTHON ?= /usr/bin/python3
+INSTALL ?= install
+DIST ?= dist
+DIST_ABS = $(abspath $(DIST))
+# Package builds see the distribution's tools only (no venv, no pyenv shims first on PATH).
+CLEAN_ENV := env -u PYTHONPATH -u VIRTUAL_ENV -u PYENV_VERSION -u PYTHONHOME \
+	PATH=/usr/sbin:/usr/bin:/sbin:/bin
+
+MAN_SOURCES := $(wildcard man/*.scd)
+MAN_PAGES := $(patsubst man/%.scd,build/man/%,$(MAN_SOURCES))
+DROPIN_DIRS := $(notdir $(wildcard systemd/dropins/*.service.d))
+DBUS_NAME := org.gpuguard.GpuGuard1
+
+man: $(MAN_PAGES)
+
+build/man/%: man/%.scd gpuguardd/__init__.py
+	@mkdir -p build/man
+	sed 's/@VERSION@/$(VERSION)/g' $< | scdoc > $@.tmp
+	mv $@.tmp $@
+
+# $(call entry_point,MODULE,FILE): a program that runs MODULE's main() from PYTHONDIR.
+define entry_point
+	printf '%s\n' '#!$(INSTALL_PYTHON)' \
+		'# Installed by make install: the gpuguardd package lives in $(PYTHONDIR).' \
+		'import sys' '' 'sys.path.insert(0, "$(PYTHONDIR)")' '' \
+		'from $(1) import main' '' 'main()' > $(2).tmp
+	chmod 755 $(2).tmp
+	mv $(2).tmp $(2)
+endef
+
+install-python:
+	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBEXECDIR)/gpuguard
+	find gpuguardd -name '*.py' -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
+	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
+	$(call entry_point,gpuguardd.cli,$(DESTDIR)$(BINDIR)/gpuguardctl)
+	$(call entry_point,gpuguardd.daemon,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
+
+# Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
+# from dh-python and %pyproject_install). The paths in the unit and the example drop-ins
+# follow LIBEXECDIR and BINDIR.
+install-data: man
+	$(INSTALL) -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DBUS_POLICYDIR) $(DESTDIR)$(DBUS_SERVICEDIR) \
+		$(DESTDIR)$(DBUS_INTERFACEDIR) $(DESTDIR)$(POLKIT_ACTIONDIR) $(DESTDIR)$(COMPLETIONDIR) \
+		$(DESTDIR)$(SYSCONFDIR)/gpuguard build/install
+	sed 's|/usr/libexec/gpuguard/|$(LIBEXECDIR)/gpuguard/|g' systemd/gpuguardd.service \
+		> build/install/gpuguardd.service
+	$(INSTALL) -m 644 build/install/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguardd.service
+	set -e; for d in $(DROPIN_DIRS); do \
+		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
+		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' systemd/dropins/$$d/gpuguard.conf \
+			> build/install/dropin.conf; \
+		$(INSTALL) -m 644 build/install/dropin.conf $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d/gpuguard.conf; \
+	done
+	$(INSTALL) -m 644 dbus/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf
+	$(INSTALL) -m 644 dbus/$(DBUS_NAME).service $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service
+	$(INSTALL) -m 644 dbus/$(DBUS_NAME).xml $(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml
+	$(INSTALL) -m 644 dbus/$(DBUS_NAME).policy $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy
+	$(INSTALL) -m 644 completion/gpuguardctl $(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
+	set -e; for page in $(MAN_PAGES); do \
+		$(INSTALL) -d $(DESTDIR)$(MANDIR)/man$${page##*.}; \
+		$(INSTALL) -m 644 $$page $(DESTDIR)$(MANDIR)/man$${page##*.}/; \
+	done
+	@# An existing configuration is the admin's: never overwritten.
+	@if [ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf ]; then \
+		echo "keeping the existing $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf"; \
+	else \
+		echo "$(INSTALL) -m 644 config/gpuguard.conf $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf"; \
+		$(INSTALL) -m 644 config/gpuguard.conf $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
+	fi
+
+install: install-python install-data
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "gpuguard $(VERSION) installed; start it with: systemctl enable --now gpuguardd.service"
+
+uninstall:
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+		echo "systemctl disable --now gpuguardd.service"; \
+		systemctl disable --now gpuguardd.service 2>/dev/null || true; \
+	fi
+	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
+		$(DESTDIR)$(UNITDIR)/gpuguardd.service \
+		$(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service \
+		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
+		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
+	set -e; for page in $(notdir $(MAN_PAGES)); do rm -f $(DESTDIR)$(MANDIR)/man$${page##*.}/$$page; done
+	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard
+	rmdir $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(PREFIX)/lib/gpuguard $(DESTDIR)$(LIBEXECDIR)/gpuguard 2>/dev/null || true
+	@# The configuration goes only if it is still the one make install put there.
+	@conf=$(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
+	if [ -e $$conf ] && cmp -s config/gpuguard.conf $$conf; then \
+		echo "rm -f $$conf"; rm -f $$conf; rmdir $(DESTDIR)$(SYSCONFDIR)/gpuguard 2>/dev/null || true; \
+	elif [ -e $$conf ]; then echo "keeping the changed $$conf"; fi
+	@# The sweep history stays, as `apt-get remove` keeps it; PURGE=yes removes it too.
+	@if [ "$(PURGE)" = yes ]; then echo "rm -rf $(DESTDIR)/var/lib/gpuguard"; rm -rf $(DESTDIR)/var/lib/gpuguard; \
+	elif [ -d $(DESTDIR)/var/lib/gpuguard ]; then echo "keeping the sweep history in $(DESTDIR)/var/lib/gpuguard (PURGE=yes removes it)"; fi
+	@hooks=$$(grep -l -s '^# Managed by gpuguard' $(DESTDIR)$(SYSCONFDIR)/systemd/system/*.service.d/gpuguard.conf); \
+	if [ -n "$$hooks" ]; then echo "hooks left in place (gpuguardctl hook remove before uninstalling):" $$hooks; fi
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+
+# The source tree as a package build sees it: what git tracks or would track (new files too,
+# ignored ones not), or without git everything but the usual build products.
+# $(call stage_source,DIR)
+define stage_source
+	rm -rf $(1) && mkdir -p $(1)
+	if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+		git ls-files -z --cached --others --exclude-standard; \
+	else \
+		find . \( -name .git -o -name .venv -o -name build -o -name dist -o -name '*.egg-info' \
+			-o -name __pycache__ -o -name '.*_cache' \) -prune -o -type f -print0; \
+	fi | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C $(1)
+endef
+
+DEB_SRC = $(DIST_ABS)/deb-build/gpuguard-$(VERSION)
+
+# dpkg-buildpackage -us -uc -b on a copy with debian/ at its top; packaging/README.md.
+deb:
+	$(call stage_source,$(DEB_SRC))
+	cp -r packaging/debian $(DEB_SRC)/debian
+	@# The package's version is gpuguardd.__version__: a version the changelog does not have
+	@# yet gets an entry of its own in the copy.
+	@cl=$(DEB_SRC)/debian/changelog; \
+	if [ "$$(dpkg-parsechangelog -l $$cl -S Version)" != "$(VERSION)" ]; then \
+		{ printf 'gpuguard (%s) unstable; urgency=medium\n\n  * New upstream version %s.\n\n -- %s  %s\n\n' \
+			"$(VERSION)" "$(VERSION)" "$$(dpkg-parsechangelog -l $$cl -S Maintainer)" "$$(date -R)"; \
+			cat $$cl; } > $$cl.new && mv $$cl.new $$cl; \
+	fi
+	cd $(DEB_SRC) && $(CLEAN_ENV) dpkg-buildpackage -us -uc -b
+	mkdir -p $(DIST_ABS)
+	cp $(DIST_ABS)/deb-build/gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
+	$(CLEAN_ENV) lintian --fail-on error \
+		$(DIST_ABS)/deb-build/gpuguard_$(VERSION)_*.changes
+	@echo "built $(DIST)/gpuguard_$(VERSION)_all.deb"
+
+RPM_TOP = $(DIST_ABS)/rpm-build
+
+# rpmbuild -bb; on a distribution without Fedora's Python and systemd RPM macros (Debian),
+# packaging/rpm/macros.fallback stands in for them and --nodeps skips the BuildRequires, which
+# rpm's empty database there cannot know.
+rpm:
+	rm -rf $(RPM_TOP) && mkdir -p $(RPM_TOP)/SOURCES
+	$(call stage_source,$(RPM_TOP)/src/gpuguard-$(VERSION))
+	tar -czf $(RPM_TOP)/SOURCES/gpuguard-$(VERSION).tar.gz -C $(RPM_TOP)/src gpuguard-$(VERSION)
+	set -e; extra=; \
+	if [ -z "$$(rpm --eval '%{?pyproject_wheel}')" ]; then extra="--load=$(CURDIR)/packaging/rpm/macros.fallback"; fi; \
+	if ! rpm -q rpm >/dev/null 2>&1; then extra="$$extra --nodeps"; fi; \
+	echo "rpmbuild -bb $$extra"; \
+	$(CLEAN_ENV) rpmbuild -bb $$extra --define "_topdir $(RPM_TOP)" \
+		--define "gpuguard_version $(VERSION)" packaging/rpm/gpuguard.spec
+	mkdir -p $(DIST_ABS)
+	cp $(RPM_TOP)/RPMS/noarch/gpuguard-$(VERSION)-*.noarch.rpm $(DIST_ABS)/
+	@echo "built" $(DIST)/gpuguard-$(VERSION)-*.noarch.rpm

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from . import __version__, output
+from . import __version__, hooks, output
 from .config import load_config, parse_timespan
 from .engine import Engine, HolderFilter, gpu_summaries
 from .errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
@@ -100,7 +100,10 @@ class LocalBackend:
         return [h.to_dict() for h in found]
 
     def sweep(self, request: SweepRequest) -> dict[str, Any]:
-        request.requested_by = request.requested_by or requester_description()
+        # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
+        # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
+        request.requested_by = (request.requested_by or hooks.requested_by_for_reason(request.reason)
+                                or requester_description())
         return self.engine.sweep(request).to_dict()
 
     def history(self, count: int) -> list[dict[str, Any]]:
@@ -110,10 +113,13 @@ class LocalBackend:
 def connect(args: argparse.Namespace) -> Backend:
     """The daemon if it answers; the local engine when asked, or for root's sweep as fallback."""
     if args.local:
+        if args.verb == "watch":
+            raise InvalidArgument("watch shows the daemon's signals; it is not available with --local")
         return _local(args)
     try:
         from .client import DBusBackend
-        return DBusBackend(bus_address=getattr(args, "bus_address", None))  # type: ignore[no-any-return]
+        # bus_address None: $GPUGUARD_BUS_ADDRESS, else the system bus (decided in the client).
+        return DBusBackend(bus_address=getattr(args, "bus_address", None))
     except (ImportError, DaemonUnavailable) as exc:
         if args.verb == "sweep" and os.geteuid() == 0:
             log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
@@ -192,6 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
     history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
+
+    verbs.add_parser("watch", parents=[common],
+                     help="print the daemon's signals (sweeps, terminations, leaks) as they come")
+
+    # `hook install|remove|list`: ExecStopPost drop-ins (gpuguardd/hooks.py); needs no daemon.
+    hooks.add_parser(verbs, common)
     return parser
 
 
@@ -209,6 +221,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     out = sys.stdout
+    if args.verb == "hook":
+        return hooks.run_command(args, out)
     try:
         backend = connect(args)
         if args.verb == "status":
@@ -243,6 +257,12 @@ def run(argv: Sequence[str] | None = None) -> int:
                 for report in reports:
                     output.print_report(report, out)
             return EXIT_OK
+        if args.verb == "watch":
+            from .client import DBusBackend
+            from .watch import run_watch
+            if not isinstance(backend, DBusBackend):
+                raise InvalidArgument("watch needs gpuguardd")
+            return run_watch(backend, args.json, out)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_USAGE

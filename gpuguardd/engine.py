@@ -159,7 +159,8 @@ class Engine:
         grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
         dry_run = config.dry_run if request.dry_run is None else request.dry_run
         scope = Scope(gpus=gpus, unit=unit, container=container,
-                      include_management=request.include_management)
+                      include_management=request.include_management,
+                      adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
                                  verify_timeout_sec=config.verify_timeout_sec,
                                  released_below_bytes=config.released_below_mib * 1024 * 1024,

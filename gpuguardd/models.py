@@ -142,6 +142,9 @@ class SweepRequest:
     include_management: bool = False
     reason: str = ""
     requested_by: str = ""
+    # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
+    # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
+    adopted: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class Scope:
     unit: str = ""
     container: str = ""
     include_management: bool = False
+    adopted: tuple[tuple[int, int], ...] = ()  # see SweepRequest.adopted
 
     @property
     def whole_host(self) -> bool:
@@ -161,6 +165,8 @@ class Scope:
         out: dict[str, Any] = {"gpus": list(self.gpus), "unit": self.unit,
                                "container": self.container,
                                "include_management": self.include_management}
+        if self.adopted:
+            out["adopted_pids"] = [pid for pid, _ in self.adopted]
         return out
 
 

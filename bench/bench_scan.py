@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Holder scan: gpuguard against `fuser -v` and `lsof` on the same synthetic population.
+
+    sudo .venv/bin/python bench/bench_scan.py [--procs 2000] [--files 50] [--holders 200] [--repeat 5]
+
+Builds `--procs` idle processes with `--files` open files each; `--holders` of them hold the
+fake device nodes (fds opened O_PATH or O_RDWR, mappings without an fd, management and modeset
+nodes). Then times, interleaved, after one untimed warm-up round each:
+
+  * gpuguard find_holders(build_device_map(...), NvmlSnapshot(available=False)), in process;
+  * gpuguard Engine.scan() (adds the NVML attempt and protection marking), in process;
+  * fuser -v <nodes> and lsof -w -n -P -- <nodes>, as the commands an admin would run.
+
+Every run's set of holder PIDs must equal the population's holders, or the benchmark fails.
+It prints the median per tool and the ratios gpuguard/fuser and gpuguard/lsof (below 1 means
+gpuguard is faster). --profile adds a cProfile of one find_holders run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import common
+from common import BenchError, Population
+
+from gpuguardd.config import Config
+from gpuguardd.devices import build_device_map, driver_majors
+from gpuguardd.engine import Engine
+from gpuguardd.holders import find_holders
+from gpuguardd.models import NvmlSnapshot
+
+FIND = "gpuguard find_holders"
+SCAN = "gpuguard Engine.scan()"
+FUSER = "fuser -v"
+LSOF = "lsof -w -n -P"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--procs", type=int, default=2000, help="processes in the population")
+    parser.add_argument("--files", type=int, default=50, help="open files per process")
+    parser.add_argument("--holders", type=int, default=200, help="processes holding device nodes")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per tool (median)")
+    parser.add_argument("--workers", type=int, default=4, help="processes forking the population")
+    parser.add_argument("--uvm", choices=(common.UVM_FILE, common.UVM_ZERO), default=common.UVM_FILE,
+                        help="what the mapped nvidia-uvm is: a regular file (default) or a node "
+                             "with /dev/zero's numbers 1,5 (then gpuguard also sees every "
+                             "/dev/zero holder on the host, and other runs' (1,5) nodes see ours)")
+    parser.add_argument("--profile", action="store_true", help="cProfile one find_holders run")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.procs < 1 or args.files < 0 or args.holders < 0 or args.repeat < 1 or args.workers < 1:
+        parser.error("--procs, --repeat and --workers must be >= 1; --files and --holders >= 0")
+    if args.holders > args.procs:
+        parser.error("--holders cannot exceed --procs")
+    return args
+
+
+Measured = tuple[float, float, set[int]]  # wall seconds, CPU seconds, holder pids
+
+
+def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine
+               ) -> dict[str, Callable[[], Measured]]:
+    def gpuguard_find() -> Measured:
+        cpu, started = time.process_time(), time.perf_counter()
+        pinned, _ = find_holders(build_device_map(patterns), NvmlSnapshot(available=False))
+        for _, handle in pinned:
+            handle.close()
+        wall = time.perf_counter() - started
+        return wall, time.process_time() - cpu, {holder.pid for holder, _ in pinned}
+
+    def gpuguard_scan() -> Measured:
+        cpu, started = time.process_time(), time.perf_counter()
+        result = engine.scan()
+        wall = time.perf_counter() - started
+        return wall, time.process_time() - cpu, {holder.pid for holder in result.holders}
+
+    def fuser() -> Measured:
+        run = common.run_fuser(paths, "-v")
+        return run.seconds, run.cpu, run.pids
+
+    def lsof() -> Measured:
+        run = common.run_lsof(paths)
+        return run.seconds, run.cpu, run.pids
+
+    return {FIND: gpuguard_find, SCAN: gpuguard_scan, FUSER: fuser, LSOF: lsof}
+
+
+def profile_find(patterns: tuple[str, ...]) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    pinned, _ = find_holders(build_device_map(patterns), NvmlSnapshot(available=False))
+    profiler.disable()
+    for _, handle in pinned:
+        handle.close()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats("cumulative").print_stats(r"gpuguardd", 12)
+    return out.getvalue()
+
+
+def run(args: argparse.Namespace) -> int:
+    common.require_environment(("fuser", "lsof"))
+    workdir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-scan-"))
+    population: Population | None = None
+    try:
+        nodes = common.make_nodes(workdir / "dev", uvm=args.uvm)
+        patterns = (str(workdir / "dev" / "nvidia*"),)
+        paths = sorted(nodes.values())
+        population = Population(workdir, nodes, args.procs, args.files, args.holders,
+                                workers=args.workers, orphan_cleanup=(workdir / "dev", workdir))
+        population.start()
+        expected = population.holder_pids
+        host = sum(name.isdigit() for name in os.listdir("/proc"))
+        print(f"bench_scan: {args.procs} processes x {args.files} open files, {len(expected)} holding "
+              f"device nodes ({host} processes on the host); population ready in "
+              f"{population.startup_sec:.1f} s; nvidia-uvm is {'a regular file' if args.uvm == 'file' else '1,5'}")
+        config = Config(device_paths=patterns, runtime_directory=str(workdir / "run"),
+                        state_directory=str(workdir / "state"))
+        engine = Engine(config)
+        tools = make_tools(patterns, paths, engine)
+        names = list(tools)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
+        aliases: dict[int, str] = {}
+        majors = driver_majors()
+
+        def check(name: str, pids: set[int]) -> None:
+            extra = pids - expected
+            if extra and name in (FIND, SCAN):
+                found = common.alias_holders(extra, nodes, majors)
+                aliases.update(found)
+                pids = pids - set(found)
+            common.check_same({name: pids}, expected, population.members)
+
+        for name in names:  # warm-up: dentry caches, imports; checked, not timed
+            check(name, tools[name]()[2])
+        for round_number in range(args.repeat):
+            # Rotate the order so no tool always runs first (or right after another).
+            shift = round_number % len(names)
+            for name in names[shift:] + names[:shift]:
+                seconds, cpu_seconds, pids = tools[name]()
+                check(name, pids)
+                times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
+        agreed = " = ".join(names)
+        print(common.table([(name, times[name]) for name in names], cpu=cpu))
+        print(f"same holders: {len(expected)} pids in every run ({agreed} = the population's holders)")
+        if aliases:
+            print(f"note: gpuguard also reported {len(aliases)} process(es) outside the population, not "
+                  "counted: they hold a device with the same number at another path, which gpuguard "
+                  "matches by design (fuser and lsof match the node's inode): "
+                  + "; ".join(f"{pid}: {why}" for pid, why in sorted(aliases.items())[:5]))
+        ratios: dict[str, float] = {}
+        for peer in (FUSER, LSOF):
+            parts = []
+            for ours in (FIND, SCAN):
+                ratio = common.median(times[ours]) / common.median(times[peer])
+                ratios[f"{ours}/{peer}"] = ratio
+                ratios[f"{ours}/{peer} cpu"] = common.median(cpu[ours]) / common.median(cpu[peer])
+                parts.append(f"{ratio:.2f} ({ours.split(' ', 1)[1]})")
+            print(f"ratio gpuguard/{peer.split()[0]}: " + ", ".join(parts) + " [wall clock; CPU time: "
+                  f"{ratios[f'{FIND}/{peer} cpu']:.2f}, {ratios[f'{SCAN}/{peer} cpu']:.2f}]")
+        fuser_ratio = ratios[f"{FIND}/{FUSER}"]
+        verdict = "met" if fuser_ratio <= 1.0 else "MISSED"
+        print(f"target gpuguard no slower than fuser: {verdict} (find_holders {fuser_ratio:.2f}x fuser)")
+        if args.profile:
+            print("\nprofile of one find_holders run:\n" + profile_find(patterns))
+        common.write_json(args.json, {
+            "benchmark": "scan", "procs": args.procs, "files": args.files,
+            "holders": len(expected), "repeat": args.repeat,
+            "median_sec": {name: common.median(times[name]) for name in names},
+            "median_cpu_sec": {name: common.median(cpu[name]) for name in names},
+            "runs_sec": times, "runs_cpu_sec": cpu, "ratios": ratios,
+            "load_average": os.getloadavg(),
+        })
+        return 0
+    finally:
+        if population is not None:
+            population.stop()
+        common.unmount_nodes(workdir / "dev")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.exit_on_signals()
+    try:
+        return run(args)
+    except BenchError as exc:
+        print(f"bench_scan: FAILED: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_scan: interrupted; population torn down", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Who is calling, and may they: bus credentials for the uid, polkit for everyone but root.
+
+The uid comes from the bus daemon (GetConnectionCredentials), which took it from the socket:
+a caller cannot lie about it. The caller's PID is never used to decide anything, because a
+PID can be recycled between the call and the check. Polkit is asked about the bus name
+("system-bus-name" subject), which polkit resolves the same race-free way.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pwd
+from dataclasses import dataclass
+
+from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from .errors import NotAuthorized
+
+log = logging.getLogger("gpuguard.auth")
+
+POLKIT_NAME = "org.freedesktop.PolicyKit1"
+POLKIT_PATH = "/org/freedesktop/PolicyKit1/Authority"
+POLKIT_INTERFACE = "org.freedesktop.PolicyKit1.Authority"
+POLKIT_ALLOW_USER_INTERACTION = 1
+# Errors meaning "no polkit on this bus": then only root is authorized.
+_NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
+              "org.freedesktop.DBus.Error.NameHasNoOwner",
+              "org.freedesktop.DBus.Error.Spawn.ServiceNotFound",
+              "org.freedesktop.DBus.Error.Spawn.ExecFailed",
+              "org.freedesktop.DBus.Error.Spawn.ChildExited"}
+_CACHE_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class Caller:
+    sender: str
+    uid: int
+    user: str
+    interactive: bool
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    def describe(self) -> str:
+        return f"uid {self.uid} ({self.user}) {self.sender}"
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class Authorizer:
+    def __init__(self, bus: MessageBus) -> None:
+        self.bus = bus
+        # Unique names are never reused on a bus, so a uid learnt for one stays true; the
+        # cache only saves a round trip per call and is bounded.
+        self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    async def caller(self, msg: Message) -> Caller:
+        sender = msg.sender
+        if not sender:
+            raise NotAuthorized("the call has no sender: cannot tell who is asking")
+        uid = await self._uid(sender)
+        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
+        return Caller(sender=sender, uid=uid, user=user_name(uid), interactive=interactive)
+
+    async def _uid(self, sender: str) -> int:
+        cached = self._uids.get(sender)
+        if cached is not None:
+            self._uids.move_to_end(sender)
+            return cached
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetConnectionCredentials",
+            signature="s", body=[sender]))
+        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
+            why = reply.body[0] if reply is not None and reply.body else "no reply"
+            raise NotAuthorized(f"cannot identify the caller {sender}: {why}")
+        credentials = reply.body[0]
+        variant = credentials.get("UnixUserID")
+        if not isinstance(variant, Variant) or not isinstance(variant.value, int):
+            raise NotAuthorized(f"the bus did not tell the uid of {sender}")
+        uid = int(variant.value)
+        self._uids[sender] = uid
+        while len(self._uids) > _CACHE_SIZE:
+            self._uids.popitem(last=False)
+        return uid
+
+    async def allowed(self, caller: Caller, action: str) -> bool:
+        if caller.is_root:
+            return True
+        flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
+        subject = ["system-bus-name", {"name": Variant("s", caller.sender)}]
+        try:
+            reply = await self.bus.call(Message(
+                destination=POLKIT_NAME, path=POLKIT_PATH, interface=POLKIT_INTERFACE,
+                member="CheckAuthorization", signature="(sa{sv})sa{ss}us",
+                body=[subject, action, {}, flags, ""]))
+        except (DBusError, OSError, EOFError) as exc:
+            log.warning("polkit check of %s for %s failed: %s", action, caller.describe(), exc)
+            return False
+        if reply is None:
+            return False
+        if reply.message_type == MessageType.ERROR:
+            if reply.error_name in _NO_POLKIT:
+                log.info("polkit is not running: %s denied to %s (only root may)", action,
+                         caller.describe())
+            else:
+                text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
+                log.warning("polkit refused to check %s for %s: %s %s", action,
+                            caller.describe(), reply.error_name, text)
+            return False
+        try:
+            granted, challenge = bool(reply.body[0][0]), bool(reply.body[0][1])
+        except (IndexError, TypeError):
+            log.warning("polkit answered %s with an unexpected body", action)
+            return False
+        if not granted and challenge:
+            log.info("%s needs authentication for %s", caller.describe(), action)
+        return granted
+
+    async def require(self, caller: Caller, action: str) -> None:
+        if not await self.allowed(caller, action):
+            raise NotAuthorized(f"{caller.describe()} is not allowed to {action.rsplit('.', 1)[-1]} "
+                                f"(polkit action {action})")

@@ -1,0 +1,200 @@
+"""What the daemon's D-Bus calls mean: authorization, holders, sweeps, history, reload, and
+publishing the live inventory as the Manager's properties and one Gpu object per GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from . import __version__, hooks, marshal
+from .auth import Authorizer, Caller
+from .bus import GuardBus, current_call
+from .busnames import (
+    ACTION_RELOAD,
+    ACTION_SWEEP,
+    ACTION_VIEW_DETAILS,
+    MANAGER_PATH,
+    gpu_path,
+)
+from .engine import Engine, HolderFilter
+from .errors import NotAuthorized
+from .history import History
+from .interfaces import GpuInterface, ManagerInterface
+from .live import Inventory, filter_holders
+from .models import NvmlSnapshot, Report, SweepRequest
+from .runner import SweepRunner
+from .unitwatch import UnitWatch
+
+log = logging.getLogger("gpuguard.service")
+
+def requested_by(caller: Caller, reason: str) -> str:
+    """Who a sweep is recorded for. Only root (the ExecStopPost hook) may be just "hook:<unit>";
+    anyone else who says "hook:" is named as well, so the journal cannot be misled."""
+    hook = hooks.requested_by_for_reason(reason)
+    if hook:
+        return hook if caller.is_root else f"{hook} via {caller.describe()}"
+    return caller.describe()
+
+
+class Service:
+    def __init__(self, bus: GuardBus, engine: Engine, history: History,
+                 scan_executor: Executor, sweep_executor: Executor, io_executor: Executor,
+                 reloader: Callable[[], Awaitable[None]]) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.store = history
+        self.io_executor = io_executor
+        self.reloader = reloader
+        self.auth = Authorizer(bus)
+        self.inventory = Inventory(engine, scan_executor, self)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self)
+        last = history.last()
+        config = engine.config
+        self.manager = ManagerInterface(self, {
+            "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
+            "GpuCount": 0, "Busy": False,
+            "LastSweep": marshal.report(last) if last else {},
+            "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
+        self.gpus: dict[int, GpuInterface] = {}
+        self.on_change: Callable[[], None] = lambda: None
+        # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
+        # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
+        self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
+                                    lambda: self.inventory.snapshot, self.inventory.scan,
+                                    self.runner.run)
+
+    async def start(self) -> None:
+        """Export the objects with the GPUs already in place (before the name is requested)."""
+        self.bus.export(MANAGER_PATH, self.manager)
+        try:
+            await self.inventory.scan()
+        except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
+            log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
+        await self.unit_watch.start()
+
+    def config_changed(self) -> None:
+        config = self.engine.config
+        self.store.set_max_entries(config.history_max)
+        self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
+        self.unit_watch.config_changed()
+        self.inventory.request_rescan()
+
+    def status_line(self) -> str:
+        snap = self.inventory.snapshot
+        gpus = f"{len(snap.gpus)} GPU(s)" if snap.available else f"NVML unavailable ({snap.error})"
+        holders = len(self.inventory.holders)
+        text = f"{gpus}, {holders} holder(s)"
+        if self.runner.busy:
+            text += f", {self.runner.active} sweep(s) running"
+        last = self.store.last()
+        if last:
+            text += f", last sweep {str(last.get('id', ''))[:8]}: {last.get('outcome', '?')}"
+        return text
+
+    # -- ManagerBackend ------------------------------------------------------------------
+
+    async def caller(self) -> Caller:
+        msg = current_call()
+        if msg is None:
+            raise NotAuthorized("cannot tell who is calling")
+        return await self.auth.caller(msg)
+
+    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[dict[str, Any]]:
+        holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
+        if options.get("gpus") or options.get("unit") or options.get("container"):
+            loop = asyncio.get_running_loop()
+            request = SweepRequest(gpus=marshal.gpu_list(options.get("gpus", [])),
+                                   unit=options.get("unit", ""),
+                                   container=options.get("container", ""))
+            scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request,
+                                                     request)
+            holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
+                                         include_protected=holder_filter.include_protected)
+        result = await self.inventory.scan()
+        holders = [h.to_dict() for h in filter_holders(result.holders, holder_filter)]
+        others = [h for h in holders if h["uid"] != caller.uid]
+        if others and not caller.is_root and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
+            # Command lines can carry secrets (tokens, passwords in arguments).
+            for holder in others:
+                holder["cmdline"] = ""
+        return holders
+
+    async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]:
+        request = SweepRequest(
+            gpus=marshal.gpu_list(options.get("gpus", [])), unit=options.get("unit", ""),
+            container=options.get("container", ""), grace_ms=options.get("grace_ms"),
+            dry_run=options.get("dry_run"),
+            include_management=options.get("include_management", False),
+            reason=options.get("reason", ""))
+        dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
+        if not dry_run:
+            await self.auth.require(caller, ACTION_SWEEP)
+        request.requested_by = requested_by(caller, request.reason)
+        await self.runner.validate(request)
+        if request.unit:
+            # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
+            unit_report = await self.unit_watch.sweep_unit(request)
+            assert unit_report is not None  # None only for the watch's own requests
+            return unit_report.to_dict()
+        report = await self.runner.run(request)
+        return report.to_dict()
+
+    def history(self, count: int) -> list[dict[str, Any]]:
+        return self.store.newest(count)
+
+    async def reload(self, caller: Caller) -> None:
+        await self.auth.require(caller, ACTION_RELOAD)
+        log.info("reload requested by %s", caller.describe())
+        await self.reloader()
+
+    # -- InventoryListener ---------------------------------------------------------------
+
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None:
+        self.unit_watch.observe(self.inventory.holders)
+        self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
+        current = {s["index"]: s for s in summaries}
+        for index in sorted(set(self.gpus) - set(current)):
+            log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
+            self.bus.unexport(gpu_path(index), self.gpus.pop(index))
+        for index, summary in sorted(current.items()):
+            gpu = self.gpus.get(index)
+            if gpu is None:
+                gpu = self.gpus[index] = GpuInterface(summary)
+                self.bus.export(gpu_path(index), gpu)
+            else:
+                gpu.refresh(summary)
+        self.on_change()
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
+                    used // (1024 * 1024))
+        self.manager.LeakSuspected(index, uuid, used)
+
+    # -- SweepEvents ---------------------------------------------------------------------
+
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        self.manager.SweepStarted(report_id, marshal.scope(scope))
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
+
+    def sweep_finished(self, report: Report) -> None:
+        data = self.manager.typed_report(report.to_dict())
+        self.manager.SweepFinished(report.id, report.outcome, data)
+        self.manager.update(LastSweep=data)
+        for leak in report.leaks:
+            index = int(leak.get("gpu", 0))
+            self.leak_suspected(index, str(leak.get("uuid", "")), int(leak.get("bytes", 0)))
+            self.inventory.note_leak_reported(index)
+        self.inventory.request_rescan()
+        self.on_change()
+
+    def busy_changed(self, busy: bool) -> None:
+        self.manager.update(Busy=busy)
+        self.on_change()

@@ -1,0 +1,341 @@
+"""Packaging: bash completion, `make install`/`uninstall`, the .deb and the .rpm.
+
+The layout asserted here is the one packaging/README.md documents; the packages are built
+once per session by the Makefile's own targets (tests/packages.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gpuguardd import __version__, cli
+from tests.packages import ROOT, build, build_dir, make, require_tools
+
+COMPLETION = ROOT / "completion" / "gpuguardctl"
+DBUS_NAME = "org.gpuguard.GpuGuard1"
+MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*.py"))
+DROPIN_DIRS = sorted(p.name for p in (ROOT / "systemd" / "dropins").glob("*.service.d"))
+if TYPE_CHECKING:
+    from tests.conftest import GpuHost
+
+MAN_PAGES = ("man1/gpuguardctl.1", "man5/gpuguard.conf.5", "man7/gpuguard-dbus.7", "man8/gpuguardd.8")
+
+
+def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
+    """Everything but the Python modules, relative to /, as `make install` and the packages lay it out."""
+    files = {
+        "etc/gpuguard/gpuguard.conf",
+        "usr/bin/gpuguardctl",
+        "usr/libexec/gpuguard/gpuguardd",
+        f"{unitdir}/gpuguardd.service",
+        f"usr/share/dbus-1/system.d/{DBUS_NAME}.conf",
+        f"usr/share/dbus-1/system-services/{DBUS_NAME}.service",
+        f"usr/share/dbus-1/interfaces/{DBUS_NAME}.xml",
+        f"usr/share/polkit-1/actions/{DBUS_NAME}.policy",
+        "usr/share/bash-completion/completions/gpuguardctl",
+    }
+    files |= {f"usr/share/gpuguard/dropins/{d}/gpuguard.conf" for d in DROPIN_DIRS}
+    files |= {f"usr/share/man/{page}" for page in MAN_PAGES}
+    return files
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")
+            if not p.is_dir() and "__pycache__" not in p.parts}
+
+
+# -- bash completion -----------------------------------------------------------------------
+
+def complete(*words: str, env: dict[str, str] | None = None) -> set[str]:
+    """Source the completion, call it as bash would for `words` (the last one being completed)."""
+    script = (f"source {COMPLETION}\n"
+              "COMP_WORDS=(\"$@\"); COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 )); COMPREPLY=()\n"
+              "_gpuguardctl\n"
+              "printf '%s\\n' \"${COMPREPLY[@]}\"\n")
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c", script, "bash", *words],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    return {line for line in done.stdout.splitlines() if line}
+
+
+def parser_tree() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    found: dict[tuple[str, ...], argparse.ArgumentParser] = {(): cli.build_parser()}
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    sub_path = (*path, name)
+                    found[sub_path] = sub
+                    walk(sub, sub_path)
+
+    walk(found[()], ())
+    return found
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings}
+
+
+def children(parser: argparse.ArgumentParser) -> set[str]:
+    return {name for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            for name in a.choices}
+
+
+def test_completion_offers_every_verb() -> None:
+    assert complete("gpuguardctl", "") == children(cli.build_parser())
+    assert complete("gpuguardctl", "sw") == {"sweep"}
+    assert complete("gpuguardctl", "--json", "h") == {"holders", "history", "hook"}
+
+
+def test_completion_offers_each_verbs_options_exactly() -> None:
+    """For every verb (and hook action) the options offered are the parser's, no more, no less."""
+    for path, parser in parser_tree().items():
+        if children(parser) and path:
+            assert complete("gpuguardctl", *path, "") == children(parser), path
+        offered = complete("gpuguardctl", *path, "-")
+        assert offered == options(parser), f"gpuguardctl {' '.join(path)}: {offered ^ options(parser)}"
+
+
+def test_completion_knows_which_options_take_a_value() -> None:
+    # After an option that takes a value, the next word is that value, not the verb.
+    assert complete("gpuguardctl", "--config", "/etc/x.conf", "sweep", "--dry") == {"--dry-run"}
+    assert complete("gpuguardctl", "history", "-n", "3", "--j") == {"--json"}
+    assert complete("gpuguardctl", "sweep", "--grace", "") >= {"10s", "30s"}
+
+
+def test_completion_lists_units_from_systemctl(tmp_path: Path) -> None:
+    fake = tmp_path / "systemctl"
+    fake.write_text("#!/bin/sh\n"
+                    "[ \"$*\" = 'list-units --all --plain --no-legend --full' ] || exit 1\n"
+                    "echo '  dbus.service          loaded active running D-Bus System Message Bus'\n"
+                    "echo '● sglang-qwen.service   loaded failed failed  SGLang Qwen'\n"
+                    "echo '  session-4.scope       loaded active running Session 4 of user llm'\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    units = {"dbus.service", "sglang-qwen.service", "session-4.scope"}
+    assert complete("gpuguardctl", "sweep", "--unit", "", env=env) == units
+    assert complete("gpuguardctl", "holders", "--unit", "sg", env=env) == {"sglang-qwen.service"}
+    assert complete("gpuguardctl", "sweep", "--unit", "=", "", env=env) == units
+
+
+def test_completion_asks_gpuguardctl_for_gpus(gpu_host: GpuHost, tmp_path: Path) -> None:
+    """--gpu offers the indices and UUIDs that `gpuguardctl gpus --json` reports, using the
+    --local/--config options already typed."""
+    ctl = tmp_path / "gpuguardctl"
+    ctl.write_text(f"#!/bin/sh\nexec {sys.executable} -m gpuguardd.cli \"$@\"\n")
+    ctl.chmod(0o755)
+    config = str(gpu_host.config_path)
+    listed = subprocess.run([str(ctl), "--local", "--config", config, "gpus", "--json"],
+                            env=gpu_host.env, capture_output=True, text=True, check=True)
+    gpus = json.loads(listed.stdout)
+    expected = {str(g["index"]) for g in gpus} | {g["uuid"] for g in gpus}
+    assert len(expected) == 4, expected
+    offered = complete(str(ctl), "--local", "--config", config, "sweep", "--gpu", "", env=gpu_host.env)
+    assert offered == expected
+    uuids = {str(g["uuid"]) for g in gpus}
+    assert complete(str(ctl), "--local", "--config", config, "holders", "--gpu", "GPU-",
+                    env=gpu_host.env) == uuids
+
+
+# -- make install / uninstall --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tools() -> None:
+    require_tools()
+
+
+def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) -> None:
+    dest = tmp_path / "root"
+    make("install", f"DESTDIR={dest}")
+    python = {f"usr/lib/gpuguard/python/{m}" for m in MODULES}
+    assert tree(dest) == data_files() | python
+    assert (dest / "usr/lib/gpuguard/python/gpuguardd/__pycache__").is_dir(), "byte-compiled"
+    for program in ("usr/bin/gpuguardctl", "usr/libexec/gpuguard/gpuguardd"):
+        assert os.access(dest / program, os.X_OK)
+        text = (dest / program).read_text()
+        assert text.startswith("#!/usr/bin/python3\n")
+        assert 'sys.path.insert(0, "/usr/lib/gpuguard/python")' in text
+    unit = (dest / "usr/lib/systemd/system/gpuguardd.service").read_text()
+    assert "ExecStart=/usr/libexec/gpuguard/gpuguardd\n" in unit
+    assert (dest / "etc/gpuguard/gpuguard.conf").read_bytes() == (ROOT / "config/gpuguard.conf").read_bytes()
+    for d in DROPIN_DIRS:
+        assert (dest / f"usr/share/gpuguard/dropins/{d}/gpuguard.conf").read_bytes() == \
+            (ROOT / f"systemd/dropins/{d}/gpuguard.conf").read_bytes()
+
+    make("uninstall", f"DESTDIR={dest}")
+    assert tree(dest) == set(), "make uninstall left files behind"
+    assert not (dest / "usr/lib/gpuguard").exists()
+    assert not (dest / "etc/gpuguard").exists()
+
+
+def test_make_install_keeps_the_admins_config(tools: None, tmp_path: Path) -> None:
+    dest = tmp_path / "root"
+    conf = dest / "etc/gpuguard/gpuguard.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("[Sweep]\nGraceSec=3s\n")
+    make("install", f"DESTDIR={dest}")
+    assert conf.read_text() == "[Sweep]\nGraceSec=3s\n"
+    done = make("uninstall", f"DESTDIR={dest}")
+    assert conf.read_text() == "[Sweep]\nGraceSec=3s\n", "a changed configuration survives uninstall"
+    assert "keeping the changed" in done.stdout
+    assert tree(dest) == {"etc/gpuguard/gpuguard.conf"}
+
+
+def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, tmp_path: Path) -> None:
+    """PREFIX moves everything but /etc; the installed programs run on /usr/bin/python3 with
+    Debian's python3-dbus-fast, python3-psutil and python3-sdnotify, no venv."""
+    prefix = tmp_path / "opt"
+    make("install", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
+    python = {f"lib/gpuguard/python/{m}" for m in MODULES}
+    expected = {f.removeprefix("usr/") for f in data_files() if not f.startswith("etc/")} | python
+    assert tree(prefix) == expected
+    unit = (prefix / "lib/systemd/system/gpuguardd.service").read_text()
+    assert f"ExecStart={prefix}/libexec/gpuguard/gpuguardd\n" in unit
+    dropin = (prefix / "share/gpuguard/dropins/vllm-.service.d/gpuguard.conf").read_text()
+    assert f" {prefix}/bin/gpuguardctl sweep --unit %n" in dropin
+    clean = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    version = subprocess.run([str(prefix / "bin/gpuguardctl"), "--version"], env=clean,
+                             capture_output=True, text=True, check=False)
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"gpuguardctl {__version__}"
+    config = tmp_path / "gpuguard.conf"
+    config.write_text("[Devices]\nPaths=/nonexistent/nvidia*\n")
+    status = subprocess.run([str(prefix / "bin/gpuguardctl"), "--local", "--config", str(config),
+                             "status", "--json"], env=clean, capture_output=True, text=True, check=False)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["version"] == __version__
+    daemon = subprocess.run([str(prefix / "libexec/gpuguard/gpuguardd"), "--version"], env=clean,
+                            capture_output=True, text=True, check=False)
+    assert daemon.returncode == 0, daemon.stderr
+    assert daemon.stdout.strip() == f"gpuguardd {__version__}"
+    make("uninstall", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
+    assert tree(prefix) == set()
+
+
+# -- the .deb --------------------------------------------------------------------------------
+
+def deb_field(deb: Path, name: str) -> str:
+    return subprocess.run(["dpkg-deb", "-f", str(deb), name], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_deb_version_and_relationships() -> None:
+    deb = build("deb")
+    assert deb_field(deb, "Package") == "gpuguard"
+    assert deb_field(deb, "Version") == __version__
+    assert deb_field(deb, "Architecture") == "all"
+    depends = deb_field(deb, "Depends")
+    for dep in ("python3-dbus-fast (>= 1.84)", "python3-psutil", "python3-sdnotify", "python3:any"):
+        assert dep in depends, depends
+    assert "nvidia" not in depends, "nvidia-ml-py is not in Debian: suggested, never required"
+    assert "python3-pip" in deb_field(deb, "Suggests")
+    assert "polkitd" in deb_field(deb, "Recommends")
+
+
+def test_deb_layout() -> None:
+    deb = build("deb")
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True,
+                             check=True).stdout
+    files = {line.split()[5].removeprefix("./") for line in listing.splitlines()
+             if not line.startswith("d")}
+    expected = {f + ".gz" if f.startswith("usr/share/man/") else f
+                for f in data_files(unitdir="lib/systemd/system")}
+    assert expected <= files, expected - files
+    modules = {f"usr/lib/python3/dist-packages/{m}" for m in MODULES}
+    assert modules <= files, modules - files
+    assert "usr/bin/gpuguardd" not in files, "the daemon is not on PATH"
+    # Drop-ins for other units are the admin's choice (gpuguardctl hook install): never active
+    # by installing the package.
+    assert not [f for f in files if re.match(r"(usr/)?lib/systemd/system/.+\.service\.d/", f)]
+    unexpected = files - expected - modules - {"usr/share/doc/gpuguard/README.md.gz",
+                                               "usr/share/doc/gpuguard/changelog.gz",
+                                               "usr/share/doc/gpuguard/copyright"}
+    assert all(f.startswith(f"usr/lib/python3/dist-packages/gpuguard-{__version__}.dist-info/")
+               for f in unexpected), unexpected
+
+
+def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
+    deb = build("deb")
+    control = tmp_path / "control"
+    subprocess.run(["dpkg-deb", "-e", str(deb), str(control)], check=True)
+    assert (control / "conffiles").read_text().split() == ["/etc/gpuguard/gpuguard.conf"]
+    postinst = (control / "postinst").read_text()
+    assert "deb-systemd-helper enable 'gpuguardd.service'" in postinst
+    assert "_dh_action=restart" in postinst and "_dh_action=start" in postinst
+    assert "deb-systemd-invoke stop 'gpuguardd.service'" in (control / "prerm").read_text()
+    postrm = (control / "postrm").read_text()
+    assert "rm -rf /var/lib/gpuguard" in postrm
+    assert "deb-systemd-helper purge 'gpuguardd.service'" in postrm
+    # The purge finds hook drop-ins by the header hooks.py writes.
+    from gpuguardd import hooks
+
+    assert hooks.HEADER in postrm
+
+
+def lintian_tags() -> list[tuple[str, str]]:
+    changes = next(build_dir("deb").glob("gpuguard_*.changes"))
+    done = subprocess.run(["lintian", "--pedantic", "--info", "--display-experimental",
+                           "--tag-display-limit", "0", str(changes)],
+                          capture_output=True, text=True, check=False, timeout=300)
+    tags = re.findall(r"^([EWIPX]): gpuguard(?: source)?(?: \(\w+\))?: (\S+)", done.stdout, re.M)
+    assert done.returncode == 0 or tags, done.stdout + done.stderr
+    return tags
+
+
+def test_lintian_has_no_errors_and_every_tag_left_is_explained() -> None:
+    tags = lintian_tags()
+    errors = [tag for level, tag in tags if level == "E"]
+    assert errors == [], f"lintian errors: {errors}"
+    readme = (ROOT / "packaging" / "README.md").read_text()
+    explained = set(re.findall(r"^\* `([a-z0-9.+-]+)`", readme, re.M))
+    unexplained = {tag for _, tag in tags} - explained
+    assert unexplained == set(), f"lintian tags not explained in packaging/README.md: {unexplained}"
+
+
+# -- the .rpm --------------------------------------------------------------------------------
+
+def rpm_query(*args: str) -> str:
+    return subprocess.run(["rpm", "-qp", *args, str(build("rpm"))], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_rpm_version_layout_and_config() -> None:
+    assert rpm_query("--qf", "%{NAME} %{VERSION} %{ARCH}") == f"gpuguard {__version__} noarch"
+    files = set(rpm_query("-l").split())
+    for path in data_files():
+        assert "/" + path in files, path
+    sitelib = next(f for f in files if f.endswith("/gpuguardd/__init__.py")).rsplit("/gpuguardd/", 1)[0]
+    assert re.fullmatch(r"/usr/lib/python3\.\d+/site-packages", sitelib), sitelib
+    assert {f"{sitelib}/{m}" for m in MODULES} <= files
+    assert "/usr/bin/gpuguardd" not in files
+    flags = dict(line.split(" ", 1) for line in
+                 rpm_query("--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]").splitlines())
+    assert flags["/etc/gpuguard/gpuguard.conf"] == "cn", "%config(noreplace)"
+
+
+def test_rpm_requirements_and_scriptlets() -> None:
+    requires = rpm_query("-R")
+    assert "python3dist(dbus-fast) >= 1.84" in requires
+    assert "nvidia-ml-py" not in requires, "excluded from the generated requirements"
+    assert "python3dist(nvidia-ml-py)" in rpm_query("--recommends")
+    scripts = rpm_query("--scripts")
+    for needed in ("preset gpuguardd.service", "disable --now gpuguardd.service",
+                   "try-restart gpuguardd.service"):
+        assert needed in scripts, scripts
+
+
+def test_spec_default_version_is_the_package_version() -> None:
+    spec = (ROOT / "packaging" / "rpm" / "gpuguard.spec").read_text()
+    match = re.search(r"%\{!\?gpuguard_version:%global gpuguard_version (\S+)\}", spec)
+    assert match and match.group(1) == __version__

@@ -1,0 +1,230 @@
+"""Watch mode's decisions, without a bus: records, the escaped-leftover rule, one sweep a stop.
+
+The watcher against the real systemd (Subscribe, JobRemoved, PropertiesChanged, units being
+unloaded after their stop, Restart=) is covered by tests/e2e/test_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from gpuguardd.models import (
+    KIND_COMPUTE,
+    KIND_MANAGEMENT,
+    GpuInfo,
+    Holder,
+    NvmlSnapshot,
+    Report,
+    ScanResult,
+    SweepRequest,
+)
+from gpuguardd.unitwatch import (
+    UnitGpuRecords,
+    UnitState,
+    UnitWatch,
+    adoption_candidates,
+    cuda_visible_gpus,
+    matches,
+    unit_name_from_path,
+)
+
+NVML = NvmlSnapshot(available=True, gpus=[
+    GpuInfo(0, uuid="GPU-aaaa1111-0000-4000-8000-000000000000"),
+    GpuInfo(1, uuid="GPU-bbbb2222-0000-4000-8000-000000000001"),
+    GpuInfo(2, uuid="GPU-bbbb3333-0000-4000-8000-000000000002"),
+])
+
+
+def holder(pid: int, unit: str, gpus: Sequence[int], *, start: int = 100, container: str = "",
+           kind: str = KIND_COMPUTE, protected: bool = False) -> Holder:
+    return Holder(pid=pid, comm=f"p{pid}", unit=unit, gpus=list(gpus), start_time=start,
+                  container=container, kind=kind, protected=protected,
+                  cgroup=f"/system.slice/{unit}" if unit else "/escaped")
+
+
+def test_unit_name_from_path() -> None:
+    assert unit_name_from_path("/org/freedesktop/systemd1/unit/sglang_2ddemo_2eservice") \
+        == "sglang-demo.service"
+    assert unit_name_from_path("/org/freedesktop/systemd1/unit/foo_40bar_2eservice") \
+        == "foo@bar.service"
+    assert unit_name_from_path("/org/freedesktop/systemd1/job/42") == ""
+
+
+@pytest.mark.parametrize(("unit", "patterns", "expected"), [
+    ("sglang-demo.service", ["sglang-*"], True),
+    ("sglang-demo.service", ["sglang-demo"], True),
+    ("sglang-demo.service", ["vllm-*", "sglang-*.service"], True),
+    ("sglang-demo.socket", ["sglang-*.service"], False),
+    ("vllm-a.service", ["sglang-*"], False),
+    ("vllm-a.service", [], False),
+])
+def test_matches(unit: str, patterns: list[str], expected: bool) -> None:
+    assert matches(unit, patterns) is expected
+
+
+@pytest.mark.parametrize(("value", "gpus"), [
+    ("0,2", {0, 2}),
+    ("GPU-bbbb3333", {2}),  # abbreviated UUIDs are fine when unambiguous
+    ("GPU-bbbb", set()),  # ambiguous: two GPUs start so
+    ("1,-1,2", {1}),  # CUDA ignores everything after an invalid ordinal
+    ("7", set()),  # no such GPU
+    ("", set()),
+])
+def test_cuda_visible_devices_hint(value: str, gpus: set[int]) -> None:
+    env = ["PATH=/usr/bin", f"CUDA_VISIBLE_DEVICES={value}"]
+    assert cuda_visible_gpus(env, NVML) == gpus
+    assert cuda_visible_gpus(["PATH=/bin"], NVML) == set()
+
+
+def test_records_note_host_units_only() -> None:
+    records = UnitGpuRecords(max_units=2)
+    records.observe([holder(10, "a.service", [0]), holder(11, "a.service", [1], start=5),
+                     holder(12, "", [2]), holder(13, "b.service", [2], container="lxc/1"),
+                     holder(14, "c.service", [])])
+    record = records.get("a.service")
+    assert record is not None and record.gpus == {0, 1}
+    assert set(record.processes) == {(10, 100), (11, 5)}
+    assert records.units() == ["a.service"]
+    records.observe([holder(20, "b.service", [0]), holder(21, "c.service", [1])])
+    assert records.units() == ["b.service", "c.service"]  # bounded: the oldest went
+
+
+def test_adoption_rule() -> None:
+    records = UnitGpuRecords()
+    records.observe([holder(10, "sglang.service", [0]), holder(11, "sglang.service", [1])])
+    records.hint("sglang.service", [2])
+    record = records.get("sglang.service")
+    now = [
+        holder(10, "", [0]),  # same process, escaped: adopted (identity)
+        holder(11, "", [1], start=999),  # PID reused by another process, but on its GPU 1
+        holder(12, "", [2]),  # on GPU 2, named by CUDA_VISIBLE_DEVICES
+        holder(13, "", [3]),  # another GPU: not the unit's business
+        holder(14, "", [0], container="docker/abc"),  # containers are never adopted
+        holder(15, "", [0], protected=True),
+        holder(16, "", [0], kind=KIND_MANAGEMENT),  # nvidia-smi, an exporter
+        holder(17, "sglang.service", [0]),  # still in the unit: the unit scope has it
+        holder(18, "session-3.scope", [0]),  # rule 4 (running?) is the caller's to check
+    ]
+    found = {h.pid: why for h, why in adoption_candidates("sglang.service", record, now)}
+    assert found == {10: "was a process of sglang.service",
+                     11: "holds GPU 1, which sglang.service held",
+                     12: "holds GPU 2, which sglang.service held",
+                     18: "holds GPU 0, which sglang.service held"}
+    with_management = adoption_candidates("sglang.service", record, now, include_management=True)
+    assert 16 in {h.pid for h, _ in with_management}
+    assert adoption_candidates("other.service", records.get("other.service"), now) == []
+
+
+class FakeSystemd:
+    def __init__(self, states: dict[str, UnitState]) -> None:
+        self.available = True
+        self.states = states
+
+    async def state(self, unit: str) -> UnitState | None:
+        return self.states.get(unit, UnitState(unit, ""))
+
+
+class Harness:
+    """A UnitWatch with a fake systemd, a fixed scan and a sweep that records its requests."""
+
+    def __init__(self, holders: list[Holder], states: dict[str, UnitState]) -> None:
+        self.requests: list[SweepRequest] = []
+        self.release = asyncio.Event()
+        self.watch = UnitWatch(bus=None, patterns=lambda: ["sglang-*"],  # type: ignore[arg-type]
+                               snapshot=lambda: NVML, scan=self.scan, run=self.run)
+        self.watch.systemd = FakeSystemd(states)  # type: ignore[assignment]
+        self.holders = holders
+
+    async def scan(self) -> ScanResult:
+        return ScanResult(holders=self.holders, nvml=NVML)
+
+    async def run(self, request: SweepRequest) -> Report:
+        self.requests.append(request)
+        await self.release.wait()
+        return Report(id=f"r{len(self.requests)}", started_usec=0,
+                      requested_by=request.requested_by, scope={}, dry_run=False,
+                      outcome="freed")
+
+
+def hook(unit: str) -> SweepRequest:
+    return SweepRequest(unit=unit, requested_by=f"hook:{unit}", reason=f"hook:{unit} result=x")
+
+
+def test_unit_sweep_adopts_only_leftovers_no_running_unit_owns() -> None:
+    unit = "sglang-a.service"
+    states = {unit: UnitState(unit, "deactivating", invocation_id="i1"),
+              "session-3.scope": UnitState("session-3.scope", "active"),
+              "old.service": UnitState("old.service", "failed")}
+    scan = [holder(10, "", [0]), holder(11, "session-3.scope", [0]),
+            holder(12, "old.service", [0]), holder(13, "gone.service", [0])]
+    h = Harness(scan, states)
+    h.watch.observe([holder(9, unit, [0])])
+    h.release.set()
+    report = asyncio.run(h.watch.sweep_unit(hook(unit)))
+    assert report is not None and report.outcome == "freed"
+    # 10: in no unit; 12: its unit failed; 13: systemd does not know its unit; 11: a running
+    # session owns it, so it is left alone.
+    assert h.requests[0].adopted == [(10, 100), (12, 100), (13, 100)]
+    assert h.watch.records.get(unit) is None  # all freed: the next instance starts afresh
+
+
+def test_nothing_is_adopted_without_systemd() -> None:
+    h = Harness([holder(10, "", [0])], {})
+    h.watch.systemd.available = False
+    h.watch.observe([holder(9, "sglang-a.service", [0])])
+    h.release.set()
+    asyncio.run(h.watch.sweep_unit(hook("sglang-a.service")))
+    assert h.requests[0].adopted == []
+
+
+def test_hook_and_watch_of_one_stop_share_one_sweep() -> None:
+    unit = "sglang-a.service"
+    h = Harness([], {unit: UnitState(unit, "deactivating", invocation_id="i1")})
+
+    async def scenario() -> list[Any]:
+        first = asyncio.ensure_future(h.watch.sweep_unit(hook(unit)))
+        await asyncio.sleep(0.01)
+        # The watcher fires while the hook's sweep still runs (the unit is now inactive).
+        h.watch.systemd.states[unit] = UnitState(unit, "inactive", invocation_id="i1")  # type: ignore[attr-defined]
+        second = asyncio.ensure_future(h.watch.sweep_unit(
+            SweepRequest(unit=unit, requested_by=f"watch:{unit}")))
+        await asyncio.sleep(0.01)
+        h.release.set()
+        results = list(await asyncio.gather(first, second))
+        # Later, the same stop again (a late JobRemoved): the remembered report.
+        results.append(await h.watch.sweep_unit(SweepRequest(unit=unit,
+                                                             requested_by=f"watch:{unit}")))
+        # A new instance that stops is a new sweep.
+        h.watch.systemd.states[unit] = UnitState(unit, "inactive", invocation_id="i2")  # type: ignore[attr-defined]
+        results.append(await h.watch.sweep_unit(hook(unit)))
+        return results
+
+    reports = asyncio.run(scenario())
+    assert [r.id for r in reports] == ["r1", "r1", "r1", "r2"]
+    assert len(h.requests) == 2
+
+
+def test_manual_sweeps_are_never_deduplicated() -> None:
+    unit = "sglang-a.service"
+    h = Harness([], {unit: UnitState(unit, "inactive", invocation_id="i1")})
+    h.release.set()
+
+    async def twice() -> None:
+        for _ in range(2):
+            await h.watch.sweep_unit(SweepRequest(unit=unit, requested_by="uid 0 (root) :1.5"))
+    asyncio.run(twice())
+    assert len(h.requests) == 2
+
+
+def test_watch_does_not_sweep_a_unit_that_runs_again() -> None:
+    unit = "sglang-a.service"
+    h = Harness([], {unit: UnitState(unit, "activating", "auto-restart", "i2")})
+    h.release.set()
+    result = asyncio.run(h.watch.sweep_unit(SweepRequest(unit=unit, requested_by=f"watch:{unit}")))
+    assert result is None and h.requests == []
+    # The drop-in's hook still sweeps: it runs in ExecStopPost, before the restart.
+    assert asyncio.run(h.watch.sweep_unit(hook(unit))) is not None
