@@ -113,12 +113,14 @@ def demo(machine: Machine) -> bool:
     guard = Installed(machine)
     guard.install(watch="")
     for path in ("/usr/lib/systemd/system/gpuguardd.service",
-                 "/usr/lib/systemd/system/sglang-.service.d/gpuguard.conf  (and vllm-, tgi-, "
+                 "/usr/share/gpuguard/dropins/sglang-.service.d/gpuguard.conf  (and vllm-, tgi-, "
                  "ollama-, llama-, triton-)",
                  "/usr/share/dbus-1/system.d/org.gpuguard.GpuGuard1.conf",
                  "/usr/share/dbus-1/system-services/org.gpuguard.GpuGuard1.service",
                  "/usr/share/polkit-1/actions/org.gpuguard.GpuGuard1.policy"):
         say(path)
+    say("hooks turned on by the admin: gpuguardctl hook install sglang-  (and the other prefixes)")
+    show(machine.run(["gpuguardctl", "hook", "list"]).stdout)
     say("test doubles: /dev/nvidia0, /dev/nvidia1, /dev/nvidiactl, /dev/nvidia-uvm and a fake "
         "libnvidia-ml.so.1 reporting two H100 80GB")
     guard.start_daemon()

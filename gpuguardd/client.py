@@ -182,7 +182,8 @@ class DBusBackend:
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[dict[str, Any]]:
         async def get(bus: MessageBus) -> list[dict[str, Any]]:
-            options: dict[str, Variant] = {"include_protected": Variant("b", include_protected)}
+            options: dict[str, Variant] = {"include_protected": Variant("b", include_protected),
+                                       "fresh": Variant("b", True)}
             if gpus:
                 options["gpus"] = Variant("au", await self._indices(bus, gpus))
             if unit:

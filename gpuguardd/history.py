@@ -16,6 +16,7 @@ holds a tenth more than that (amortised: not a rewrite per sweep).
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
@@ -227,9 +228,9 @@ class History:
     def newest(self, count: int) -> list[dict[str, Any]]:
         """Up to `count` reports, newest first (0: all that are kept)."""
         with self._lock:
-            entries = list(self._entries)
-        entries.reverse()
-        return entries if count <= 0 else entries[:count]
+            if count <= 0 or count >= len(self._entries):
+                return list(reversed(self._entries))
+            return list(itertools.islice(reversed(self._entries), count))
 
     def last(self) -> dict[str, Any] | None:
         with self._lock:

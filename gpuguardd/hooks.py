@@ -218,10 +218,19 @@ def daemon_reload(root: str) -> str:
     return "done"
 
 
+def running_gpuguardctl() -> str:
+    """The gpuguardctl the hook should run: this one, when it was started as an installed
+    program (make install PREFIX=/usr/local puts it in /usr/local/bin), else the packaged path."""
+    program = sys.argv[0] if sys.argv else ""
+    if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl":
+        return program
+    return GPUGUARDCTL
+
+
 def install(pattern: str, root: str = "/", reload: bool = True) -> Result:
     target = parse_pattern(pattern)
     path = target.dropin_path(root)
-    wanted = render_dropin(target)
+    wanted = render_dropin(target, running_gpuguardctl())
     current = _read(path)
     if current is not None and not is_ours(current):
         raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",

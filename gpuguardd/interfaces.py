@@ -48,7 +48,8 @@ def dbus_types(*args: str, returns: str = "") -> Callable[[_F], _F]:
 class ManagerBackend(Protocol):
     async def caller(self) -> Caller: ...
 
-    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[dict[str, Any]]: ...
+    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[VarDict]:
+        """Typed holders (marshal.holder), filtered and redacted for `caller`."""
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -148,8 +149,7 @@ class ManagerInterface(PropertyHolder):
     async def ListHolders(self, filter: VarDict) -> list[VarDict]:
         options = marshal.parse_options(filter, marshal.FILTER_OPTIONS, "filter")
         caller = await self.backend.caller()
-        holders = await self.backend.list_holders(caller, options)
-        return [marshal.holder(h) for h in holders]
+        return await self.backend.list_holders(caller, options)
 
     @method()
     @contract_errors

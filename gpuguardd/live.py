@@ -12,6 +12,20 @@ it runs only when it can find something new:
     RESCAN_FACTOR scan durations, whichever is longer: at most ~0.2 % of a CPU when idle.
 Scans run in a thread, never on the event loop, and concurrent requests share one scan that
 started after they asked.
+
+ListHolders does not need a scan of its own: it is answered from the last scan when that scan
+is *fresh* (Inventory.recent), which is exactly:
+  * it started less than LIST_MAX_AGE_SEC (1 s) before the call arrived (its start, not its
+    end, because /proc is read from the start on: its view is at least that new), and
+  * nothing the daemon hears of that can change the holders happened after it started: a
+    sweep finished, the configuration was reloaded, NVML's process lists or GPUs changed (seen
+    by the poll), or the unit watch saw a watched unit start or asked for a scan
+    (Inventory.invalidate, a generation counter: a scan that started before the event is
+    never served after it, even if it ends later).
+Otherwise the call waits for a scan as above (joining a running one only if that one is fresh
+by the same rule). So a holder that appeared before the call is listed unless it appeared at
+most 1 s before it and no event announced it; a /proc scan cannot promise more anyway for a
+process that opens a device while the scan runs. Filtering and cmdline redaction stay per call.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from .sweep import in_scope
 log = logging.getLogger("gpuguard.live")
 
 RESCAN_MIN_SEC = 30.0
+LIST_MAX_AGE_SEC = 1.0  # ListHolders: oldest scan start served (see the module docstring)
+clock = time.monotonic  # the freshness rule's clock (tests move it)
 RESCAN_FACTOR = 500.0
 CHURN_FACTOR = 50.0
 
@@ -69,9 +85,15 @@ class Inventory:
         self.summaries: list[dict[str, Any]] = []
         self.warnings: list[str] = []
         self._scanned_key: tuple[bool, tuple[GpuKey, ...]] | None = None
+        self._seen_key: tuple[bool, tuple[GpuKey, ...]] | None = None  # the last one polled
         self._scanned_at = 0.0
         self.scan_cost = 0.0  # seconds the last full scan took
         self._running: asyncio.Future[ScanResult] | None = None
+        self._running_mark = (0.0, 0)  # (monotonic start, generation) of the running scan
+        # The last successful scan, with the same mark: what Inventory.recent may serve.
+        self.last_result: ScanResult | None = None
+        self._result_mark = (0.0, -1)
+        self._generation = 0  # bumped by invalidate(): older scans are never served after it
         self._queued: asyncio.Future[ScanResult] | None = None
         self._leaked: set[int] = set()
         self._rescan_task: asyncio.Task[Any] | None = None
@@ -90,6 +112,29 @@ class Inventory:
             future = self._queued
         return await asyncio.shield(future)
 
+    def invalidate(self) -> None:
+        """Something may have changed the holders: scans that started before now are stale."""
+        self._generation += 1
+
+    def _fresh(self, mark: tuple[float, int], asked: float) -> bool:
+        started, generation = mark
+        return generation == self._generation and asked - started < LIST_MAX_AGE_SEC
+
+    async def recent(self) -> ScanResult:
+        """A scan that is fresh for a call arriving now (module docstring): the last one when
+        it is, else the running one when it is, else one that starts after this call."""
+        asked = clock()
+        if self.last_result is not None and self._fresh(self._result_mark, asked):
+            return self.last_result
+        if self._running is not None and self._fresh(self._running_mark, asked):
+            return await asyncio.shield(self._running)
+        return await self.scan()
+
+    async def fresh_scan(self) -> ScanResult:
+        """invalidate() and scan(): for callers that learnt of a change (the unit watch)."""
+        self.invalidate()
+        return await self.scan()
+
     def _timed_scan(self) -> ScanResult:
         started = time.monotonic()
         try:
@@ -98,6 +143,8 @@ class Inventory:
             self.scan_cost = time.monotonic() - started
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[ScanResult]:
+        # Marked before the thread starts: the scan's view is at least as new as this.
+        self._running_mark = (clock(), self._generation)
         future: asyncio.Future[ScanResult] = loop.run_in_executor(self.executor, self._timed_scan)
         self._running = future
         future.add_done_callback(self._scan_done)
@@ -106,6 +153,7 @@ class Inventory:
     def _scan_done(self, future: asyncio.Future[ScanResult]) -> None:
         self._running = None
         if not future.cancelled() and future.exception() is None:
+            self.last_result, self._result_mark = future.result(), self._running_mark
             self._publish_scan(future.result())
         elif not future.cancelled():
             exc = future.exception()
@@ -116,7 +164,8 @@ class Inventory:
             follow.add_done_callback(lambda done: _chain(done, queued))
 
     def request_rescan(self) -> None:
-        """Rescan soon, without waiting (after a sweep)."""
+        """Rescan soon, without waiting (after a sweep, a reload): the last scan is stale."""
+        self.invalidate()
         if self._rescan_task is None or self._rescan_task.done():
             self._rescan_task = asyncio.ensure_future(self._quiet_scan())
 
@@ -133,7 +182,12 @@ class Inventory:
         snapshot = await loop.run_in_executor(self.executor, self.engine.snapshot)
         since = time.monotonic() - self._scanned_at
         stale = since >= max(RESCAN_MIN_SEC, RESCAN_FACTOR * self.scan_cost)
-        changed = _nvml_key(snapshot) != self._scanned_key and since >= CHURN_FACTOR * self.scan_cost
+        key = _nvml_key(snapshot)
+        changed = key != self._scanned_key and since >= CHURN_FACTOR * self.scan_cost
+        if key != self._seen_key:
+            # NVML saw processes or GPUs come or go: ListHolders must not serve older scans.
+            self._seen_key = key
+            self.invalidate()
         if stale or changed:
             await self.scan()
         else:
@@ -155,6 +209,7 @@ class Inventory:
         self.holders = result.holders
         self.warnings = result.warnings
         self._scanned_key = _nvml_key(result.nvml)
+        self._seen_key = self._scanned_key
         self._scanned_at = time.monotonic()
         self._publish(result.nvml)
 

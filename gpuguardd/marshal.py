@@ -191,7 +191,7 @@ def unwrap(value: Any) -> Any:
 # -- options callers send ---------------------------------------------------------------------
 
 FILTER_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s",
-                                     "include_protected": "b"}
+                                     "include_protected": "b", "fresh": "b"}
 SWEEP_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s", "grace_ms": "u",
                                     "dry_run": "b", "include_management": "b", "reason": "s"}
 

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
+from dbus_fast import Variant
+
 from . import __version__, hooks, marshal
 from .auth import Authorizer, Caller
 from .bus import GuardBus, current_call
@@ -25,11 +27,14 @@ from .errors import NotAuthorized
 from .history import History
 from .interfaces import GpuInterface, ManagerInterface
 from .live import Inventory, filter_holders
-from .models import NvmlSnapshot, Report, SweepRequest
+from .models import NvmlSnapshot, Report, ScanResult, SweepRequest
 from .runner import SweepRunner
 from .unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
+
+_NO_CMDLINE = Variant("s", "")
+
 
 def requested_by(caller: Caller, reason: str) -> str:
     """Who a sweep is recorded for. Only root (the ExecStopPost hook) may be just "hook:<unit>";
@@ -57,14 +62,20 @@ class Service:
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
             "GpuCount": 0, "Busy": False,
-            "LastSweep": marshal.report(last) if last else {},
+            "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
+        if last:
+            # Typed once, through the cache GetHistory and SweepFinished share (not exported
+            # yet: no PropertiesChanged).
+            self.manager.update(LastSweep=self.manager.typed_report(last))
         self.gpus: dict[int, GpuInterface] = {}
+        self._typed_for: ScanResult | None = None
+        self._typed: dict[int, marshal.VarDict] = {}
         self.on_change: Callable[[], None] = lambda: None
         # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
         self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
-                                    lambda: self.inventory.snapshot, self.inventory.scan,
+                                    lambda: self.inventory.snapshot, self.inventory.fresh_scan,
                                     self.runner.run)
 
     async def start(self) -> None:
@@ -103,7 +114,7 @@ class Service:
             raise NotAuthorized("cannot tell who is calling")
         return await self.auth.caller(msg)
 
-    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[dict[str, Any]]:
+    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
         holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
         if options.get("gpus") or options.get("unit") or options.get("container"):
             loop = asyncio.get_running_loop()
@@ -114,14 +125,30 @@ class Service:
                                                      request)
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          include_protected=holder_filter.include_protected)
-        result = await self.inventory.scan()
-        holders = [h.to_dict() for h in filter_holders(result.holders, holder_filter)]
-        others = [h for h in holders if h["uid"] != caller.uid]
-        if others and not caller.is_root and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
+        # The last scan when it is fresh for this call: started under 1 s (LIST_MAX_AGE_SEC)
+        # before the call arrived and before no event that can change the holders (a sweep, a
+        # reload, an NVML process-list change, a unit starting); else a scan that starts after
+        # the call. live.py's docstring has the rule; the contract XML documents it.
+        # fresh=true (what gpuguardctl sends: an admin at a prompt wants the truth, not the
+        # last second's view) always waits for a scan that starts after the call.
+        result = await (self.inventory.scan() if options.get("fresh", False) else self.inventory.recent())
+        typed = self._typed_holders(result)
+        holders = filter_holders(result.holders, holder_filter)
+        # Filtering and redaction are per caller; only the typing is shared.
+        if not caller.is_root and any(h.uid != caller.uid for h in holders) \
+                and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
             # Command lines can carry secrets (tokens, passwords in arguments).
-            for holder in others:
-                holder["cmdline"] = ""
-        return holders
+            return [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
+                    for h in holders]
+        return [typed[id(h)] for h in holders]
+
+    def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
+        """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
+        typed once per scan: callers served from one scan share it (never mutated)."""
+        if self._typed_for is not result:
+            self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
+            self._typed_for = result
+        return self._typed
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]:
         request = SweepRequest(

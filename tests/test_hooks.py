@@ -209,3 +209,23 @@ def test_local_fallback_records_the_hook_as_requester(gpu_host: GpuHost) -> None
     assert report["reason"].startswith("hook:sglang-x.service result=failed")
     done = gpu_host.cli("sweep", "--unit", "sglang-x.service", "--json")
     assert json.loads(done.stdout)["requested_by"].startswith("uid 0 (root)")
+
+
+def test_hook_runs_the_gpuguardctl_that_installed_it(tmp_path: Path) -> None:
+    """make install PREFIX=/usr/local: the drop-in must call /usr/local/bin/gpuguardctl."""
+    import subprocess
+    import sys
+
+    bindir = tmp_path / "usr-local-bin"
+    bindir.mkdir()
+    program = bindir / "gpuguardctl"
+    program.write_text(f"#!{sys.executable}\nfrom gpuguardd.cli import main\nmain()\n")
+    program.chmod(0o755)
+    root = tmp_path / "root"
+    root.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    subprocess.run([str(program), "hook", "install", "sglang-", "--root", str(root)], env=env,
+                   check=True, capture_output=True)
+    text = (root / ETC / "sglang-.service.d" / "gpuguard.conf").read_text()
+    assert f" {program} sweep --unit %n" in text
+    assert text == render_dropin(HookTarget("sglang-.service", "prefix"), str(program))

@@ -15,10 +15,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpuguardd import dbusxml
+from gpuguardd.live import LIST_MAX_AGE_SEC
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import (
     BUS_NAME,
@@ -51,6 +53,18 @@ def compute_holder(host: GpuHost, gpu: int = 0, used: int = 2 * GiB) -> int:
     proc = host.spawn("--hold", host.node(f"nvidia{gpu}"), "--hold", host.node("nvidia-uvm"),
                       "--comm", COMM, nvml=(gpu, used))
     return proc.pid
+
+
+def listed(guard: GuardDaemon, pid: int, *args: str, as_nobody: bool = False) -> list[Any]:
+    """ListHolders (all holders, or `args` as its filter) once `pid` is in it. The daemon may
+    answer from a scan that started up to LIST_MAX_AGE_SEC before the holder appeared."""
+    def holders() -> list[Any] | None:
+        found: list[Any] = guard.manager("ListHolders", "a{sv}", *(args or ("0",)),
+                                         as_nobody=as_nobody)[0]
+        return found if any(h["pid"] == pid for h in found) else None
+    result: list[Any] = wait_until(holders, LIST_MAX_AGE_SEC + 10, f"ListHolders to list {pid}",
+                                   interval=0.1)
+    return result
 
 
 def busctl_types(guard: GuardDaemon, member: str, *args: str) -> dict[str, str]:
@@ -115,7 +129,7 @@ def test_peer_interface_answers(guard: GuardDaemon) -> None:
 
 def test_list_holders_types_and_filters(guard: GuardDaemon) -> None:
     pid = compute_holder(guard.host, gpu=1)
-    holders = guard.manager("ListHolders", "a{sv}", "0")[0]
+    holders = listed(guard, pid)
     mine = [h for h in holders if h["pid"] == pid]
     assert len(mine) == 1, holders
     holder = mine[0]
@@ -137,6 +151,36 @@ def test_list_holders_types_and_filters(guard: GuardDaemon) -> None:
     assert pid in [h["pid"] for h in on_gpu1]
     in_unit = guard.manager("ListHolders", "a{sv}", "1", "unit", "s", "no-such-unit")[0]
     assert in_unit == []
+
+
+def fd_holder(host: GpuHost) -> int:
+    """A holder NVML does not list (a management client): no poll event announces it."""
+    return host.spawn("--hold", host.node("nvidia0"), "--comm", COMM).pid
+
+
+def test_list_holders_cache_expires(guard: GuardDaemon) -> None:
+    guard.manager("ListHolders", "a{sv}", "0")  # a scan the next second's calls may reuse
+    pid = fd_holder(guard.host)
+    started = time.monotonic()
+    # Nothing announces this holder: only the age bound brings it in, and within it.
+    listed(guard, pid)
+    assert time.monotonic() - started < LIST_MAX_AGE_SEC + 5  # slack for a loaded machine
+
+
+def test_fresh_list_never_serves_an_older_scan(guard: GuardDaemon) -> None:
+    guard.manager("ListHolders", "a{sv}", "0")  # a scan the next second's calls may reuse
+    pid = fd_holder(guard.host)
+    # What gpuguardctl asks for: no waiting, no cache, the holder is there at once.
+    fresh = guard.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")[0]
+    assert pid in [h["pid"] for h in fresh]
+
+
+def test_a_sweep_makes_the_next_list_rescan(guard: GuardDaemon) -> None:
+    guard.manager("ListHolders", "a{sv}", "0")
+    pid = fd_holder(guard.host)
+    guard.manager("Sweep", "a{sv}", "1", "dry_run", "b", "true")
+    # A finished sweep invalidates every scan that started before it: at once, no waiting.
+    assert pid in [h["pid"] for h in guard.manager("ListHolders", "a{sv}", "0")[0]]
 
 
 def test_gpu_properties_follow_holders_and_memory(guard: GuardDaemon, recorder: SignalRecorder) -> None:
@@ -195,7 +239,7 @@ def test_non_ascii_text_never_cuts_the_daemon_off_the_bus(guard: GuardDaemon) ->
     # Process names are chosen by whoever starts the process. Debian 12's dbus-fast cannot
     # marshal non-ASCII strings, and the daemon escapes them there instead of dying.
     pid = private_holder(guard.host, GiB, "--comm", "gpu-caf\u00e9")
-    holders = guard.manager("ListHolders", "a{sv}", "0")[0]
+    holders = listed(guard, pid)
     assert next(h for h in holders if h["pid"] == pid)["comm"] in ("gpu-caf\u00e9", "gpu-caf\\xe9")
     reason = "nettoyage d'\u00e9t\u00e9"
     report = guard.manager("Sweep", "a{sv}", "2", "dry_run", "b", "true", "reason", "s", reason)[0]
@@ -298,6 +342,7 @@ def test_other_user_without_polkit(guard: GuardDaemon) -> None:
                              *args, as_nobody=True)
         assert NOT_AUTHORIZED in result.stderr, (member, result.stderr)
     assert os.path.exists(f"/proc/{pid}"), "a refused sweep must not touch anything"
+    # The dry run above finished after the holder started: no scan older than it is served.
     holders = guard.manager("ListHolders", "a{sv}", "0", as_nobody=True)[0]
     mine = next(h for h in holders if h["pid"] == pid)
     assert mine["cmdline"] == "" and mine["comm"] == COMM
@@ -313,7 +358,7 @@ def test_polkit_decides_for_other_users(guard: GuardDaemon, system_bus: BusDaemo
     try:
         pid = private_holder(guard.host)
         gpu = str(private_gpu(guard.host))
-        holders = guard.manager("ListHolders", "a{sv}", "0", as_nobody=True)[0]
+        holders = listed(guard, pid, as_nobody=True)
         assert "holder.py" in next(h for h in holders if h["pid"] == pid)["cmdline"]
         report = guard.manager("Sweep", "a{sv}", "1", "gpus", "au", "1", gpu, as_nobody=True)[0]
         assert [t["pid"] for t in report["terminated"]] == [pid]
@@ -510,8 +555,9 @@ def test_gpuguardctl_talks_to_the_daemon(guard: GuardDaemon) -> None:
     gpus = json.loads(guard.ctl("gpus", "--json").stdout)
     assert [g["uuid"] for g in gpus] == ["GPU-00000000-0000-4000-8000-000000000000",
                                          "GPU-00000000-0000-4000-8000-000000000001"]
-    listed = guard.ctl("holders", "--json", "--gpu", "GPU-00000000-0000-4000-8000-000000000001")
-    assert pid in [h["pid"] for h in json.loads(listed.stdout)], (listed.stderr, guard.stderr())
+    listed(guard, pid)  # in the daemon's view: gpuguardctl may not get an older scan now
+    on_gpu = guard.ctl("holders", "--json", "--gpu", "GPU-00000000-0000-4000-8000-000000000001")
+    assert pid in [h["pid"] for h in json.loads(on_gpu.stdout)], (on_gpu.stderr, guard.stderr())
     dry = guard.ctl("sweep", "--dry-run", "--gpu", "1", "--json")
     assert dry.returncode == 0 and json.loads(dry.stdout)["outcome"] == "dry-run"
     bad = guard.ctl("sweep", "--gpu", "7")

@@ -4,21 +4,25 @@ who a sweep is recorded for, and the D-Bus/polkit files as installed.
 
 from __future__ import annotations
 
+import asyncio
 import configparser
 import logging
 import shutil
 import subprocess
+import threading
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dbus_fast import Variant
 
-from gpuguardd import dbusxml, marshal
+from gpuguardd import dbusxml, live, marshal
 from gpuguardd.auth import Caller
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.interfaces import GpuInterface, ManagerInterface
+from gpuguardd.models import Holder, NvmlSnapshot, ScanResult
 from gpuguardd.notify import watchdog_interval
 from gpuguardd.service import requested_by
 
@@ -184,3 +188,84 @@ def test_activation_file_hands_over_to_systemd() -> None:
     parser.read(DBUS / "org.gpuguard.GpuGuard1.service")
     assert dict(parser["D-BUS Service"]) == {"Name": "org.gpuguard.GpuGuard1", "Exec": "/bin/false",
                                              "User": "root", "SystemdService": "gpuguardd.service"}
+
+
+# -- ListHolders' freshness rule (live.Inventory.recent) --------------------------------------
+
+class FakeEngine:
+    """Counts scans; each lists the holders present when it ran."""
+
+    def __init__(self) -> None:
+        self.config = type("Config", (), {"released_below_mib": 0})()
+        self.pids: list[int] = []
+        self.scans = 0
+
+    def scan(self) -> ScanResult:
+        self.scans += 1
+        return ScanResult(holders=[Holder(pid=p) for p in self.pids],
+                          nvml=NvmlSnapshot(available=False, error="fake"))
+
+
+class Listener:
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None:
+        pass
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
+        pass
+
+
+def test_list_holders_reuses_a_fresh_scan_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(live, "clock", lambda: now[0])
+    engine = FakeEngine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
+            engine.pids = [10]
+            assert [h.pid for h in (await inventory.recent()).holders] == [10]
+            assert engine.scans == 1
+            engine.pids = [10, 11]  # a holder appears after the scan started
+            now[0] += live.LIST_MAX_AGE_SEC * 0.9
+            assert [h.pid for h in (await inventory.recent()).holders] == [10]  # served again
+            assert engine.scans == 1
+            now[0] += live.LIST_MAX_AGE_SEC * 0.2  # the scan is now too old: a new one
+            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
+            assert engine.scans == 2
+            engine.pids = [10, 11, 12]
+            inventory.invalidate()  # a sweep, a reload, NVML's lists changed: at once
+            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11, 12]
+            assert engine.scans == 3
+            # scan() (the unit watch, sweeps) never reuses: it starts after the call.
+            await inventory.scan()
+            assert engine.scans == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_scan_older_than_an_invalidation_is_never_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    engine = FakeEngine()
+    plain_scan = engine.scan
+
+    def slow_scan() -> ScanResult:
+        release.wait(10)
+        return plain_scan()
+
+    monkeypatch.setattr(engine, "scan", slow_scan)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
+            first = asyncio.ensure_future(inventory.scan())
+            await asyncio.sleep(0)
+            inventory.invalidate()  # while the first scan runs: it may have missed the change
+            second = asyncio.ensure_future(inventory.recent())
+            await asyncio.sleep(0.05)
+            release.set()
+            await first
+            await second
+            assert engine.scans == 2  # recent() waited for a scan started after the event
+            assert inventory.last_result is second.result()
+
+    asyncio.run(scenario())

@@ -373,8 +373,13 @@ class Installed:
         m.write("/usr/bin/gpuguardctl", f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.cli \"$@\"\n",
                 0o755)
         m.copy(REPO / "systemd" / "gpuguardd.service", "/usr/lib/systemd/system/gpuguardd.service")
+        # As the packages do: the drop-ins ship inactive under /usr/share/gpuguard/dropins, and
+        # the admin turns them on with `gpuguardctl hook install PREFIX` (into /etc).
+        prefixes = []
         for dropin in sorted((REPO / "systemd" / "dropins").glob("*.service.d/*.conf")):
-            m.copy(dropin, f"/usr/lib/systemd/system/{dropin.parent.name}/{dropin.name}")
+            m.copy(dropin, f"/usr/share/gpuguard/dropins/{dropin.parent.name}/{dropin.name}")
+            prefixes.append(dropin.parent.name.removesuffix(".d"))
+        m.run("".join(f"gpuguardctl hook install {p} >/dev/null\n" for p in prefixes))
         m.copy(REPO / "dbus" / "org.gpuguard.GpuGuard1.conf",
                "/usr/share/dbus-1/system.d/org.gpuguard.GpuGuard1.conf")
         m.copy(REPO / "dbus" / "org.gpuguard.GpuGuard1.service",
@@ -477,7 +482,8 @@ class Installed:
         return reports
 
     def holders(self) -> list[dict[str, Any]]:
-        found = self.result("ListHolders", "a{sv}", "0")
+        # fresh: the tests move processes between cgroups, which no event announces
+        found = self.result("ListHolders", "a{sv}", "1", "fresh", "b", "true")
         assert isinstance(found, list)
         return found
 

@@ -70,7 +70,7 @@ def test_prefix_dropins_apply_to_inference_units(guard: Installed) -> None:
     guard.add_server("vllm-probe.service", workers=1)
     guard.machine.systemctl("daemon-reload")
     paths = guard.machine.show("vllm-probe.service", "DropInPaths")
-    assert "/usr/lib/systemd/system/vllm-.service.d/gpuguard.conf" in paths
+    assert "/etc/systemd/system/vllm-.service.d/gpuguard.conf" in paths
     stop_post = guard.machine.show("vllm-probe.service", "ExecStopPost")
     assert "gpuguardctl" in stop_post and "--unit vllm-probe.service" in stop_post
 
