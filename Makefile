@@ -41,7 +41,7 @@ $(BIN)/.installed: setup.cfg pyproject.toml
 venv: $(BIN)/.installed
 
 lint: venv
-	$(BIN)/ruff check gpuguardd tests bench packaging
+	$(BIN)/ruff check gpuguardd tests bench packaging demo
 
 typecheck: venv
 	$(BIN)/mypy
