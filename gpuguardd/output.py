@@ -49,7 +49,7 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
         memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
         kind = h["kind"] + (" (protected)" if h["protected"] else "")
         # cmdlines are attacker-controlled text: no newlines or escapes into the admin's terminal
-        command = "".join(c if c.isprintable() else " " for c in (h["cmdline"] or f"[{h['comm']}]"))
+        command = printable(h["cmdline"] or f"[{h['comm']}]")
         rows.append([str(h["pid"]), h["user"] or str(h["uid"]), h["unit"] or "-",
                      h["container"] or "-", kind, h["state"], gpus, memory,
                      ",".join(h["how"]), command[:80]])
@@ -57,8 +57,7 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
            "COMMAND"], rows, out)
 
 
-def print_report(report: dict[str, Any], out: TextIO) -> None:
-    scope = report.get("scope", {})
+def describe_scope(scope: dict[str, Any]) -> str:
     parts = []
     if scope.get("gpus"):
         parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
@@ -66,7 +65,17 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         parts.append(f"unit {scope['unit']}")
     if scope.get("container"):
         parts.append(f"container {scope['container']}")
-    what = ", ".join(parts) or "whole host"
+    return ", ".join(parts) or "whole host"
+
+
+def printable(text: object) -> str:
+    """Process names and command lines are chosen by whoever started the process: no newlines
+    or escape sequences from them reach the admin's terminal."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))
+
+
+def print_report(report: dict[str, Any], out: TextIO) -> None:
+    what = describe_scope(report.get("scope", {}))
     dry = " (dry run)" if report.get("dry_run") else ""
     out.write(f"Sweep {report['id'][:8]} of {what}{dry}, requested by {report['requested_by']}\n")
     if report.get("dry_run"):

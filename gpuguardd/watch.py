@@ -8,7 +8,7 @@ import time
 from typing import Any, TextIO
 
 from .client import DBusBackend
-from .output import human_bytes
+from .output import describe_scope, human_bytes, printable
 
 # Argument names of each signal, as in dbus/org.gpuguard.GpuGuard1.xml.
 SIGNAL_ARGS = {
@@ -19,28 +19,12 @@ SIGNAL_ARGS = {
 }
 
 
-def _describe_scope(scope: dict[str, Any]) -> str:
-    parts = []
-    if scope.get("gpus"):
-        parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
-    if scope.get("unit"):
-        parts.append(f"unit {scope['unit']}")
-    if scope.get("container"):
-        parts.append(f"container {scope['container']}")
-    return ", ".join(parts) or "whole host"
-
-
-def _printable(text: object) -> str:
-    # Process names are chosen by whoever started the process: no escapes into the terminal.
-    return "".join(c if c.isprintable() else "?" for c in str(text))
-
-
 def describe(member: str, fields: dict[str, Any]) -> str:
     if member == "SweepStarted":
-        return f"sweep {fields['id'][:8]} started: {_describe_scope(fields['scope'])}"
+        return f"sweep {fields['id'][:8]} started: {describe_scope(fields['scope'])}"
     if member == "ProcessTerminated":
-        return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({_printable(fields['comm'])}, "
-                f"unit {_printable(fields['unit']) or '-'}) ended by {fields['signal'] or 'itself'}")
+        return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({printable(fields['comm'])}, "
+                f"unit {printable(fields['unit']) or '-'}) ended by {fields['signal'] or 'itself'}")
     if member == "SweepFinished":
         report = fields["report"]
         return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "

@@ -1,0 +1,36 @@
+"""What gpuguardctl prints for people: aligned, sized, and safe from hostile process names."""
+
+from __future__ import annotations
+
+import io
+
+from gpuguardd.models import Holder
+from gpuguardd.output import describe_scope, human_bytes, print_holders
+
+
+def test_sizes() -> None:
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(300 * 1024 * 1024) == "300 MiB"
+    assert human_bytes(36 * 1024 ** 3) == "36.0 GiB"
+
+
+def test_scope_description() -> None:
+    assert describe_scope({}) == "whole host"
+    assert describe_scope({"gpus": [0, 1], "unit": "a.service"}) == "GPU 0,1, unit a.service"
+
+
+def test_hostile_command_line_stays_on_its_row() -> None:
+    evil = Holder(pid=4242, comm="x", cmdline="python3 -c 'x'\nFAKE ROW\x1b[2J", user="eve", gpus=[0],
+                  how=["fd"], kind="compute", state="S")
+    calm = Holder(pid=7, comm="y", cmdline="sleep 1", user="bob", gpus=[1], how=["nvml"],
+                  kind="compute", state="S", gpu_memory=2 * 1024 ** 3)
+    out = io.StringIO()
+    print_holders([evil.to_dict(), calm.to_dict()], out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert "\x1b" not in out.getvalue()
+    header = lines[0]
+    # columns line up: every row's MEMORY cell starts where the header's does
+    column = header.index("MEMORY")
+    assert lines[2][column:].startswith("2.0 GiB")
+    assert lines[1][column:].startswith("-")
