@@ -44,7 +44,9 @@ from .sweep import in_scope
 
 log = logging.getLogger("gpuguard.live")
 
-RESCAN_MIN_SEC = 30.0
+# Holders NVML cannot see (management clients) only change HolderCount; a minute late is fine
+# for that, and each rescan walks all of /proc.
+RESCAN_MIN_SEC = 60.0
 LIST_MAX_AGE_SEC = 1.0  # ListHolders: oldest scan start served (see the module docstring)
 clock = time.monotonic  # the freshness rule's clock (tests move it)
 RESCAN_FACTOR = 500.0

@@ -45,6 +45,7 @@ class Nvml:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._initialized = False
+        self._identity: dict[int, tuple[str, str, int | None, str]] = {}
         self.last_error = ""
 
     def _ensure_init(self) -> bool:
@@ -59,6 +60,7 @@ class Nvml:
             self.last_error = _error_text(exc)
             return False
         self._initialized = True
+        self._identity.clear()
         self.last_error = ""
         return True
 
@@ -109,14 +111,21 @@ class Nvml:
                     gpu.error = _error_text(exc)
                 return None
 
-        uuid = query(lambda: pynvml.nvmlDeviceGetUUID(handle))
-        gpu.uuid = _text(uuid) if uuid is not None else ""
-        name = query(lambda: pynvml.nvmlDeviceGetName(handle))
-        gpu.name = _text(name) if name is not None else ""
-        minor = query(lambda: pynvml.nvmlDeviceGetMinorNumber(handle))
-        gpu.minor = int(minor) if minor is not None else None
-        pci = query(lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
-        gpu.pci_bus_id = _text(pci.busId) if pci is not None else ""
+        identity = self._identity.get(index)
+        if identity is None:
+            uuid = query(lambda: pynvml.nvmlDeviceGetUUID(handle))
+            name = query(lambda: pynvml.nvmlDeviceGetName(handle))
+            minor = query(lambda: pynvml.nvmlDeviceGetMinorNumber(handle))
+            pci = query(lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
+            identity = (_text(uuid) if uuid is not None else "",
+                        _text(name) if name is not None else "",
+                        int(minor) if minor is not None else None,
+                        _text(pci.busId) if pci is not None else "")
+            # NVML numbers devices once per initialisation, so what a GPU is does not change
+            # until the next nvmlInit: read it once instead of on every poll.
+            if None not in (uuid, name, minor, pci):
+                self._identity[index] = identity
+        gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
         memory = query(lambda: self._memory(handle))
         if memory is not None:
             gpu.memory_total, gpu.memory_used = memory
