@@ -139,10 +139,10 @@ class Machine:
                # must not bind the host's ports.
                "--private-network",
                f"--machine=gpuguard-e2e-{os.getpid()}"]
-        # The repository must be visible inside; a non-recursive bind of / misses it when it
-        # lives on another file system (a CI workspace volume).
-        if os.stat(REPO).st_dev != os.stat("/").st_dev:
-            cmd.append(f"--bind-ro={REPO}")
+        # The repository must be visible inside: a non-recursive bind of / misses it when it
+        # lives on another file system (a CI workspace volume), and the container's own tmpfs
+        # on /tmp hides a checkout under /tmp.
+        cmd.append(f"--bind-ro={REPO}")
         # nspawn keeps its own cgroup (--keep-unit) and puts the container in "payload" below
         # it. Without a cgroup of its own that is the host's root cgroup, shared by every
         # container booted at the same time: their systemds would manage each other's
