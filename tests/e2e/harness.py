@@ -343,10 +343,12 @@ def interpreter_access() -> str:
     base = subprocess.run([str(VENV_PYTHON), "-c", "import sys; print(sys.base_prefix)"],
                           check=True, capture_output=True, text=True).stdout.strip()
     real = os.path.realpath(base)
-    if not real.startswith(("/root/", "/home/", "/run/user/")):
-        return ""
-    return ("# The venv's interpreter is under a home directory (pyenv): make just it visible.\n"
-            f"ProtectHome=tmpfs\nBindReadOnlyPaths={real}\n")
+    # The checkout (and its venv) too: PrivateTmp= hides a clone under /tmp, as CI makes.
+    lines = f"BindReadOnlyPaths={REPO}\n"
+    if real.startswith(("/root/", "/home/", "/run/user/")):
+        lines += ("# The venv's interpreter is under a home directory (pyenv): make just it visible.\n"
+                  f"ProtectHome=tmpfs\nBindReadOnlyPaths={real}\n")
+    return lines
 
 
 @dataclass(frozen=True)
