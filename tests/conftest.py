@@ -1,9 +1,10 @@
 """Shared fixtures: a fake GPU host (device nodes, fake NVML, config) and real holder processes.
 
-Device nodes: the GPU and control nodes use major 120 (reserved for local use, no driver on
-any machine), so nothing outside the tests can hold them; they can only be opened O_PATH,
-which looks the same in /proc/<pid>/fd. nvidia-uvm uses /dev/zero's numbers (1,5) so holders
-can really open and mmap it.
+Device nodes use major 120 (reserved for local use, no driver on any machine) with minors drawn
+at random per host, so nothing outside the test, not even another test run on the same machine,
+holds the same device. They can only be opened O_PATH, which looks the same in /proc/<pid>/fd.
+A process that holds a node by its mapping alone needs a node a driver can mmap:
+`GpuHost.mappable_uvm()` makes one with /dev/zero's numbers, in a directory of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ NODES = {
     "nvidia1": (120, 1),
     "nvidiactl": (120, 255),
     "nvidia-modeset": (120, 254),
-    "nvidia-uvm": (1, 5),
+    "nvidia-uvm": (120, 253),
 }
 
 
@@ -92,6 +93,17 @@ class GpuHost:
 
     def node(self, name: str) -> str:
         return str(self.dev / name)
+
+    def mappable_uvm(self) -> str:
+        """An nvidia-uvm node that can really be mapped ((1,5), /dev/zero's driver), in its own
+        directory; callers add `dirname/nvidia*` to the watched paths. Any other holder of a
+        (1,5) node would match it too, so only tests that sweep nothing use it."""
+        directory = self.root / "mappable"
+        directory.mkdir(exist_ok=True)
+        path = directory / "nvidia-uvm"
+        if not path.exists():
+            os.mknod(path, 0o666 | 0o020000, os.makedev(1, 5))
+        return str(path)
 
     @property
     def env(self) -> dict[str, str]:
@@ -221,9 +233,11 @@ def systemd_cgroup() -> Iterator[Callable[[str], CgroupDir]]:
         parts = Path(relative.strip("/")).parts
         for i in range(1, len(parts) + 1):
             p = base.joinpath(*parts[:i])
-            if not p.exists():
+            try:
                 p.mkdir()
                 made.append(p)
+            except FileExistsError:
+                pass  # ours from an earlier level, or another run's: removed by whoever made it
         return CgroupDir(path)
 
     yield make

@@ -15,9 +15,10 @@ from gpuguardd.models import Holder
 from tests.conftest import GiB, GpuHost
 
 
-def engine_for(host: GpuHost) -> Engine:
-    return Engine(Config(device_paths=(f"{host.dev}/nvidia*",),
-                         runtime_directory=str(host.root / "run")))
+def engine_for(host: GpuHost, *more_nodes: str) -> Engine:
+    """An engine watching the host's nodes, plus the directories of `more_nodes`."""
+    patterns = (f"{host.dev}/nvidia*", *(f"{os.path.dirname(n)}/nvidia*" for n in more_nodes))
+    return Engine(Config(device_paths=patterns, runtime_directory=str(host.root / "run")))
 
 
 def holder_by_pid(holders: list[Holder], pid: int) -> Holder:
@@ -43,12 +44,13 @@ def test_fd_holder_is_found_with_gpu_kind_and_devices(inproc_nvml: GpuHost) -> N
 
 def test_mmap_only_holder_is_found(inproc_nvml: GpuHost) -> None:
     host = inproc_nvml
-    proc = host.spawn("--mmap", host.node("nvidia-uvm"))
+    uvm = host.mappable_uvm()
+    proc = host.spawn("--mmap", uvm)
     maps = Path(f"/proc/{proc.pid}/maps").read_text()
-    assert host.node("nvidia-uvm") in maps
-    assert not any(os.path.realpath(f"/proc/{proc.pid}/fd/{fd}") == host.node("nvidia-uvm")
+    assert uvm in maps
+    assert not any(os.path.realpath(f"/proc/{proc.pid}/fd/{fd}") == uvm
                    for fd in os.listdir(f"/proc/{proc.pid}/fd"))
-    holder = holder_by_pid(engine_for(host).scan().holders, proc.pid)
+    holder = holder_by_pid(engine_for(host, uvm).scan().holders, proc.pid)
     assert holder.how == ["mmap"]
     assert holder.kind == "compute"
 
@@ -97,9 +99,11 @@ def test_unrelated_processes_are_not_holders(inproc_nvml: GpuHost) -> None:
 
 def test_processes_exiting_during_scans_never_break_it(inproc_nvml: GpuHost) -> None:
     host = inproc_nvml
-    engine = engine_for(host)
+    uvm = host.mappable_uvm()
+    engine = engine_for(host, uvm)
+    # Short-lived holders: the shell opens the node and exits at once, 300 times over.
     churn = subprocess.Popen(
-        ["bash", "-c", f"for i in $(seq 300); do (exec 3<>{host.node('nvidia-uvm')}; true) & done; wait"])
+        ["bash", "-c", f"for i in $(seq 300); do (exec 3<>{uvm}; true) & done; wait"])
     scans = 0
     while churn.poll() is None or scans < 3:
         result = engine.scan()

@@ -228,7 +228,7 @@ def test_sweep_scoped_to_a_unit_leaves_the_containers_namesake(gpu_host: GpuHost
 def test_the_sweeper_never_signals_its_own_ancestors(gpu_host: GpuHost) -> None:
     host = gpu_host
     # A holder that runs the sweep itself, like an ExecStopPost shell that still holds a device.
-    script = (f"import os, subprocess, sys; fd = os.open({host.node('nvidia-uvm')!r}, os.O_RDWR); "
+    script = (f"import os, subprocess, sys; fd = os.open({host.node('nvidia-uvm')!r}, os.O_PATH); "
               f"r = subprocess.run([sys.executable, '-m', 'gpuguardd.cli', 'sweep', '--json', '--local', "
               f"'--config', {str(host.config_path)!r}], capture_output=True, text=True); print(r.stdout)")
     result = subprocess.run([sys.executable, "-c", script], env=host.env, capture_output=True,
