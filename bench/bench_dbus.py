@@ -39,7 +39,7 @@ from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, BusDaemon
-from tests.fakenvml import GIB, FakeNvmlState, build_library, env_for
+from tests.fakenvml import GIB, FakeNvmlState, build_library, process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLDER = ROOT / "tests" / "holder.py"
@@ -87,10 +87,7 @@ class Host:
 
     @property
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(env_for(self.libdir, self.state_path))
-        env["PYTHONPATH"] = str(ROOT)
-        return env
+        return process_env(self.libdir, self.state_path, ROOT)
 
     def close(self) -> None:
         for proc in self.procs:

@@ -423,6 +423,13 @@ def _worker(number: int, spec: dict[str, object], ready_fd: int) -> None:
                 os._exit(1)
     os.close(ready_fd)
     # Reap at once, so kill(pid, 0) and the fake NVML see an ended holder gone.
+    _reap_children()
+    while True:
+        signal.pause()
+
+
+def _reap_children() -> None:
+    """Wait for every child until none is left."""
     while True:
         try:
             os.wait()
@@ -430,8 +437,6 @@ def _worker(number: int, spec: dict[str, object], ready_fd: int) -> None:
             break
         except InterruptedError:
             continue
-    while True:
-        signal.pause()
 
 
 def leader_main() -> None:
@@ -470,13 +475,7 @@ def leader_main() -> None:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    while True:  # workers, and the children orphaned to us (we are their subreaper)
-        try:
-            os.wait()
-        except ChildProcessError:
-            break
-        except InterruptedError:
-            continue
+    _reap_children()  # workers, and the children orphaned to us (we are their subreaper)
     cleanup = spec.get("orphan_cleanup")
     if not told and cleanup:
         mount_point, directory = cleanup

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from . import procfs
@@ -142,18 +142,8 @@ class Engine:
         config = self.config
         nvml = self.snapshot(with_processes=False)
         gpus, warnings = self.resolve_gpus(request.gpus, nvml)
-        unit = ""
-        if request.unit:
-            try:
-                unit = normalize_unit_name(request.unit)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
-        container = ""
-        if request.container:
-            try:
-                container = validate_container_label(request.container)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
+        unit = _checked(normalize_unit_name, request.unit)
+        container = _checked(validate_container_label, request.container)
         if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
             raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
         grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
@@ -229,6 +219,16 @@ class Engine:
                 report.id[:8], report.outcome, len(report.terminated), len(report.survived),
                 len(report.spared), report.duration_ms)
         return report
+
+
+def _checked(validate: Callable[[str], str], value: str) -> str:
+    """`validate(value)` for a non-empty value, its ValueError as the caller's InvalidArgument."""
+    if not value:
+        return ""
+    try:
+        return validate(value)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def describe_scope(scope: Scope) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakenvml import FakeNvmlState, build_library, env_for
+from tests.fakenvml import FakeNvmlState, build_library, process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLDER = Path(__file__).resolve().parent / "holder.py"
@@ -107,10 +107,7 @@ class GpuHost:
 
     @property
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(env_for(self.libdir, self.state_path))
-        env["PYTHONPATH"] = str(ROOT)
-        return env
+        return process_env(self.libdir, self.state_path, ROOT)
 
     def publish(self) -> None:
         self.state.write(self.state_path)

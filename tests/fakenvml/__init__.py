@@ -129,6 +129,14 @@ def env_for(libdir: Path, state_path: Path) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": search, STATE_ENV: str(state_path)}
 
 
+def process_env(libdir: Path, state_path: Path, pythonpath: Path) -> dict[str, str]:
+    """This process's environment plus env_for() and PYTHONPATH: for a gpuguard subprocess."""
+    env = dict(os.environ)
+    env.update(env_for(libdir, state_path))
+    env["PYTHONPATH"] = str(pythonpath)
+    return env
+
+
 def _check_token(what: str, value: str, max_len: int) -> None:
     # The file is whitespace-separated key=value text: a space, '#' or '='
     # inside a value would silently change what the library reads.
