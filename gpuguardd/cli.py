@@ -227,11 +227,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         backend = connect(args)
         if args.verb == "status":
             status = backend.status()
-            if args.json:
-                output.print_json(status, out)
-            else:
-                for key in sorted(status):
-                    out.write(f"{key}: {status[key]}\n")
+            output.print_json(status, out) if args.json else output.print_status(status, out)
             return EXIT_OK
         if args.verb == "gpus":
             gpus = backend.gpus()

@@ -1,17 +1,49 @@
-"""Logging to stderr with sd-daemon priority prefixes, so journald keeps each line's level."""
+"""Logging to stderr with sd-daemon priority prefixes, so journald keeps each line's level.
+
+Both formatters escape the message (escaping.py) after its arguments are put in, so no call
+site can forget: a process named "x\\n<3>forged" stays one line, at the level it was logged at.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import TextIO
+import traceback
+from typing import Any, TextIO
+
+from .escaping import escape_text
 
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6,
              logging.DEBUG: 7}
 
 
+def _escape_exception_texts(described: traceback.TracebackException, seen: set[int]) -> None:
+    if id(described) in seen:
+        return
+    seen.add(id(described))
+    described._str = escape_text(described._str)  # type: ignore[attr-defined]
+    for linked in (described.__cause__, described.__context__):
+        if linked is not None:
+            _escape_exception_texts(linked, seen)
+
+
 class SdDaemonFormatter(logging.Formatter):
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_text(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        # A traceback is many lines (each gets the prefix below), but an exception's text can
+        # quote a process name: escaped, it cannot add lines of its own.
+        try:
+            described = traceback.TracebackException(*ei[:3])
+            _escape_exception_texts(described, set())
+            text = "".join(described.format())
+        except Exception:  # _str is CPython's; without it each line is still escaped
+            text = super().formatException(ei)
+        return "\n".join(escape_text(line) for line in text.rstrip("\n").split("\n"))
+
     def format(self, record: logging.LogRecord) -> str:
         priority = _PRIORITY.get(record.levelno, 6)
         text = super().format(record)
@@ -27,7 +59,7 @@ class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         label = {logging.WARNING: "warning: ", logging.ERROR: "error: ",
                  logging.CRITICAL: "error: "}.get(record.levelno, "")
-        return f"{self.program}: {label}{record.getMessage()}"
+        return f"{self.program}: {label}{escape_text(record.getMessage())}"
 
 
 def under_journald() -> bool:

@@ -1,10 +1,17 @@
-"""Human-readable output for gpuguardctl: aligned tables and sizes an admin reads at a glance."""
+"""Human-readable output for gpuguardctl: aligned tables and sizes an admin reads at a glance.
+
+Everything a printer here formats comes from processes, callers or files nobody vetted: each
+printer escapes its whole input first (escaping.escaped), and table() its cells, so no field
+can reach the terminal raw. JSON output (print_json) stays JSON: json escapes on its own.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from typing import Any, TextIO
+
+from .escaping import escape_text, escaped
 
 
 def human_bytes(value: int) -> str:
@@ -18,6 +25,7 @@ def human_bytes(value: int) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    rows = [[escape_text(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -34,6 +42,7 @@ def print_json(data: Any, out: TextIO) -> None:
 
 
 def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
+    gpus = escaped(gpus)
     rows = []
     for gpu in gpus:
         memory = f"{human_bytes(gpu['memory_used'])} / {human_bytes(gpu['memory_total'])}"
@@ -43,13 +52,13 @@ def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
 
 
 def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
+    holders = escaped(holders)
     rows = []
     for h in holders:
         gpus = ",".join(str(g) for g in h["gpus"]) or "?"
         memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
         kind = h["kind"] + (" (protected)" if h["protected"] else "")
-        # cmdlines are attacker-controlled text: no newlines or escapes into the admin's terminal
-        command = printable(h["cmdline"] or f"[{h['comm']}]")
+        command = h["cmdline"] or f"[{h['comm']}]"
         rows.append([str(h["pid"]), h["user"] or str(h["uid"]), h["unit"] or "-",
                      h["container"] or "-", kind, h["state"], gpus, memory,
                      ",".join(h["how"]), command[:80]])
@@ -58,6 +67,7 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
 
 
 def describe_scope(scope: dict[str, Any]) -> str:
+    scope = escaped(scope)
     parts = []
     if scope.get("gpus"):
         parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
@@ -68,13 +78,13 @@ def describe_scope(scope: dict[str, Any]) -> str:
     return ", ".join(parts) or "whole host"
 
 
-def printable(text: object) -> str:
-    """Process names and command lines are chosen by whoever started the process: no newlines
-    or escape sequences from them reach the admin's terminal."""
-    return "".join(c if c.isprintable() else "?" for c in str(text))
+def print_status(status: dict[str, Any], out: TextIO) -> None:
+    for key, value in sorted(escaped(status).items()):
+        out.write(f"{key}: {value}\n")
 
 
 def print_report(report: dict[str, Any], out: TextIO) -> None:
+    report = escaped(report)
     what = describe_scope(report.get("scope", {}))
     dry = " (dry run)" if report.get("dry_run") else ""
     out.write(f"Sweep {report['id'][:8]} of {what}{dry}, requested by {report['requested_by']}\n")

@@ -8,7 +8,8 @@ import time
 from typing import Any, TextIO
 
 from .client import DBusBackend
-from .output import describe_scope, human_bytes, printable
+from .escaping import escaped
+from .output import describe_scope, human_bytes
 
 # Argument names of each signal, as in dbus/org.gpuguard.GpuGuard1.xml.
 SIGNAL_ARGS = {
@@ -20,11 +21,12 @@ SIGNAL_ARGS = {
 
 
 def describe(member: str, fields: dict[str, Any]) -> str:
+    fields = escaped(fields)
     if member == "SweepStarted":
         return f"sweep {fields['id'][:8]} started: {describe_scope(fields['scope'])}"
     if member == "ProcessTerminated":
-        return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({printable(fields['comm'])}, "
-                f"unit {printable(fields['unit']) or '-'}) ended by {fields['signal'] or 'itself'}")
+        return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({fields['comm']}, "
+                f"unit {fields['unit'] or '-'}) ended by {fields['signal'] or 'itself'}")
     if member == "SweepFinished":
         report = fields["report"]
         return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "

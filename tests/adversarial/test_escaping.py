@@ -1,0 +1,141 @@
+"""Terminal and log injection (issue 9 item 7): a process named with escape sequences or a
+newline gets nothing raw into gpuguardctl's human output or the daemon's journal lines.
+
+The attacker chooses a holder's comm (prctl) and argv. Raw, `\\x1b[2J` clears the admin's
+screen, `\\x1b]0;pwned\\x07` sets the terminal title, a newline forges a journal line (with a
+priority prefix of its choice), U+202E shows text reversed. JSON output stays valid JSON that
+still carries the exact name.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+from gpuguardd.escaping import escape_text, escaped
+from gpuguardd.log import PlainFormatter, SdDaemonFormatter
+from gpuguardd.output import print_holders, print_report, print_status
+from gpuguardd.watch import describe
+from tests.conftest import GiB
+from tests.dbus_harness import GuardDaemon, private_gpu, private_holder, wait_until
+
+pytest_plugins = ["tests.dbus_harness"]
+
+SCREEN = "\x1b[2J\x1b]0;pwned\x07"  # 14 characters: fits a comm (15)
+FORGED = "gg\n<3>FORGED"
+BIDI = "gg\u202etxt.exe"
+# Anything a terminal or journald acts on: C0 (newline, ESC, BEL...), DEL, C1, bidi controls,
+# line/paragraph separators.
+RAW = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def assert_clean(text: str, lines: int | None = None) -> None:
+    assert RAW.search(text) is None, repr(text)
+    if lines is not None:
+        assert len(text.splitlines()) == lines, text
+
+
+def test_escape_text_rule() -> None:
+    assert escape_text(SCREEN) == "\\x1b[2J\\x1b]0;pwned\\x07"
+    assert escape_text(FORGED) == "gg\\n<3>FORGED"
+    assert escape_text("a\u202eb\x85c\u2028d\x7f") == "a\\u202eb\\x85c\\u2028d\\x7f"
+    assert escape_text("caf\u00e9 \u4e2d") == "caf\u00e9 \u4e2d"  # printable text stays
+    assert escape_text("\udcff") == "\\udcff"  # a lone surrogate cannot even be printed
+    # Escaping twice changes nothing: layers may each apply it.
+    assert escape_text(escape_text(SCREEN + FORGED)) == escape_text(SCREEN + FORGED)
+    assert escaped({"k\n": [SCREEN, 3, ("x\r",)]}) == {"k\\n": ["\\x1b[2J\\x1b]0;pwned\\x07", 3,
+                                                               ("x\\r",)]}
+
+
+def _record(msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord("gpuguard.t", logging.INFO, __file__, 1, msg, args, None)
+
+
+def test_log_lines_cannot_be_forged() -> None:
+    line = SdDaemonFormatter("%(message)s").format(
+        _record("sent SIGTERM to pid %d (%s)", 42, FORGED + SCREEN + BIDI))
+    assert_clean(line, lines=1)
+    assert line.startswith("<6>sent SIGTERM to pid 42 (gg\\n<3>FORGED")
+    plain = PlainFormatter("gpuguardctl").format(_record("%s", FORGED))
+    assert plain == "gpuguardctl: gg\\n<3>FORGED"
+    # Even a message built before logging (no arguments) and an exception's text.
+    try:
+        raise RuntimeError(f"bad {FORGED}")
+    except RuntimeError:
+        import sys
+        record = logging.LogRecord("gpuguard.t", logging.ERROR, __file__, 1, f"x {SCREEN}", (),
+                                   sys.exc_info())
+    text = SdDaemonFormatter("%(message)s").format(record)
+    assert_clean(text)
+    assert all(line.startswith("<3>") for line in text.splitlines()), text
+    assert "RuntimeError: bad gg\\n<3>FORGED" in text
+
+
+def _report() -> dict[str, object]:
+    target = {"pid": 7, "comm": SCREEN, "unit": FORGED, "signal": "SIGTERM", "exited_after_ms": 3,
+              "why": BIDI}
+    return {"id": "0123456789", "scope": {"unit": FORGED, "gpus": [1]}, "dry_run": True,
+            "requested_by": f"uid 0 {SCREEN}", "targets": [target], "terminated": [target],
+            "survived": [target], "spared": [target], "gpus": [], "leaks": [],
+            "warnings": [FORGED], "outcome": "dry-run", "duration_ms": 1}
+
+
+def test_human_output_escapes_every_field() -> None:
+    out = io.StringIO()
+    print_report(_report(), out)
+    assert_clean(out.getvalue(), lines=7)
+    assert "\\x1b[2J\\x1b]0;pwned\\x07" in out.getvalue()
+    holder: dict[str, object] = {"pid": 7, "user": FORGED, "uid": 0, "unit": SCREEN, "container": BIDI,
+              "kind": "compute", "protected": False, "state": "S", "gpus": [0], "gpu_memory": 0,
+              "how": ["fd"], "cmdline": f"python3 {FORGED}", "comm": SCREEN}
+    out = io.StringIO()
+    print_holders([holder], out)
+    assert_clean(out.getvalue(), lines=2)
+    out = io.StringIO()
+    print_status({"last_sweep": _report(), "version": SCREEN}, out)
+    assert_clean(out.getvalue(), lines=2)
+    watch_line = describe("ProcessTerminated", {"id": "0123456789", "pid": 7, "comm": FORGED,
+                                                "unit": SCREEN, "signal": BIDI})
+    assert_clean(watch_line, lines=1)
+
+
+def test_daemon_and_ctl_output_escape_hostile_names(guard: GuardDaemon) -> None:
+    """holders, sweep (dry and real), history, JSON and the daemon's own log lines."""
+    host = guard.host
+    screen = private_holder(host, GiB, "--comm", SCREEN)
+    forged = private_holder(host, GiB, "--comm", FORGED)
+    gpu = str(private_gpu(host))
+
+    def listed() -> str | None:
+        result = guard.ctl("holders", "--gpu", gpu)
+        return result.stdout if str(screen) in result.stdout and str(forged) in result.stdout \
+            else None
+    holders = wait_until(listed, 15, "both hostile holders listed")
+    assert_clean(holders, lines=3)  # header and one row each: the newline made no row
+
+    as_json = guard.ctl("holders", "--gpu", gpu, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    comms = {h["pid"]: h["comm"] for h in json.loads(as_json.stdout)}
+    assert comms[screen] == SCREEN and comms[forged] == FORGED  # exact, in valid JSON
+
+    dry = guard.ctl("sweep", "--gpu", gpu, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert_clean(dry.stdout, lines=5)  # header, 2 targets, GPU line, outcome
+    real = guard.ctl("sweep", "--gpu", gpu, "--grace", "2")
+    assert real.returncode == 0, real.stdout + real.stderr
+    assert_clean(real.stdout)
+    assert sum("terminated" in line for line in real.stdout.splitlines()) == 2, real.stdout
+    history = guard.ctl("history", "-n", "2")
+    assert history.returncode == 0, history.stderr
+    assert_clean(history.stdout)
+    status = guard.ctl("status")
+    assert_clean(status.stdout)
+
+    # The daemon's journal lines: each signal was logged, escaped, one line each, all prefixed.
+    wait_until(lambda: "gg\\n<3>FORGED" in guard.stderr(), 10, "the signal log line")
+    log = guard.stderr()
+    assert_clean(log)
+    assert all(re.match(r"<\d>", line) for line in log.splitlines()), log
+    assert not any(line.startswith("<3>FORGED") for line in log.splitlines())
