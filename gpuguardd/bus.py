@@ -75,6 +75,26 @@ def ascii_only(value: Any) -> Any:
     return value
 
 
+BUS_DAEMON = "org.freedesktop.DBus"
+BUS_DAEMON_PATH = "/org/freedesktop/DBus"
+
+
+def name_owner_change(msg: Message, name: str) -> str | None:
+    """The new owner of `name` ("" when it left) if `msg` is the bus daemon's NameOwnerChanged
+    about it, else None.
+
+    Match rules only filter broadcasts: any peer may send a signal straight to our unique name,
+    with any path, interface and member it likes, so a NameOwnerChanged("org.freedesktop.
+    systemd1", ..., "") from a user would otherwise read as systemd leaving. The bus daemon
+    sets the sender field itself and never lets a peer claim org.freedesktop.DBus.
+    """
+    if (msg.message_type != MessageType.SIGNAL or msg.member != "NameOwnerChanged"
+            or msg.sender != BUS_DAEMON or msg.path != BUS_DAEMON_PATH
+            or msg.interface != BUS_DAEMON or msg.signature != "sss" or msg.body[0] != name):
+        return None
+    return str(msg.body[2])
+
+
 PEER_INTERFACE = "org.freedesktop.DBus.Peer"
 MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 

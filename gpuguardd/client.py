@@ -17,7 +17,7 @@ from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from . import marshal
-from .bus import SafeBus
+from .bus import SafeBus, name_owner_change
 from .busnames import (
     BUS_NAME,
     ENV_BUS_ADDRESS,
@@ -244,23 +244,37 @@ class DBusBackend:
             owner_rule = ("type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
                           f"arg0='{BUS_NAME}'")
 
+            # gpuguardd's unique name: only its signals are shown. Anyone may send a signal
+            # named SweepFinished straight to this connection; the bus sets the sender.
+            owner = [""]
+
             def handler(msg: Message) -> None:
                 if msg.message_type != MessageType.SIGNAL:
                     return
-                if msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH:
+                new_owner = name_owner_change(msg, BUS_NAME)
+                if new_owner is not None:
+                    owner[0] = new_owner
+                    if on_owner is not None:
+                        on_owner(new_owner)
+                elif msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH \
+                        and owner[0] and msg.sender == owner[0]:
                     on_signal(msg.member or "", [marshal.unwrap(v) for v in msg.body])
-                elif msg.member == "NameOwnerChanged" and on_owner is not None \
-                        and msg.body and msg.body[0] == BUS_NAME:
-                    on_owner(str(msg.body[2]))
 
             bus.add_message_handler(handler)
-            for match in (rule, owner_rule):
+            for match in (owner_rule, rule):
                 reply = await bus.call(Message(
                     destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
                     interface="org.freedesktop.DBus", member="AddMatch", signature="s",
                     body=[match]))
                 if reply.message_type == MessageType.ERROR:
                     raise error_from_reply(reply)
+            # After the owner match is in place: a change from here on reaches the handler.
+            reply = await bus.call(Message(
+                destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+                interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
+                body=[BUS_NAME]))
+            if reply.message_type == MessageType.METHOD_RETURN and not owner[0]:
+                owner[0] = str(reply.body[0])
             await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
             raise DaemonUnavailable(f"the connection to {self._where()} was closed")
         self._run(listen)

@@ -50,6 +50,7 @@ from dbus_fast import Message, MessageFlag, MessageType
 from dbus_fast.aio import MessageBus
 
 from .attribution import normalize_unit_name
+from .bus import name_owner_change
 from .models import KIND_COMPUTE, Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
 
 log = logging.getLogger("gpuguard.unitwatch")
@@ -381,11 +382,13 @@ class UnitWatcher:
     def _on_message(self, msg: Message) -> bool | None:
         if msg.message_type != MessageType.SIGNAL:
             return None
-        if msg.member == "NameOwnerChanged" and msg.interface == DBUS and msg.body \
-                and msg.body[0] == SYSTEMD:
+        # Every signal is checked for its sender: the bus daemon's own, or systemd's current
+        # unique name. Anyone may send any signal straight to our connection (bus.py).
+        new_owner = name_owner_change(msg, SYSTEMD)
+        if new_owner is not None:
             # systemd re-executed (daemon-reexec) or came back: subscriptions are per
             # connection, so subscribe again on its new one.
-            if msg.body[2]:
+            if new_owner:
                 self._spawn(self._resubscribe())
             else:
                 self._owner = ""

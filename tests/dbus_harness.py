@@ -79,12 +79,14 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Config
            send_interface="org.freedesktop.DBus.Monitoring"/>
   </policy>
   <include>{project_policy}</include>
-  <!-- the tests' stand-in for polkitd -->
+  <!-- the tests' stand-ins for polkitd and systemd's manager (tests/adversarial) -->
   <policy user="root">
     <allow own="org.freedesktop.PolicyKit1"/>
+    <allow own="org.freedesktop.systemd1"/>
   </policy>
   <policy context="default">
     <allow send_destination="org.freedesktop.PolicyKit1"/>
+    <allow send_destination="org.freedesktop.systemd1"/>
   </policy>
   <limit name="max_connections_per_user">1024</limit>
   <limit name="max_completed_connections">2048</limit>

@@ -1,0 +1,69 @@
+"""A stand-in for systemd's manager on the tests' bus: just what gpuguardd's unit watch asks.
+
+Run as `python -m tests.adversarial.fake_systemd ADDRESS`: owns org.freedesktop.systemd1,
+answers Subscribe, GetUnit and Properties.Get (every unit is inactive, invocation 0x01..),
+prints "ready <unique name>", then reads commands from stdin, one a line:
+  jobremoved UNIT   broadcast JobRemoved(1, job path, UNIT, "done"), as systemd does on a stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+SYSTEMD = "org.freedesktop.systemd1"
+MANAGER = SYSTEMD + ".Manager"
+ROOT = "/org/freedesktop/systemd1"
+INVOCATION = bytes(range(1, 17))
+
+
+def unit_path(unit: str) -> str:
+    return ROOT + "/unit/" + "".join(c if c.isalnum() else f"_{ord(c):02x}" for c in unit)
+
+
+PROPERTIES = {"ActiveState": Variant("s", "inactive"), "SubState": Variant("s", "dead"),
+              "InvocationID": Variant("ay", INVOCATION), "Result": Variant("s", "success"),
+              "Environment": Variant("as", [])}
+
+
+async def main(address: str) -> None:
+    bus = await MessageBus(bus_address=address).connect()
+
+    def handler(msg: Message) -> bool:
+        if msg.message_type != MessageType.METHOD_CALL:
+            return False
+        if msg.member == "Subscribe":
+            bus.send(Message.new_method_return(msg))
+        elif msg.member == "GetUnit":
+            bus.send(Message.new_method_return(msg, "o", [unit_path(str(msg.body[0]))]))
+        elif msg.member == "Get" and msg.body[1] in PROPERTIES:
+            bus.send(Message.new_method_return(msg, "v", [PROPERTIES[msg.body[1]]]))
+        else:
+            bus.send(Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownMethod", "no"))
+        return True
+
+    bus.add_message_handler(handler)
+    await bus.request_name(SYSTEMD)
+    print("ready", bus.unique_name, flush=True)
+    loop = asyncio.get_running_loop()
+    job = 0
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        words = line.split()
+        if words[:1] == ["jobremoved"]:
+            job += 1
+            sent = bus.send(Message.new_signal(ROOT, MANAGER, "JobRemoved", "uoss",
+                                               [job, f"{ROOT}/job/{job}", words[1], "done"]))
+            if sent is not None:  # a future in dbus-fast 5, nothing in 1.84
+                await sent
+            print("sent", flush=True)
+    bus.disconnect()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
