@@ -76,7 +76,7 @@ class Service:
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
         self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
                                     lambda: self.inventory.snapshot, self.inventory.fresh_scan,
-                                    self.runner.run)
+                                    self.runner.run, lambda: self.engine.config.dry_run)
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
@@ -160,6 +160,7 @@ class Service:
         dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
         if not dry_run:
             await self.auth.require(caller, ACTION_SWEEP)
+        request.dry_run = dry_run  # what was authorised is what runs (and what the watch sees)
         request.requested_by = requested_by(caller, request.reason)
         await self.runner.validate(request)
         if request.unit:

@@ -30,7 +30,8 @@ is adopted, because there every process looks like it belongs to no unit.
 
 One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires once
 it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:", "watch:") of
-the same unit and invocation share one sweep and its report. A unit that systemd is already
+the same unit and invocation share one sweep and its report. Dry runs never do: they neither
+join nor stand for a stop's sweep, whatever their reason says. A unit that systemd is already
 starting again (Restart=) is not swept by the watcher: its new instance owns the GPUs.
 """
 
@@ -478,8 +479,10 @@ class UnitWatch:
     def __init__(self, bus: MessageBus, patterns: Callable[[], Sequence[str]],
                  snapshot: Callable[[], NvmlSnapshot],
                  scan: Callable[[], Awaitable[ScanResult]],
-                 run: Callable[[SweepRequest], Awaitable[Report]]) -> None:
+                 run: Callable[[SweepRequest], Awaitable[Report]],
+                 dry_run_default: Callable[[], bool] = lambda: False) -> None:
         self.patterns = patterns
+        self.dry_run_default = dry_run_default  # [Sweep] DryRun, for requests that leave it open
         self.snapshot = snapshot
         self.scan = scan
         self.run = run
@@ -526,7 +529,12 @@ class UnitWatch:
         Returns None only when the watcher's sweep is skipped because the unit runs again.
         """
         unit = normalize_unit_name(request.unit)  # already validated by the caller
-        automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX))
+        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
+        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the
+        # stop hook a report that signalled nothing. A real sweep with a "hook:" reason is
+        # root's or a polkit-authorised caller's (the service checked).
+        dry_run = self.dry_run_default() if request.dry_run is None else request.dry_run
+        automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX)) and not dry_run
         state = await self.systemd.state(unit) if self.systemd.available else None
         if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
