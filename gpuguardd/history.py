@@ -7,8 +7,12 @@ Crash safety comes from the order of writes, not from luck:
     sweep that was in flight) and rewrites the file, so the next append starts on a fresh line;
   * whole-file rewrites (compaction, repair) go to a temporary file that is fsynced and renamed
     over the old one, then the directory is fsynced: readers see the old or the new file.
-Lines that cannot be read are skipped and logged; a file with any such line is first renamed
-aside to history.jsonl.corrupt-<timestamp>, so nothing is thrown away unseen.
+Loading streams the file a line at a time and holds only the newest `max_entries` reports, so
+a file of any size loads in bounded memory (bench/bench_history.py). Strings that are not
+valid UTF-8 (written by an older gpuguard from a process's own bytes) are repaired on load as
+safetext would have made them, and the file is rewritten so. Lines that cannot be read are
+skipped and logged; a file with any such line is first renamed aside to
+history.jsonl.corrupt-<timestamp>, so nothing is thrown away unseen.
 The file is bounded: the newest `max_entries` are served, and the file is compacted once it
 holds a tenth more than that (amortised: not a rewrite per sweep).
 """
@@ -20,14 +24,43 @@ import itertools
 import json
 import logging
 import os
+import re
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from . import safetext
 
 log = logging.getLogger("gpuguard.history")
 
 FILE_NAME = "history.jsonl"
 FILE_MODE = 0o600
+# A line longer than this is not a report gpuguard wrote (reports are bounded long before):
+# it is skipped as unreadable without being held in memory.
+MAX_LINE = 64 * 1024 * 1024
+# What a line needs to hold for one of its strings to be other than valid, NUL-free UTF-8:
+# a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
+# without any (nearly all: records are written with ensure_ascii) skip the repair walk.
+_MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
+
+
+@dataclass
+class _Scan:
+    """What one pass over the history file found."""
+
+    entries: collections.deque[dict[str, Any]]
+    good: int = 0  # readable reports in the file (entries keeps only the newest)
+    garbled: list[int] = field(default_factory=list)  # the first unreadable line numbers
+    garbled_count: int = 0
+    torn: bool = False
+    unterminated: bool = False
+    repaired: int = 0
+
+    def garble(self, number: int) -> None:
+        self.garbled_count += 1
+        if len(self.garbled) < 10:
+            self.garbled.append(number)
 
 
 def _valid(entry: object) -> bool:
@@ -75,66 +108,90 @@ class History:
     def _load_locked(self) -> None:
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            with open(self.path, "rb") as handle:
-                data = handle.read()
+            handle = open(self.path, "rb")  # noqa: SIM115 (closed below, after the stream)
         except FileNotFoundError:
             self._entries.clear()
             self._lines_in_file = 0
             return
         except OSError as exc:
-            log.error("cannot read the sweep history %s: %s; history is kept in memory only "
-                      "until the next restart", self.path, exc.strerror or exc)
-            self.persistent = False
+            self._read_failed(exc)
             return
-        good, garbled, torn, unterminated = self._parse(data)
-        if garbled:
-            shown = ", ".join(str(n) for n in garbled[:10]) + (" ..." if len(garbled) > 10 else "")
+        try:
+            with handle:
+                scan = self._scan(handle)
+        except OSError as exc:
+            self._read_failed(exc)
+            return
+        if scan.garbled:
+            garbled = scan.garbled
+            shown = ", ".join(str(n) for n in garbled) + (" ..." if scan.garbled_count > 10 else "")
             log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)",
-                        self.path, len(garbled), shown)
-            why = (f"no readable report in it ({len(garbled)} unreadable line(s))" if not good
-                   else f"{len(garbled)} unreadable line(s)")
+                        self.path, scan.garbled_count, shown)
+            why = (f"no readable report in it ({scan.garbled_count} unreadable line(s))"
+                   if not scan.good else f"{scan.garbled_count} unreadable line(s)")
             if not self._set_aside(why):
                 # Rewriting would destroy what could not be moved away: leave the file alone.
                 self.persistent = False
-        if torn:
+        if scan.torn:
             log.warning("sweep history %s: dropped an incomplete last record (the daemon stopped "
                         "while writing it)", self.path)
-        self._entries = collections.deque(good[-self.max_entries:])
-        self._lines_in_file = len(good)
-        if self.persistent and (garbled or torn or unterminated or len(good) > self.max_entries):
+        if scan.repaired:
+            log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
+                        "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
+        self._entries = collections.deque(scan.entries)  # without the scan's maxlen
+        self._lines_in_file = scan.good
+        if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
+                                or scan.good > self.max_entries):
             self._rewrite_locked()
 
-    def _parse(self, data: bytes) -> tuple[list[dict[str, Any]], list[int], bool, bool]:
-        good: list[dict[str, Any]] = []
-        garbled: list[int] = []
-        lines = data.split(b"\n")
-        # The piece after the last newline is empty in a clean file; otherwise it is a record
-        # whose write was cut short, unless it happens to be complete (cut before the newline).
-        tail = lines.pop()
-        for number, line in enumerate(lines, start=1):
+    def _read_failed(self, exc: OSError) -> None:
+        log.error("cannot read the sweep history %s: %s; history is kept in memory only "
+                  "until the next restart", self.path, exc.strerror or exc)
+        self.persistent = False
+
+    def _scan(self, handle: BinaryIO) -> _Scan:
+        """One pass over the file, a line at a time: only the newest `max_entries` reports
+        are ever held, so a file of any size loads in bounded memory."""
+        scan = _Scan(collections.deque(maxlen=self.max_entries))
+        number = 0
+        while True:
+            line = handle.readline(MAX_LINE + 1)
+            if not line:
+                break
+            number += 1
+            if len(line) > MAX_LINE and not line.endswith(b"\n"):
+                # No report is this big: skip the rest of the line without holding it.
+                while line and not line.endswith(b"\n"):
+                    line = handle.readline(MAX_LINE)
+                scan.garble(number)
+                continue
+            # The piece after the last newline is a record whose write was cut short, unless
+            # it happens to be complete (cut before the newline).
+            last = not line.endswith(b"\n")
             if not line.strip():
                 continue
             entry = self._decode(line)
             if entry is None:
-                garbled.append(number)
-            else:
-                good.append(entry)
-        torn = unterminated = False
-        if tail.strip():
-            entry = self._decode(tail)
-            if entry is None:
-                torn = True
-            else:
-                # Complete, but the file needs its newline back before anything is appended.
-                good.append(entry)
-                unterminated = True
-        return good, garbled, torn, unterminated
+                if last:
+                    scan.torn = True
+                else:
+                    scan.garble(number)
+                continue
+            if _MAY_NEED_REPAIR.search(line):
+                entry, changed = safetext.repair(entry)
+                scan.repaired += changed
+            scan.entries.append(entry)
+            scan.good += 1
+            # Complete, but the file needs its newline back before anything is appended.
+            scan.unterminated = last
+        return scan
 
     @staticmethod
     def _decode(line: bytes) -> dict[str, Any] | None:
         try:
-            entry = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
+            # surrogateescape: a raw bad byte is repaired with the rest, not a lost record.
+            entry = json.loads(line.decode("utf-8", "surrogateescape"))
+        except (ValueError, RecursionError):
             return None
         return entry if _valid(entry) else None
 
@@ -160,6 +217,7 @@ class History:
 
     def append(self, report: dict[str, Any]) -> None:
         """Store one report durably (blocks on fsync: call from an executor)."""
+        report, _ = safetext.repair(report)  # what is read back must be sendable as it is
         with self._lock:
             self._entries.append(report)
             while len(self._entries) > self.max_entries:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import procfs
+from . import procfs, safetext
 from .attribution import attribute
 from .devices import DeviceMap
 from .models import KIND_COMPUTE, KIND_MANAGEMENT, DeviceNode, Holder, NvmlSnapshot
@@ -136,7 +136,8 @@ def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bo
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
-    """exe, cmdline and user through psutil; each may be denied or vanish independently."""
+    """exe, cmdline and user; each may be denied or vanish independently. Text is made valid
+    UTF-8 and bounded (safetext): a process chooses these bytes."""
     try:
         proc = psutil.Process(holder.pid)
     except psutil.Error:
@@ -145,20 +146,18 @@ def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
         try:
             exe = proc.exe()
             # A binary replaced on disk while running reads "path (deleted)"; the path decides.
-            holder.exe = exe.removesuffix(" (deleted)")
+            holder.exe = safetext.clean(exe.removesuffix(" (deleted)"), safetext.PATH_MAX)
         except psutil.Error:
             pass
-        try:
-            holder.cmdline = " ".join(proc.cmdline())
-        except psutil.Error:
-            pass
+        holder.cmdline = procfs.read_cmdline(holder.pid) or ""
         try:
             holder.uid = proc.uids().real
         except psutil.Error:
             return
     if holder.uid not in user_cache:
         try:
-            user_cache[holder.uid] = pwd.getpwuid(holder.uid).pw_name
+            user_cache[holder.uid] = safetext.clean(pwd.getpwuid(holder.uid).pw_name,
+                                                    safetext.NAME_MAX)
         except KeyError:
             user_cache[holder.uid] = str(holder.uid)
     holder.user = user_cache[holder.uid]

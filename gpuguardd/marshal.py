@@ -15,6 +15,7 @@ from typing import Any, Union
 
 from dbus_fast.signature import Variant
 
+from . import safetext
 from .errors import InvalidArgument
 
 log = logging.getLogger("gpuguard.marshal")
@@ -96,7 +97,9 @@ def _scalar(value: Any, signature: str) -> Any:
     if signature in ("s", "o", "g"):
         if not isinstance(value, str):
             raise _Mismatch(f"{value!r} is not a string")
-        return value
+        # The last line of defence: one string that is not valid UTF-8 (or holds NUL) would
+        # fail the whole reply. Text from /proc is already clean where it is read.
+        return value if safetext.is_clean(value) else safetext.clean(value)
     raise _Mismatch(f"unsupported signature {signature}")
 
 
@@ -120,7 +123,7 @@ def infer(value: Any) -> Variant | None:
     if isinstance(value, float):
         return Variant("d", value)
     if isinstance(value, str):
-        return Variant("s", value)
+        return Variant("s", _scalar(value, "s"))
     if isinstance(value, Mapping):
         return Variant("a{sv}", to_vardict(value, {}))
     if isinstance(value, (list, tuple)):
@@ -130,8 +133,8 @@ def infer(value: Any) -> Variant | None:
         if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64
                          for i in items):
             return Variant("at", items)
-        return Variant("as", [str(i) for i in items])
-    return Variant("s", str(value))
+        return Variant("as", [_scalar(str(i), "s") for i in items])
+    return Variant("s", _scalar(str(value), "s"))
 
 
 def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
@@ -165,7 +168,15 @@ def _nested(key: str, value: Any, field: Nested) -> Variant | None:
     return infer(value)
 
 
+# A holder whose uid could not be read (it exited, or /proc hid it) has uid -1 in the engine;
+# on the bus `uid` is a `u`, so it is sent as (uid_t)-1, which Linux never gives a process.
+UID_UNKNOWN = 2**32 - 1
+
+
 def holder(data: Mapping[str, Any]) -> VarDict:
+    uid = data.get("uid")
+    if isinstance(uid, int) and uid < 0:
+        data = {**data, "uid": UID_UNKNOWN}
     return to_vardict(data, HOLDER)
 
 

@@ -1,9 +1,14 @@
-"""Reading /proc. Every reader may race with the process exiting; callers get None, not errors."""
+"""Reading /proc. Every reader may race with the process exiting; callers get None, not errors.
+
+Text comes back through safetext: valid UTF-8 whatever bytes a process chose, and bounded.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from . import safetext
 
 PROC = "/proc"
 PF_KTHREAD = 0x00200000
@@ -38,7 +43,7 @@ def read_stat(pid: int) -> ProcStat | None:
     close_paren = data.rfind(b")")
     if open_paren < 0 or close_paren < 0:
         return None
-    comm = data[open_paren + 1:close_paren].decode("utf-8", "replace")
+    comm = safetext.text(data[open_paren + 1:close_paren], safetext.NAME_MAX)
     fields = data[close_paren + 2:].split()
     try:
         return ProcStat(pid=pid, comm=comm, state=fields[0].decode(), ppid=int(fields[1]),
@@ -47,12 +52,39 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
-def read_cgroup(pid: int) -> str | None:
+# The kernel prints each cgroup path within PATH_MAX (or fails the read), one line per
+# hierarchy: this is far more than any real file, and keeps a hostile one from costing memory.
+CGROUP_READ_MAX = 64 * 1024
+
+
+def _read_bounded(path: str, limit: int) -> tuple[bytes, bool] | None:
+    """Up to `limit` bytes of `path`, and whether there was more."""
     try:
-        with open(f"{PROC}/{pid}/cgroup", encoding="utf-8", errors="replace") as handle:
-            return handle.read()
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
     except OSError:
         return None
+    return data[:limit], len(data) > limit
+
+
+def read_cgroup(pid: int) -> str | None:
+    read = _read_bounded(f"{PROC}/{pid}/cgroup", CGROUP_READ_MAX)
+    if read is None:
+        return None
+    # Not cut by safetext: a marker inside would make a wrong cgroup path of the last line.
+    return safetext.text(read[0], limit=4 * CGROUP_READ_MAX)
+
+
+def read_cmdline(pid: int) -> str | None:
+    """The command line as one string (arguments joined by spaces, as psutil's would be
+    joined), at most safetext.CMDLINE_MAX bytes: only that much of it is read."""
+    read = _read_bounded(f"{PROC}/{pid}/cmdline", safetext.CMDLINE_MAX)
+    if read is None:
+        return None
+    data, more = read
+    if not more and data.endswith(b"\0"):
+        data = data[:-1]
+    return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
 
 
 def ancestors(pid: int) -> list[int]:

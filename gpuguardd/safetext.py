@@ -1,0 +1,96 @@
+"""Text from untrusted places made safe to send: valid UTF-8, no NUL, bounded length.
+
+D-Bus strings must be valid UTF-8 without NUL; one that is not makes the whole reply (or
+signal, or property) fail to encode. /proc hands out bytes (a process names its argv and its
+executable's path as it likes), and psutil and os decode them with surrogateescape, so a byte
+such as \\xff arrives as a lone surrogate that no encoder accepts. Everything read from /proc
+goes through text() (bytes) or clean() (an already decoded str), once, where it is read.
+
+Bad bytes become backslash escapes (b"\\xff" -> "\\\\xff"): readable, unambiguous enough for
+an admin, and stable (the same process always reads the same). Long text is cut at a byte
+budget with a marker that says how much was left out, so no single field can blow up a reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Caps, in bytes of UTF-8 after escaping (README "Safety guarantees", gpuguard-dbus(7)).
+CMDLINE_MAX = 4096
+PATH_MAX = 4096  # exe, cgroup, unit, container: the kernel's own PATH_MAX
+NAME_MAX = 256  # user names and other short labels
+
+MARKER = " [...truncated]"
+
+
+def _cut(value: str, limit: int, already_cut: bool = False) -> str:
+    """`value` (valid UTF-8) in at most `limit` bytes, ending in MARKER when anything was left
+    out (here, or where it was read: `already_cut`)."""
+    if not already_cut and len(value) * 4 <= limit:
+        return value  # cannot be over: no need to encode
+    data = value.encode("utf-8")
+    if len(data) <= limit and not already_cut:
+        return value
+    keep = max(0, limit - len(MARKER))
+    # errors="ignore" drops a character split by the cut rather than escaping half of it.
+    return data[:keep].decode("utf-8", "ignore") + MARKER
+
+
+def text(raw: bytes, limit: int = PATH_MAX, already_cut: bool = False) -> str:
+    """Bytes read from /proc as a valid, NUL-free string of at most `limit` bytes;
+    `already_cut`: the bytes were cut short where they were read (the marker says so)."""
+    value = raw.decode("utf-8", "backslashreplace")
+    if "\0" in value:
+        value = value.replace("\0", "\\x00")
+    return _cut(value, limit, already_cut)
+
+
+def clean(value: str, limit: int = 0) -> str:
+    """A str that may hold lone surrogates (surrogateescape'd bytes from os/psutil/pwd, or
+    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes.
+    limit 0: no length cap."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # surrogates that stand for no byte (U+D800..U+DC7F)
+            raw = value.encode("utf-8", "surrogatepass")
+        value = raw.decode("utf-8", "backslashreplace")
+    if "\0" in value:
+        value = value.replace("\0", "\\x00")
+    return _cut(value, limit) if limit else value
+
+
+def is_clean(value: str) -> bool:
+    if "\0" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def repair(value: Any) -> tuple[Any, bool]:
+    """`value` (plain JSON data) with every string, key included, clean(); and whether
+    anything had to change."""
+    if isinstance(value, str):
+        if is_clean(value):
+            return value, False
+        return clean(value), True
+    if isinstance(value, dict):
+        changed = False
+        out: dict[Any, Any] = {}
+        for key, item in value.items():
+            new_key, key_changed = repair(key)
+            new_item, item_changed = repair(item)
+            out[new_key] = new_item
+            changed = changed or key_changed or item_changed
+        return (out, True) if changed else (value, False)
+    if isinstance(value, list):
+        items = [repair(item) for item in value]
+        if any(changed for _, changed in items):
+            return [item for item, _ in items], True
+        return value, False
+    return value, False
