@@ -33,7 +33,7 @@ def odd_interpreter(where: Path, name: bytes = b"bin-\xff\xfe") -> bytes:
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, b"python3")
     if not os.path.exists(target):
-        shutil.copy2(os.path.realpath(sys.executable), target)
+        shutil.copy2(os.fsencode(os.path.realpath(sys.executable)), target)
     return target
 
 

@@ -16,7 +16,6 @@ from gpuguardd import safetext
 from gpuguardd.history import FILE_NAME, History
 from tests.adversarial.hostile_holder import odd_interpreter, spawn
 from tests.dbus_harness import (
-    COMM,
     MANAGER,
     MANAGER_PATH,
     GuardDaemon,

@@ -1,0 +1,19 @@
+"""A holder whose uid cannot be read is still sent with `uid` as a `u`: (uid_t)-1, which Linux
+never gives a process, never the engine's -1 (that would go out as an `x` or fail the reply)."""
+
+from __future__ import annotations
+
+from gpuguardd import marshal
+from gpuguardd.models import Holder
+
+
+def test_unknown_uid_is_sent_as_uid_t_minus_one() -> None:
+    typed = marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict())
+    assert typed["uid"].signature == "u"
+    assert typed["uid"].value == marshal.UID_UNKNOWN == 4294967295
+    assert typed["pid"].signature == "u" and typed["user"].value == ""
+
+
+def test_known_uid_is_sent_as_it_is() -> None:
+    typed = marshal.holder(Holder(pid=4242, comm="x", uid=65534, user="nobody").to_dict())
+    assert typed["uid"].signature == "u" and typed["uid"].value == 65534
