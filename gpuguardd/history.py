@@ -39,10 +39,30 @@ FILE_MODE = 0o600
 # A line longer than this is not a report gpuguard wrote (reports are bounded long before):
 # it is skipped as unreadable without being held in memory.
 MAX_LINE = 64 * 1024 * 1024
+_PIECE = 1024 * 1024
 # What a line needs to hold for one of its strings to be other than valid, NUL-free UTF-8:
 # a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
 # without any (nearly all: records are written with ensure_ascii) skip the repair walk.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
+
+
+def _read_line(handle: BinaryIO) -> bytes | None:
+    """The next line (with its newline, if it has one); None at the end of the file; b""
+    for a line longer than MAX_LINE, which is read to its end in pieces and dropped."""
+    piece = handle.readline(_PIECE)
+    if not piece:
+        return None
+    if piece.endswith(b"\n") or len(piece) < _PIECE:
+        return piece
+    pieces, size = [piece], len(piece)
+    while piece and not piece.endswith(b"\n"):
+        piece = handle.readline(_PIECE)
+        size += len(piece)
+        if size > MAX_LINE:
+            pieces.clear()
+        elif pieces:
+            pieces.append(piece)
+    return b"".join(pieces)
 
 
 @dataclass
@@ -155,14 +175,12 @@ class History:
         scan = _Scan(collections.deque(maxlen=self.max_entries))
         number = 0
         while True:
-            line = handle.readline(MAX_LINE + 1)
-            if not line:
+            line = _read_line(handle)
+            if line is None:
                 break
             number += 1
-            if len(line) > MAX_LINE and not line.endswith(b"\n"):
-                # No report is this big: skip the rest of the line without holding it.
-                while line and not line.endswith(b"\n"):
-                    line = handle.readline(MAX_LINE)
+            if not line:
+                # No report is this big: skipped without being held.
                 scan.garble(number)
                 continue
             # The piece after the last newline is a record whose write was cut short, unless
