@@ -13,9 +13,13 @@ APT_PACKAGES += systemd util-linux
 APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
 	python3-setuptools python3-wheel python3-build python3-installer lintian rpm bash-completion \
 	python3-dbus-fast python3-psutil python3-sdnotify
+# The Cockpit page (cockpit/, make cockpit): node to build it with esbuild from the npm packages
+# its lockfile pins; its browser tests run Debian's cockpit-ws/cockpit-bridge and headless
+# chromium (fonts for its screenshots). npm itself: see the deps target.
+APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
 
 .PHONY: all deps venv test lint typecheck unit gpu-test bench clean man install install-python \
-	install-data uninstall deb rpm demo e2e
+	install-data uninstall deb rpm demo e2e cockpit install-cockpit
 
 all: test
 
@@ -30,6 +34,12 @@ deps:
 		echo "installing:$$missing"; \
 		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@# npm: Debian's package, unless the nodejs installed bundles its own (NodeSource's does).
+	@if ! command -v npm >/dev/null; then \
+		echo "installing: npm"; \
+		if [ "$$(id -u)" != 0 ]; then echo "run as root to install: npm" >&2; exit 1; fi; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null; \
 	fi
 
 $(BIN)/.installed: setup.cfg pyproject.toml
@@ -47,7 +57,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 # tests/gpu needs a real NVIDIA GPU: never part of `make test` (CI has none); see gpu-test.
-unit: deps venv
+unit: deps venv cockpit
 	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/gpu tests
 
 gpu-test: venv
@@ -69,7 +79,21 @@ e2e: deps venv
 	$(BIN)/pytest -v -p no:cacheprovider tests/e2e
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info tests/fakenvml/build
+	rm -rf $(VENV) build dist *.egg-info tests/fakenvml/build cockpit/node_modules cockpit/dist
+
+# --- The Cockpit page (cockpit/README.md) ----------------------------------------------------
+# npm ci installs exactly what cockpit/package-lock.json pins; esbuild bundles the page into
+# cockpit/dist, which is all that `make install` and the packages install (no node there).
+COCKPIT_SOURCES := $(wildcard cockpit/src/*) cockpit/build.mjs
+
+cockpit: cockpit/dist/gpuguard.js
+
+cockpit/node_modules/.installed: cockpit/package.json cockpit/package-lock.json
+	cd cockpit && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+cockpit/dist/gpuguard.js: cockpit/node_modules/.installed $(COCKPIT_SOURCES)
+	cd cockpit && NODE_ENV=production node build.mjs
 
 # --- Man pages, installation, packages (packaging/README.md explains the layout) --------------
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' gpuguardd/__init__.py)
@@ -86,6 +110,7 @@ DBUS_SERVICEDIR ?= $(DATADIR)/dbus-1/system-services
 DBUS_INTERFACEDIR ?= $(DATADIR)/dbus-1/interfaces
 POLKIT_ACTIONDIR ?= $(DATADIR)/polkit-1/actions
 COMPLETIONDIR ?= $(DATADIR)/bash-completion/completions
+COCKPITDIR ?= $(DATADIR)/cockpit/gpuguard
 # `make install` keeps gpuguard's modules out of the system's site-packages (PEP 668: that
 # belongs to the distribution's package manager); its two programs put this first on sys.path.
 PYTHONDIR ?= $(PREFIX)/lib/gpuguard/python
@@ -161,7 +186,15 @@ install-data: man
 		$(INSTALL) -m 644 config/gpuguard.conf $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
 	fi
 
-install: install-python install-data
+# The built page only: the .deb and the .rpm call this on a copy that has cockpit/dist already.
+install-cockpit:
+	@test -f cockpit/dist/gpuguard.js || { echo "cockpit/dist is not built: run make cockpit" >&2; exit 1; }
+	$(INSTALL) -d $(DESTDIR)$(COCKPITDIR)/assets
+	$(INSTALL) -m 644 cockpit/dist/index.html cockpit/dist/manifest.json cockpit/dist/gpuguard.js \
+		cockpit/dist/gpuguard.css cockpit/dist/gpuguard.js.LEGAL.txt $(DESTDIR)$(COCKPITDIR)/
+	$(INSTALL) -m 644 cockpit/dist/assets/* $(DESTDIR)$(COCKPITDIR)/assets/
+
+install: cockpit install-python install-data install-cockpit
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "gpuguard $(VERSION) installed; start it with: systemctl enable --now gpuguardd.service"
 
@@ -176,7 +209,8 @@ uninstall:
 		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
 		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
 	set -e; for page in $(notdir $(MAN_PAGES)); do rm -f $(DESTDIR)$(MANDIR)/man$${page##*.}/$$page; done
-	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard
+	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard $(DESTDIR)$(COCKPITDIR)
+	rmdir $(DESTDIR)$(DATADIR)/cockpit 2>/dev/null || true
 	rmdir $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(PREFIX)/lib/gpuguard $(DESTDIR)$(LIBEXECDIR)/gpuguard 2>/dev/null || true
 	@# The configuration goes only if it is still the one make install put there.
 	@conf=$(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \

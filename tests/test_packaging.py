@@ -48,6 +48,11 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
     return files
 
 
+def cockpit_files(datadir: str = "usr/share") -> set[str]:
+    """The built Cockpit page (make cockpit), as `make install` and cockpit-gpuguard install it."""
+    return {f"{datadir}/cockpit/gpuguard/{f}" for f in tree(ROOT / "cockpit" / "dist")}
+
+
 def tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")
             if not p.is_dir() and "__pycache__" not in p.parts}
@@ -159,7 +164,9 @@ def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) 
     dest = tmp_path / "root"
     make("install", f"DESTDIR={dest}")
     python = {f"usr/lib/gpuguard/python/{m}" for m in MODULES}
-    assert tree(dest) == data_files() | python
+    assert tree(dest) == data_files() | python | cockpit_files()
+    assert (dest / "usr/share/cockpit/gpuguard/manifest.json").read_bytes() == \
+        (ROOT / "cockpit/src/manifest.json").read_bytes()
     assert (dest / "usr/lib/gpuguard/python/gpuguardd/__pycache__").is_dir(), "byte-compiled"
     for program in ("usr/bin/gpuguardctl", "usr/libexec/gpuguard/gpuguardd"):
         assert os.access(dest / program, os.X_OK)
@@ -199,6 +206,7 @@ def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, 
     make("install", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
     python = {f"lib/gpuguard/python/{m}" for m in MODULES}
     expected = {f.removeprefix("usr/") for f in data_files() if not f.startswith("etc/")} | python
+    expected |= cockpit_files("share")
     assert tree(prefix) == expected
     unit = (prefix / "lib/systemd/system/gpuguardd.service").read_text()
     assert f"ExecStart={prefix}/libexec/gpuguard/gpuguardd\n" in unit

@@ -1,0 +1,140 @@
+// The GPU cards: name, UUID, state, memory, holders by kind, the last sweep, MIG instances.
+import React from "react";
+import { Card, CardBody, CardHeader, CardTitle } from "@patternfly/react-core/dist/esm/components/Card/index.js";
+import { Gallery } from "@patternfly/react-core/dist/esm/layouts/Gallery/index.js";
+import { Label } from "@patternfly/react-core/dist/esm/components/Label/index.js";
+import { Progress, ProgressMeasureLocation } from "@patternfly/react-core/dist/esm/components/Progress/index.js";
+import { List, ListItem } from "@patternfly/react-core/dist/esm/components/List/index.js";
+
+import { formatBytes, formatTime } from "./model.js";
+import { OutcomeLabel } from "./report.jsx";
+
+const _ = window.cockpit.gettext;
+const cockpit = window.cockpit;
+
+const STATES = {
+    idle: { color: "green", text: () => _("No process holds this GPU.") },
+    "in-use": { color: "blue", text: () => _("Processes hold this GPU, or NVML lists processes on it.") },
+    leaked: { color: "orange", text: () => _("Memory is in use but no process holds it: a leak.") },
+    lost: { color: "red", text: () => _("NVML says this GPU fell off the bus.") },
+    unknown: { color: "grey", text: () => _("gpuguardd cannot read this GPU's state.") },
+};
+
+export function stateInfo(state) {
+    return STATES[state] || STATES.unknown;
+}
+
+export function StateLabel({ state }) {
+    return <Label color={stateInfo(state).color} className="gg-state">{state || "unknown"}</Label>;
+}
+
+function MemoryBar({ used, total, title }) {
+    const percent = total ? Math.min(100, (100 * used) / total) : 0;
+    return (
+        <Progress value={percent} size="sm"
+                  measureLocation={ProgressMeasureLocation.outside}
+                  label={cockpit.format(_("$0 of $1"), formatBytes(used), formatBytes(total))}
+                  variant={percent > 90 ? "warning" : undefined}
+                  aria-label={cockpit.format(_("$0 memory in use"), title)} />
+    );
+}
+
+function holderKinds(holders, index) {
+    const mine = (holders || []).filter(h => (h.gpus || []).includes(index));
+    const counts = {};
+    for (const h of mine)
+        counts[h.kind] = (counts[h.kind] || 0) + 1;
+    const protectedCount = mine.filter(h => h.protected).length;
+    const parts = Object.keys(counts).sort().map(kind => cockpit.format("$0 $1", counts[kind], kind));
+    if (protectedCount)
+        parts.push(cockpit.format(_("$0 protected"), protectedCount));
+    return parts.join(", ");
+}
+
+// The newest report that swept this GPU (its `gpus` entry names it).
+function lastSweepOf(history, lastSweep, index) {
+    const reports = [...(history || [])];
+    if (lastSweep && lastSweep.id && !reports.some(r => r.id === lastSweep.id))
+        reports.unshift(lastSweep);
+    for (const report of reports) {
+        if (report.dry_run)
+            continue;
+        const entry = (report.gpus || []).find(g => g.index === index && !g.mig_uuid);
+        if (entry)
+            return { report, entry };
+    }
+    return null;
+}
+
+function MigInstances({ instances }) {
+    if (!instances || !instances.length)
+        return null;
+    return (
+        <div className="gg-mig" data-mig-count={instances.length}>
+            <div className="gg-card-label">{_("MIG instances")}</div>
+            <List isPlain>
+                {instances.map(mig => (
+                    <ListItem key={mig.uuid} className="gg-mig-instance">
+                        <div>
+                            <span className="gg-mono">{mig.uuid}</span>
+                            {" "}
+                            <StateLabel state={mig.state} />
+                        </div>
+                        <div className="gg-muted">
+                            {cockpit.format(_("GPU instance $0, compute instance $1, $2 holders"),
+                                            mig.gpu_instance_id, mig.compute_instance_id, mig.holder_count ?? 0)}
+                        </div>
+                        <MemoryBar used={mig.memory_used} total={mig.memory_total} title={mig.uuid} />
+                    </ListItem>
+                ))}
+            </List>
+        </div>
+    );
+}
+
+export function GpuCards({ gpus, holders, history, lastSweep }) {
+    return (
+        <Gallery hasGutter minWidths={{ default: "22rem" }} className="gg-gpus">
+            {gpus.map(gpu => {
+                const info = stateInfo(gpu.State);
+                const kinds = holderKinds(holders, gpu.Index);
+                const last = lastSweepOf(history, lastSweep, gpu.Index);
+                const title = cockpit.format(_("GPU $0"), gpu.Index);
+                return (
+                    <Card key={gpu.path} className="gg-gpu" data-index={gpu.Index} data-state={gpu.State} isCompact
+                          component="section" aria-label={title}>
+                        <CardHeader actions={{ actions: <StateLabel state={gpu.State} />, hasNoOffset: true }}>
+                            <CardTitle component="h3">{title}: {gpu.Name}</CardTitle>
+                        </CardHeader>
+                        <CardBody>
+                            <div className="gg-mono gg-muted gg-uuid">{gpu.Uuid}</div>
+                            <div className="gg-state-text">{info.text()}</div>
+                            {gpu.Error && <div className="gg-error-text">{gpu.Error}</div>}
+                            <div className="gg-card-label">{_("Memory")}</div>
+                            <MemoryBar used={gpu.MemoryUsed} total={gpu.MemoryTotal} title={title} />
+                            <div className="gg-card-label">{_("Holders")}</div>
+                            <div className="gg-holder-kinds">
+                                {cockpit.format(cockpit.ngettext("$0 process", "$0 processes", gpu.HolderCount ?? 0), gpu.HolderCount ?? 0)}
+                                {kinds && `: ${kinds}`}
+                            </div>
+                            <div className="gg-card-label">{_("Last sweep")}</div>
+                            <div className="gg-last-sweep">
+                                {last
+                                    ? <>
+                                        <OutcomeLabel outcome={last.report.outcome} />
+                                        {" "}
+                                        {formatTime((last.report.started_usec || 0) / 1000)}
+                                        {", "}
+                                        {last.entry.released ? _("memory released") : _("memory not released")}
+                                    </>
+                                    : _("never swept")}
+                            </div>
+                            {gpu.MigMode && <div className="gg-card-label">{_("MIG mode on")}</div>}
+                            <MigInstances instances={gpu.MigInstances} />
+                        </CardBody>
+                    </Card>
+                );
+            })}
+        </Gallery>
+    );
+}
