@@ -17,6 +17,7 @@ from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from .errors import NotAuthorized
+from .ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
 
 log = logging.getLogger("gpuguard.auth")
 
@@ -61,6 +62,14 @@ class Authorizer:
         # Unique names are never reused on a bus, so a uid learnt for one stays true; the
         # cache only saves a round trip per call and is bounded.
         self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Denials are logged once per uid and action (ratelimit.py): any user can ask again
+        # and again, and the journal is the admin's.
+        self._denials = PerKey(DENIAL_LOG_INTERVAL_SEC)
+
+    def _log_denial(self, level: int, caller: Caller, action: str, what: str, *args: object) -> None:
+        count = self._denials.admit((caller.uid, action, what))
+        if count is not None:
+            log.log(level, what + "%s", *args, held_back(count))
 
     async def caller(self, msg: Message) -> Caller:
         sender = msg.sender
@@ -103,18 +112,21 @@ class Authorizer:
                 member="CheckAuthorization", signature="(sa{sv})sa{ss}us",
                 body=[subject, action, {}, flags, ""]))
         except (DBusError, OSError, EOFError) as exc:
-            log.warning("polkit check of %s for %s failed: %s", action, caller.describe(), exc)
+            self._log_denial(logging.WARNING, caller, action, "polkit check of %s for %s failed: %s",
+                             action, caller.describe(), exc)
             return False
         if reply is None:
             return False
         if reply.message_type == MessageType.ERROR:
             if reply.error_name in _NO_POLKIT:
-                log.info("polkit is not running: %s denied to %s (only root may)", action,
-                         caller.describe())
+                self._log_denial(logging.INFO, caller, action,
+                                 "polkit is not running: %s denied to %s (only root may)", action,
+                                 caller.describe())
             else:
                 text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
-                log.warning("polkit refused to check %s for %s: %s %s", action,
-                            caller.describe(), reply.error_name, text)
+                self._log_denial(logging.WARNING, caller, action,
+                                 "polkit refused to check %s for %s: %s %s", action,
+                                 caller.describe(), reply.error_name, text)
             return False
         try:
             granted, challenge = bool(reply.body[0][0]), bool(reply.body[0][1])
@@ -122,10 +134,11 @@ class Authorizer:
             log.warning("polkit answered %s with an unexpected body", action)
             return False
         if not granted and challenge:
-            log.info("%s needs authentication for %s", caller.describe(), action)
+            self._log_denial(logging.INFO, caller, action, "%s needs authentication for %s",
+                             caller.describe(), action)
         return granted
 
     async def require(self, caller: Caller, action: str) -> None:
         if not await self.allowed(caller, action):
             raise NotAuthorized(f"{caller.describe()} is not allowed to {action.rsplit('.', 1)[-1]} "
-                                f"(polkit action {action})")
+                                f"(polkit action {action})", uid=caller.uid)

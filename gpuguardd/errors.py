@@ -20,6 +20,10 @@ class InvalidArgument(GpuGuardError):
 class NotAuthorized(GpuGuardError):
     dbus_name = "NotAuthorized"
 
+    def __init__(self, message: str, uid: int | None = None) -> None:
+        super().__init__(message)
+        self.uid = uid  # who was refused, when known: refusals are logged once per uid
+
 
 class NvmlError(GpuGuardError):
     dbus_name = "NvmlError"

@@ -21,6 +21,7 @@ from . import marshal
 from .auth import Caller
 from .busnames import GPU_INTERFACE, MANAGER_INTERFACE, error_name
 from .errors import GpuGuardError, NotAuthorized
+from .ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
 
 log = logging.getLogger("gpuguard.service")
 
@@ -61,6 +62,9 @@ class ManagerBackend(Protocol):
 _A = TypeVar("_A", bound=Callable[..., Awaitable[Any]])
 
 
+_REFUSALS = PerKey(DENIAL_LOG_INTERVAL_SEC)
+
+
 def contract_errors(fn: _A) -> _A:
     """Engine exceptions become the contract's D-Bus errors; bugs become a logged Failed."""
     @functools.wraps(fn)
@@ -70,7 +74,9 @@ def contract_errors(fn: _A) -> _A:
         except DBusError:
             raise
         except NotAuthorized as exc:
-            log.info("%s refused: %s", fn.__name__, exc)
+            count = _REFUSALS.admit((fn.__name__, exc.uid))
+            if count is not None:  # once per method and uid: any user may ask again and again
+                log.info("%s refused: %s%s", fn.__name__, exc, held_back(count))
             raise DBusError(error_name(exc.dbus_name), str(exc)) from None
         except GpuGuardError as exc:
             raise DBusError(error_name(exc.dbus_name), str(exc)) from None

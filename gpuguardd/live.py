@@ -143,6 +143,7 @@ class Inventory:
             return self.engine.scan()
         finally:
             self.scan_cost = time.monotonic() - started
+            log.debug("holder scan took %.0f ms", self.scan_cost * 1000)
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[ScanResult]:
         # Marked before the thread starts: the scan's view is at least as new as this.

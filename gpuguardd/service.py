@@ -28,6 +28,7 @@ from .history import History
 from .interfaces import GpuInterface, ManagerInterface
 from .live import Inventory, filter_holders
 from .models import NvmlSnapshot, Report, ScanResult, SweepRequest
+from .ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
 from .runner import SweepRunner
 from .unitwatch import UnitWatch
 
@@ -55,6 +56,7 @@ class Service:
         self.io_executor = io_executor
         self.reloader = reloader
         self.auth = Authorizer(bus)
+        self.fresh_scans = PerKey(FRESH_SCAN_INTERVAL_SEC)
         self.inventory = Inventory(engine, scan_executor, self)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self)
         last = history.last()
@@ -131,7 +133,14 @@ class Service:
         # the call. live.py's docstring has the rule; the contract XML documents it.
         # fresh=true (what gpuguardctl sends: an admin at a prompt wants the truth, not the
         # last second's view) always waits for a scan that starts after the call.
-        result = await (self.inventory.scan() if options.get("fresh", False) else self.inventory.recent())
+        # fresh=true is rate-limited per caller (ratelimit.py): a non-root uid that had a fresh
+        # scan under FRESH_SCAN_INTERVAL_SEC ago is served by the freshness rule above, which
+        # joins a running scan or the last one; concurrent fresh calls share one scan anyway
+        # (Inventory.scan). So no caller makes the daemon walk /proc more than once a second.
+        fresh = bool(options.get("fresh", False))
+        if fresh and not caller.is_root and self.fresh_scans.admit(caller.uid) is None:
+            fresh = False
+        result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, holder_filter)
         # Filtering and redaction are per caller; only the typing is shared.
