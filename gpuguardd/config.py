@@ -68,6 +68,8 @@ class Config:
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     poll_interval_sec: float = 2.0
+    # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
+    nvml_timeout_sec: float = 5.0
     state_directory: str = "/var/lib/gpuguard"
     runtime_directory: str = "/run/gpuguard"
     history_max: int = 1000
@@ -197,6 +199,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Watch", "Units"): ("watch_units", _split_list, True),
     ("Devices", "Paths"): ("device_paths", _absolute_list, True),
     ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(0.1), False),
+    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(0.1), False),
     ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
     ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
     ("Daemon", "HistoryMax"): ("history_max", _parse_positive_int, False),

@@ -24,7 +24,7 @@ from .devices import DeviceMap, build_device_map
 from .errors import InvalidArgument
 from .holders import find_holders
 from .locks import UNKNOWN_GPU, GpuLocks
-from .models import Holder, NvmlSnapshot, Report, ScanResult, Scope, SweepRequest
+from .models import GPU_UNKNOWN, Holder, NvmlSnapshot, Report, ScanResult, Scope, SweepRequest
 from .nvml import Nvml
 from .process import pidfds_supported
 from .protection import mark_protection
@@ -49,7 +49,8 @@ class Engine:
                  use_pidfd: bool | None = None) -> None:
         self._config = config
         self._config_lock = threading.Lock()
-        self.nvml = nvml or Nvml()
+        # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
+        self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec)
         self.use_pidfd = pidfds_supported() if use_pidfd is None else use_pidfd
         if not self.use_pidfd:
             log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
@@ -251,6 +252,8 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  #
         holders = [h for h in scan.holders if gpu.index in h.gpus]
         if gpu.lost:
             state = "lost"
+        elif gpu.unknown:
+            state = GPU_UNKNOWN
         elif holders or gpu.processes:
             state = "in-use"
         elif gpu.memory_used > released_below_bytes:

@@ -25,6 +25,8 @@ GPU_IDLE = "idle"
 GPU_IN_USE = "in-use"
 GPU_LEAKED = "leaked"
 GPU_LOST = "lost"
+# NVML could not say how the GPU is (hung, or its handle or memory query failed): never "idle".
+GPU_UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class GpuInfo:
     memory_total: int = 0
     memory_used: int = 0
     lost: bool = False
+    unknown: bool = False  # state unreadable (see GPU_UNKNOWN); memory_used means nothing then
     error: str = ""
     # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS
     processes: dict[int, int | None] = field(default_factory=dict)

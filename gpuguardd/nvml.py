@@ -1,14 +1,19 @@
 """NVML through the real pynvml: GPU inventory, memory, and the driver's process lists.
 
 NVML may be missing (no driver, a container without the library), may fail per GPU (fell off
-the bus) or per call. None of that is fatal: the snapshot says what is unknown, and the engine
-keeps working from device files.
+the bus, or a handle lookup answering GPU_IS_LOST, UNKNOWN or NO_PERMISSION) or per call, and
+may hang for good. None of that is fatal: the snapshot says what is unknown, and the engine
+keeps working from device files. Every NVML call runs on the session's one worker thread
+(nvmlworker.py) with a deadline, so a hung driver costs a caller at most that deadline, and
+nothing once the worker is known to be stuck.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 try:
@@ -16,13 +21,19 @@ try:
 except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
     pynvml = None
 
+from .driverinfo import DRIVER_GPUS_DIR, DriverGpu, fill_from_driver, read_driver_gpus
 from .models import GpuInfo, NvmlSnapshot
+from .nvmlworker import NvmlHung, NvmlWorker
 
 PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
+# How long one snapshot (all NVML calls for every GPU, normally milliseconds) may take before
+# the driver counts as hung; [Daemon] NvmlTimeoutSec.
+DEFAULT_TIMEOUT_SEC = 5.0
 
 _PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses",
                   "nvmlDeviceGetGraphicsRunningProcesses",
                   "nvmlDeviceGetMPSComputeRunningProcesses")
+_SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
 def _text(value: Any) -> str:
@@ -35,18 +46,58 @@ def _error_text(exc: BaseException) -> str:
     return f"NVML: {exc.__class__.__name__}: {exc}"
 
 
+class _Progress:
+    """How far a snapshot job got, read by the caller when the job does not return in time."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.driver = ""
+        self.done: list[GpuInfo] = []
+        self.gpu: int | None = None
+        self.call = "nvmlInit"
+
+    def __str__(self) -> str:
+        # What NvmlHung names: the pynvml function entered last, and the GPU it was for.
+        return self.call + (f" (GPU {self.gpu})" if self.gpu is not None else "")
+
+    def profile(self, frame: FrameType, event: str, arg: object) -> None:
+        # A profile hook on the worker thread only: it records each pynvml entry point as it
+        # is called, so a hang is reported by name whoever added the call (process lists,
+        # MIG instances) without wrapping every call site.
+        if event == "call" and frame.f_code.co_name.startswith("nvml") \
+                and frame.f_globals.get("__name__") == "pynvml":
+            self.call = frame.f_code.co_name
+
+
 class Nvml:
     """A lazily initialised NVML session, safe to share between threads.
 
     Initialisation is retried on each snapshot while it fails, so a daemon started before the
-    driver was loaded picks NVML up later without a restart.
+    driver was loaded picks NVML up later without a restart. Every NVML call runs on the
+    session's worker thread (nvmlworker.py); a method that adds NVML calls runs them inside
+    `_snapshot` (or through `self._worker.run`), never on the caller's thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
+                 driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
         self.last_error = ""
+        self._timeout = timeout
+        self._worker = NvmlWorker()
+        # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
+        # Read through a worker of its own: the nvidia module answers it under its own locks.
+        self._driver_gpus_dir = driver_gpus_dir
+        self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
+        self._driver_gpus: list[DriverGpu] | None = None
+        # The last GPU count and driver NVML gave: what a hung snapshot still knows.
+        self._last_count: int | None = None
+        self._last_driver = ""
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout() if callable(self._timeout) else self._timeout
 
     def _ensure_init(self) -> bool:
         if self._initialized:
@@ -65,15 +116,73 @@ class Nvml:
         return True
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._initialized and pynvml is not None:
-                try:
-                    pynvml.nvmlShutdown()
-                except pynvml.NVMLError:
-                    pass
-                self._initialized = False
+        def job() -> None:
+            with self._lock:
+                if self._initialized and pynvml is not None:
+                    try:
+                        pynvml.nvmlShutdown()
+                    except pynvml.NVMLError:
+                        pass
+                    self._initialized = False
+        try:
+            self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
+        except NvmlHung:
+            pass  # exiting anyway: the process takes the stuck call with it
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        """GPUs, memory and process lists, within `timeout` seconds whatever the driver does.
+
+        A GPU the snapshot could not read in time is in it, `unknown`, with what NVML last said
+        it is; while the driver stays hung, snapshots answer at once."""
+        progress = _Progress()
+        try:
+            snap = self._worker.run(lambda: self._traced(with_processes, progress),
+                                    self.timeout, progress)  # type: ignore[arg-type]
+        except NvmlHung as hung:
+            snap = self._hung_snapshot(progress, hung)
+        if any(gpu.minor is None and (gpu.lost or gpu.unknown) for gpu in snap.gpus):
+            fill_from_driver(snap.gpus, self._read_driver_gpus())
+        return snap
+
+    def _traced(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
+        sys.setprofile(progress.profile)
+        try:
+            return self._snapshot(with_processes, progress)
+        finally:
+            sys.setprofile(None)
+
+    def _hung_snapshot(self, progress: _Progress, hung: NvmlHung) -> NvmlSnapshot:
+        message = hung.describe()
+        self.last_error = message
+        count = progress.count if progress.count is not None else self._last_count
+        if count is None:
+            return NvmlSnapshot(available=False, error=message)
+        done = {gpu.index: gpu for gpu in list(progress.done)}
+        gpus: list[GpuInfo] = []
+        for index in range(count):
+            gpu = done.get(index)
+            if gpu is None:
+                gpu = GpuInfo(index=index, unknown=True, error=message)
+                identity = self._identity.get(index)
+                if identity is not None:
+                    gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+            gpus.append(gpu)
+        return NvmlSnapshot(available=True, error=message,
+                            driver_version=progress.driver or self._last_driver, gpus=gpus)
+
+    def _read_driver_gpus(self) -> list[DriverGpu]:
+        if self._driver_gpus is None:
+            try:
+                found = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
+                                                self.timeout, self._driver_gpus_dir)
+            except NvmlHung:
+                return []
+            if found:
+                self._driver_gpus = found  # fixed while the driver stays loaded
+            return found
+        return self._driver_gpus
+
+    def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
         with self._lock:
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
@@ -89,7 +198,14 @@ class Nvml:
                     pass
                 self.last_error = _error_text(exc)
                 return NvmlSnapshot(available=False, error=self.last_error)
-            gpus = [self._gpu(index, with_processes) for index in range(count)]
+            progress.driver, progress.count = driver, count
+            self._last_driver, self._last_count = driver, count
+            self.last_error = ""
+            gpus = []
+            for index in range(count):
+                progress.gpu = index
+                gpus.append(self._gpu(index, with_processes))
+                progress.done.append(gpus[-1])
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
     def _gpu(self, index: int, with_processes: bool) -> GpuInfo:
@@ -97,8 +213,14 @@ class Nvml:
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         except pynvml.NVMLError as exc:
+            # GPU_IS_LOST, UNKNOWN, NO_PERMISSION (dcgm-exporter issue 604): nothing can be
+            # read, but the GPU is still there, and so are its device nodes and their holders.
             gpu.error = _error_text(exc)
             gpu.lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
+            gpu.unknown = not gpu.lost
+            identity = self._identity.get(index)
+            if identity is not None:
+                gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
             return gpu
 
         def query(call: Callable[[], Any]) -> Any | None:
@@ -129,6 +251,8 @@ class Nvml:
         memory = query(lambda: self._memory(handle))
         if memory is not None:
             gpu.memory_total, gpu.memory_used = memory
+        elif not gpu.lost:
+            gpu.unknown = True  # no memory figure: neither idle nor leaked can be said
         if with_processes and not gpu.lost:
             gpu.processes = self._processes(handle, gpu)
         return gpu

@@ -297,7 +297,7 @@ class Sweep:
     # -- verification --------------------------------------------------------------------
 
     def _released(self, gpu: GpuInfo) -> bool:
-        if gpu.lost or (gpu.error and not gpu.memory_total):
+        if gpu.lost or gpu.unknown or (gpu.error and not gpu.memory_total):
             return False
         if any(pid in self._terminated_pids for pid in gpu.processes):
             return False
@@ -337,10 +337,16 @@ class Sweep:
     def _decide_outcome(self, gpus: list[int], before: dict[int, GpuInfo],
                         after: dict[int, GpuInfo], nvml_available: bool) -> None:
         report = self.report
-        verified = nvml_available and bool(gpus) and all(i in after for i in gpus)
+        readable = {i: g for i, g in after.items() if not (g.unknown or g.lost)}
+        verified = nvml_available and bool(gpus) and all(i in readable for i in gpus)
         not_released: list[int] = []
         for index in gpus:
             gpu = after.get(index)
+            if gpu is not None and index not in readable:
+                # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
+                report.warnings.append(f"GPU {index}: memory could not be read ("
+                                       f"{gpu.error or ('lost' if gpu.lost else 'unknown')})")
+                continue
             if gpu is None:
                 if nvml_available:
                     info = before.get(index)

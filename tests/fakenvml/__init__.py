@@ -151,7 +151,9 @@ class FakeGpu:
     ``minor`` defaults to ``index`` and ``pci_bus_id`` to a distinct bus per
     index.  ``base_used`` is memory in use with no process to show for it: a
     driver reservation, or a leak gpuguard has to notice.  A ``lost`` GPU
-    still enumerates but answers every query with NVML_ERROR_GPU_IS_LOST.
+    still enumerates but answers every query with NVML_ERROR_GPU_IS_LOST; a
+    non-zero ``handle_error`` makes nvmlDeviceGetHandleByIndex fail for it with
+    that code (15 GPU_IS_LOST, 999 UNKNOWN, 4 NO_PERMISSION), as some drivers do.
     """
 
     index: int
@@ -162,6 +164,7 @@ class FakeGpu:
     memory_total: int = 80 * GIB
     base_used: int = 0
     lost: bool = False
+    handle_error: int = 0
 
     def __post_init__(self) -> None:
         if self.minor is None:
@@ -192,6 +195,8 @@ class FakeGpu:
             f"gpu {self.index} uuid={self.uuid} name={file_name} minor={minor}"
             f" pci={pci} total={self.memory_total} used={self.base_used}"
         )
+        if self.handle_error:
+            line += f" handle_error={FakeNvmlState._code('handle_error', self.handle_error)}"
         return line + " lost" if self.lost else line
 
 
@@ -202,7 +207,9 @@ class FakeProc:
     The library checks ``pid`` with ``kill(pid, 0)`` on every call: while
     it exists (zombies included) the memory is in use and the process is
     listed; once gone, both last ``release_delay_ms`` more, timed from the
-    first call that found it gone.
+    first call that found it gone. ``listed_ms``, when set, is how long of
+    that it stays listed: real drivers can drop a process from their lists
+    while its memory is still held.
     """
 
     gpu: int
@@ -210,6 +217,7 @@ class FakeProc:
     used: int
     kind: ProcKind = "compute"
     release_delay_ms: int = 0
+    listed_ms: int | None = None
 
     def _line(self) -> str:
         if self.kind not in _PROC_KINDS:
@@ -220,7 +228,12 @@ class FakeProc:
             raise ValueError(f"pid {self.pid} is not a valid process id")
         if self.used < 0 or self.release_delay_ms < 0:
             raise ValueError(f"pid {self.pid}: used and release_delay_ms must not be negative")
-        return f"proc {self.gpu} {self.pid} {self.used} {self.kind} release_delay_ms={self.release_delay_ms}"
+        line = f"proc {self.gpu} {self.pid} {self.used} {self.kind} release_delay_ms={self.release_delay_ms}"
+        if self.listed_ms is not None:
+            if self.listed_ms < 0:
+                raise ValueError(f"pid {self.pid}: listed_ms must not be negative")
+            line += f" listed_ms={self.listed_ms}"
+        return line
 
 
 @dataclass
@@ -229,7 +242,9 @@ class FakeNvmlState:
 
     ``init_error``, when non-zero, is what nvmlInit returns.  ``fail`` maps an
     exported function name (e.g. ``"nvmlDeviceGetComputeRunningProcesses_v3"``)
-    to the NVML return code it is forced to give.
+    to the NVML return code it is forced to give. ``hang`` lists
+    ``(function, ms, gpu)``: calls of that function (for that GPU, or any when
+    ``gpu`` is None) block for ``ms`` milliseconds, holding the library's lock.
     """
 
     driver_version: str = "550.54.15"
@@ -237,6 +252,7 @@ class FakeNvmlState:
     procs: list[FakeProc] = field(default_factory=list)
     init_error: int = 0
     fail: dict[str, int] = field(default_factory=dict)
+    hang: list[tuple[str, int, int | None]] = field(default_factory=list)
 
     def add_gpu(
         self,
@@ -248,6 +264,7 @@ class FakeNvmlState:
         memory_total: int = 80 * GIB,
         base_used: int = 0,
         lost: bool = False,
+        handle_error: int = 0,
     ) -> FakeGpu:
         """Append a GPU at the next index; ``uuid`` defaults to one derived from it."""
         index = len(self.gpus)
@@ -260,6 +277,7 @@ class FakeNvmlState:
             memory_total=memory_total,
             base_used=base_used,
             lost=lost,
+            handle_error=handle_error,
         )
         self.gpus.append(gpu)
         return gpu
@@ -271,11 +289,13 @@ class FakeNvmlState:
         used: int,
         kind: ProcKind = "compute",
         release_delay_ms: int = 0,
+        listed_ms: int | None = None,
     ) -> FakeProc:
         """Add a process holding ``used`` bytes on GPU ``gpu``."""
         if not 0 <= gpu < len(self.gpus):
             raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
-        proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms)
+        proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms,
+                        listed_ms=listed_ms)
         self.procs.append(proc)
         return proc
 
@@ -303,6 +323,12 @@ class FakeNvmlState:
             if not _FUNCTION_RE.fullmatch(function) or len(function) > _MAX_FUNCTION_LEN:
                 raise ValueError(f"fail: {function!r} is not an NVML function name")
             lines.append(f"fail {function} {self._code(function, code)}")
+        for function, ms, gpu in self.hang:
+            if not _FUNCTION_RE.fullmatch(function) or len(function) > _MAX_FUNCTION_LEN:
+                raise ValueError(f"hang: {function!r} is not an NVML function name")
+            if ms < 0 or (gpu is not None and not 0 <= gpu < _MAX_GPUS):
+                raise ValueError(f"hang {function}: bad time {ms} or GPU {gpu}")
+            lines.append(f"hang {function} {ms}" + ("" if gpu is None else f" {gpu}"))
         lines.extend(g._line() for g in self.gpus)
         for proc in self.procs:
             if not 0 <= proc.gpu < len(self.gpus):

@@ -15,8 +15,9 @@
  *   driver 550.54.15
  *   init_error 9
  *   fail nvmlDeviceGetComputeRunningProcesses_v3 999
- *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost]
- *   proc 0 12345 4294967296 compute release_delay_ms=0
+ *   hang nvmlDeviceGetMemoryInfo_v2 60000 [GPU]
+ *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost] [handle_error=15]
+ *   proc 0 12345 4294967296 compute release_delay_ms=0 [listed_ms=N]
  *
  * gpu records must be numbered 0, 1, 2... in order and come before the
  * procs that name them; '_' in a name stands for a space; minor defaults to
@@ -27,10 +28,21 @@
  * Liveness: a proc whose pid has exited keeps holding its memory (and stays
  * listed) until release_delay_ms after this library first noticed it was
  * gone, because real drivers tear contexts down asynchronously and gpuguard
- * must cope with memory that lingers after a kill.  Zombies count as alive:
+ * must cope with memory that lingers after a kill.  listed_ms, when given,
+ * is how long of that delay it stays listed: real drivers drop a process
+ * from their lists while its memory is still held (sglang issue 31871:
+ * memory held over 30 s with no process left).  Zombies count as alive:
  * kill(pid, 0) reports them as existing, so that is what a caller probing
  * the pid sees too, and it gives tests a listed pid that no signal removes
  * until its parent reaps it.
+ *
+ * Faults of real drivers: "hang FUNCTION MS" makes every call of FUNCTION
+ * block for MS milliseconds, holding the library's lock as a stuck ioctl
+ * holds the driver's, so every other call from that process waits too
+ * (open-gpu-kernel-modules issue 1333); with a GPU index, only calls for that
+ * GPU hang.  handle_error=CODE makes nvmlDeviceGetHandleByIndex fail for that
+ * GPU with CODE (GPU_IS_LOST 15, UNKNOWN 999, NO_PERMISSION 4), as
+ * dcgm-exporter issue 604 saw; lost still enumerates and fails every query.
  *
  * The layouts below must match pynvml.py (nvidia-ml-py 13.x) byte for byte;
  * each one names the pynvml class it mirrors.
@@ -151,6 +163,7 @@ typedef struct {
 #define MAX_GPUS 64
 #define MAX_PROCS 4096
 #define MAX_FAILS 256
+#define MAX_HANGS 64
 /* NVML_DEVICE_UUID_V2_BUFFER_SIZE and NVML_DEVICE_NAME_V2_BUFFER_SIZE: what
  * pynvml allocates, so anything longer could never be returned anyway. */
 #define UUID_SIZE 96
@@ -178,6 +191,7 @@ struct fake_gpu {
     unsigned long long total;
     unsigned long long base_used;
     int lost;
+    nvmlReturn_t handle_error;
 };
 
 /* pynvml only ever holds a pointer to it, so the handle type can be the
@@ -191,6 +205,7 @@ struct fake_proc {
     unsigned long long used;
     proc_kind kind;
     unsigned long long release_delay_ms;
+    unsigned long long listed_ms; /* ULLONG_MAX: listed for the whole release delay */
 };
 
 struct fail_rule {
@@ -198,11 +213,19 @@ struct fail_rule {
     nvmlReturn_t code;
 };
 
+struct hang_rule {
+    char function[FUNC_NAME_SIZE];
+    unsigned long long ms;
+    int gpu; /* -1: every call of the function */
+};
+
 struct state {
     char driver[DRIVER_SIZE];
     nvmlReturn_t init_error;
     struct fail_rule fails[MAX_FAILS];
     unsigned int fail_count;
+    struct hang_rule hangs[MAX_HANGS];
+    unsigned int hang_count;
     struct fake_gpu gpus[MAX_GPUS];
     unsigned int gpu_count;
     struct fake_proc procs[MAX_PROCS];
@@ -409,6 +432,11 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
                 parse_error(ctx, "bad used", value);
                 return 0;
             }
+        } else if (strcmp(tok, "handle_error") == 0) {
+            if (!parse_code(value, &gpu->handle_error)) {
+                parse_error(ctx, "bad handle_error", value);
+                return 0;
+            }
         } else {
             parse_error(ctx, "unknown gpu key", tok);
             return 0;
@@ -473,11 +501,22 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
         return 0;
     }
 
+    proc->listed_ms = ULLONG_MAX;
     while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
-        if (strncmp(tok, "release_delay_ms=", 17) != 0 ||
-            !parse_ull(tok + 17, &proc->release_delay_ms) ||
-            proc->release_delay_ms > ULLONG_MAX / 1000000ull) {
+        unsigned long long *field;
+        const char *value;
+        if (strncmp(tok, "release_delay_ms=", 17) == 0) {
+            field = &proc->release_delay_ms;
+            value = tok + 17;
+        } else if (strncmp(tok, "listed_ms=", 10) == 0) {
+            field = &proc->listed_ms;
+            value = tok + 10;
+        } else {
             parse_error(ctx, "unexpected proc field", tok);
+            return 0;
+        }
+        if (!parse_ull(value, field) || *field > ULLONG_MAX / 1000000ull) {
+            parse_error(ctx, "bad proc field value", tok);
             return 0;
         }
     }
@@ -527,6 +566,26 @@ static int parse_line(struct parse_ctx *ctx, struct state *st, char *line)
             return 0;
         }
         ++st->fail_count;
+    } else if (strcmp(kw, "hang") == 0) {
+        struct hang_rule *rule;
+        unsigned long long gpu = 0;
+        char *c = strtok_r(NULL, DELIMS, &save);
+        if (st->hang_count >= MAX_HANGS) {
+            parse_error(ctx, "too many hang records", NULL);
+            return 0;
+        }
+        rule = &st->hangs[st->hang_count];
+        rule->gpu = -1;
+        if (!a || !b || !copy_token(rule->function, sizeof rule->function, a) ||
+            !parse_ull(b, &rule->ms) || rule->ms > ULLONG_MAX / 1000000ull ||
+            (c != NULL && (!parse_ull(c, &gpu) || gpu >= MAX_GPUS)) ||
+            strtok_r(NULL, DELIMS, &save) != NULL) {
+            parse_error(ctx, "expected 'hang FUNCTION MS [GPU]'", NULL);
+            return 0;
+        }
+        if (c != NULL)
+            rule->gpu = (int)gpu;
+        ++st->hang_count;
     } else {
         parse_error(ctx, "unknown record", kw);
         return 0;
@@ -599,10 +658,12 @@ static int pid_alive(pid_t pid)
     return kill(pid, 0) == 0 || errno == EPERM;
 }
 
-/* Whether the proc still holds its memory: alive, or dead for less than its
- * release delay.  Caller holds g_lock. */
-static int proc_counted(const struct fake_proc *proc, unsigned long long now)
+/* Whether the proc still holds its memory (listing == 0) or is still listed
+ * (listing == 1): alive, or dead for less than its release delay (and, for
+ * the list, its listed_ms).  Caller holds g_lock. */
+static int proc_held(const struct fake_proc *proc, unsigned long long now, int listing)
 {
+    unsigned long long delay_ms = proc->release_delay_ms;
     unsigned int i;
 
     for (i = 0; i < g_dead_count; ++i)
@@ -623,7 +684,19 @@ static int proc_counted(const struct fake_proc *proc, unsigned long long now)
         g_dead[g_dead_count].first_seen_dead_ns = now;
         ++g_dead_count;
     }
-    return now - g_dead[i].first_seen_dead_ns < proc->release_delay_ms * 1000000ull;
+    if (listing && proc->listed_ms < delay_ms)
+        delay_ms = proc->listed_ms;
+    return now - g_dead[i].first_seen_dead_ns < delay_ms * 1000000ull;
+}
+
+static int proc_counted(const struct fake_proc *proc, unsigned long long now)
+{
+    return proc_held(proc, now, 0);
+}
+
+static int proc_listed(const struct fake_proc *proc, unsigned long long now)
+{
+    return proc_held(proc, now, 1);
 }
 
 /* ---- call prologue -------------------------------------------------- */
@@ -637,6 +710,25 @@ static nvmlReturn_t forced_failure(const char *function)
     return NVML_SUCCESS;
 }
 
+/* Blocks for the first hang rule naming `function` (for GPU `gpu`, or -1 for
+ * rules that name no GPU), with g_lock held: a stuck driver call holds the
+ * driver's locks, so nothing else in this process gets through either. */
+static void forced_hang(const char *function, int gpu)
+{
+    unsigned int i;
+    for (i = 0; i < g_state.hang_count; ++i) {
+        const struct hang_rule *rule = &g_state.hangs[i];
+        if (rule->gpu == gpu && strcmp(rule->function, function) == 0) {
+            struct timespec left;
+            left.tv_sec = (time_t)(rule->ms / 1000ull);
+            left.tv_nsec = (long)(rule->ms % 1000ull) * 1000000L;
+            while (nanosleep(&left, &left) != 0 && errno == EINTR)
+                ;
+            return;
+        }
+    }
+}
+
 /* Locks g_lock, which the caller releases whatever this returns. */
 static nvmlReturn_t enter(const char *function)
 {
@@ -647,6 +739,7 @@ static nvmlReturn_t enter(const char *function)
     rc = load_state();
     if (rc != NVML_SUCCESS)
         return rc;
+    forced_hang(function, -1);
     return forced_failure(function);
 }
 
@@ -675,6 +768,7 @@ static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, stru
         return rc;
     if (!handle_index(device, &index))
         return NVML_ERROR_INVALID_ARGUMENT;
+    forced_hang(function, (int)index);
     *gpu = &g_state.gpus[index];
     return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
 }
@@ -703,8 +797,10 @@ static nvmlReturn_t do_init(const char *function)
     nvmlReturn_t rc;
     pthread_mutex_lock(&g_lock);
     rc = load_state();
-    if (rc == NVML_SUCCESS)
+    if (rc == NVML_SUCCESS) {
+        forced_hang(function, -1);
         rc = forced_failure(function);
+    }
     if (rc == NVML_SUCCESS)
         rc = g_state.init_error;
     if (rc == NVML_SUCCESS)
@@ -817,12 +913,17 @@ nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return get_count(__func__
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) { return get_count(__func__, count); }
 
 /* Succeeds for a lost GPU too, as on real drivers: enumeration still sees
- * the device, only talking to it fails. */
+ * the device, only talking to it fails.  A GPU with handle_error fails here
+ * instead, as lookups do on some drivers (dcgm-exporter issue 604). */
 static nvmlReturn_t get_by_index(const char *function, unsigned int index, nvmlDevice_t *device)
 {
     nvmlReturn_t rc = enter(function);
     if (rc == NVML_SUCCESS && (device == NULL || index >= g_state.gpu_count))
         rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        forced_hang(function, (int)index);
+        rc = g_state.gpus[index].handle_error;
+    }
     if (rc == NVML_SUCCESS)
         *device = &g_state.gpus[index];
     return leave(rc);
@@ -1054,7 +1155,7 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
     index = (unsigned int)(gpu - g_state.gpus);
     for (i = 0; i < g_state.proc_count; ++i) {
         const struct fake_proc *p = &g_state.procs[i];
-        if (p->gpu == index && p->kind == kind && proc_counted(p, now))
+        if (p->gpu == index && p->kind == kind && proc_listed(p, now))
             ++needed;
     }
     if (needed > *count) {
@@ -1068,7 +1169,7 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
      * bounding by the first count keeps that from overrunning the buffer. */
     for (i = 0; i < g_state.proc_count && n < needed; ++i) {
         const struct fake_proc *p = &g_state.procs[i];
-        if (p->gpu != index || p->kind != kind || !proc_counted(p, now))
+        if (p->gpu != index || p->kind != kind || !proc_listed(p, now))
             continue;
         if (infos != NULL) {
             infos[n].pid = (unsigned int)p->pid;

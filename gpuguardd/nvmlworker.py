@@ -1,0 +1,129 @@
+"""One thread that owns every NVML call, so a hung driver never blocks anyone else.
+
+NVML calls can hang for good (open-gpu-kernel-modules issue 1333; go-nvml issue 152 on H200):
+the ioctl under them sleeps in the kernel and no signal or timeout reaches it. A thread stuck
+there cannot be freed, so the daemon never makes such a call on a thread it needs: jobs run on
+this worker, and callers wait for them with a deadline. When a deadline passes the worker is
+marked hung, and every later call is answered at once with NvmlHung instead of queueing behind
+it (a queue would only pile up threads and replies that all wait for the same ioctl). When the
+stuck call returns at last, the worker is free again and the next call runs normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Generic, TypeVar
+
+log = logging.getLogger("gpuguard.nvml")
+
+T = TypeVar("T")
+
+
+class NvmlHung(Exception):
+    """NVML did not answer in time, or is still busy with a call that did not."""
+
+    def __init__(self, what: str, since: float) -> None:
+        self.what = what
+        self.since = since  # time.monotonic() when the stuck call started
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        waited = max(0.0, time.monotonic() - self.since)
+        return f"NVML hung: {self.what} has not returned for {waited:.1f} s"
+
+
+class _Job(Generic[T]):
+    def __init__(self, fn: Callable[[], T], what: str) -> None:
+        self.fn = fn
+        self.what = what
+        self.future: Future[T] = Future()
+        self.started = 0.0
+
+
+class NvmlWorker:
+    """Runs one job at a time on a daemon thread of its own (started on first use)."""
+
+    def __init__(self, name: str = "gpuguard-nvml") -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._job: _Job[object] | None = None
+        self._hung: _Job[object] | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def hung(self) -> NvmlHung | None:
+        """What the worker is stuck in, or None while it answers."""
+        with self._cond:
+            job = self._hung
+        return None if job is None else NvmlHung(job.what, job.started)
+
+    def run(self, fn: Callable[[], T], timeout: float, what: str) -> T:
+        """fn() on the worker; its exception re-raised here; NvmlHung after `timeout` seconds
+        (or at once while an earlier call is stuck). `what` names the call in messages."""
+        deadline = time.monotonic() + timeout
+        job: _Job[T] = _Job(fn, what)
+        with self._cond:
+            while True:
+                if self._hung is not None:
+                    raise NvmlHung(self._hung.what, self._hung.started)
+                if self._job is None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    # The running job started before this call did, so it is older than our
+                    # whole timeout: it is stuck, whoever is waiting for it.
+                    self._mark_hung(self._job)
+                    raise NvmlHung(self._job.what, self._job.started)
+                self._cond.wait(remaining)
+            self._start_thread()
+            job.started = time.monotonic()
+            self._job = job  # type: ignore[assignment]
+            self._cond.notify_all()
+        try:
+            return job.future.result(max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:  # the job's own exceptions pass through
+            pass
+        with self._cond:
+            if job.future.done():
+                return job.future.result()
+            self._mark_hung(job)  # type: ignore[arg-type]
+        raise NvmlHung(job.what, job.started)
+
+    def _mark_hung(self, job: _Job[object]) -> None:
+        if self._hung is not job:
+            self._hung = job
+            log.error("NVML call %s has not returned after %.1f s: the driver is hung; NVML "
+                      "queries are answered as unknown until it returns", job.what,
+                      time.monotonic() - job.started)
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            # A daemon thread: a process whose NVML hangs for good must still be able to exit.
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None or self._job.future.running() or self._job.future.done():
+                    self._cond.wait()
+                job = self._job
+                job.future.set_running_or_notify_cancel()
+            try:
+                result = job.fn()
+            except BaseException as exc:  # handed to the caller, whatever it is
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+            with self._cond:
+                if self._hung is job:
+                    log.warning("NVML call %s returned after %.1f s: NVML answers again",
+                                job.what, time.monotonic() - job.started)
+                    self._hung = None
+                self._job = None
+                self._cond.notify_all()

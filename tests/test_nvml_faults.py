@@ -1,0 +1,209 @@
+"""NVML faults against the engine (issue 8 item 6): a hung driver costs a caller at most the
+timeout and later callers nothing; GPUs that cannot be read are `unknown`, never `idle`; a
+lost GPU's device nodes still map to it through /proc/driver/nvidia/gpus."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuguardd.config import Config
+from gpuguardd.driverinfo import DriverGpu, bus_key, fill_from_driver, read_driver_gpus
+from gpuguardd.engine import Engine, gpu_summaries
+from gpuguardd.models import GpuInfo, ScanResult, SweepRequest
+from gpuguardd.nvml import Nvml
+from gpuguardd.nvmlworker import NvmlHung, NvmlWorker
+from tests.conftest import GiB, GpuHost, MiB
+
+TIMEOUT = 0.3
+SLACK = 0.35  # scheduling on two shared cores
+
+
+@pytest.fixture
+def sessions() -> Iterator[list[Nvml]]:
+    made: list[Nvml] = []
+    yield made
+    for nvml in made:
+        # A stuck call holds the fake library's lock in this process: let it return before the
+        # next test talks to NVML.
+        deadline = time.monotonic() + 10
+        while nvml._worker.hung is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        nvml.shutdown()
+
+
+def session(sessions: list[Nvml], **kwargs: object) -> Nvml:
+    nvml = Nvml(**kwargs)  # type: ignore[arg-type]
+    sessions.append(nvml)
+    return nvml
+
+
+def timed_snapshot(nvml: Nvml) -> tuple[float, list[GpuInfo], str]:
+    started = time.monotonic()
+    snap = nvml.snapshot()
+    assert snap.available, snap.error
+    return time.monotonic() - started, snap.gpus, snap.error
+
+
+def states(gpus: list[GpuInfo]) -> list[str]:
+    from gpuguardd.models import NvmlSnapshot
+    snap = NvmlSnapshot(available=True, gpus=gpus)
+    return [s["state"] for s in gpu_summaries(ScanResult(holders=[], nvml=snap), 64 * MiB)]
+
+
+def write_driver_info(directory: Path, host: GpuHost) -> None:
+    """What the nvidia module shows for the host's fake GPUs, one directory per bus id."""
+    for gpu in host.state.gpus:
+        assert gpu.pci_bus_id is not None
+        bus = bus_key(gpu.pci_bus_id)
+        (directory / bus).mkdir(parents=True)
+        (directory / bus / "information").write_text(
+            f"Model: \t\t {gpu.name}\nIRQ:   \t\t 42\nGPU UUID: \t {gpu.uuid}\n"
+            f"Bus Type: \t PCIe\nBus Location: \t {bus}\nDevice Minor: \t {gpu.minor}\n"
+            "GPU Excluded:\t No\n")
+
+
+def test_a_hung_call_costs_one_timeout_then_nothing_until_it_returns(
+        inproc_nvml: GpuHost, sessions: list[Nvml]) -> None:
+    host = inproc_nvml
+    host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", 2000, 1)]
+    host.publish()
+    nvml = session(sessions, timeout=TIMEOUT)
+    took, gpus, error = timed_snapshot(nvml)
+    assert took < TIMEOUT + SLACK
+    assert "NVML hung: nvmlDeviceGetMemoryInfo (GPU 1) has not returned" in error
+    # GPU 0 was read before the hang; GPU 1 keeps its identity but not its state.
+    assert not gpus[0].unknown and gpus[0].memory_total == 80 * GiB
+    assert gpus[1].unknown and gpus[1].uuid == host.state.gpus[1].uuid and gpus[1].minor == 1
+    assert states(gpus) == ["idle", "unknown"]
+    # While the call is stuck nobody queues behind it: the answer comes at once.
+    took, gpus, error = timed_snapshot(nvml)
+    assert took < 0.1
+    assert error.startswith("NVML hung: nvmlDeviceGetMemoryInfo (GPU 1)")
+    assert states(gpus) == ["unknown", "unknown"]
+    assert [g.uuid for g in gpus] == [g.uuid for g in host.state.gpus]
+    # The driver comes back: so do the states.
+    host.state.hang = []
+    host.publish()
+    deadline = time.monotonic() + 5
+    while True:
+        _, gpus, error = timed_snapshot(nvml)
+        if not error:
+            break
+        assert time.monotonic() < deadline, error
+        time.sleep(0.1)
+    assert states(gpus) == ["idle", "idle"]
+
+
+def test_a_hung_init_answers_unavailable_in_time(inproc_nvml: GpuHost, sessions: list[Nvml]) -> None:
+    host = inproc_nvml
+    host.state.hang = [("nvmlInitWithFlags", 1000, None)]
+    host.publish()
+    nvml = session(sessions, timeout=TIMEOUT)
+    started = time.monotonic()
+    snap = nvml.snapshot()
+    assert time.monotonic() - started < TIMEOUT + SLACK
+    assert not snap.available
+    assert snap.error.startswith("NVML hung: nvmlInitWithFlags has not returned for")
+    host.state.hang = []
+    host.publish()
+
+
+@pytest.mark.parametrize(("code", "state", "text"), [(15, "lost", "GPU is lost"),
+                                                     (999, "unknown", "Unknown Error"),
+                                                     (4, "unknown", "Insufficient Permissions")])
+def test_failed_handle_lookups_are_never_idle(inproc_nvml: GpuHost, sessions: list[Nvml],
+                                              code: int, state: str, text: str) -> None:
+    host = inproc_nvml
+    nvml = session(sessions, timeout=5.0)
+    _, gpus, _ = timed_snapshot(nvml)
+    assert states(gpus) == ["idle", "idle"]
+    host.state.gpus[1].handle_error = code
+    host.publish()
+    _, gpus, _ = timed_snapshot(nvml)
+    assert states(gpus) == ["idle", state]
+    assert text in gpus[1].error
+    # NVML numbers GPUs once per init: what GPU 1 was is still known.
+    assert (gpus[1].uuid, gpus[1].minor) == (host.state.gpus[1].uuid, 1)
+
+
+def test_a_failed_memory_query_is_unknown(inproc_nvml: GpuHost, sessions: list[Nvml]) -> None:
+    host = inproc_nvml
+    host.state.fail = {"nvmlDeviceGetMemoryInfo_v2": 999}
+    host.publish()
+    _, gpus, _ = timed_snapshot(session(sessions))
+    assert states(gpus) == ["unknown", "unknown"]
+
+
+def test_a_lost_gpus_holders_still_map_to_it(inproc_nvml: GpuHost, sessions: list[Nvml],
+                                             tmp_path: Path) -> None:
+    """Lost before gpuguard ever read it: only the nvidia module knows its minor number."""
+    host = inproc_nvml
+    host.state.gpus[1].handle_error = 15
+    host.publish()
+    info = tmp_path / "driver-gpus"
+    write_driver_info(info, host)
+    holder = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
+    nvml = session(sessions, driver_gpus_dir=str(info))
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",),
+                           runtime_directory=str(host.root / "run"), verify_timeout_sec=0.3),
+                    nvml=nvml)
+    scan = engine.scan()
+    lost = scan.nvml.gpus[1]
+    assert lost.lost and lost.minor == 1 and lost.uuid == host.state.gpus[1].uuid
+    mine = [h for h in scan.holders if h.pid == holder.pid]
+    assert mine and mine[0].gpus == [1]
+    summary = gpu_summaries(scan, 64 * MiB)[1]
+    assert summary["state"] == "lost" and summary["device_path"] == "/dev/nvidia1"
+    report = engine.sweep(SweepRequest(gpus=["1"]))
+    assert [t["pid"] for t in report.terminated] == [holder.pid]
+    assert report.outcome == "unverified"  # a lost GPU's memory cannot be read: never "freed"
+    assert any("GPU 1: memory could not be read" in w for w in report.warnings)
+
+
+def test_driver_info_parsing_and_matching(tmp_path: Path) -> None:
+    base = tmp_path / "gpus"
+    for bus, minor, excluded in (("0000:1a:00.0", "3", "No"), ("0000:05:00.0", "7", "No"),
+                                 ("0000:40:00.0", "9", "Yes"), ("0000:41:00.0", "x9", "No")):
+        (base / bus).mkdir(parents=True)
+        (base / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nGPU UUID: \t GPU-{minor}\nBus Location: \t {bus}\n"
+            f"Device Minor: \t {minor}\nGPU Excluded:\t {excluded}\n")
+    found = read_driver_gpus(str(base))
+    # Sorted by bus id (NVML's order); excluded GPUs and garbage minors left out.
+    assert found == [DriverGpu("0000:05:00.0", "GPU-7", "NVIDIA H200", 7),
+                     DriverGpu("0000:1a:00.0", "GPU-3", "NVIDIA H200", 3)]
+    assert read_driver_gpus(str(tmp_path / "missing")) == []
+    # By position only when both sides list the same GPUs.
+    gpus = [GpuInfo(index=0, lost=True), GpuInfo(index=1, pci_bus_id="00000000:1A:00.0", minor=3)]
+    fill_from_driver(gpus, found)
+    assert gpus[0].minor == 7 and gpus[0].uuid == "GPU-7"
+    three = [GpuInfo(index=0, lost=True), GpuInfo(index=1), GpuInfo(index=2)]
+    fill_from_driver(three, found)
+    assert three[0].minor is None
+    swapped = [GpuInfo(index=0, lost=True), GpuInfo(index=1, pci_bus_id="0000:05:00.0", minor=7)]
+    fill_from_driver(swapped, found)
+    assert swapped[0].minor is None, "GPU 1 sits at GPU 0's position: the order is not NVML's"
+    by_uuid = [GpuInfo(index=5, uuid="GPU-3", unknown=True)]
+    fill_from_driver(by_uuid, found)
+    assert by_uuid[0].minor == 3
+
+
+def test_worker_answers_at_once_while_stuck_and_recovers() -> None:
+    worker = NvmlWorker("test-nvml")
+    release = time.monotonic() + 0.6
+    with pytest.raises(NvmlHung) as first:
+        worker.run(lambda: time.sleep(max(0.0, release - time.monotonic())), 0.1, "slow call")
+    assert "slow call has not returned" in str(first.value)
+    started = time.monotonic()
+    with pytest.raises(NvmlHung):
+        worker.run(lambda: 1, 5.0, "next call")
+    assert time.monotonic() - started < 0.05, "a call queued behind the stuck one"
+    time.sleep(max(0.0, release - time.monotonic()) + 0.1)
+    assert worker.hung is None
+    assert worker.run(lambda: 42, 1.0, "after") == 42
+    with pytest.raises(ZeroDivisionError):
+        worker.run(lambda: 1 // 0, 1.0, "raises")

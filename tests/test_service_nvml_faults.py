@@ -1,0 +1,67 @@
+"""gpuguardd on a real bus while NVML hangs (issue 8 item 6): replies stay bounded, the
+watchdog keeps being fed, the hung GPU reads `unknown`, and all of it recovers when the stuck
+call returns."""
+
+from __future__ import annotations
+
+import time
+
+from tests.dbus_harness import MANAGER_PATH, GuardDaemon, wait_until
+
+pytest_plugins = ["tests.dbus_harness"]
+
+GPU = "org.gpuguard.GpuGuard1.Gpu"
+MANAGER = "org.gpuguard.GpuGuard1.Manager"
+NVML_TIMEOUT = 0.5
+HANG_MS = 4000
+# A reply may take one NvmlTimeoutSec (the call that finds NVML hung) plus a scan and busctl's
+# own start-up, on two shared cores.
+REPLY_BOUND = NVML_TIMEOUT + 2.0
+
+
+def state_of(guard: GuardDaemon, index: int) -> str:
+    return str(guard.get_property(f"{MANAGER_PATH}/gpu/{index}", GPU, "State"))
+
+
+def timed(call: object) -> float:
+    started = time.monotonic()
+    call()  # type: ignore[operator]
+    return time.monotonic() - started
+
+
+def test_a_hung_nvml_never_blocks_replies_or_the_watchdog(daemon: GuardDaemon) -> None:
+    host = daemon.host
+    daemon.host.write_config(f"PollIntervalSec=0.25\nNvmlTimeoutSec={int(NVML_TIMEOUT * 1000)}ms\n")
+    daemon.start(env={"WATCHDOG_USEC": "200000"})
+    wait_until(lambda: state_of(daemon, 1) == "idle", 10, "GPU 1 idle")
+
+    host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", HANG_MS, 1)]
+    host.publish()
+    hung_at = time.monotonic()
+    wait_until(lambda: state_of(daemon, 1) == "unknown", 5, "GPU 1 unknown")
+    error = daemon.get_property(MANAGER_PATH, MANAGER, "NvmlError")
+    assert "NVML hung: nvmlDeviceGetMemoryInfo (GPU 1)" in error
+    assert "has not returned" in daemon.get_property(f"{MANAGER_PATH}/gpu/1", GPU, "Error")
+    # Every reply that needs NVML (a fresh holder scan, a sweep's GPU lookup) is bounded.
+    assert timed(lambda: daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")) < REPLY_BOUND
+    assert timed(lambda: daemon.manager("ListHolders", "a{sv}", "1", "gpus", "au", "1", "1")) < REPLY_BOUND
+    dry = daemon.manager("Sweep", "a{sv}", "2", "gpus", "au", "1", "1", "dry_run", "b", "true")
+    assert dry[0]["outcome"] == "dry-run"
+    assert timed(lambda: daemon.manager("GetHistory", "u", "5")) < REPLY_BOUND
+    assert state_of(daemon, 1) == "unknown", "never idle while NVML cannot say"
+    assert time.monotonic() - hung_at < HANG_MS / 1000, "the checks above ran after the hang ended"
+
+    # The watchdog is pinged from the event loop every 0.1 s: no gap while NVML hung.
+    assert daemon.notify is not None
+    pings = [t for t, text in daemon.notify.messages if "WATCHDOG=1" in text and t >= hung_at]
+    assert len(pings) >= 5
+    gaps = [b - a for a, b in zip(pings, pings[1:])]
+    assert max(gaps) < 0.6, f"watchdog gaps while NVML hung: {max(gaps):.2f} s"
+
+    # The stuck call returns: GPU 1 reads again, and the error clears.
+    host.state.hang = []
+    host.publish()
+    wait_until(lambda: state_of(daemon, 1) == "idle", HANG_MS / 1000 + 5, "GPU 1 idle again")
+    wait_until(lambda: daemon.get_property(MANAGER_PATH, MANAGER, "NvmlError") == "", 5,
+               "NvmlError cleared")
+    assert "NVML answers again" in daemon.stderr()
