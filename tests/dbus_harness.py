@@ -199,6 +199,8 @@ class NotifyListener:
     def close(self) -> None:
         self.pause()
         self.sock.close()
+        # The socket's directory is GuardDaemon.start's mkdtemp: a test run leaves nothing in /tmp.
+        shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
 @dataclass

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from playwright.sync_api import expect
 
-from tests.cockpit_harness import CockpitWs
+from tests.cockpit_harness import NOBODY, CockpitWs, screenshot
 from tests.conftest import GiB, GpuHost
-from tests.dbus_harness import COMM, FAST_POLL, GPU, MANAGER, MANAGER_PATH, GuardDaemon
+from tests.dbus_harness import COMM, FAST_POLL, GPU, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
 
 pytest_plugins = ["tests.dbus_harness", "tests.cockpit_harness"]
 
@@ -152,3 +152,220 @@ def test_page_shows_the_daemons_gpus_and_holders_live(guard: GuardDaemon, cockpi
     expect(row(page, second)).to_be_visible()
     assert_not_reloaded(page)
     assert alive(guard.host, second) and alive(guard.host, management) and alive(guard.host, protected)
+
+
+def open_sweep_dialog(page: Any) -> Any:
+    page.click("#open-sweep")
+    dialog = page.locator(".gg-sweep-dialog")
+    expect(dialog).to_be_visible()
+    return dialog
+
+
+def choose_gpus(page: Any, *indices: int) -> None:
+    page.check("#scope-gpus")
+    for index in indices:
+        page.check(f"#sweep-gpu-{index}")
+
+
+def event(page: Any, pid: int) -> Any:
+    return page.locator(f".gg-event[data-pid='{pid}']")
+
+
+def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                     browser_page: Callable[..., Any]) -> None:
+    """Preview shows the plan and ends nothing; Sweep ends the holders, each exit shows in the
+    event feed, and the new history row opens to the full report."""
+    polite = holder(guard.host, 1)
+    stubborn = holder(guard.host, 1, 4 * GiB, "--ignore-term")
+    bystander = holder(guard.host, 0)
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    expect(row(page, stubborn)).to_be_visible()
+    expect(page.locator(".gg-admin-note")).to_have_count(0)
+
+    dialog = open_sweep_dialog(page)
+    choose_gpus(page, 1)
+    page.fill("#sweep-grace", "1")
+    page.fill("#sweep-reason", "cockpit test")
+    page.click("#sweep-preview")
+    plan = dialog.locator(".gg-report-section[data-section='targets']")
+    expect(plan).to_be_visible()
+    expect(dialog.locator(".gg-plan-summary")).to_contain_text("would end 2 processes; nothing was ended")
+    for pid in (polite, stubborn):
+        expect(plan.locator("td", has_text=str(pid)).first).to_be_visible()
+    expect(plan).not_to_contain_text(str(bystander))
+    time.sleep(0.5)
+    assert all(alive(guard.host, pid) for pid in (polite, stubborn, bystander)), "a preview ended a process"
+    expect(row(page, polite)).to_be_visible()
+
+    history_before = len(guard.manager("GetHistory", "u", "0")[0])
+    page.click("#sweep-run")
+    expect(dialog.locator(".gg-sweep-summary")).to_contain_text("Sweep finished: freed", timeout=30000)
+    report = guard.manager("GetHistory", "u", "1")[0][0]
+    assert report["outcome"] == "freed" and report["reason"] == "cockpit test", report
+    assert report["requested_by"].startswith("uid 0 (root)"), report["requested_by"]
+    assert {t["pid"]: t["signal"] for t in report["terminated"]} == {polite: "SIGTERM", stubborn: "SIGKILL"}
+    assert len(guard.manager("GetHistory", "u", "0")[0]) == history_before + 1
+    wait_until(lambda: not alive(guard.host, polite) and not alive(guard.host, stubborn), 10, "the holders to end")
+    assert alive(guard.host, bystander), "the sweep of GPU 1 ended a process on GPU 0"
+    terminated = dialog.locator(".gg-report-section[data-section='terminated']")
+    expect(terminated).to_contain_text("SIGKILL")
+    page.click("#sweep-close")
+    expect(dialog).to_have_count(0)
+
+    # The event feed: the sweep's start, each exit with its signal, the end.
+    expect(event(page, polite)).to_contain_text(f"Process {polite} ({COMM}) ended after SIGTERM")
+    expect(event(page, stubborn)).to_contain_text(f"Process {stubborn} ({COMM}) ended after SIGKILL")
+    short = report["id"][:8]
+    expect(page.locator(".gg-event", has_text=f"Sweep {short} started")).to_have_count(1)
+    expect(page.locator(".gg-event", has_text=f"Sweep {short} finished: freed")).to_have_count(1)
+    expect(row(page, polite)).to_have_count(0)
+    expect(row(page, stubborn)).to_have_count(0)
+    expect(row(page, bystander)).to_be_visible()
+
+    # The card's last sweep, and the history row that opens to the whole report.
+    expect(page.locator("section.gg-gpu[data-index='1'] .gg-last-sweep")).to_contain_text("freed")
+    expect(page.locator("section.gg-gpu[data-index='0'] .gg-last-sweep")).to_contain_text("never swept")
+    history_row = page.locator(f"tbody.gg-history-row[data-report-id='{report['id']}']")
+    expect(history_row).to_be_visible()
+    expect(page.locator("tbody.gg-history-row").first).to_have_attribute("data-report-id", report["id"])
+    details = history_row.locator(f".gg-report[data-report-id='{report['id']}']")
+    expect(details).to_have_count(0)
+    history_row.locator("button[id^='history-expand']").click()
+    expect(details).to_be_visible()
+    expect(details).to_contain_text(report["requested_by"])
+    expect(details).to_contain_text("cockpit test")
+    for section in ("targets", "terminated", "gpus"):
+        expect(details.locator(f".gg-report-section[data-section='{section}']")).to_be_visible()
+    expect(details.locator(".gg-report-section[data-section='terminated']")).to_contain_text(str(stubborn))
+    gpu_row = details.locator(".gg-report-section[data-section='gpus'] tbody tr")
+    expect(gpu_row).to_have_count(1)
+    assert report["gpus"][0]["memory_used_before"] == 6 * GiB
+    expect(gpu_row).to_contain_text("6.0 GiB")  # before: both holders' memory
+    expect(gpu_row.locator("td").last).to_have_text("yes")
+    assert_not_reloaded(page)
+    # The README's picture (cockpit/screenshot.png is a copy): two GPUs, the report of the
+    # sweep that had to SIGKILL the stubborn holder.
+    page.set_viewport_size({"width": 1280, "height": 900})
+    screenshot(page, "readme")
+
+
+def test_invalid_argument_is_shown(guard: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                   browser_page: Callable[..., Any]) -> None:
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    dialog = open_sweep_dialog(page)
+    page.check("#scope-unit")
+    page.fill("#sweep-unit", "bad unit/name")
+    page.click("#sweep-preview")
+    error = dialog.locator(".gg-dialog-error")
+    expect(error).to_contain_text("Invalid request:")
+    expect(error).to_contain_text("bad unit/name")
+    screenshot(page, "invalid-argument")
+    # The page's own checks come first: no call for an empty scope.
+    page.fill("#sweep-unit", "")
+    page.click("#sweep-preview")
+    expect(error).to_contain_text("Enter a unit name.")
+
+
+def test_non_admin_session_cannot_sweep_and_is_told_why(guard: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                                       browser_page: Callable[..., Any]) -> None:
+    """A Cockpit session without administrative access (the bridge runs as uid 65534, whose
+    superuser is "none") sees everything, may preview, and cannot sweep."""
+    pid = holder(guard.host, 0)
+    page = open_gpuguard(cockpit_ws(uid=NOBODY), browser_page)
+    expect(row(page, pid)).to_be_visible()
+    note = page.locator(".gg-admin-note")
+    expect(note).to_contain_text("needs administrative access, which is off")
+    dialog = open_sweep_dialog(page)
+    choose_gpus(page, 0)
+    run = page.locator("#sweep-run")
+    expect(run).to_be_disabled()
+    expect(dialog.locator("#sweep-disabled-why")).to_contain_text("turn it on with the \"Limited access\" button")
+    expect(run).to_have_attribute("aria-describedby", "sweep-disabled-why")
+    # A dry run is anyone's: the plan shows, nothing ends.
+    page.click("#sweep-preview")
+    expect(dialog.locator(".gg-plan-summary")).to_contain_text("would end 1 process; nothing was ended")
+    expect(dialog.locator(".gg-report")).to_contain_text("uid 65534")
+    run.click(force=True)  # a disabled button does nothing, even when clicked
+    time.sleep(1)
+    assert alive(guard.host, pid)
+    assert not [r for r in guard.manager("GetHistory", "u", "0")[0] if not r["dry_run"]], "a sweep ran"
+    screenshot(page, "non-admin-dialog")
+
+
+def test_daemon_missing_stopped_and_restarted(daemon: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                              browser_page: Callable[..., Any]) -> None:
+    """No daemon at start (and nothing D-Bus could start): "not installed"; it starts: the page
+    connects by itself; it stops mid-session: said so; it is back: the page recovers."""
+    daemon.host.write_config(FAST_POLL)
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    status = page.locator(".gg-status")
+    expect(status).to_have_attribute("data-daemon", "not-installed")
+    expect(status).to_contain_text("gpuguard is not installed on this machine")
+    screenshot(page, "daemon-not-installed")
+
+    daemon.start()
+    expect(page.locator("section.gg-gpu")).to_have_count(2)
+    expect(status).to_have_count(0)
+    pid = holder(daemon.host, 0)
+    expect(row(page, pid)).to_be_visible()
+
+    daemon.stop()
+    expect(status).to_have_attribute("data-daemon", "stopped")
+    expect(status).to_contain_text("gpuguardd stopped at")
+    expect(page.locator("section.gg-gpu")).to_have_count(0)
+    expect(page.locator(".gg-event", has_text="gpuguardd stopped")).to_have_count(1)
+    expect(page.locator("#open-sweep")).to_be_disabled()
+    screenshot(page, "daemon-stopped")
+
+    daemon.start()
+    expect(page.locator("section.gg-gpu")).to_have_count(2)
+    expect(status).to_have_count(0)
+    expect(row(page, pid)).to_be_visible()
+    expect(page.locator(".gg-event", has_text="gpuguardd started")).to_have_count(2)
+    # Live again: signals and properties from the new daemon reach the page.
+    second = holder(daemon.host, 1)
+    expect(row(page, second)).to_be_visible(timeout=LIVE_SEC * 1000)
+    expect(page.locator("#open-sweep")).to_be_enabled()
+    assert_not_reloaded(page)
+
+
+def test_dark_theme_and_keyboard(guard: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                 browser_page: Callable[..., Any]) -> None:
+    holder(guard.host, 0)
+    ws = cockpit_ws()
+    light = open_gpuguard(ws, browser_page)
+    expect(light.locator("section.gg-gpu")).to_have_count(2)
+    assert light.evaluate("document.documentElement.classList.contains('pf-v6-theme-dark')") is False
+    background = "getComputedStyle(document.querySelector('.gg-page')).backgroundColor"
+    light_bg = light.evaluate(background)
+
+    dark = open_gpuguard(ws, browser_page, color_scheme="dark")
+    expect(dark.locator("section.gg-gpu")).to_have_count(2)
+    assert dark.evaluate("document.documentElement.classList.contains('pf-v6-theme-dark')") is True
+    assert dark.evaluate(background) != light_bg
+    # Cockpit's own switch (shell:style in localStorage, announced by a storage event) wins.
+    dark.evaluate("""() => {
+        localStorage.setItem('shell:style', 'light');
+        window.dispatchEvent(new StorageEvent('storage', {key: 'shell:style'}));
+    }""")
+    assert dark.evaluate("document.documentElement.classList.contains('pf-v6-theme-dark')") is False
+    dark.evaluate("""() => {
+        localStorage.setItem('shell:style', 'dark');
+        window.dispatchEvent(new StorageEvent('storage', {key: 'shell:style'}));
+    }""")
+    screenshot(dark, "dark-theme")
+
+    # Keyboard only: Tab reaches the Sweep button, Enter opens the dialog, Escape closes it.
+    light.locator("body").click(position={"x": 5, "y": 5})
+    for _ in range(10):
+        light.keyboard.press("Tab")
+        if light.evaluate("document.activeElement && document.activeElement.id") == "open-sweep":
+            break
+    assert light.evaluate("document.activeElement.id") == "open-sweep"
+    light.keyboard.press("Enter")
+    dialog = light.locator(".gg-sweep-dialog")
+    expect(dialog).to_be_visible()
+    light.keyboard.press("Tab")
+    assert light.evaluate("document.querySelector('.gg-sweep-dialog').contains(document.activeElement)")
+    light.keyboard.press("Escape")
+    expect(dialog).to_have_count(0)

@@ -132,7 +132,7 @@ function History({ history, error }) {
                             <Td dataLabel={columns[0]}>{formatTime((report.started_usec || 0) / 1000)}</Td>
                             <Td dataLabel={columns[1]}>
                                 <OutcomeLabel outcome={report.outcome} />
-                                {report.dry_run && <> <Label isCompact>{_("dry run")}</Label></>}
+                                {report.dry_run && report.outcome !== "dry-run" && <> <Label isCompact>{_("dry run")}</Label></>}
                             </Td>
                             <Td dataLabel={columns[2]}>{scopeText(report.scope)}</Td>
                             <Td dataLabel={columns[3]}>{report.requested_by}</Td>

@@ -121,7 +121,7 @@ export class GuardModel {
         this.permission.addEventListener("changed", () => this.update({ admin: this.permission.allowed }));
 
         // gpuguardd coming and going: NameOwnerChanged on the bus itself, not a poll.
-        this.bus = cockpit.dbus(null, { bus: "system" });
+        this.bus = cockpit.dbus("org.freedesktop.DBus", { bus: "system" });
         this.bus.subscribe({
             path: "/org/freedesktop/DBus",
             interface: "org.freedesktop.DBus",
@@ -205,7 +205,10 @@ export class GuardModel {
         // Not running now: installed (D-Bus can activate it) or not there at all?
         this.bus.call("/org/freedesktop/DBus", "org.freedesktop.DBus", "ListActivatableNames", [])
                 .then(([names]) => this.update({ daemon: names.includes(NAME) ? "not-running" : "not-installed" }))
-                .catch(() => this.update({ daemon: "not-running" }));
+                .catch(error => {
+                    console.warn("ListActivatableNames failed:", error);
+                    this.update({ daemon: "not-running" });
+                });
     }
 
     readManager() {

@@ -57,7 +57,9 @@ export function ReportDetails({ report, plan }) {
                     <DescriptionListDescription>
                         <OutcomeLabel outcome={report.outcome} />
                         {" "}
-                        {report.verified ? _("memory release verified through NVML") : _("not verified")}
+                        {report.dry_run
+                            ? _("a dry run: nothing was ended")
+                            : report.verified ? _("memory release verified through NVML") : _("memory release not verified")}
                     </DescriptionListDescription>
                 </DescriptionListGroup>
                 <DescriptionListGroup>
@@ -106,10 +108,13 @@ export function ReportDetails({ report, plan }) {
             <Section id="gpus" title={_("GPU memory")} rows={report.gpus}
                      columns={[["GPU", r => r.mig_uuid ? cockpit.format("$0 ($1)", r.index, r.mig_uuid) : r.index],
                          ["UUID", r => <span className="gg-mono">{r.uuid}</span>],
-                         [_("Before"), r => formatBytes(r.memory_used_before)],
-                         [_("After"), r => formatBytes(r.memory_used_after)],
+                         [report.dry_run ? _("In use") : _("Before"), r => formatBytes(r.memory_used_before)],
+                         // A dry run ends nothing: no "after", nothing released.
+                         ...(report.dry_run
+                             ? []
+                             : [[_("After"), r => formatBytes(r.memory_used_after)]]),
                          [_("Total"), r => formatBytes(r.memory_total)],
-                         [_("Released"), r => r.released ? _("yes") : _("no")]]} />
+                         ...(report.dry_run ? [] : [[_("Released"), r => r.released ? _("yes") : _("no")]])]} />
             <Section id="leaks" title={_("Leaks")} rows={report.leaks}
                      columns={[["GPU", r => r.gpu], ["UUID", r => <span className="gg-mono">{r.uuid}</span>],
                          [_("Memory"), r => formatBytes(r.bytes)]]} />
