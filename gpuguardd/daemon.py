@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +30,7 @@ from .errors import ConfigError
 from .history import History
 from .log import setup_logging
 from .notify import Notifier, watchdog_interval
+from .runner import SweepRunner
 from .service import Service
 
 log = logging.getLogger("gpuguard.daemon")
@@ -36,7 +38,10 @@ log = logging.getLogger("gpuguard.daemon")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 78
-SHUTDOWN_SWEEP_WAIT_SEC = 120.0
+# At shutdown: how often systemd's stop timeout is pushed on while sweeps finish, and the time
+# asked for beyond each step (recording, releasing the name, exiting).
+SHUTDOWN_STEP_SEC = 5.0
+SHUTDOWN_EXIT_SEC = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,16 +199,38 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
 
+    async def _finish_sweeps(self, runner: SweepRunner) -> None:
+        """Let running sweeps finish and be recorded, for as long as their settings allow,
+        keeping systemd's stop timeout ahead of the wait; record whatever is still running
+        then."""
+        budget = runner.budget_sec()
+        if runner.busy:
+            log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)",
+                     runner.active, budget)
+        deadline = time.monotonic() + budget
+        while runner.busy:
+            left = deadline - time.monotonic()
+            if left > 0:
+                # The time still needed plus the exit itself; renewed every step.
+                self.notifier.extend_timeout(min(left, SHUTDOWN_STEP_SEC) + SHUTDOWN_EXIT_SEC)
+                self.notifier.watchdog()
+            if await runner.wait_idle(max(0.0, min(left, SHUTDOWN_STEP_SEC))):
+                return
+            if left <= 0:
+                break
+        if not runner.busy:
+            return
+        log.warning("sweeps still running after %.0f s, longer than their settings allow",
+                    budget)
+        self.notifier.extend_timeout(SHUTDOWN_EXIT_SEC)
+        await runner.record_interrupted()
+
     async def _shutdown(self, bus: GuardBus, service: Service,
                         disconnected: asyncio.Future[None]) -> None:
         log.info("stopping")
         self.notifier.stopping()
         self._cancel_tasks()
-        runner = service.runner
-        if runner.busy:
-            log.info("waiting for %d running sweep(s) to finish", runner.active)
-        if not await runner.wait_idle(SHUTDOWN_SWEEP_WAIT_SEC):
-            log.warning("sweeps still running after %.0f s; exiting anyway", SHUTDOWN_SWEEP_WAIT_SEC)
+        await self._finish_sweeps(service.runner)
         try:
             await asyncio.wait_for(bus.release_name(BUS_NAME), 5)
         except (DBusError, asyncio.TimeoutError, OSError, EOFError) as exc:

@@ -56,6 +56,11 @@ class Notifier:
     def stopping(self) -> None:
         self.send("STOPPING=1", "STATUS=stopping")
 
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask for `seconds` more before systemd's stop timeout (TimeoutStopSec) fires: a
+        sweep in flight finishes and is recorded first. systemd 236 and later."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
 
 def _one_line(text: str) -> str:
     # sdnotify encodes as Latin-1 and a newline would start a new assignment.

@@ -1,0 +1,141 @@
+"""A stop must not cut a sweep's report (issue 9): TimeoutStopSec=30s was shorter than a
+sweep of the default settings (GraceSec 10 s + KillTimeoutSec 5 s + VerifyTimeoutSec 30 s),
+so `systemctl stop gpuguardd` during a sweep SIGKILLed the daemon before its report.
+
+Now the unit allows the default settings' longest sweep plus margin, the daemon keeps
+systemd's stop timeout extended (EXTEND_TIMEOUT_USEC) while sweeps finish, for as long as
+their settings allow, and records any sweep still running after that as it stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import configparser
+import json
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from gpuguardd.config import Config, parse_timespan
+from gpuguardd.history import History
+from gpuguardd.models import Report, SweepRequest
+from gpuguardd.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_sec
+from tests.conftest import GiB
+from tests.dbus_harness import PYTHON, ROOT, GuardDaemon, private_gpu, private_holder, wait_until
+
+pytest_plugins = ["tests.dbus_harness"]
+
+
+def test_unit_waits_longer_than_a_default_sweep() -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(ROOT / "systemd" / "gpuguardd.service")
+    stop = parse_timespan(unit["Service"]["TimeoutStopSec"])
+    config = Config()
+    longest = config.grace_sec + config.kill_timeout_sec + config.verify_timeout_sec
+    assert longest == 45
+    assert sweep_budget_sec(config, SweepRequest()) == longest + SWEEP_MARGIN_SEC
+    assert stop >= longest + SWEEP_MARGIN_SEC + 10, stop  # the margin and the exit itself
+    # A caller's grace counts instead of GraceSec.
+    assert sweep_budget_sec(config, SweepRequest(grace_ms=120_000)) == 155 + SWEEP_MARGIN_SEC
+
+
+def test_sigterm_during_a_sweep_waits_for_its_report(daemon: GuardDaemon) -> None:
+    daemon.host.write_config("[Daemon]\nPollIntervalSec=0.25\n")
+    daemon.start()
+    pid = private_holder(daemon.host, GiB, "--ignore-term")
+    gpu = str(private_gpu(daemon.host))
+    sweep = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli", "sweep", "--gpu", gpu, "--grace", "4",
+                              "--json"], env=daemon.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: f"sent SIGTERM to pid {pid}" in daemon.stderr(), 20, "the SIGTERM")
+        assert daemon.proc is not None and daemon.notify is not None
+        daemon.proc.send_signal(signal.SIGTERM)  # systemctl stop, mid-grace
+        out, err = sweep.communicate(timeout=60)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 0, err
+    report = json.loads(out)
+    assert report["outcome"] == "freed" and report["terminated"][0]["signal"] == "SIGKILL"
+    assert daemon.proc.wait(timeout=30) == 0  # it exits on its own once the report is out
+    daemon.stop()
+    extended = [line for line in daemon.notify.lines() if line.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extended, daemon.notify.lines()
+    # The wait asked for covers what the sweep could still need (grace 4 + 3 + 3 + margin).
+    assert int(extended[0].split("=", 1)[1]) >= 5_000_000
+    daemon.start()
+    history = daemon.manager("GetHistory", "u", "5")[0]
+    assert report["id"] in [r["id"] for r in history]
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.finished: list[Report] = []
+
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        pass
+
+    def process_terminated(self, *args: Any) -> None:
+        pass
+
+    def sweep_finished(self, report: Report) -> None:
+        self.finished.append(report)
+
+    def busy_changed(self, busy: bool) -> None:
+        pass
+
+
+class _HungEngine:
+    """An engine whose sweep ends one process, then hangs (a wedged driver) until released."""
+
+    def __init__(self) -> None:
+        self.config = Config()
+        self.release = threading.Event()
+
+    def sweep(self, request: SweepRequest, observer: Any) -> Report:
+        observer.sweep_started("feedface" * 4, {"gpus": [3], "unit": ""})
+        observer.process_terminated("feedface" * 4, 4242, "vllm", "vllm.service", "SIGTERM")
+        self.release.wait(30)
+        return Report(id="feedface" * 4, started_usec=0, requested_by="x", scope={},
+                      dry_run=False, outcome="freed")
+
+
+def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path) -> None:
+    engine = _HungEngine()
+    history = History(str(tmp_path), 100)
+    history.load()
+    events = _Events()
+    pool = ThreadPoolExecutor(2)
+
+    async def scenario() -> None:
+        runner = SweepRunner(engine, pool, pool, history, events)  # type: ignore[arg-type]
+        request = SweepRequest(gpus=["3"], requested_by="uid 0 (root) :1.7", reason="stop test")
+        task = asyncio.ensure_future(runner.run(request))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if runner.in_flight and runner.in_flight[0].terminated:
+                break
+        assert 44 < runner.budget_sec() <= 10 + 5 + 30 + SWEEP_MARGIN_SEC
+        assert not await runner.wait_idle(0.05)
+        await runner.record_interrupted()
+        engine.release.set()
+        await task  # the late report does not add a second record
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.release.set()
+        pool.shutdown()
+    records = history.newest(0)
+    assert len(records) == 1, records
+    record = records[0]
+    assert record["id"] == "feedface" * 4 and record["outcome"] == "error"
+    assert record["requested_by"] == "uid 0 (root) :1.7" and record["reason"] == "stop test"
+    assert [t["pid"] for t in record["terminated"]] == [4242]
+    assert "stopped while this sweep was still running" in record["error"]
+    assert [r.id for r in events.finished] == ["feedface" * 4]  # SweepFinished was sent
