@@ -17,7 +17,7 @@ from dbus_fast import DBusError, PropertyAccess, Variant
 from dbus_fast import introspection as intr
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import marshal
+from . import marshal, replysize
 from .auth import Caller
 from .busnames import GPU_INTERFACE, MANAGER_INTERFACE, error_name
 from .errors import GpuGuardError, NotAuthorized
@@ -125,19 +125,23 @@ class ManagerInterface(PropertyHolder):
         super().__init__(MANAGER_INTERFACE, values)
         self.backend = backend
         # Stored reports never change, and typing them costs more than sending them: GetHistory
-        # under load is mostly this, so each report is typed once (by id).
-        self._typed_reports: dict[str, VarDict] = {}
+        # under load is mostly this, so each report is typed once (by id), with its size.
+        self._typed_reports: dict[str, tuple[VarDict, int]] = {}
 
     def typed_report(self, report: Mapping[str, Any]) -> VarDict:
+        return self._sized_report(report)[0]
+
+    def _sized_report(self, report: Mapping[str, Any]) -> tuple[VarDict, int]:
+        """The report typed, bounded to replysize.REPORT_BUDGET, and its size."""
         key = str(report.get("id", ""))
-        typed = self._typed_reports.get(key)
-        if typed is None:
-            typed = marshal.report(report)
+        sized = self._typed_reports.get(key)
+        if sized is None:
+            sized = replysize.bound_report(report, marshal.report)
             if len(self._typed_reports) >= self.REPORT_CACHE:
                 self._typed_reports.clear()
             if key:
-                self._typed_reports[key] = typed
-        return typed
+                self._typed_reports[key] = sized
+        return sized
 
     def introspect(self) -> intr.Interface:
         interface = super().introspect()
@@ -155,7 +159,7 @@ class ManagerInterface(PropertyHolder):
     async def ListHolders(self, filter: VarDict) -> list[VarDict]:
         options = marshal.parse_options(filter, marshal.FILTER_OPTIONS, "filter")
         caller = await self.backend.caller()
-        return await self.backend.list_holders(caller, options)
+        return replysize.bound_holders(await self.backend.list_holders(caller, options))
 
     @method()
     @contract_errors
@@ -184,7 +188,8 @@ class ManagerInterface(PropertyHolder):
     @contract_errors
     @dbus_types("u", returns="aa{sv}")
     async def GetHistory(self, count: int) -> list[VarDict]:
-        return [self.typed_report(r) for r in self.backend.history(count)]
+        sized = [self._sized_report(r) for r in self.backend.history(count)]
+        return replysize.bound_reports([r for r, _ in sized], sizes=[n for _, n in sized])
 
     @method()
     @contract_errors

@@ -98,8 +98,11 @@ def _scalar(value: Any, signature: str) -> Any:
         if not isinstance(value, str):
             raise _Mismatch(f"{value!r} is not a string")
         # The last line of defence: one string that is not valid UTF-8 (or holds NUL) would
-        # fail the whole reply. Text from /proc is already clean where it is read.
-        return value if safetext.is_clean(value) else safetext.clean(value)
+        # fail the whole reply, and none may be long enough to threaten the message limit.
+        # Text from /proc is already clean and bounded where it is read.
+        if not safetext.is_clean(value):
+            return safetext.clean(value, safetext.STRING_MAX)
+        return safetext.cut(value, safetext.STRING_MAX)
     raise _Mismatch(f"unsupported signature {signature}")
 
 

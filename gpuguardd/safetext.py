@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 # Caps, in bytes of UTF-8 after escaping (README "Safety guarantees", gpuguard-dbus(7)).
+STRING_MAX = 16384  # any string on the bus (marshal.py): the last line of defence
 CMDLINE_MAX = 4096
 PATH_MAX = 4096  # exe, cgroup, unit, container: the kernel's own PATH_MAX
 NAME_MAX = 256  # user names and other short labels
@@ -23,7 +24,7 @@ NAME_MAX = 256  # user names and other short labels
 MARKER = " [...truncated]"
 
 
-def _cut(value: str, limit: int, already_cut: bool = False) -> str:
+def cut(value: str, limit: int, already_cut: bool = False) -> str:
     """`value` (valid UTF-8) in at most `limit` bytes, ending in MARKER when anything was left
     out (here, or where it was read: `already_cut`)."""
     if not already_cut and len(value) * 4 <= limit:
@@ -42,7 +43,7 @@ def text(raw: bytes, limit: int = PATH_MAX, already_cut: bool = False) -> str:
     value = raw.decode("utf-8", "backslashreplace")
     if "\0" in value:
         value = value.replace("\0", "\\x00")
-    return _cut(value, limit, already_cut)
+    return cut(value, limit, already_cut)
 
 
 def clean(value: str, limit: int = 0) -> str:
@@ -59,7 +60,7 @@ def clean(value: str, limit: int = 0) -> str:
         value = raw.decode("utf-8", "backslashreplace")
     if "\0" in value:
         value = value.replace("\0", "\\x00")
-    return _cut(value, limit) if limit else value
+    return cut(value, limit) if limit else value
 
 
 def is_clean(value: str) -> bool:

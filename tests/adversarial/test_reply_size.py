@@ -1,0 +1,165 @@
+"""No reply nears the bus's message limit, whatever the host holds: dbus-daemon disconnects a
+sender whose message is over max_message_size (32 MiB: the tests' bus sets none, so it has the
+system bus's default, as /usr/share/dbus-1/system.conf documents), and gpuguardd would exit.
+
+The worst cases are built for real: holders with as much argv as the kernel allows, and a
+history file that an older gpuguard could have written. Reply sizes are measured on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from gpuguardd import replysize, safetext
+from gpuguardd.history import FILE_NAME
+from tests.adversarial.hostile_holder import ARG_MAX_ONE, spawn
+from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
+
+pytest_plugins = ["tests.dbus_harness"]
+
+MiB = 1024 * 1024
+
+
+def call_sized(address: str, member: str, signature: str, body: list[Any]) -> tuple[Any, int]:
+    """The reply's body and its size as marshalled on the wire."""
+    async def go() -> tuple[Any, int]:
+        bus = await MessageBus(bus_address=address).connect()
+        try:
+            reply = await bus.call(Message(destination=BUS_NAME, path=MANAGER_PATH,
+                                           interface=MANAGER, member=member,
+                                           signature=signature, body=body))
+        finally:
+            bus.disconnect()
+        assert reply is not None
+        assert reply.message_type == MessageType.METHOD_RETURN, reply.body
+        return reply.body, len(bytes(reply._marshall(False)))
+    return asyncio.run(go())
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, Variant):
+        return plain(value.value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def test_holders_with_maximal_argv_keep_list_holders_small(guard: GuardDaemon) -> None:
+    # 18 holders with ~1.9 MB of argv each: 34 MB of command lines, over the bus's limit.
+    junk = [b"A" * ARG_MAX_ONE] * 15
+    procs = [spawn(guard.host, junk) for _ in range(18)]
+    pids = {p.pid for p in procs}
+
+    def listed() -> tuple[list[Any], int] | None:
+        body, size = call_sized(guard.address, "ListHolders", "a{sv}",
+                                [{"fresh": Variant("b", True)}])
+        holders = plain(body[0])
+        return (holders, size) if pids <= {h["pid"] for h in holders} else None
+    holders, size = wait_until(listed, 20, "ListHolders to list the 18 holders", interval=0.2)
+    assert size < 1 * MiB, size  # 18 holders: no compaction needed, the caps do it
+    for holder in holders:
+        if holder["pid"] in pids:
+            assert len(holder["cmdline"].encode()) <= safetext.CMDLINE_MAX
+            assert holder["cmdline"].endswith(safetext.MARKER)
+            assert "holder.py" in holder["cmdline"]
+    # Another user's call, and a dry run that plans all of them, also answer.
+    nobody = guard.manager("ListHolders", "a{sv}", "0", as_nobody=True)[0]
+    assert pids <= {h["pid"] for h in nobody}
+    report, size = call_sized(guard.address, "Sweep", "a{sv}", [{"dry_run": Variant("b", True)}])
+    assert pids <= {t["pid"] for t in plain(report[0])["targets"]}
+    assert size < replysize.REPORT_BUDGET + 4096
+    assert guard.alive()
+    assert "disconnected" not in guard.stderr().lower()
+
+
+def big_report(n: int, targets: int, exe_len: int = 300) -> dict[str, Any]:
+    return {"id": f"{n:032x}", "started_usec": 1_700_000_000_000_000 + n, "outcome": "freed",
+            "requested_by": "uid 0 (root) :1.7", "dry_run": False,
+            "targets": [{"pid": 1000 + i, "comm": "python3", "exe": "/" + "x" * exe_len}
+                        for i in range(targets)],
+            "terminated": [{"pid": 1000 + i, "comm": "python3", "signal": "SIGTERM"}
+                           for i in range(targets)]}
+
+
+def write_history(daemon: GuardDaemon, reports: list[dict[str, Any]]) -> Path:
+    state = Path(str(daemon.host.root)) / "state"
+    state.mkdir(exist_ok=True)
+    with open(state / FILE_NAME, "w") as handle:
+        for report in reports:
+            handle.write(json.dumps(report) + "\n")
+    return state / FILE_NAME
+
+
+def test_a_35_mb_history_keeps_get_history_small(daemon: GuardDaemon) -> None:
+    # 999 reports of ~36 KB and one of ~13 MB (40,000 targets): 48 MB on disk.
+    reports = [big_report(n, 100) for n in range(999)] + [big_report(999, 40_000)]
+    path = write_history(daemon, reports)
+    assert path.stat().st_size > 35 * MiB
+    daemon.host.write_config()
+    for _ in range(2):  # the same after a restart
+        daemon.start()
+        body, size = call_sized(daemon.address, "GetHistory", "u", [0])
+        got = plain(body[0])
+        assert size <= replysize.REPLY_BUDGET + 4096, size
+        # The newest (the huge one) first, its lists cut with a warning saying so.
+        assert got[0]["id"] == f"{999:032x}"
+        assert len(got[0]["targets"]) < 40_000
+        assert any("left out of this copy" in w for w in got[0]["warnings"])
+        # Older reports follow until the budget; the last one says how many were left out.
+        assert 100 < len(got) < 1000
+        assert got[-1][replysize.OMITTED_KEY] == 1000 - len(got)
+        assert all(replysize.OMITTED_KEY not in r for r in got[:-1])
+        ids = [r["id"] for r in got]
+        assert ids == [f"{n:032x}" for n in range(999, 999 - len(got), -1)]
+        # The huge report alone, and LastSweep (it too) in Properties.GetAll, are bounded.
+        _, size = call_sized(daemon.address, "GetHistory", "u", [1])
+        assert size <= replysize.REPORT_BUDGET + 4096
+        result = daemon.busctl("call", "--json=short", BUS_NAME, MANAGER_PATH,
+                               "org.freedesktop.DBus.Properties", "GetAll", "s", MANAGER)
+        assert result.returncode == 0, result.stderr
+        history = daemon.ctl("history", "-n", "1000", "--json", as_nobody=True)
+        assert history.returncode == 0, history.stderr
+        assert daemon.alive()
+        daemon.stop()
+    # The file itself is untouched: the whole huge report is still there.
+    with open(path, "rb") as handle:
+        assert sum(1 for _ in handle) == 1000
+
+
+def test_bound_holders_compacts_then_omits() -> None:
+    def holder(pid: int) -> dict[str, Variant]:
+        return {"pid": Variant("u", pid), "cmdline": Variant("s", "c" * 4000),
+                "exe": Variant("s", "/" + "e" * 4000)}
+    holders = [holder(pid) for pid in range(100)]
+    # Fits: sent as they are.
+    assert replysize.bound_holders(holders, budget=2 * MiB) is holders
+    # Over: every holder is kept, its text cut.
+    compact = replysize.bound_holders(holders, budget=100 * 1024)
+    assert [h["pid"].value for h in compact] == list(range(100))
+    assert all(len(h["cmdline"].value) <= replysize.COMPACT_TEXT for h in compact)
+    assert compact[0]["cmdline"].value.endswith(safetext.MARKER)
+    assert replysize.wire_size(compact) <= 100 * 1024
+    # Far over: the first ones, the last saying how many were left out.
+    few = replysize.bound_holders(holders, budget=10 * 1024)
+    assert 0 < len(few) < 100 and few[-1][replysize.OMITTED_KEY].value == 100 - len(few)
+    assert replysize.wire_size(few) <= 10 * 1024
+
+
+def test_wire_size_is_an_upper_bound() -> None:
+    from gpuguardd import marshal
+    data = big_report(1, 50)
+    data["warnings"] = ["\u00e9t\u00e9 \U0001f600" * 20]
+    typed = marshal.report(data)
+    message = Message(destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER,
+                      member="X", signature="a{sv}", body=[typed])
+    actual = len(bytes(message._marshall(False)))
+    estimate = replysize.wire_size(typed)
+    assert actual - 200 <= estimate <= actual * 2, (actual, estimate)
