@@ -60,7 +60,10 @@ DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*")
 class Config:
     grace_sec: float = 10.0
     kill_timeout_sec: float = 5.0
-    verify_timeout_sec: float = 30.0
+    # Covers SGLang's 16-26 s in D state after SIGKILL plus the release after it (README,
+    # "Real hosts": the timeout review); GraceSec + KillTimeoutSec + this stays under the
+    # drop-ins' 80 s bound.
+    verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS

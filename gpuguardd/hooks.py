@@ -29,8 +29,9 @@ ETC_UNIT_DIR = "/etc/systemd/system"
 UNIT_SEARCH_PATH = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
                     "/usr/lib/systemd/system", "/lib/systemd/system")
 GPUGUARDCTL = "/usr/bin/gpuguardctl"
-# The sweep may take GraceSec (10 s) + KillTimeoutSec (5 s) + VerifyTimeoutSec (30 s) plus the
-# scans: 80 s fits under systemd's default TimeoutStopSec=90s, which also bounds ExecStopPost.
+# The sweep may take GraceSec (10 s) + KillTimeoutSec (5 s) + VerifyTimeoutSec (45 s) plus the
+# scans: 80 s fits under systemd's default TimeoutStopSec=90s, which also bounds ExecStopPost
+# (README, "Real hosts", reviews these against real workloads' exit times).
 # A unit with a shorter TimeoutStopSec cuts the hook short; the daemon finishes the sweep anyway.
 HOOK_TIMEOUT = "80s"
 HOOK_KILL_AFTER = "5s"

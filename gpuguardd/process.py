@@ -62,6 +62,11 @@ class ProcessHandle:
             return None
         return handle
 
+    def dup(self) -> ProcessHandle:
+        """Another handle on the same process, closed independently of this one."""
+        return ProcessHandle(self.pid, self.start_time,
+                             None if self.pidfd is None else os.dup(self.pidfd))
+
     def close(self) -> None:
         if self.pidfd is not None:
             os.close(self.pidfd)

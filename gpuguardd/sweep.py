@@ -1,5 +1,10 @@
 """Ending the holders in a scope: SIGTERM, grace, SIGKILL, then proof through NVML.
 
+A process sent SIGKILL that has not gone after KillTimeoutSec is exiting, not a survivor:
+real workloads take tens of seconds to die (a large pinned host cache is unpinned in D state
+after SIGKILL, 16-26 s for SGLang). Verification waits for it and for the memory together,
+for up to VerifyTimeoutSec, and only what is still there then is reported as survived.
+
 The sweep works on a scan whose processes are pinned by pidfds, so everything it signals is
 exactly what it scanned. It never signals a protected holder, and it reports what it could not
 end with the reason, and the memory it could not see come back.
@@ -137,6 +142,9 @@ class Sweep:
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
         self._terminated_pids: set[int] = set()
+        # Sent SIGKILL and not gone after KillTimeoutSec: exiting, not yet survivors (module
+        # docstring). pid -> (holder, a handle of our own, when the first signal went out).
+        self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
 
     # -- the whole run -------------------------------------------------------------------
 
@@ -173,6 +181,7 @@ class Sweep:
                                            "something keeps starting new holders"})
         self._close(pinned)
         after = self._verify(gpus_in_scope, nvml.available)
+        self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(i), i, after.get(i)) for i in gpus_in_scope]
         self._decide_outcome(gpus_in_scope, before, after, nvml.available)
         return self._finish()
@@ -270,10 +279,33 @@ class Sweep:
         if live:
             send_all(signal.SIGKILL, signal.SIGTERM.name)
             wait(signal.SIGKILL, self.settings.kill_timeout_sec)
-        for pid, (holder, _) in live.items():
+        for pid, (holder, handle) in live.items():
+            # SIGKILL is pending: it is exiting, however slowly (a process tearing down a large
+            # pinned host cache sits in D state 16-26 s, sglang issue 31746). Verification
+            # keeps waiting for it; only what is left when VerifyTimeoutSec ends survived.
+            self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
+
+    def _wait_exiting(self, timeout: float) -> None:
+        """Sleep up to `timeout`, recording exits of exiting processes the moment they happen;
+        returns early once none is left."""
+        if not self._exiting:
+            time.sleep(timeout)
+            return
+
+        def exited(pid: int, seen_at: float) -> None:
+            holder, handle, sent_at = self._exiting.pop(pid)
+            self._record_exit(holder, handle, signal.SIGKILL.name, sent_at, seen_at)
+            handle.close()
+        wait_for_exit([handle for _, handle, _ in self._exiting.values()], timeout, on_exit=exited)
+
+    def _report_exiting(self) -> None:
+        for pid, (holder, handle, _) in sorted(self._exiting.items()):
             state, why = _survivor_reason(pid)
-            report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
-                                    "state": state, "why": why})
+            waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
+            self.report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
+                                         "state": state, "why": f"{why} ({waited:g} s after SIGKILL)"})
+            handle.close()
+        self._exiting.clear()
 
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
                      sent_at: float, seen_at: float | None = None) -> None:
@@ -299,26 +331,30 @@ class Sweep:
     def _released(self, gpu: GpuInfo) -> bool:
         if gpu.lost or gpu.unknown or (gpu.error and not gpu.memory_total):
             return False
-        if any(pid in self._terminated_pids for pid in gpu.processes):
+        if any(pid in self._terminated_pids or pid in self._exiting for pid in gpu.processes):
             return False
         others = sum(mem or 0 for pid, mem in gpu.processes.items() if os.path.exists(f"/proc/{pid}"))
         return gpu.memory_used <= self.settings.released_below_bytes + others
 
     def _verify(self, gpus: list[int], nvml_available: bool) -> dict[int, GpuInfo]:
-        if not gpus or not nvml_available:
-            return {}
+        """Poll NVML until the memory is back and no target is still exiting, or until
+        VerifyTimeoutSec; the last readings."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
+        if not gpus or not nvml_available:
+            self._wait_exiting(max(0.0, deadline - time.monotonic()))
+            return {}
         delay = self.settings.poll_start_sec
         while True:
             snap = self.snapshot()
             current = {g.index: g for g in snap.gpus if g.index in gpus}
-            if snap.available and all(i in current and self._released(current[i]) for i in gpus):
+            if not self._exiting and snap.available \
+                    and all(i in current and self._released(current[i]) for i in gpus):
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.available else {}
             # NVML has no "memory released" event; poll fast first, since release is usually
             # quick once the process is gone, then back off.
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.settings.poll_max_sec)
 
     def _gpu_entry(self, before: GpuInfo | None, index: int,

@@ -1,0 +1,104 @@
+"""Slow release on real workloads (issue 8 item 5): a process that takes seconds to die after
+SIGKILL (SGLang unpinning a large host cache in D state, sglang issue 31746) is waited for
+within VerifyTimeoutSec, and memory that stays held after the process left NVML's lists
+(sglang issue 31871) is waited for too, and reported when it never comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuguardd import procfs
+from tests.conftest import GiB, GpuHost, MiB
+from tests.test_sweep import frozen_cgroup, sweep_json  # noqa: F401  (fixture used by name)
+
+
+def freeze(cgroup: Path, pid: int) -> None:
+    """Into the v1 freezer: it sleeps uninterruptibly and SIGKILL waits until it is thawed, as
+    a process stuck in the driver's teardown does."""
+    (cgroup / "cgroup.procs").write_text(str(pid))
+    (cgroup / "freezer.state").write_text("FROZEN")
+    deadline = time.monotonic() + 5
+    while procfs.read_stat(pid).state != "D":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def thaw_later(cgroup: Path, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, lambda: (cgroup / "freezer.state").write_text("THAWED"))
+    timer.start()
+    return timer
+
+
+def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
+        gpu_host: GpuHost, frozen_cgroup: Path) -> None:  # noqa: F811
+    host = gpu_host
+    slow = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
+                      nvml=(0, 4 * GiB), release_delay_ms=300)
+    freeze(frozen_cgroup, slow.pid)
+    host.write_config("[Sweep]\nKillTimeoutSec=300ms\nVerifyTimeoutSec=8s\n")
+    timer = thaw_later(frozen_cgroup, 2.0)
+    try:
+        code, report, stderr = sweep_json(host, "--gpu", "0", "--grace", "200ms")
+    finally:
+        timer.cancel()
+    assert code == 0, stderr
+    assert report["outcome"] == "freed"
+    assert report["survived"] == []
+    [ended] = report["terminated"]
+    assert ended["pid"] == slow.pid and ended["signal"] == "SIGKILL"
+    # It went long after KillTimeoutSec (grace 0.2 s + 0.3 s), and the sweep did not sit out
+    # the whole VerifyTimeoutSec once it and its memory were gone.
+    assert ended["exited_after_ms"] >= 800
+    assert report["duration_ms"] < 7000
+    assert report["gpus"][0]["released"] is True
+    assert slow.popen.wait(5) < 0
+
+
+def test_a_process_that_does_not_die_within_verify_timeout_is_a_survivor(
+        gpu_host: GpuHost, frozen_cgroup: Path) -> None:  # noqa: F811
+    host = gpu_host
+    stuck = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
+    freeze(frozen_cgroup, stuck.pid)
+    host.write_config("[Sweep]\nKillTimeoutSec=300ms\nVerifyTimeoutSec=1s\n")
+    code, report, _ = sweep_json(host, "--gpu", "0", "--grace", "200ms")
+    assert code == 3
+    assert report["outcome"] == "survivors"
+    [survivor] = report["survived"]
+    assert survivor["pid"] == stuck.pid and survivor["state"] == "D"
+    assert survivor["why"].startswith("uninterruptible (D state)")
+    assert survivor["why"].endswith("(1.3 s after SIGKILL)")
+    assert report["terminated"] == []
+    assert report["duration_ms"] >= 1500  # grace + KillTimeoutSec + VerifyTimeoutSec
+    (frozen_cgroup / "freezer.state").write_text("THAWED")
+    assert stuck.popen.wait(5) < 0
+
+
+def sweep_lingering(host: GpuHost, release_ms: int, verify: str) -> tuple[int, int, dict[str, Any]]:
+    """Sweep GPU 1 with a holder whose 6 GiB stay held `release_ms` after it exits, though
+    NVML stops listing it at once: (its pid, exit status, report)."""
+    proc = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
+    host.state.add_proc(1, proc.pid, 6 * GiB, release_delay_ms=release_ms, listed_ms=0)
+    host.publish()
+    host.write_config(f"[Sweep]\nVerifyTimeoutSec={verify}\n")
+    code, report, stderr = sweep_json(host, "--gpu", "1")
+    assert [t["pid"] for t in report["terminated"]] == [proc.pid], stderr
+    return proc.pid, code, report
+
+
+def test_memory_held_after_the_process_left_nvmls_lists_is_waited_for(gpu_host: GpuHost) -> None:
+    _, code, report = sweep_lingering(gpu_host, 1500, "6s")
+    assert code == 0
+    assert report["outcome"] == "freed" and report["leaks"] == []
+    assert report["gpus"][0]["memory_used_after"] <= 64 * MiB
+    assert report["duration_ms"] >= 1400, "freed before the driver let the memory go"
+
+
+def test_memory_that_outlasts_verify_timeout_is_reported_as_a_leak(gpu_host: GpuHost) -> None:
+    host = gpu_host
+    _, code, report = sweep_lingering(host, 30_000, "500ms")
+    assert code == 4
+    assert report["outcome"] == "memory-not-released"
+    assert report["leaks"] == [{"gpu": 1, "uuid": host.state.gpus[1].uuid, "bytes": 6 * GiB}]
