@@ -240,9 +240,10 @@ endef
 DEB_SRC = $(DIST_ABS)/deb-build/gpuguard-$(VERSION)
 
 # dpkg-buildpackage -us -uc -b on a copy with debian/ at its top; packaging/README.md.
-deb:
+deb: cockpit
 	$(call stage_source,$(DEB_SRC))
 	cp -r packaging/debian $(DEB_SRC)/debian
+	cp -r cockpit/dist $(DEB_SRC)/cockpit/dist
 	@# The package's version is gpuguardd.__version__: a version the changelog does not have
 	@# yet gets an entry of its own in the copy.
 	@cl=$(DEB_SRC)/debian/changelog; \
@@ -253,19 +254,21 @@ deb:
 	fi
 	cd $(DEB_SRC) && $(CLEAN_ENV) dpkg-buildpackage -us -uc -b
 	mkdir -p $(DIST_ABS)
-	cp $(DIST_ABS)/deb-build/gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
+	cp $(DIST_ABS)/deb-build/gpuguard_$(VERSION)_all.deb \
+		$(DIST_ABS)/deb-build/cockpit-gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
 	$(CLEAN_ENV) lintian --fail-on error \
 		$(DIST_ABS)/deb-build/gpuguard_$(VERSION)_*.changes
-	@echo "built $(DIST)/gpuguard_$(VERSION)_all.deb"
+	@echo "built $(DIST)/gpuguard_$(VERSION)_all.deb $(DIST)/cockpit-gpuguard_$(VERSION)_all.deb"
 
 RPM_TOP = $(DIST_ABS)/rpm-build
 
 # rpmbuild -bb; on a distribution without Fedora's Python and systemd RPM macros (Debian),
 # packaging/rpm/macros.fallback stands in for them and --nodeps skips the BuildRequires, which
 # rpm's empty database there cannot know.
-rpm:
+rpm: cockpit
 	rm -rf $(RPM_TOP) && mkdir -p $(RPM_TOP)/SOURCES
 	$(call stage_source,$(RPM_TOP)/src/gpuguard-$(VERSION))
+	cp -r cockpit/dist $(RPM_TOP)/src/gpuguard-$(VERSION)/cockpit/dist
 	tar -czf $(RPM_TOP)/SOURCES/gpuguard-$(VERSION).tar.gz -C $(RPM_TOP)/src gpuguard-$(VERSION)
 	set -e; extra=; \
 	if [ -z "$$(rpm --eval '%{?pyproject_wheel}')" ]; then extra="--load=$(CURDIR)/packaging/rpm/macros.fallback"; fi; \
@@ -274,5 +277,6 @@ rpm:
 	$(CLEAN_ENV) rpmbuild -bb $$extra --define "_topdir $(RPM_TOP)" \
 		--define "gpuguard_version $(VERSION)" packaging/rpm/gpuguard.spec
 	mkdir -p $(DIST_ABS)
-	cp $(RPM_TOP)/RPMS/noarch/gpuguard-$(VERSION)-*.noarch.rpm $(DIST_ABS)/
-	@echo "built" $(DIST)/gpuguard-$(VERSION)-*.noarch.rpm
+	cp $(RPM_TOP)/RPMS/noarch/gpuguard-$(VERSION)-*.noarch.rpm \
+		$(RPM_TOP)/RPMS/noarch/cockpit-gpuguard-$(VERSION)-*.noarch.rpm $(DIST_ABS)/
+	@echo "built" $(DIST)/gpuguard-$(VERSION)-*.noarch.rpm $(DIST)/cockpit-gpuguard-$(VERSION)-*.noarch.rpm

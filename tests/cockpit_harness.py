@@ -75,7 +75,7 @@ def _demote(uid: int | None) -> list[str]:
 class CockpitWs:
     """cockpit-ws with the page installed for its user, talking to `bus` as the system bus."""
 
-    def __init__(self, bus: BusDaemon, uid: int | None = None) -> None:
+    def __init__(self, bus: BusDaemon, uid: int | None = None, page_dir: Path = PAGE_DIR) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="gpuguard-cockpit-"))
         os.chmod(self.dir, 0o755)
         self.uid = uid
@@ -84,7 +84,7 @@ class CockpitWs:
         plugins = self.dir / "data" / "cockpit"
         for path in (home, runtime, plugins):
             path.mkdir(parents=True)
-        (plugins / "gpuguard").symlink_to(PAGE_DIR)
+        (plugins / "gpuguard").symlink_to(page_dir)
         if uid is not None:
             for path in (home, runtime):
                 os.chown(path, uid, uid)
@@ -159,12 +159,13 @@ class CockpitWs:
 
 @pytest.fixture
 def cockpit_ws(system_bus: BusDaemon) -> Iterator[Callable[..., CockpitWs]]:
-    """Start a cockpit-ws (as root, or `uid=65534`); all are stopped after the test."""
+    """Start a cockpit-ws (as root, or `uid=65534`; the page from `page_dir`, by default the
+    checkout's cockpit/dist); all are stopped after the test."""
     require_cockpit_tools()
     started: list[CockpitWs] = []
 
-    def start(uid: int | None = None) -> CockpitWs:
-        ws = CockpitWs(system_bus, uid)
+    def start(uid: int | None = None, page_dir: Path = PAGE_DIR) -> CockpitWs:
+        ws = CockpitWs(system_bus, uid, page_dir)
         started.append(ws)
         return ws
 

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from playwright.sync_api import expect
 
+from gpuguardd import __version__
 from tests.cockpit_harness import NOBODY, CockpitWs, screenshot
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import COMM, FAST_POLL, GPU, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
+from tests.packages import build
 
 pytest_plugins = ["tests.dbus_harness", "tests.cockpit_harness"]
 
@@ -369,3 +373,23 @@ def test_dark_theme_and_keyboard(guard: GuardDaemon, cockpit_ws: Callable[..., C
     assert light.evaluate("document.querySelector('.gg-sweep-dialog').contains(document.activeElement)")
     light.keyboard.press("Escape")
     expect(dialog).to_have_count(0)
+
+
+def test_the_packaged_page_works(guard: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                 browser_page: Callable[..., Any], tmp_path: Path) -> None:
+    """What cockpit-gpuguard.deb installs is a working page on its own (no node, no checkout)."""
+    deb = build("deb").with_name(f"cockpit-gpuguard_{__version__}_all.deb")
+    root = tmp_path / "root"
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    installed = root / "usr/share/cockpit/gpuguard"
+    os.chmod(tmp_path, 0o755)
+    pid = holder(guard.host, 1)
+    page = open_gpuguard(cockpit_ws(page_dir=installed), browser_page)
+    expect(page.locator("section.gg-gpu")).to_have_count(2)
+    expect(row(page, pid)).to_be_visible()
+    # Its styles and fonts come from the package too: the body text is in Red Hat Text, loaded.
+    loaded = page.evaluate("""async () => {
+        await document.fonts.ready;
+        return [...document.fonts].filter(f => f.status === 'loaded').map(f => f.family);
+    }""")
+    assert any("Red Hat Text" in family for family in loaded), loaded

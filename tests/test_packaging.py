@@ -273,6 +273,38 @@ def test_deb_layout() -> None:
                for f in unexpected), unexpected
 
 
+def cockpit_package(kind: str) -> Path:
+    """cockpit-gpuguard's .deb or .rpm, built beside gpuguard's by the same make target."""
+    main = build(kind)
+    name = f"cockpit-gpuguard_{__version__}_all.deb" if kind == "deb" else \
+        f"cockpit-gpuguard-{__version__}-1.noarch.rpm"
+    return main.with_name(name)
+
+
+def test_cockpit_deb_ships_the_built_page_and_depends_on_cockpit_and_gpuguard(tmp_path: Path) -> None:
+    deb = cockpit_package("deb")
+    assert deb_field(deb, "Package") == "cockpit-gpuguard"
+    assert deb_field(deb, "Version") == __version__
+    assert deb_field(deb, "Architecture") == "all"
+    depends = [d.strip() for d in deb_field(deb, "Depends").split(",")]
+    assert "cockpit-bridge (>= 287)" in depends, depends
+    assert f"gpuguard (= {__version__})" in depends, depends
+    assert not [d for d in depends if "node" in d], "the installed page needs no node"
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    files = {line.split()[5].removeprefix("./") for line in listing.splitlines() if not line.startswith("d")}
+    docs = {"usr/share/doc/cockpit-gpuguard/README.md.gz", "usr/share/doc/cockpit-gpuguard/changelog.gz",
+            "usr/share/doc/cockpit-gpuguard/copyright"}
+    assert files == cockpit_files() | docs, files ^ (cockpit_files() | docs)
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path)], check=True)
+    for name in ("manifest.json", "index.html"):
+        assert (tmp_path / "usr/share/cockpit/gpuguard" / name).read_bytes() == \
+            (ROOT / "cockpit/src" / name).read_bytes(), name
+    assert (tmp_path / "usr/share/cockpit/gpuguard/gpuguard.js").read_bytes() == \
+        (ROOT / "cockpit/dist/gpuguard.js").read_bytes(), "the page make cockpit built"
+    main = subprocess.run(["dpkg-deb", "-c", str(build("deb"))], capture_output=True, text=True, check=True).stdout
+    assert "usr/share/cockpit" not in main, "the page is cockpit-gpuguard's alone"
+
+
 def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     deb = build("deb")
     control = tmp_path / "control"
@@ -296,7 +328,7 @@ def lintian_tags() -> list[tuple[str, str]]:
     done = subprocess.run(["lintian", "--pedantic", "--info", "--display-experimental",
                            "--tag-display-limit", "0", str(changes)],
                           capture_output=True, text=True, check=False, timeout=300)
-    tags = re.findall(r"^([EWIPX]): gpuguard(?: source)?(?: \(\w+\))?: (\S+)", done.stdout, re.M)
+    tags = re.findall(r"^([EWIPX]): (?:cockpit-)?gpuguard(?: source)?(?: \(\w+\))?: (\S+)", done.stdout, re.M)
     assert done.returncode == 0 or tags, done.stdout + done.stderr
     return tags
 
@@ -341,6 +373,24 @@ def test_rpm_requirements_and_scriptlets() -> None:
     for needed in ("preset gpuguardd.service", "disable --now gpuguardd.service",
                    "try-restart gpuguardd.service"):
         assert needed in scripts, scripts
+
+
+def test_rpm_cockpit_subpackage() -> None:
+    rpm = str(cockpit_package("rpm"))
+
+    def query(*args: str) -> str:
+        return subprocess.run(["rpm", "-qp", *args, rpm], capture_output=True, text=True, check=True).stdout
+
+    assert query("--qf", "%{NAME} %{VERSION} %{ARCH}") == f"cockpit-gpuguard {__version__} noarch"
+    files = set(query("-l").split())
+    page = {"/" + f for f in cockpit_files()}
+    assert page <= files, page - files
+    assert not {f for f in files if f.startswith("/usr/share/cockpit/")} - page - {"/usr/share/cockpit/gpuguard",
+                                                                              "/usr/share/cockpit/gpuguard/assets"}
+    requires = query("-R")
+    assert "cockpit-bridge >= 287" in requires, requires
+    assert f"gpuguard = {__version__}-1" in requires, requires
+    assert "/usr/share/cockpit/" not in rpm_query("-l"), "the page is the subpackage's alone"
 
 
 def test_spec_default_version_is_the_package_version() -> None:
