@@ -148,6 +148,10 @@ class SweepRequest:
     # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
     # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
     adopted: list[tuple[int, int]] = field(default_factory=list)
+    # Whether the report goes into the audit history. A dry run by anyone but root does not
+    # (it is answered, signalled and logged): any user may dry-run, and a flood of them must
+    # never push a real sweep's record out of the history (README "Safety guarantees").
+    audited: bool = True
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class SweepRunner:
                 return report  # recorded as interrupted at shutdown; the record stays as it is
             self.in_flight.remove(flight)
             # Durable before anyone hears of it: a report the caller saw survives a crash.
-            await loop.run_in_executor(self.io_executor, self.history.append, report.to_dict())
+            await self._record(request, report)
             self.events.sweep_finished(report)
         finally:
             if flight in self.in_flight:
@@ -157,7 +157,6 @@ class SweepRunner:
 
     async def record_interrupted(self) -> None:
         """Record every sweep still running as it stands (at shutdown, its budget spent)."""
-        loop = asyncio.get_running_loop()
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             request = flight.request
@@ -171,8 +170,16 @@ class SweepRunner:
                       "ended by then is listed, the rest is unknown")
             log.warning("sweep %s still running at shutdown: recorded as interrupted (%d "
                         "process(es) ended so far)", report.id[:8], len(report.terminated))
-            await loop.run_in_executor(self.io_executor, self.history.append, report.to_dict())
+            await self._record(request, report)
             self.events.sweep_finished(report)
+
+    async def _record(self, request: SweepRequest, report: Report) -> None:
+        if not request.audited:
+            log.debug("sweep %s: a dry run by %s, not kept in the history", report.id[:8],
+                     request.requested_by)
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io_executor, self.history.append, report.to_dict())
 
     async def wait_idle(self, timeout: float) -> bool:
         """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""

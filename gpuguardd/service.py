@@ -171,6 +171,7 @@ class Service:
             await self.auth.require(caller, ACTION_SWEEP)
         request.dry_run = dry_run  # what was authorised is what runs (and what the watch sees)
         request.requested_by = requested_by(caller, request.reason)
+        request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
         await self.runner.validate(request)
         if request.unit:
             # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
