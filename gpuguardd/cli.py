@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import pwd
@@ -23,8 +24,11 @@ from .models import (
     OUTCOME_NOTHING,
     OUTCOME_SURVIVORS,
     OUTCOME_UNVERIFIED,
+    Report,
+    ScanResult,
     SweepRequest,
 )
+from .unitsweep import UnitSweeps
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -72,8 +76,9 @@ def requester_description() -> str:
 class LocalBackend:
     """The engine in this process: for root, when no daemon runs (or --local is given)."""
 
-    def __init__(self, config_files: Sequence[str] | None) -> None:
+    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
         self.engine = Engine(load_config(config_files))
+        self.bus_address = bus_address  # where to ask systemd about units (None: system bus)
 
     def status(self) -> dict[str, Any]:
         snap = self.engine.snapshot(with_processes=False)
@@ -104,7 +109,30 @@ class LocalBackend:
         # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
         request.requested_by = (request.requested_by or hooks.requested_by_for_reason(request.reason)
                                 or requester_description())
+        if request.unit:
+            self.engine.resolve_request(request)  # a bad unit name is refused before anything
+            return asyncio.run(self._sweep_unit(request)).to_dict()
         return self.engine.sweep(request).to_dict()
+
+    async def _sweep_unit(self, request: SweepRequest) -> Report:
+        """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
+        from .unitwatch import local_systemd  # dbus-fast only where a unit is swept
+
+        async def scan() -> ScanResult:
+            return self.engine.scan()
+
+        async def run(wanted: SweepRequest) -> Report:
+            return self.engine.sweep(wanted)
+
+        systemd, bus = await local_systemd(self.bus_address)
+        try:
+            sweeps = UnitSweeps(systemd, scan, run, lambda: self.engine.config.dry_run)
+            report = await sweeps.sweep_unit(request)
+        finally:
+            if bus is not None:
+                bus.disconnect()
+        assert report is not None  # None only for the daemon's watcher's own requests
+        return report
 
     def history(self, count: int) -> list[dict[str, Any]]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")
@@ -131,7 +159,8 @@ def connect(args: argparse.Namespace) -> Backend:
 def _local(args: argparse.Namespace) -> Backend:
     if os.geteuid() != 0:
         log.warning("running --local as a non-root user: processes of other users are invisible")
-    return LocalBackend(args.config)
+    from .client import default_address
+    return LocalBackend(args.config, default_address(args.bus_address))
 
 
 def _grace(text: str) -> int:

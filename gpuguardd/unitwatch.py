@@ -1,38 +1,15 @@
-"""Watch mode: sweep a unit when it stops, knowing which GPUs were its own.
+"""Watch mode: sweep a unit when it stops, knowing which GPUs were its own (the D-Bus side).
 
-Three parts, each usable alone:
-
-* `UnitGpuRecords` remembers, for every host unit whose processes hold GPUs, which GPUs those
-  were and which processes (PID + start time) were the unit's. The daemon feeds it every scan
-  while the units run; the unit's `CUDA_VISIBLE_DEVICES` is a further hint. After the stop, a
-  `SweepUnit` therefore still knows the unit's GPUs, even when its processes left the cgroup.
+* `Systemd` asks systemd's manager on the bus for units' states and environments.
 * `UnitWatcher` follows systemd on the bus (`Subscribe`, then `JobRemoved` and the units'
   `PropertiesChanged`) and calls back when a unit matching `[Watch] Units` has stopped
   (inactive or failed), also for units without an ExecStopPost drop-in.
-* `UnitWatch` joins them for the daemon: every unit sweep (from the drop-in's `gpuguardctl
-  sweep --unit %n`, from the watcher, or from an admin) goes through `sweep_unit`, which adds
-  the unit's escaped leftovers and makes sure one stop gets one sweep.
+* `UnitWatch` joins them with unitsweep.UnitSweeps for the daemon: every unit sweep (from the
+  drop-in's `gpuguardctl sweep --unit %n`, from the watcher, or from an admin) goes through
+  `sweep_unit`, which adds the unit's escaped leftovers and makes sure one stop gets one
+  sweep. `gpuguardctl sweep --local --unit` takes the same path (`local_systemd`).
 
-The escaped-leftover rule. A sweep of unit U also ends a holder H outside U's cgroup when all
-of these hold:
-
-1. H runs on the host: a container's processes are never a host unit's leftovers;
-2. H is a compute holder (a CUDA context) and not protected (the engine checks both again);
-3. H was U's: either the same process (PID and start time) was seen in U's cgroup by an
-   earlier scan, or H holds one of U's GPUs (held by U's processes while U ran, or named by
-   U's CUDA_VISIBLE_DEVICES);
-4. no running unit owns H now: its cgroup belongs to no unit (a slice, the root, a cgroup made
-   by hand), or to a unit that systemd reports inactive or failed (or no longer knows).
-
-So a process that moved itself into a session, a `systemd-run --scope`, another service or a
-container is left alone: someone running adopted it. And without systemd on the bus nothing
-is adopted, because there every process looks like it belongs to no unit.
-
-One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires once
-it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:", "watch:") of
-the same unit and invocation share one sweep and its report. Dry runs never do: they neither
-join nor stand for a stop's sweep, whatever their reason says. A unit that systemd is already
-starting again (Restart=) is not swept by the watcher: its new instance owns the GPUs.
+The escaped-leftover rule and one sweep per stop: unitsweep.py.
 """
 
 from __future__ import annotations
@@ -42,17 +19,28 @@ import collections
 import fnmatch
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from dbus_fast import Message, MessageFlag, MessageType
+from dbus_fast import BusType, Message, MessageFlag, MessageType
 from dbus_fast.aio import MessageBus
 
-from .attribution import normalize_unit_name
 from .bus import name_owner_change
-from .models import KIND_COMPUTE, Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
+from .models import Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
+from .unitsweep import (
+    MAX_UNITS,
+    STOPPED_STATES,
+    WATCH_PREFIX,
+    NoSystemd,
+    UnitGpuRecords,
+    UnitState,
+    UnitSweeps,
+    adoption_candidates,
+    cuda_visible_gpus,
+)
+
+__all__ = ["Systemd", "UnitGpuRecords", "UnitState", "UnitWatch", "UnitWatcher",
+           "adoption_candidates", "cuda_visible_gpus", "matches", "unit_name_from_path"]
 
 log = logging.getLogger("gpuguard.unitwatch")
 
@@ -65,18 +53,7 @@ UNIT_PATH_PREFIX = SYSTEMD_PATH + "/unit/"
 PROPERTIES_IFACE = "org.freedesktop.DBus.Properties"
 DBUS = "org.freedesktop.DBus"
 
-STOPPED_STATES = frozenset({"inactive", "failed"})
-# A unit in these states runs (or is about to): its GPUs are its own.
-RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})
-HOOK_PREFIX = "hook:"
-WATCH_PREFIX = "watch:"
-# Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
-DEDUPE_WINDOW_SEC = 10.0
-# Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
-REMEMBER_SEC = 300.0
 CALL_TIMEOUT_SEC = 5.0
-MAX_UNITS = 1024
-MAX_PROCESSES_PER_UNIT = 4096
 
 _ESCAPE = re.compile(r"_([0-9a-fA-F]{2})")
 
@@ -100,139 +77,7 @@ def matches(unit: str, patterns: Iterable[str]) -> bool:
     return False
 
 
-def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int]:
-    """NVML indices named by CUDA_VISIBLE_DEVICES in a unit's Environment (a hint only).
-
-    UUIDs (GPU-..., also abbreviated as CUDA allows) are exact. Plain numbers are CUDA
-    ordinals, which equal NVML indices when CUDA_DEVICE_ORDER=PCI_BUS_ID and on the usual
-    machines with identical GPUs; they only widen where escaped leftovers are looked for.
-    """
-    value = None
-    for item in environment:
-        key, _, text = item.partition("=")
-        if key == "CUDA_VISIBLE_DEVICES":
-            value = text
-    if not value:
-        return set()
-    gpus: set[int] = set()
-    for token in (t.strip() for t in value.split(",")):
-        if not token:
-            continue
-        if token.isdigit():
-            if nvml.by_index(int(token)) is not None or not nvml.available:
-                gpus.add(int(token))
-            continue
-        if token.startswith("-"):
-            break  # CUDA stops at the first invalid ordinal ("-1" hides everything after)
-        wanted = token.lower()
-        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(wanted)]
-        if len(found) == 1:
-            gpus.add(found[0])
-    return gpus
-
-
-# -- what each unit held -------------------------------------------------------------------
-
-@dataclass
-class UnitGpuRecord:
-    unit: str
-    gpus: set[int] = field(default_factory=set)  # held by the unit's processes
-    hinted: set[int] = field(default_factory=set)  # from CUDA_VISIBLE_DEVICES
-    processes: dict[tuple[int, int], str] = field(default_factory=dict)  # (pid, start) -> comm
-    updated: float = field(default_factory=time.monotonic)
-
-    @property
-    def all_gpus(self) -> set[int]:
-        return self.gpus | self.hinted
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "gpus": sorted(self.gpus), "hinted": sorted(self.hinted),
-                "pids": sorted(pid for pid, _ in self.processes)}
-
-
-class UnitGpuRecords:
-    """Per host unit: the GPUs and processes seen in it. Bounded; oldest units go first."""
-
-    def __init__(self, max_units: int = MAX_UNITS) -> None:
-        self.max_units = max_units
-        self._records: collections.OrderedDict[str, UnitGpuRecord] = collections.OrderedDict()
-
-    def _record(self, unit: str) -> UnitGpuRecord:
-        record = self._records.get(unit)
-        if record is None:
-            record = self._records[unit] = UnitGpuRecord(unit)
-            while len(self._records) > self.max_units:
-                self._records.popitem(last=False)
-        self._records.move_to_end(unit)
-        record.updated = time.monotonic()
-        return record
-
-    def observe(self, holders: Iterable[Holder]) -> None:
-        """Note every host unit's GPU holders from a scan (cheap: holders only)."""
-        for holder in holders:
-            if not holder.unit or holder.container or not holder.gpus:
-                continue
-            record = self._record(holder.unit)
-            record.gpus.update(holder.gpus)
-            if len(record.processes) < MAX_PROCESSES_PER_UNIT:
-                record.processes[(holder.pid, holder.start_time)] = holder.comm
-
-    def hint(self, unit: str, gpus: Iterable[int]) -> None:
-        wanted = set(gpus)
-        if wanted:
-            self._record(unit).hinted = wanted
-
-    def get(self, unit: str) -> UnitGpuRecord | None:
-        return self._records.get(unit)
-
-    def forget(self, unit: str) -> None:
-        self._records.pop(unit, None)
-
-    def units(self) -> list[str]:
-        return list(self._records)
-
-
-def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterable[Holder],
-                        include_management: bool = False) -> list[tuple[Holder, str]]:
-    """Rules 1-3 of the module docstring: holders outside `unit` that were its own, with why.
-
-    Rule 4 (no running unit owns them) needs systemd and is checked by the caller.
-    """
-    if record is None:
-        return []
-    gpus = record.all_gpus
-    found: list[tuple[Holder, str]] = []
-    for holder in holders:
-        if holder.unit == unit or holder.container or holder.protected:
-            continue
-        if holder.kind != KIND_COMPUTE and not include_management:
-            continue
-        if (holder.pid, holder.start_time) in record.processes:
-            found.append((holder, f"was a process of {unit}"))
-        elif gpus & set(holder.gpus):
-            shared = ",".join(str(g) for g in sorted(gpus & set(holder.gpus)))
-            found.append((holder, f"holds GPU {shared}, which {unit} held"))
-    return found
-
-
 # -- systemd on the bus --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class UnitState:
-    unit: str
-    active_state: str  # "" when systemd does not know the unit (not loaded)
-    sub_state: str = ""
-    invocation_id: str = ""
-    result: str = ""
-
-    @property
-    def stopped(self) -> bool:
-        return self.active_state in STOPPED_STATES or not self.active_state
-
-    @property
-    def running(self) -> bool:
-        return self.active_state in RUNNING_STATES
-
 
 class Systemd:
     """The few systemd manager calls the watch needs, over an existing dbus-fast connection."""
@@ -310,6 +155,27 @@ class Systemd:
             return []
         value = await self.get(path, SERVICE_IFACE, "Environment")
         return [str(item) for item in value or []]
+
+
+async def local_systemd(address: str | None) -> tuple[Systemd | NoSystemd, MessageBus | None]:
+    """systemd's manager on the system bus (or `address`), for a unit sweep outside the
+    daemon (`gpuguardctl sweep --local`), and the connection to close afterwards; NoSystemd
+    where there is no bus or no systemd on it (then nothing is adopted, as in the daemon)."""
+    try:
+        bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
+        await asyncio.wait_for(bus.connect(), CALL_TIMEOUT_SEC)
+    except Exception as exc:  # OSError, AuthError, a wedged bus...
+        log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
+                 "looked for", exc)
+        return NoSystemd(), None
+    reply = await asyncio.wait_for(bus.call(Message(
+        destination=DBUS, path="/org/freedesktop/DBus", interface=DBUS, member="GetNameOwner",
+        signature="s", body=[SYSTEMD])), CALL_TIMEOUT_SEC)
+    systemd = Systemd(bus)
+    systemd.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
+    if not systemd.available:
+        log.info("no systemd on the bus: the unit's escaped leftovers are not looked for")
+    return systemd, bus
 
 
 async def _add_match(bus: MessageBus, rule: str) -> None:
@@ -469,7 +335,7 @@ class UnitWatcher:
 
 # -- the daemon's side -----------------------------------------------------------------------
 
-class UnitWatch:
+class UnitWatch(UnitSweeps):
     """Records, watcher and one-sweep-per-stop, for the daemon's Service.
 
     `scan` gives a fresh holder scan (the daemon's shared inventory scan); `run` runs a sweep
@@ -481,17 +347,11 @@ class UnitWatch:
                  scan: Callable[[], Awaitable[ScanResult]],
                  run: Callable[[SweepRequest], Awaitable[Report]],
                  dry_run_default: Callable[[], bool] = lambda: False) -> None:
+        systemd = Systemd(bus)
+        super().__init__(systemd, scan, run, dry_run_default)
         self.patterns = patterns
-        self.dry_run_default = dry_run_default  # [Sweep] DryRun, for requests that leave it open
         self.snapshot = snapshot
-        self.scan = scan
-        self.run = run
-        self.records = UnitGpuRecords()
-        self.systemd = Systemd(bus)
-        self.watcher = UnitWatcher(bus, self.systemd, patterns(), self._stopped, self._active)
-        self._inflight: dict[tuple[str, str], asyncio.Future[Report]] = {}
-        self._recent: collections.OrderedDict[tuple[str, str], tuple[float, Report]] = \
-            collections.OrderedDict()
+        self.watcher = UnitWatcher(bus, systemd, patterns(), self._stopped, self._active)
 
     async def start(self) -> None:
         try:
@@ -522,86 +382,3 @@ class UnitWatch:
         log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",
                  f", result {state.result}" if state.result else "")
         await self.sweep_unit(request)
-
-    async def sweep_unit(self, request: SweepRequest) -> Report | None:
-        """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
-
-        Returns None only when the watcher's sweep is skipped because the unit runs again.
-        """
-        unit = normalize_unit_name(request.unit)  # already validated by the caller
-        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
-        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the
-        # stop hook a report that signalled nothing. A real sweep with a "hook:" reason is
-        # root's or a polkit-authorised caller's (the service checked).
-        dry_run = self.dry_run_default() if request.dry_run is None else request.dry_run
-        automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX)) and not dry_run
-        state = await self.systemd.state(unit) if self.systemd.available else None
-        if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
-            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
-                     state.active_state)
-            return None
-        if not automatic:
-            return await self._sweep(unit, request, state)
-        key = (unit, state.invocation_id if state is not None else "")
-        self._expire()
-        remembered = self._recent.get(key)
-        if remembered is not None and (key[1] or time.monotonic() - remembered[0] < DEDUPE_WINDOW_SEC):
-            log.info("%s: this stop was already swept (%s); same report", unit, remembered[1].id[:8])
-            return remembered[1]
-        running = self._inflight.get(key)
-        if running is not None:
-            log.info("%s: joining the sweep already running for this stop", unit)
-            return await asyncio.shield(running)
-        future: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            report = await self._sweep(unit, request, state)
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: a lone sweep's failure is its caller's to see
-            raise
-        finally:
-            self._inflight.pop(key, None)
-        future.set_result(report)
-        self._recent[key] = (time.monotonic(), report)
-        return report
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._recent and now - next(iter(self._recent.values()))[0] > REMEMBER_SEC:
-            self._recent.popitem(last=False)
-
-    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None) -> Report:
-        if not request.container and self.systemd.available:
-            request.adopted = await self._adopt(unit, request.include_management)
-        report = await self.run(request)
-        if not report.dry_run and report.outcome in ("freed", "nothing-to-do") \
-                and (state is None or state.stopped or state.active_state == "deactivating"):
-            # Everything the unit left is gone: start afresh with its next instance.
-            self.records.forget(unit)
-        return report
-
-    async def _adopt(self, unit: str, include_management: bool) -> list[tuple[int, int]]:
-        record = self.records.get(unit)
-        if record is None:
-            return []
-        result = await self.scan()
-        self.records.observe(result.holders)
-        adopted: list[tuple[int, int]] = []
-        states: dict[str, UnitState | None] = {}
-        for holder, why in adoption_candidates(unit, record, result.holders, include_management):
-            owner = holder.unit
-            if owner:
-                if owner not in states:
-                    states[owner] = await self.systemd.state(owner)
-                owner_state = states[owner]
-                if owner_state is None or owner_state.running:
-                    continue  # rule 4: a running unit (or one we cannot ask about) owns it
-            log.info("%s: pid %d (%s) is in %s, outside the unit, and %s: swept with it", unit,
-                     holder.pid, holder.comm, owner or f"cgroup {holder.cgroup or '?'} of no unit",
-                     why)
-            adopted.append((holder.pid, holder.start_time))
-        return adopted

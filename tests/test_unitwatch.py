@@ -123,9 +123,13 @@ class FakeSystemd:
     def __init__(self, states: dict[str, UnitState]) -> None:
         self.available = True
         self.states = states
+        self.environments: dict[str, list[str]] = {}
 
     async def state(self, unit: str) -> UnitState | None:
         return self.states.get(unit, UnitState(unit, ""))
+
+    async def environment(self, unit: str) -> list[str]:
+        return self.environments.get(unit, [])
 
 
 class Harness:
@@ -136,7 +140,7 @@ class Harness:
         self.release = asyncio.Event()
         self.watch = UnitWatch(bus=None, patterns=lambda: ["sglang-*"],  # type: ignore[arg-type]
                                snapshot=lambda: NVML, scan=self.scan, run=self.run)
-        self.watch.systemd = FakeSystemd(states)  # type: ignore[assignment]
+        self.watch.systemd = FakeSystemd(states)
         self.holders = holders
 
     async def scan(self) -> ScanResult:

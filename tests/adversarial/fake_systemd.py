@@ -1,8 +1,10 @@
 """A stand-in for systemd's manager on the tests' bus: just what gpuguardd's unit watch asks.
 
-Run as `python -m tests.adversarial.fake_systemd ADDRESS`: owns org.freedesktop.systemd1,
-answers Subscribe, GetUnit and Properties.Get (every unit is inactive, invocation 0x01..),
-prints "ready <unique name>", then reads commands from stdin, one a line:
+Run as `python -m tests.adversarial.fake_systemd ADDRESS [ENVIRONMENT...]`: owns
+org.freedesktop.systemd1, answers Subscribe, GetUnit and Properties.Get (every unit is
+inactive, invocation 0x01.., its Environment the ENVIRONMENT words, e.g.
+CUDA_VISIBLE_DEVICES=2), prints "ready <unique name>", then reads commands from stdin, one a
+line:
   jobremoved UNIT   broadcast JobRemoved(1, job path, UNIT, "done"), as systemd does on a stop
 """
 
@@ -29,7 +31,8 @@ PROPERTIES = {"ActiveState": Variant("s", "inactive"), "SubState": Variant("s", 
               "Environment": Variant("as", [])}
 
 
-async def main(address: str) -> None:
+async def main(address: str, environment: list[str]) -> None:
+    PROPERTIES["Environment"] = Variant("as", environment)
     bus = await MessageBus(bus_address=address).connect()
 
     def handler(msg: Message) -> bool:
@@ -66,4 +69,4 @@ async def main(address: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], sys.argv[2:]))
