@@ -11,7 +11,9 @@ line:
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
+from pathlib import Path
 
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
@@ -29,6 +31,30 @@ def unit_path(unit: str) -> str:
 PROPERTIES = {"ActiveState": Variant("s", "inactive"), "SubState": Variant("s", "dead"),
               "InvocationID": Variant("ay", INVOCATION), "Result": Variant("s", "success"),
               "Environment": Variant("as", [])}
+
+
+class FakeSystemd:
+    """This module as a subprocess, for a test; close() ends it."""
+
+    def __init__(self, address: str, *environment: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.adversarial.fake_systemd", address, *environment],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=str(Path(__file__).resolve().parents[2]))
+        assert self.proc.stdout is not None
+        words = self.proc.stdout.readline().split()
+        assert words[:1] == ["ready"], f"fake systemd did not start: {words}"
+        self.unique_name = words[1]
+
+    def job_removed(self, unit: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"jobremoved {unit}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "sent"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 async def main(address: str, environment: list[str]) -> None:

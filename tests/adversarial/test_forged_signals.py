@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.adversarial.fake_systemd import FakeSystemd
 from tests.dbus_harness import (
     BUS_NAME,
     MANAGER,
@@ -37,27 +37,6 @@ pytest_plugins = ["tests.dbus_harness"]
 
 SYSTEMD = "org.freedesktop.systemd1"
 UNIT = "gg-forged.service"
-
-
-class FakeSystemd:
-    def __init__(self, address: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.adversarial.fake_systemd", address],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
-        assert self.proc.stdout is not None
-        words = self.proc.stdout.readline().split()
-        assert words[:1] == ["ready"], f"fake systemd did not start: {words}"
-        self.unique_name = words[1]
-
-    def job_removed(self, unit: str) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"jobremoved {unit}\n")
-        self.proc.stdin.flush()
-        assert self.proc.stdout.readline().strip() == "sent"
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from gpuguardd.models import SweepRequest
 from gpuguardd.unitwatch import UnitState
-from tests.dbus_harness import ROOT, BusDaemon, GuardDaemon, wait_until
+from tests.adversarial.fake_systemd import FakeSystemd
+from tests.dbus_harness import BusDaemon, GuardDaemon, wait_until
 from tests.test_unitwatch import Harness
 
 pytest_plugins = ["tests.dbus_harness"]
@@ -88,20 +87,16 @@ def test_a_dry_run_does_not_join_the_running_real_sweep() -> None:
 # -- on the bus, as the issue saw it ----------------------------------------------------------
 
 @pytest.fixture
-def systemd(system_bus: BusDaemon) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.adversarial.fake_systemd",
-                             system_bus.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=str(ROOT))
-    assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
+def systemd(system_bus: BusDaemon) -> Iterator[FakeSystemd]:
+    fake = FakeSystemd(system_bus.address)
     try:
-        yield proc
+        yield fake
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        fake.close()
 
 
 def test_nobodys_dry_run_is_not_handed_to_the_hook(guard: GuardDaemon,
-                                                   systemd: subprocess.Popen[str]) -> None:
+                                                   systemd: FakeSystemd) -> None:
     wait_until(lambda: "watching systemd units" in guard.stderr(), 15, "the unit watch on")
     reason = f"hook:{UNIT} result=exit-code"
     dry = guard.manager("SweepUnit", "sa{sv}", UNIT, "2", "reason", "s", reason,

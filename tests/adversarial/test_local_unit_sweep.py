@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
+from tests.adversarial.fake_systemd import FakeSystemd
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import (
     PYTHON,
-    ROOT,
     BusDaemon,
     GuardDaemon,
     private_gpu,
@@ -34,17 +33,12 @@ UNIT = "gg-local.service"
 
 
 @pytest.fixture
-def systemd(system_bus: BusDaemon, gpu_host: GpuHost) -> Iterator[subprocess.Popen[str]]:
-    gpu = private_gpu(gpu_host)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.adversarial.fake_systemd",
-                             system_bus.address, f"CUDA_VISIBLE_DEVICES={gpu}"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
-    assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
+def systemd(system_bus: BusDaemon, gpu_host: GpuHost) -> Iterator[FakeSystemd]:
+    fake = FakeSystemd(system_bus.address, f"CUDA_VISIBLE_DEVICES={private_gpu(gpu_host)}")
     try:
-        yield proc
+        yield fake
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        fake.close()
 
 
 def gone(pid: int) -> bool:
@@ -64,7 +58,7 @@ def local_sweep(host: GpuHost, address: str, *args: str) -> subprocess.Completed
 
 
 def test_local_and_daemon_unit_sweeps_adopt_the_same_leftover(
-        guard: GuardDaemon, systemd: subprocess.Popen[str]) -> None:
+        guard: GuardDaemon, systemd: FakeSystemd) -> None:
     host = guard.host
     wait_until(lambda: "watching systemd units" in guard.stderr(), 15, "the daemon's unit watch")
     # The daemon: SweepUnit adopts the escaped holder.
