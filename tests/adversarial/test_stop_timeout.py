@@ -35,11 +35,12 @@ def test_unit_waits_longer_than_a_default_sweep() -> None:
     stop = parse_timespan(unit["Service"]["TimeoutStopSec"])
     config = Config()
     longest = config.grace_sec + config.kill_timeout_sec + config.verify_timeout_sec
-    assert longest == 45
+    assert longest >= 45  # 10 + 5 + 30 when the issue was filed
     assert sweep_budget_sec(config, SweepRequest()) == longest + SWEEP_MARGIN_SEC
     assert stop >= longest + SWEEP_MARGIN_SEC + 10, stop  # the margin and the exit itself
     # A caller's grace counts instead of GraceSec.
-    assert sweep_budget_sec(config, SweepRequest(grace_ms=120_000)) == 155 + SWEEP_MARGIN_SEC
+    assert sweep_budget_sec(config, SweepRequest(grace_ms=120_000)) \
+        == longest - config.grace_sec + 120 + SWEEP_MARGIN_SEC
 
 
 def test_sigterm_during_a_sweep_waits_for_its_report(daemon: GuardDaemon) -> None:
@@ -120,7 +121,9 @@ def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
             if runner.in_flight and runner.in_flight[0].terminated:
                 break
-        assert 44 < runner.budget_sec() <= 10 + 5 + 30 + SWEEP_MARGIN_SEC
+        config = engine.config
+        longest = config.grace_sec + config.kill_timeout_sec + config.verify_timeout_sec
+        assert longest - 1 < runner.budget_sec() <= longest + SWEEP_MARGIN_SEC
         assert not await runner.wait_idle(0.05)
         await runner.record_interrupted()
         engine.release.set()
