@@ -188,7 +188,7 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
 
     dialog = open_sweep_dialog(page)
     choose_gpus(page, 1)
-    page.fill("#sweep-grace", "1")
+    page.fill("#sweep-grace", "2")
     page.fill("#sweep-reason", "cockpit test")
     page.click("#sweep-preview")
     plan = dialog.locator(".gg-report-section[data-section='targets']")
@@ -203,7 +203,12 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
 
     history_before = len(guard.manager("GetHistory", "u", "0")[0])
     page.click("#sweep-run")
+    # While it runs (the stubborn holder for its 2 s of grace): the progress from the signals.
+    running = page.locator(".gg-running")
+    expect(running).to_contain_text("1 process ended so far")
+    expect(running).to_contain_text("GPU 1")
     expect(dialog.locator(".gg-sweep-summary")).to_contain_text("Sweep finished: freed", timeout=30000)
+    expect(running).to_have_count(0)
     report = guard.manager("GetHistory", "u", "1")[0][0]
     assert report["outcome"] == "freed" and report["reason"] == "cockpit test", report
     assert report["requested_by"].startswith("uid 0 (root)"), report["requested_by"]
@@ -393,3 +398,40 @@ def test_the_packaged_page_works(guard: GuardDaemon, cockpit_ws: Callable[..., C
         return [...document.fonts].filter(f => f.status === 'loaded').map(f => f.family);
     }""")
     assert any("Red Hat Text" in family for family in loaded), loaded
+
+
+def test_leaked_and_unknown_gpus(daemon: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                 browser_page: Callable[..., Any]) -> None:
+    """A leak (memory used, no holder) and a GPU whose state NVML cannot give (a hung call):
+    each card says so, the leak is in the event feed, and both recover."""
+    host = daemon.host
+    host.write_config(FAST_POLL + "NvmlTimeoutSec=300ms\n")
+    daemon.start()
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    card0 = page.locator("section.gg-gpu[data-index='0']")
+    card1 = page.locator("section.gg-gpu[data-index='1']")
+    expect(card0.locator(".gg-state")).to_have_text("idle")
+
+    host.state.gpus[0].base_used = 5 * GiB
+    host.publish()
+    expect(card0.locator(".gg-state")).to_have_text("leaked")
+    expect(card0.locator(".gg-state-text")).to_contain_text("no process holds it")
+    expect(page.locator(".gg-event", has_text="GPU 0 keeps 5.0 GiB with no process holding it")).to_have_count(1)
+
+    host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", 4000, 1)]
+    host.publish()
+    expect(card1.locator(".gg-state")).to_have_text("unknown")
+    expect(card1.locator(".gg-state-text")).to_contain_text("cannot read this GPU's state")
+    expect(card1.locator(".gg-error-text")).to_contain_text("has not returned")
+    expect(card1.locator(".gg-uuid")).to_have_text(host.state.gpus[1].uuid)
+    expect(card1.locator(".gg-memory-unknown")).to_have_text("unknown")  # not "0 B of 0 B"
+    screenshot(page, "leaked-and-unknown")
+
+    host.state.hang = []
+    host.state.gpus[0].base_used = 0
+    host.publish()
+    expect(card0.locator(".gg-state")).to_have_text("idle", timeout=15000)
+    expect(card1.locator(".gg-state")).to_have_text("idle", timeout=15000)
+    expect(card1.locator(".gg-error-text")).to_have_count(0)
+    expect(card1).to_contain_text("0 B of 80.0 GiB")
+    assert_not_reloaded(page)

@@ -111,7 +111,10 @@ export function GpuCards({ gpus, holders, history, lastSweep }) {
                             <div className="gg-state-text">{info.text()}</div>
                             {gpu.Error && <div className="gg-error-text">{gpu.Error}</div>}
                             <div className="gg-card-label">{_("Memory")}</div>
-                            <MemoryBar used={gpu.MemoryUsed} total={gpu.MemoryTotal} title={title} />
+                            {/* An unknown GPU's memory figures mean nothing (the daemon could not read them). */}
+                            {gpu.State === "unknown" || !gpu.MemoryTotal
+                                ? <div className="gg-memory-unknown gg-muted">{_("unknown")}</div>
+                                : <MemoryBar used={gpu.MemoryUsed} total={gpu.MemoryTotal} title={title} />}
                             <div className="gg-card-label">{_("Holders")}</div>
                             <div className="gg-holder-kinds">
                                 {cockpit.format(cockpit.ngettext("$0 process", "$0 processes", gpu.HolderCount ?? 0), gpu.HolderCount ?? 0)}
