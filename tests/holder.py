@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import mmap
 import os
+import re
 import signal
 import sys
 import time
@@ -27,6 +28,14 @@ def open_node(path: str) -> int:
         return os.open(path, os.O_RDWR)
     except OSError:
         return os.open(path, os.O_PATH)
+
+
+def cuda_nodes(devdir: str) -> list[str]:
+    """What a CUDA process holds whichever GPU it computes on: every GPU's node, nvidiactl and
+    nvidia-uvm (cupy issue 1930: a process on GPU 0 of eight holds /dev/nvidia0 ... 7). Which
+    GPU it really uses only NVML's per-GPU lists say."""
+    gpus = sorted(name for name in os.listdir(devdir) if re.fullmatch(r"nvidia[0-9]+", name))
+    return [os.path.join(devdir, name) for name in [*gpus, "nvidiactl", "nvidia-uvm"]]
 
 
 def map_and_close(path: str) -> int:
@@ -48,6 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold", action="append", default=[], help="keep an fd on this node")
     parser.add_argument("--mmap", action="append", default=[], help="map this node, close the fd")
+    parser.add_argument("--cuda", metavar="DEVDIR", default="",
+                        help="hold every GPU node in DEVDIR, nvidiactl and nvidia-uvm, as CUDA does")
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--setsid", action="store_true")
     parser.add_argument("--comm", default="")
@@ -60,7 +71,7 @@ def main() -> None:
         set_comm(args.comm)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fds = [open_node(path) for path in args.hold]
+    fds = [open_node(path) for path in [*args.hold, *(cuda_nodes(args.cuda) if args.cuda else [])]]
     maps = [map_and_close(path) for path in args.mmap]
     extra = ""
     if args.spawn_zombie:

@@ -957,3 +957,122 @@ def test_concurrent_callers_see_whole_states(start: StartSession, state_path: Pa
     result = nvml.recv()
     assert flips > 10
     assert result == {"seen": [1 * GIB, 2 * GIB], "errors": []}
+
+
+# ---- what real drivers do that a kind fake would not (issue 8) -------------------------
+
+
+def fd_targets(pid: int) -> list[str]:
+    fd_dir = Path(f"/proc/{pid}/fd")
+    targets = []
+    for name in os.listdir(fd_dir):
+        try:
+            targets.append(os.readlink(fd_dir / name))
+        except OSError:
+            pass
+    return targets
+
+
+def test_h200_idle_reserved_memory_is_used_only_for_v1(start: StartSession, state_path: Path) -> None:
+    """An idle H200: 1 MiB used and ~700 MiB reserved through v2; v1 calls it all used."""
+    mib = 1024 * 1024
+    one_gpu(name="NVIDIA H200", memory_total=143771 * mib, base_used=1 * mib,
+            reserved=700 * mib).write(state_path)
+    nvml = start()
+    nvml.call("init()")
+    assert nvml.call("mem2(0)") == {"total": 143771 * mib, "reserved": 700 * mib,
+                                    "used": 1 * mib, "free": 143070 * mib}
+    assert nvml.call("mem(0)") == {"total": 143771 * mib, "used": 701 * mib, "free": 143070 * mib}
+
+
+def test_library_holds_the_device_nodes_while_initialised(start: StartSession, state_path: Path,
+                                                          tmp_path: Path) -> None:
+    """libnvidia-ml opens nvidiactl and every GPU node: a process using NVML is a holder."""
+    nodes = [tmp_path / "nvidiactl", tmp_path / "nvidia0", tmp_path / "nvidia1"]
+    for node in nodes:
+        node.touch()
+    state = one_gpu()
+    state.nodes = [str(n) for n in nodes]
+    state.write(state_path)
+    nvml = start()
+    pid = nvml._proc.pid
+    assert not set(map(str, nodes)) & set(fd_targets(pid))
+    nvml.call("init()")
+    nvml.call("init()")
+    assert set(map(str, nodes)) <= set(fd_targets(pid))
+    nvml.call("shutdown()")
+    assert set(map(str, nodes)) <= set(fd_targets(pid)), "closed before the last shutdown"
+    nvml.call("shutdown()")
+    assert not set(map(str, nodes)) & set(fd_targets(pid))
+
+
+def test_raw_pids_are_listed_as_written(start: StartSession, state_path: Path) -> None:
+    state = one_gpu()
+    for pid in (0, 4294967295, 99999999):
+        state.add_proc(0, pid, GIB, raw=True)
+    state.write(state_path)
+    nvml = start()
+    nvml.call("init()")
+    assert nvml.call("pids(0)") == [0, 4294967295, 99999999]
+    assert nvml.call("mem(0)")["used"] == 3 * GIB
+
+
+def test_raw_is_the_only_way_to_list_pid_zero() -> None:
+    with pytest.raises(ValueError):
+        FakeNvmlState(gpus=[FakeGpu(0, "GPU-x")], procs=[fakenvml.FakeProc(0, 0, GIB)]).render()
+    assert "proc 0 0 1 compute release_delay_ms=0 raw" in FakeNvmlState(
+        gpus=[FakeGpu(0, "GPU-x")], procs=[fakenvml.FakeProc(0, 0, 1, raw=True)]).render()
+
+
+DETAIL = (
+    "[[p.pid, p.usedGpuMemory] for p in "
+    "N.nvmlDeviceGetRunningProcessDetailList(h(0), N.nvmlProcessDetailList_v1, {mode})]"
+)
+
+
+def test_running_process_detail_list(start: StartSession, state_path: Path, spawn: Spawn) -> None:
+    a, b = spawn(), spawn()
+    state = one_gpu()
+    state.add_proc(0, a.pid, 1 * GIB)
+    state.add_proc(0, b.pid, 2 * GIB)
+    state.add_proc(0, a.pid, 3 * GIB, kind="graphics")
+    state.write(state_path)
+    nvml = start()
+    nvml.call("init()")
+    assert nvml.call(DETAIL.format(mode="N.NVML_PROCESS_MODE_COMPUTE")) == [
+        [a.pid, 1 * GIB], [b.pid, 2 * GIB]]
+    assert nvml.call(DETAIL.format(mode="N.NVML_PROCESS_MODE_GRAPHICS")) == [[a.pid, 3 * GIB]]
+    assert nvml.call(DETAIL.format(mode="N.NVML_PROCESS_MODE_MPS")) == []
+    err = nvml.error("N.nvmlDeviceGetRunningProcessDetailList(h(0), 0x2000018, 0)")
+    assert err.name == "NVMLError_ArgumentVersionMismatch"
+    assert nvml.call("hasattr(N.nvmlLib, 'nvmlDeviceGetConfComputeMemSizeInfo')") is True
+
+
+def test_driver_535_early_v3_stride_makes_pynvml_read_garbage(
+        fake_nvml_libdir: Path, state_path: Path, tmp_path: Path, spawn: Spawn) -> None:
+    """Drivers 535.43-535.86 write 32-byte entries through the _v3 lists; pynvml reads 24, so
+    the third process comes back as pid 4294967295 and the second as pid 0 (nvitop #75, #88)."""
+    libdir = build_library(fake_nvml_libdir, "r535")
+    assert libdir != fake_nvml_libdir
+    a, b, c = spawn(), spawn(), spawn()
+    state = one_gpu()
+    state.driver_version = "535.54.03"
+    for child, used in ((a, 1 * GIB), (b, 2 * GIB), (c, 3 * GIB)):
+        state.add_proc(0, child.pid, used)
+    state.write(state_path)
+    nvml = NvmlSession({**os.environ, **env_for(libdir, state_path)}, tmp_path / "r535.stderr")
+    try:
+        nvml.call("init()")
+        listed = nvml.call("pids(0)")
+        assert listed[0] == a.pid and listed[1] == 0 and listed[2] == 4294967295, listed
+        assert nvml.call("hasattr(N.nvmlLib, 'nvmlDeviceGetRunningProcessDetailList')") is False
+        assert nvml.call("hasattr(N.nvmlLib, 'nvmlDeviceGetConfComputeMemSizeInfo')") is True
+        # The same call read with the stride the driver used gives the real pids.
+        wide = nvml.call(
+            "(lambda S: (lambda n, buf: (N.nvmlLib.nvmlDeviceGetComputeRunningProcesses_v3("
+            "h(0), byref(n), buf), [e.pid for e in buf[:n.value]])[1])(c_uint(8), (S * 8)()))"
+            "(type('W', (ctypes.Structure,), {'_fields_': [('pid', c_uint), ('used', c_ulonglong),"
+            " ('gi', c_uint), ('ci', c_uint), ('cc', c_ulonglong)]}))")
+        assert wide == [a.pid, b.pid, c.pid]
+    finally:
+        nvml.close()

@@ -39,6 +39,7 @@ __all__ = [
     "FakeNvmlState",
     "FakeProc",
     "ProcKind",
+    "Variant",
     "build_library",
     "env_for",
 ]
@@ -50,6 +51,10 @@ DEFAULT_GPU_NAME = "NVIDIA H100 80GB HBM3"
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 
 ProcKind = Literal["compute", "graphics", "mps"]
+# "": a current driver (550). "r535": drivers 535.43-535.86, whose _v3 process lists write
+# 32-byte entries where pynvml reads 24 and which lack nvmlDeviceGetRunningProcessDetailList.
+Variant = Literal["", "r535"]
+_VARIANT_FLAGS: dict[str, list[str]] = {"": [], "r535": ["-DFAKE_NVML_R535_EARLY"]}
 _PROC_KINDS: frozenset[str] = frozenset(("compute", "graphics", "mps"))
 
 # The limits fake_nvml.c enforces, checked here as well so that a bad state
@@ -64,19 +69,27 @@ _MAX_FUNCTION_LEN = 127
 _PCI_RE = re.compile(r"[0-9A-Fa-f]{1,8}:[0-9A-Fa-f]{1,2}:[01]?[0-9A-Fa-f]\.[0-7]")
 _TOKEN_RE = re.compile(r"[^\s#=]+")
 _FUNCTION_RE = re.compile(r"nvml\w+")
+_MAX_NODES = 64
+_MAX_NODE_PATH = 511
 
 
 class FakeNvmlBuildError(RuntimeError):
     """The fake library could not be compiled."""
 
 
-def build_library(outdir: Path) -> Path:
+def build_library(outdir: Path, variant: Variant = "") -> Path:
     """Compile ``fake_nvml.c`` into ``outdir/libnvidia-ml.so.1``.
 
     Returns the directory to put first on ``LD_LIBRARY_PATH``.  An existing
     library newer than the source is reused, so a session-scoped fixture and
-    repeated calls cost one compile.
+    repeated calls cost one compile.  A ``variant`` other than the default
+    is built in a subdirectory named for it (the one returned), so the two
+    never stand in for each other.
     """
+    if variant not in _VARIANT_FLAGS:
+        raise ValueError(f"unknown fake NVML variant {variant!r}")
+    if variant:
+        outdir = outdir / variant
     outdir.mkdir(parents=True, exist_ok=True)
     target = outdir / LIBRARY_NAME
     if target.exists() and target.stat().st_mtime_ns > SOURCE.stat().st_mtime_ns:
@@ -102,6 +115,7 @@ def build_library(outdir: Path) -> Path:
                 "-Wall",
                 "-Wextra",
                 "-pthread",
+                *_VARIANT_FLAGS[variant],
                 "-o",
                 str(tmp),
                 str(SOURCE),
@@ -154,6 +168,8 @@ class FakeGpu:
     still enumerates but answers every query with NVML_ERROR_GPU_IS_LOST; a
     non-zero ``handle_error`` makes nvmlDeviceGetHandleByIndex fail for it with
     that code (15 GPU_IS_LOST, 999 UNKNOWN, 4 NO_PERMISSION), as some drivers do.
+    ``reserved`` is the driver's own reservation: apart in
+    nvmlDeviceGetMemoryInfo_v2, counted as used by the v1 call.
     """
 
     index: int
@@ -165,6 +181,7 @@ class FakeGpu:
     base_used: int = 0
     lost: bool = False
     handle_error: int = 0
+    reserved: int = 0
 
     def __post_init__(self) -> None:
         if self.minor is None:
@@ -188,6 +205,7 @@ class FakeGpu:
             ("minor", minor),
             ("memory_total", self.memory_total),
             ("base_used", self.base_used),
+            ("reserved", self.reserved),
         ):
             if number < 0:
                 raise ValueError(f"GPU {self.index}: {what} must not be negative, got {number}")
@@ -197,6 +215,8 @@ class FakeGpu:
         )
         if self.handle_error:
             line += f" handle_error={FakeNvmlState._code('handle_error', self.handle_error)}"
+        if self.reserved:
+            line += f" reserved={self.reserved}"
         return line + " lost" if self.lost else line
 
 
@@ -209,7 +229,9 @@ class FakeProc:
     listed; once gone, both last ``release_delay_ms`` more, timed from the
     first call that found it gone. ``listed_ms``, when set, is how long of
     that it stays listed: real drivers can drop a process from their lists
-    while its memory is still held.
+    while its memory is still held.  A ``raw`` one is listed as written,
+    any 32-bit value and never checked for liveness: the garbage a driver
+    can return (pid 0, 4294967295, a pid of another PID namespace).
     """
 
     gpu: int
@@ -218,13 +240,14 @@ class FakeProc:
     kind: ProcKind = "compute"
     release_delay_ms: int = 0
     listed_ms: int | None = None
+    raw: bool = False
 
     def _line(self) -> str:
         if self.kind not in _PROC_KINDS:
             raise ValueError(f"proc kind {self.kind!r} is not one of {sorted(_PROC_KINDS)}")
         # pid 0 and negative pids would make kill(pid, 0) probe a process
         # group, never this process.
-        if not 0 < self.pid <= 2**31 - 1:
+        if not (0 <= self.pid <= 2**32 - 1 if self.raw else 0 < self.pid <= 2**31 - 1):
             raise ValueError(f"pid {self.pid} is not a valid process id")
         if self.used < 0 or self.release_delay_ms < 0:
             raise ValueError(f"pid {self.pid}: used and release_delay_ms must not be negative")
@@ -233,7 +256,7 @@ class FakeProc:
             if self.listed_ms < 0:
                 raise ValueError(f"pid {self.pid}: listed_ms must not be negative")
             line += f" listed_ms={self.listed_ms}"
-        return line
+        return line + " raw" if self.raw else line
 
 
 @dataclass
@@ -245,6 +268,8 @@ class FakeNvmlState:
     to the NVML return code it is forced to give. ``hang`` lists
     ``(function, ms, gpu)``: calls of that function (for that GPU, or any when
     ``gpu`` is None) block for ``ms`` milliseconds, holding the library's lock.
+    ``nodes`` are device nodes the library opens at nvmlInit and holds until
+    the last nvmlShutdown, as libnvidia-ml does.
     """
 
     driver_version: str = "550.54.15"
@@ -253,6 +278,7 @@ class FakeNvmlState:
     init_error: int = 0
     fail: dict[str, int] = field(default_factory=dict)
     hang: list[tuple[str, int, int | None]] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
 
     def add_gpu(
         self,
@@ -265,6 +291,7 @@ class FakeNvmlState:
         base_used: int = 0,
         lost: bool = False,
         handle_error: int = 0,
+        reserved: int = 0,
     ) -> FakeGpu:
         """Append a GPU at the next index; ``uuid`` defaults to one derived from it."""
         index = len(self.gpus)
@@ -278,6 +305,7 @@ class FakeNvmlState:
             base_used=base_used,
             lost=lost,
             handle_error=handle_error,
+            reserved=reserved,
         )
         self.gpus.append(gpu)
         return gpu
@@ -290,12 +318,13 @@ class FakeNvmlState:
         kind: ProcKind = "compute",
         release_delay_ms: int = 0,
         listed_ms: int | None = None,
+        raw: bool = False,
     ) -> FakeProc:
         """Add a process holding ``used`` bytes on GPU ``gpu``."""
         if not 0 <= gpu < len(self.gpus):
             raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
         proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms,
-                        listed_ms=listed_ms)
+                        listed_ms=listed_ms, raw=raw)
         self.procs.append(proc)
         return proc
 
@@ -329,6 +358,11 @@ class FakeNvmlState:
             if ms < 0 or (gpu is not None and not 0 <= gpu < _MAX_GPUS):
                 raise ValueError(f"hang {function}: bad time {ms} or GPU {gpu}")
             lines.append(f"hang {function} {ms}" + ("" if gpu is None else f" {gpu}"))
+        if len(self.nodes) > _MAX_NODES:
+            raise ValueError(f"at most {_MAX_NODES} nodes")
+        for node in self.nodes:
+            _check_token("node", node, _MAX_NODE_PATH)
+            lines.append(f"node {node}")
         lines.extend(g._line() for g in self.gpus)
         for proc in self.procs:
             if not 0 <= proc.gpu < len(self.gpus):

@@ -22,8 +22,23 @@
  * gpu records must be numbered 0, 1, 2... in order and come before the
  * procs that name them; '_' in a name stands for a space; minor defaults to
  * the index and used (memory held with no process to show for it) to 0.
+ * reserved= is the driver's own reservation: nvmlDeviceGetMemoryInfo_v2
+ * reports it apart, the v1 call adds it to "used" (an idle H200 reads 1 MiB
+ * used and ~700 MiB reserved through v2, ~701 MiB used through v1).
  * proc records give the gpu index, pid, bytes used and one of compute /
- * graphics / mps.  Anything else is rejected with a message on stderr.
+ * graphics / mps; a trailing "raw" lists the pid as written, any 32-bit
+ * value, with no liveness check: the garbage real drivers hand out.
+ * "node PATH" lines name device nodes the library opens at nvmlInit and
+ * keeps open until the last nvmlShutdown, as libnvidia-ml holds
+ * /dev/nvidiactl and every /dev/nvidiaN: the caller is a holder too.
+ * Anything else is rejected with a message on stderr.
+ *
+ * Built with -DFAKE_NVML_R535_EARLY it is the ABI of drivers 535.43-535.86:
+ * the _v3 process lists write 32-byte entries (with the confidential
+ * computing field) where pynvml reads 24, so from the third entry on pynvml
+ * decodes pids 0 and 4294967295, and nvmlDeviceGetRunningProcessDetailList
+ * does not exist; nvmlDeviceGetConfComputeMemSizeInfo does, as on those
+ * drivers (the symbols are how a caller tells them apart).
  *
  * Liveness: a proc whose pid has exited keeps holding its memory (and stays
  * listed) until release_delay_ms after this library first noticed it was
@@ -51,6 +66,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -60,6 +76,11 @@
 #include <string.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
+
+#ifndef O_PATH
+#define O_PATH 010000000 /* Linux; hidden by _POSIX_C_SOURCE */
+#endif
 
 typedef enum {
     NVML_SUCCESS = 0,
@@ -133,6 +154,29 @@ typedef struct {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
 
+/* What drivers 535.43-535.86 write through the _v3 process lists (nvitop
+ * issues 75 and 88): 32 bytes an entry, the layout that later became
+ * nvmlProcessDetail_v1_t. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+typedef char process_detail_is_32_bytes[sizeof(nvmlProcessDetail_v1_t) == 32 ? 1 : -1];
+
+/* c_nvmlProcessDetailList_v1_t; pynvml's nvmlProcessDetailList_v1 is
+ * 0x1000018, the same NVML_STRUCT_VERSION formula as the memory struct. */
+typedef struct {
+    unsigned int version;
+    unsigned int mode;
+    unsigned int numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t;
+#define NVML_PROCESS_DETAIL_LIST_V1 ((unsigned int)(sizeof(nvmlProcessDetailList_v1_t) | (1u << 24)))
+typedef char detail_list_is_24_bytes[sizeof(nvmlProcessDetailList_v1_t) == 24 ? 1 : -1];
+
 /* nvmlPciInfo_v2_t: the layout of nvmlDeviceGetPciInfo and _v2.  It is 16
  * bytes shorter than the v3 struct, so the aliases must not share a writer
  * with _v3 or they would overrun a legacy caller's buffer. */
@@ -176,7 +220,13 @@ typedef struct {
  * particular board's id, and a made-up one would look authoritative. */
 #define FAKE_PCI_DEVICE_ID 0x000010DEu
 #define DEFAULT_STATE_PATH "/run/fake-nvml/state"
+#ifdef FAKE_NVML_R535_EARLY
+#define DEFAULT_DRIVER "535.54.03"
+#else
 #define DEFAULT_DRIVER "550.54.15"
+#endif
+#define MAX_NODES 64
+#define NODE_PATH_SIZE 512
 
 typedef enum { KIND_COMPUTE, KIND_GRAPHICS, KIND_MPS } proc_kind;
 
@@ -190,6 +240,7 @@ struct fake_gpu {
     unsigned int pci_function;
     unsigned long long total;
     unsigned long long base_used;
+    unsigned long long reserved;
     int lost;
     nvmlReturn_t handle_error;
 };
@@ -206,6 +257,8 @@ struct fake_proc {
     proc_kind kind;
     unsigned long long release_delay_ms;
     unsigned long long listed_ms; /* ULLONG_MAX: listed for the whole release delay */
+    int raw; /* listed as written, never checked for liveness */
+    unsigned int raw_pid;
 };
 
 struct fail_rule {
@@ -230,6 +283,8 @@ struct state {
     unsigned int gpu_count;
     struct fake_proc procs[MAX_PROCS];
     unsigned int proc_count;
+    char nodes[MAX_NODES][NODE_PATH_SIZE];
+    unsigned int node_count;
 };
 
 struct dead_pid {
@@ -250,6 +305,10 @@ static struct state g_scratch;
  * processes, which does not reset when a client re-reads anything. */
 static struct dead_pid g_dead[MAX_PROCS];
 static unsigned int g_dead_count;
+/* The device nodes opened at nvmlInit (the "node" records then), closed at
+ * the last nvmlShutdown. */
+static int g_node_fds[MAX_NODES];
+static unsigned int g_node_fd_count;
 
 static unsigned long long monotonic_ns(void)
 {
@@ -437,6 +496,11 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
                 parse_error(ctx, "bad handle_error", value);
                 return 0;
             }
+        } else if (strcmp(tok, "reserved") == 0) {
+            if (!parse_ull(value, &gpu->reserved)) {
+                parse_error(ctx, "bad reserved", value);
+                return 0;
+            }
         } else {
             parse_error(ctx, "unknown gpu key", tok);
             return 0;
@@ -475,13 +539,12 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
     proc->gpu = (unsigned int)gpu;
 
     tok = strtok_r(NULL, DELIMS, save);
-    /* kill(0, 0) and kill(-1, 0) address process groups, which would make
-     * every liveness check lie. */
-    if (!parse_ull(tok, &pid) || pid == 0 || pid > INT_MAX) {
+    /* Range-checked below, once "raw" is known. */
+    if (!parse_ull(tok, &pid) || pid > UINT_MAX) {
         parse_error(ctx, "bad pid", tok);
         return 0;
     }
-    proc->pid = (pid_t)pid;
+    proc->raw_pid = (unsigned int)pid;
 
     tok = strtok_r(NULL, DELIMS, save);
     if (!parse_ull(tok, &proc->used)) {
@@ -505,6 +568,10 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
     while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
         unsigned long long *field;
         const char *value;
+        if (strcmp(tok, "raw") == 0) {
+            proc->raw = 1;
+            continue;
+        }
         if (strncmp(tok, "release_delay_ms=", 17) == 0) {
             field = &proc->release_delay_ms;
             value = tok + 17;
@@ -520,6 +587,14 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
             return 0;
         }
     }
+    /* kill(0, 0) and kill(-1, 0) address process groups, which would make
+     * every liveness check lie; only a raw record, never checked, may say
+     * anything. */
+    if (!proc->raw && (pid == 0 || pid > INT_MAX)) {
+        parse_error(ctx, "bad pid (only a raw record may list 0 or one past INT_MAX)", NULL);
+        return 0;
+    }
+    proc->pid = proc->raw ? 0 : (pid_t)pid;
     ++st->proc_count;
     return 1;
 }
@@ -540,6 +615,16 @@ static int parse_line(struct parse_ctx *ctx, struct state *st, char *line)
         return parse_gpu(ctx, st, &save);
     if (strcmp(kw, "proc") == 0)
         return parse_proc(ctx, st, &save);
+    if (strcmp(kw, "node") == 0) {
+        a = strtok_r(NULL, DELIMS, &save);
+        if (a == NULL || strtok_r(NULL, DELIMS, &save) != NULL || st->node_count >= MAX_NODES ||
+            !copy_token(st->nodes[st->node_count], NODE_PATH_SIZE, a)) {
+            parse_error(ctx, "expected 'node PATH' (at most 64)", a);
+            return 0;
+        }
+        ++st->node_count;
+        return 1;
+    }
 
     a = strtok_r(NULL, DELIMS, &save);
     b = strtok_r(NULL, DELIMS, &save);
@@ -666,6 +751,8 @@ static int proc_held(const struct fake_proc *proc, unsigned long long now, int l
     unsigned long long delay_ms = proc->release_delay_ms;
     unsigned int i;
 
+    if (proc->raw)
+        return 1;
     for (i = 0; i < g_dead_count; ++i)
         if (g_dead[i].pid == proc->pid)
             break;
@@ -792,6 +879,28 @@ static nvmlReturn_t copy_out(char *dst, unsigned int length, const char *src)
 
 /* ---- init / shutdown ------------------------------------------------- */
 
+/* Like libnvidia-ml, which opens /dev/nvidiactl and each GPU's node: a
+ * process using NVML holds the devices while it is initialised.  Nodes no
+ * driver backs (the tests' major-120 ones) open only O_PATH, which looks
+ * the same in /proc/<pid>/fd.  Caller holds g_lock. */
+static void open_nodes(void)
+{
+    unsigned int i;
+    for (i = 0; i < g_state.node_count && g_node_fd_count < MAX_NODES; ++i) {
+        int fd = open(g_state.nodes[i], O_RDWR | O_CLOEXEC);
+        if (fd < 0)
+            fd = open(g_state.nodes[i], O_PATH | O_CLOEXEC);
+        if (fd >= 0)
+            g_node_fds[g_node_fd_count++] = fd;
+    }
+}
+
+static void close_nodes(void)
+{
+    while (g_node_fd_count > 0)
+        close(g_node_fds[--g_node_fd_count]);
+}
+
 static nvmlReturn_t do_init(const char *function)
 {
     nvmlReturn_t rc;
@@ -803,8 +912,8 @@ static nvmlReturn_t do_init(const char *function)
     }
     if (rc == NVML_SUCCESS)
         rc = g_state.init_error;
-    if (rc == NVML_SUCCESS)
-        ++g_init_count;
+    if (rc == NVML_SUCCESS && g_init_count++ == 0)
+        open_nodes();
     return leave(rc);
 }
 
@@ -827,8 +936,8 @@ nvmlReturn_t nvmlShutdown(void)
      * no fail rule can apply. */
     if (load_state() == NVML_SUCCESS)
         rc = forced_failure(__func__);
-    if (rc == NVML_SUCCESS)
-        --g_init_count;
+    if (rc == NVML_SUCCESS && --g_init_count == 0)
+        close_nodes();
     return leave(rc);
 }
 
@@ -1111,6 +1220,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
     if (rc == NVML_SUCCESS) {
         memory->total = gpu->total;
         memory_of(gpu, &memory->used, &memory->free);
+        /* v1 has no "reserved": the driver's own memory reads as used. */
+        memory->used += gpu->reserved;
+        memory->free = memory->used < gpu->total ? gpu->total - memory->used : 0;
     }
     return leave(rc);
 }
@@ -1128,8 +1240,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
         rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if (rc == NVML_SUCCESS) {
         memory->total = gpu->total;
-        memory->reserved = 0;
+        memory->reserved = gpu->reserved;
         memory_of(gpu, &memory->used, &memory->free);
+        memory->free = memory->free > gpu->reserved ? memory->free - gpu->reserved : 0;
     }
     return leave(rc);
 }
@@ -1141,7 +1254,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
  * except that an empty list succeeds at once. */
 static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_kind kind,
                                unsigned int *count, nvmlProcessInfo_v1_t *infos_v1,
-                               nvmlProcessInfo_t *infos)
+                               nvmlProcessInfo_t *infos, nvmlProcessDetail_v1_t *details)
 {
     struct fake_gpu *gpu;
     unsigned int index, i, needed = 0, n = 0;
@@ -1162,7 +1275,7 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
         *count = needed;
         return leave(NVML_ERROR_INSUFFICIENT_SIZE);
     }
-    if (needed > 0 && infos_v1 == NULL && infos == NULL)
+    if (needed > 0 && infos_v1 == NULL && infos == NULL && details == NULL)
         return leave(NVML_ERROR_INVALID_ARGUMENT);
 
     /* Liveness is sampled again below and a pid can be reused in between;
@@ -1171,14 +1284,20 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
         const struct fake_proc *p = &g_state.procs[i];
         if (p->gpu != index || p->kind != kind || !proc_listed(p, now))
             continue;
-        if (infos != NULL) {
-            infos[n].pid = (unsigned int)p->pid;
+        if (details != NULL) {
+            memset(&details[n], 0, sizeof details[n]);
+            details[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
+            details[n].usedGpuMemory = p->used;
+            details[n].gpuInstanceId = 0xFFFFFFFFu;
+            details[n].computeInstanceId = 0xFFFFFFFFu;
+        } else if (infos != NULL) {
+            infos[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
             infos[n].usedGpuMemory = p->used;
             /* 0xFFFFFFFF: not a MIG instance. */
             infos[n].gpuInstanceId = 0xFFFFFFFFu;
             infos[n].computeInstanceId = 0xFFFFFFFFu;
         } else {
-            infos_v1[n].pid = (unsigned int)p->pid;
+            infos_v1[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
             infos_v1[n].usedGpuMemory = p->used;
         }
         ++n;
@@ -1187,20 +1306,56 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
     return leave(NVML_SUCCESS);
 }
 
+#ifdef FAKE_NVML_R535_EARLY
+/* The driver bug itself: the caller's array is taken for 32-byte entries. */
+#define V3_OUT(infos) NULL, (nvmlProcessDetail_v1_t *)(void *)(infos)
+#else
+#define V3_OUT(infos) infos, NULL
+#endif
+
 #define PROC_LIST_API(name, kind)                                                              \
     nvmlReturn_t name(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos) \
     {                                                                                          \
-        return list_procs(#name, device, kind, infoCount, infos, NULL);                       \
+        return list_procs(#name, device, kind, infoCount, infos, NULL, NULL);                 \
     }                                                                                          \
     nvmlReturn_t name##_v2(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos) \
     {                                                                                          \
-        return list_procs(#name "_v2", device, kind, infoCount, NULL, infos);                 \
+        return list_procs(#name "_v2", device, kind, infoCount, NULL, infos, NULL);           \
     }                                                                                          \
     nvmlReturn_t name##_v3(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos) \
     {                                                                                          \
-        return list_procs(#name "_v3", device, kind, infoCount, NULL, infos);                 \
+        return list_procs(#name "_v3", device, kind, infoCount, NULL, V3_OUT(infos));         \
     }
 
 PROC_LIST_API(nvmlDeviceGetComputeRunningProcesses, KIND_COMPUTE)
 PROC_LIST_API(nvmlDeviceGetGraphicsRunningProcesses, KIND_GRAPHICS)
 PROC_LIST_API(nvmlDeviceGetMPSComputeRunningProcesses, KIND_MPS)
+
+#ifndef FAKE_NVML_R535_EARLY
+/* Drivers from 535.104 on: one call per mode, the count and the array in a
+ * versioned struct, the same two-call protocol. */
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device,
+                                                   nvmlProcessDetailList_v1_t *plist)
+{
+    static const proc_kind kinds[] = {KIND_COMPUTE, KIND_GRAPHICS, KIND_MPS};
+    if (plist == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (plist->version != NVML_PROCESS_DETAIL_LIST_V1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (plist->mode >= sizeof kinds / sizeof kinds[0])
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return list_procs(__func__, device, kinds[plist->mode], &plist->numProcArrayEntries, NULL,
+                      NULL, plist->procArray);
+}
+#endif
+
+/* Exported by every driver since 535 (and so by both builds); these GPUs
+ * have no confidential computing. */
+nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t device, void *memInfo)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS)
+        rc = memInfo == NULL ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
+    return leave(rc);
+}
