@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from . import procfs
+from . import nvmlprocs, procfs
 from .attribution import (
     container_matches,
     normalize_unit_name,
@@ -24,7 +24,16 @@ from .devices import DeviceMap, build_device_map
 from .errors import InvalidArgument
 from .holders import find_holders
 from .locks import UNKNOWN_GPU, GpuLocks
-from .models import GPU_UNKNOWN, Holder, NvmlSnapshot, Report, ScanResult, Scope, SweepRequest
+from .models import (
+    GPU_UNKNOWN,
+    KIND_COMPUTE,
+    Holder,
+    NvmlSnapshot,
+    Report,
+    ScanResult,
+    Scope,
+    SweepRequest,
+)
 from .nvml import Nvml
 from .process import pidfds_supported
 from .protection import mark_protection
@@ -68,7 +77,11 @@ class Engine:
     # -- inventory -----------------------------------------------------------------------
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
-        return self.nvml.snapshot(with_processes=with_processes)
+        snap = self.nvml.snapshot(with_processes=with_processes)
+        if snap.available and not nvmlprocs.pids_are_local():
+            snap.pids_local = False
+            snap.error = snap.error or nvmlprocs.NOT_LOCAL
+        return snap
 
     def device_map(self) -> DeviceMap:
         return build_device_map(self.config.device_paths)
@@ -82,7 +95,7 @@ class Engine:
         own_chain = procfs.ancestors(os.getpid())
         for holder, _ in pinned:
             mark_protection(holder, config, own_chain)
-        warnings = list(device_map.warnings)
+        warnings = list(device_map.warnings) + nvml_pid_warnings(snap, [h for h, _ in pinned])
         hidden = [pid for pid in unreadable if pid != 1 or os.geteuid() != 0]
         if hidden:
             shown = ", ".join(str(p) for p in hidden[:5]) + (" ..." if len(hidden) > 5 else "")
@@ -245,6 +258,34 @@ def describe_scope(scope: Scope) -> str:
 
 
 
+def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
+    """What NVML's lists said that /proc does not bear out, for the scan's warnings."""
+    if not snap.available:
+        return []
+    warnings = [w for gpu in snap.gpus for w in gpu.warnings]
+    if not snap.pids_local:
+        return [*warnings, snap.error]
+    for gpu in snap.gpus:
+        for pid in sorted(gpu.processes):
+            if not os.path.exists(f"{procfs.PROC}/{pid}"):
+                warnings.append(f"GPU {gpu.index}: NVML lists pid {pid}, which does not exist "
+                                "here (exited, memory not released yet?)")
+    for holder in holders:
+        if holder.how == ["nvml"] and holder.state != "Z":
+            warnings.append(f"NVML lists pid {holder.pid} ({holder.comm}) on GPU "
+                            f"{','.join(map(str, holder.nvml_gpus))}, but it holds no NVIDIA "
+                            "device here: never a sweep target on NVML's word alone")
+    return warnings
+
+
+def _makes_in_use(holder: Holder, index: int) -> bool:
+    """A holder that keeps GPU `index` busy. Management clients (nvidia-persistenced,
+    dcgm-exporter, gpuguardd's own NVML handles) and protected processes hold every GPU's node
+    on a real host: counting them would make every GPU in-use forever and hide every leak.
+    NVML's own lists (GpuInfo.processes) count whoever is on them."""
+    return index in holder.gpus and holder.kind == KIND_COMPUTE and not holder.protected
+
+
 def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  # type: ignore[type-arg]
     """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
     summaries = []
@@ -254,7 +295,7 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  #
             state = "lost"
         elif gpu.unknown:
             state = GPU_UNKNOWN
-        elif holders or gpu.processes:
+        elif gpu.processes or any(_makes_in_use(h, gpu.index) for h in holders):
             state = "in-use"
         elif gpu.memory_used > released_below_bytes:
             state = "leaked"

@@ -20,7 +20,15 @@ import psutil
 from . import procfs, safetext
 from .attribution import attribute
 from .devices import DeviceMap
-from .models import KIND_COMPUTE, KIND_MANAGEMENT, DeviceNode, Holder, NvmlSnapshot
+from .models import (
+    GPUS_FROM_NODES,
+    GPUS_FROM_NVML,
+    KIND_COMPUTE,
+    KIND_MANAGEMENT,
+    DeviceNode,
+    Holder,
+    NvmlSnapshot,
+)
 from .process import ProcessHandle
 
 PROC = procfs.PROC
@@ -218,15 +226,24 @@ def describe(pid: int, nvml: NvmlSnapshot,
     holder.devices = [n.path for n in nodes]
     holder.roles = sorted({n.role for n in nodes})
     how = set(raw.how)
-    gpus = set(_gpus_for(nodes, nvml))
+    holder.node_gpus = _gpus_for(nodes, nvml)
     memory = 0
-    for gpu in nvml.gpus:
+    nvml_gpus: set[int] = set()
+    # NVML's pids name local processes only where they are this /proc's (nvmlprocs).
+    for gpu in nvml.gpus if nvml.pids_local else ():
         if pid in gpu.processes:
             how.add("nvml")
-            gpus.add(gpu.index)
+            nvml_gpus.add(gpu.index)
             memory += gpu.processes[pid] or 0
     holder.how = [h for h in ("fd", "mmap", "nvml") if h in how]
-    holder.gpus = sorted(gpus)
+    holder.nvml_gpus = sorted(nvml_gpus)
+    # Which GPU a process computes on only NVML knows: every CUDA process holds every GPU's
+    # node. The nodes stand in, for display, for a process NVML does not list; the sweep's
+    # scope rule (sweep.gpu_scope) treats the two sources differently.
+    if holder.nvml_gpus:
+        holder.gpus, holder.gpus_from = holder.nvml_gpus, GPUS_FROM_NVML
+    elif holder.node_gpus:
+        holder.gpus, holder.gpus_from = list(holder.node_gpus), GPUS_FROM_NODES
     holder.gpu_memory = memory
     holder.kind = KIND_COMPUTE if ("uvm" in holder.roles or "nvml" in how) else KIND_MANAGEMENT
     if not holder.how or not handle.alive():
@@ -240,8 +257,11 @@ def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = Tr
     """All holders with open handles on them (the caller closes them), and unreadable pids."""
     raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd)
     candidates = set(raw)
-    for gpu in nvml.gpus:
-        candidates.update(gpu.processes)
+    if nvml.pids_local:
+        for gpu in nvml.gpus:
+            # Checked again though nvmlprocs.merge dropped non-pids: pidfd_open(4294967295)
+            # raises OverflowError, not OSError.
+            candidates.update(p for p in gpu.processes if 0 < p < 2**31)
     user_cache: dict[int, str] = {}
     result: list[tuple[Holder, ProcessHandle]] = []
     try:

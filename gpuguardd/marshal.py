@@ -37,6 +37,7 @@ Schema = Mapping[str, Field]
 HOLDER: Schema = {
     "pid": "u", "comm": "s", "exe": "s", "cmdline": "s", "uid": "u", "user": "s", "unit": "s",
     "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
+    "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
     "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
     "ppid": "u",
 }

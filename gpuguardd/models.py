@@ -12,6 +12,12 @@ from typing import Any
 KIND_COMPUTE = "compute"
 KIND_MANAGEMENT = "management"
 
+# Where a holder's `gpus` come from: NVML's per-GPU process lists, or (for a process NVML does
+# not list) the GPU nodes it holds, which say only that it uses the driver: a CUDA process
+# opens every GPU's node whichever GPU it computes on.
+GPUS_FROM_NVML = "nvml"
+GPUS_FROM_NODES = "nodes"
+
 OUTCOME_FREED = "freed"
 OUTCOME_NOTHING = "nothing-to-do"
 OUTCOME_SURVIVORS = "survivors"
@@ -52,8 +58,10 @@ class GpuInfo:
     lost: bool = False
     unknown: bool = False  # state unreadable (see GPU_UNKNOWN); memory_used means nothing then
     error: str = ""
-    # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS
+    # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS;
+    # only entries that are process ids (nvmlprocs.merge), each process once
     processes: dict[int, int | None] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # entries of NVML's lists left out
 
     @property
     def device_path(self) -> str:
@@ -66,6 +74,9 @@ class NvmlSnapshot:
     error: str = ""
     driver_version: str = ""
     gpus: list[GpuInfo] = field(default_factory=list)
+    # False when NVML's (host) PIDs are not this /proc's (nvmlprocs.pids_are_local): the
+    # process lists then still say a GPU is in use, but name no local process.
+    pids_local: bool = True
 
     def by_index(self, index: int) -> GpuInfo | None:
         for gpu in self.gpus:
@@ -93,7 +104,10 @@ class Holder:
     container: str = ""
     devices: list[str] = field(default_factory=list)
     how: list[str] = field(default_factory=list)
-    gpus: list[int] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)  # for display: nvml_gpus, else node_gpus
+    nvml_gpus: list[int] = field(default_factory=list)  # the GPUs NVML lists it on
+    node_gpus: list[int] = field(default_factory=list)  # the GPUs whose nodes it holds
+    gpus_from: str = ""  # GPUS_FROM_NVML, GPUS_FROM_NODES, or "" when it holds no GPU at all
     gpu_memory: int = 0
     state: str = ""
     kind: str = KIND_MANAGEMENT
@@ -117,6 +131,9 @@ class Holder:
             "devices": list(self.devices),
             "how": list(self.how),
             "gpus": list(self.gpus),
+            "nvml_gpus": list(self.nvml_gpus),
+            "node_gpus": list(self.node_gpus),
+            "gpus_from": self.gpus_from,
             "gpu_memory": self.gpu_memory,
             "state": self.state,
             "kind": self.kind,

@@ -21,6 +21,7 @@ try:
 except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
     pynvml = None
 
+from . import nvmlprocs
 from .driverinfo import DRIVER_GPUS_DIR, DriverGpu, fill_from_driver, read_driver_gpus
 from .models import GpuInfo, NvmlSnapshot
 from .nvmlworker import NvmlHung, NvmlWorker
@@ -30,9 +31,6 @@ PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not i
 # the driver counts as hung; [Daemon] NvmlTimeoutSec.
 DEFAULT_TIMEOUT_SEC = 5.0
 
-_PROCESS_LISTS = ("nvmlDeviceGetComputeRunningProcesses",
-                  "nvmlDeviceGetGraphicsRunningProcesses",
-                  "nvmlDeviceGetMPSComputeRunningProcesses")
 _SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
@@ -268,24 +266,9 @@ class Nvml:
 
     @staticmethod
     def _processes(handle: Any, gpu: GpuInfo) -> dict[int, int | None]:
-        found: dict[int, int | None] = {}
-        for name in _PROCESS_LISTS:
-            try:
-                try:
-                    listed: list[Any] = getattr(pynvml, name + "_v3")(handle)
-                except pynvml.NVMLError_FunctionNotFound:
-                    # Drivers before 510 only have the v2 structures.
-                    listed = getattr(pynvml, name + "_v2")(handle)
-            except pynvml.NVMLError as exc:
-                if not isinstance(exc, pynvml.NVMLError_NotSupported) and not gpu.error:
-                    gpu.error = _error_text(exc)
-                continue
-            for proc in listed:
-                used = proc.usedGpuMemory
-                pid = int(proc.pid)
-                previous = found.get(pid)
-                if used is None:
-                    found.setdefault(pid, None)
-                else:
-                    found[pid] = (previous or 0) + int(used)
+        lists, errors = nvmlprocs.read_lists(handle)
+        for exc in errors:
+            if not isinstance(exc, pynvml.NVMLError_NotSupported) and not gpu.error:
+                gpu.error = _error_text(exc)
+        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
         return found

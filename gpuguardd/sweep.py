@@ -18,7 +18,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from . import procfs
@@ -77,11 +77,39 @@ Pinned = list[tuple[Holder, ProcessHandle]]
 Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
 
 
+def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
+    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
+    why it was left out.
+
+    NVML's per-GPU lists say which GPUs a process computes on. A process NVML does not list
+    (NVML unavailable, a process without a context, a PID namespace NVML does not speak for)
+    has only its nodes to show, and every CUDA process holds every GPU's node whichever GPU it
+    uses: it is on the scope's GPUs only if every GPU node it holds is in the scope, since
+    otherwise it may be a tenant of another GPU."""
+    wanted = set(gpus)
+    if holder.nvml_gpus:
+        return bool(wanted & set(holder.nvml_gpus)), ""
+    nodes = set(holder.node_gpus)
+    if nodes and nodes <= wanted:
+        return True, ""
+    if nodes & wanted:
+        others = ", ".join(str(g) for g in sorted(nodes - wanted))
+        return False, f"also holds GPU {others}; NVML lists it on no GPU"
+    return False, ""
+
+
+def on_nvml_word_alone(holder: Holder) -> bool:
+    """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
+    namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
+    nothing any more and is never signalled (the sweep reports it with its parent)."""
+    return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
+
+
 def in_scope(holder: Holder, scope: Scope) -> bool:
     if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
         # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
         # the unit watch chose (unitwatch.py), never a recycled PID.
-        return not scope.gpus or bool(set(holder.gpus) & set(scope.gpus))
+        return not scope.gpus or gpu_scope(holder, scope.gpus)[0]
     if scope.container:
         if not container_matches(holder.container, scope.container):
             return False
@@ -91,12 +119,12 @@ def in_scope(holder: Holder, scope: Scope) -> bool:
     if scope.unit and holder.unit != scope.unit:
         return False
     if scope.gpus:
-        return bool(set(holder.gpus) & set(scope.gpus))
+        return gpu_scope(holder, scope.gpus)[0]
     return True
 
 
 def is_target(holder: Holder, scope: Scope) -> bool:
-    return (in_scope(holder, scope) and not holder.protected
+    return (in_scope(holder, scope) and not holder.protected and not on_nvml_word_alone(holder)
             and (holder.kind == KIND_COMPUTE or scope.include_management))
 
 
@@ -201,10 +229,19 @@ class Sweep:
         targets: Pinned = []
         for holder, handle in pinned:
             if not in_scope(holder, self.scope):
+                _, why = gpu_scope(holder, self.scope.gpus)
+                if why and in_scope(holder, replace(self.scope, gpus=())):
+                    self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
+                                               "unit": holder.unit, "why": why})
                 continue
             if holder.protected:
                 self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
                                            "unit": holder.unit, "why": holder.protected_why})
+            elif on_nvml_word_alone(holder):
+                self.report.spared.append({
+                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                    "why": "NVML lists it, but it holds no NVIDIA device here "
+                           "(another PID namespace's pid, or a reused one?)"})
             elif holder.kind != KIND_COMPUTE and not self.scope.include_management:
                 self.report.spared.append({
                     "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,

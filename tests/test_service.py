@@ -143,6 +143,7 @@ def test_list_holders_types_and_filters(guard: GuardDaemon) -> None:
     assert {k: v["type"] for k, v in raw.items()} == {
         "pid": "u", "comm": "s", "exe": "s", "cmdline": "s", "uid": "u", "user": "s", "unit": "s",
         "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
+        "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
         "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
         "ppid": "u"}
     on_gpu0 = guard.manager("ListHolders", "a{sv}", "1", "gpus", "au", "1", "0")[0]
