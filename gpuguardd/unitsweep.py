@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from .attribution import normalize_unit_name
 from .models import KIND_COMPUTE, Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
+from .sweep import gpu_scope
 
 log = logging.getLogger("gpuguard.unitwatch")
 
@@ -170,7 +171,9 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
             continue
         if (holder.pid, holder.start_time) in record.processes:
             found.append((holder, f"was a process of {unit}"))
-        elif gpus & set(holder.gpus):
+        elif gpu_scope(holder, tuple(sorted(gpus)))[0]:
+            # The sweep's GPU rule: a CUDA process holds every GPU's node, so one NVML lists
+            # elsewhere, or one holding nodes of GPUs the unit never had, is not its leftover.
             shared = ",".join(str(g) for g in sorted(gpus & set(holder.gpus)))
             found.append((holder, f"holds GPU {shared}, which {unit} held"))
     return found

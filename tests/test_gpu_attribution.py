@@ -56,7 +56,7 @@ def test_holder_shows_nvml_gpus_and_node_gpus_apart(gpu_host: GpuHost) -> None:
     assert listed.pid not in {h["pid"] for h in on0}
 
 
-def _unlisted_holders_follow_the_fd_rule(host: GpuHost) -> None:
+def _unlisted_holders_follow_the_fd_rule(host: GpuHost, exit_code: int) -> None:
     everywhere = cuda(host, None)
     only1 = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidiactl"),
                        "--hold", host.node("nvidia-uvm"))
@@ -67,24 +67,26 @@ def _unlisted_holders_follow_the_fd_rule(host: GpuHost) -> None:
     assert spared[everywhere.pid] == "also holds GPU 0; NVML lists it on no GPU"
     # Every GPU node it holds in the scope: it goes.
     code, report, stderr = cli_json(host, "sweep", "--gpu", "0", "--gpu", "1")
+    assert code == exit_code, stderr
     assert [t["pid"] for t in report["terminated"]] == [everywhere.pid], stderr
 
 
 def test_process_nvml_does_not_list_is_in_scope_only_if_all_its_gpus_are(gpu_host: GpuHost) -> None:
-    _unlisted_holders_follow_the_fd_rule(gpu_host)
+    _unlisted_holders_follow_the_fd_rule(gpu_host, 0)
 
 
 def test_without_nvml_the_same_fd_rule_applies(gpu_host: GpuHost) -> None:
     host = gpu_host
     host.state.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
     host.publish()
-    _unlisted_holders_follow_the_fd_rule(host)
+    _unlisted_holders_follow_the_fd_rule(host, 6)  # unverified: no NVML to prove memory back
 
 
 def test_unit_and_whole_host_scopes_are_unchanged(gpu_host: GpuHost) -> None:
     host = gpu_host
     everywhere = cuda(host, None)
     code, report, stderr = cli_json(host, "sweep")
+    assert code == 0, stderr
     assert [t["pid"] for t in report["terminated"]] == [everywhere.pid], stderr
 
 
@@ -155,3 +157,22 @@ def test_process_in_compute_and_graphics_lists_is_counted_once(gpu_host: GpuHost
     host.publish()
     _, holders, _ = cli_json(host, "holders")
     assert {h["pid"]: h["gpu_memory"] for h in holders}[proc.pid] == 3 * GiB
+
+
+def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:
+    """A leftover is adopted for the GPUs its unit held only by the sweep's rule: a CUDA process
+    of another tenant holds the unit's GPU node too."""
+    from gpuguardd.models import Holder
+    from gpuguardd.unitwatch import UnitGpuRecords, adoption_candidates
+
+    records = UnitGpuRecords()
+    records.observe([Holder(pid=10, unit="llm.service", gpus=[1], nvml_gpus=[1], start_time=1)])
+    cuda_on0 = Holder(pid=20, gpus=[0], nvml_gpus=[0], node_gpus=[0, 1], gpus_from="nvml",
+                      kind="compute", start_time=1)
+    unlisted_everywhere = Holder(pid=21, gpus=[0, 1], node_gpus=[0, 1], gpus_from="nodes",
+                                 kind="compute", start_time=1)
+    unlisted_on1 = Holder(pid=22, gpus=[1], node_gpus=[1], gpus_from="nodes", kind="compute",
+                          start_time=1)
+    found = adoption_candidates("llm.service", records.get("llm.service"),
+                                [cuda_on0, unlisted_everywhere, unlisted_on1])
+    assert [(h.pid, why) for h, why in found] == [(22, "holds GPU 1, which llm.service held")]

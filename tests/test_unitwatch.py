@@ -41,7 +41,8 @@ NVML = NvmlSnapshot(available=True, gpus=[
 
 def holder(pid: int, unit: str, gpus: Sequence[int], *, start: int = 100, container: str = "",
            kind: str = KIND_COMPUTE, protected: bool = False) -> Holder:
-    return Holder(pid=pid, comm=f"p{pid}", unit=unit, gpus=list(gpus), start_time=start,
+    return Holder(pid=pid, comm=f"p{pid}", unit=unit, gpus=list(gpus), nvml_gpus=list(gpus),
+                  gpus_from="nvml" if gpus else "", start_time=start,
                   container=container, kind=kind, protected=protected,
                   cgroup=f"/system.slice/{unit}" if unit else "/escaped")
 
