@@ -194,7 +194,9 @@ install-cockpit:
 		cockpit/dist/gpuguard.css cockpit/dist/gpuguard.js.LEGAL.txt $(DESTDIR)$(COCKPITDIR)/
 	$(INSTALL) -m 644 cockpit/dist/assets/* $(DESTDIR)$(COCKPITDIR)/assets/
 
-install: cockpit install-python install-data install-cockpit
+# The page is built here only where cockpit/dist is missing: a copy that carries the built page
+# (a release tarball, the e2e test's copy) installs without node or the npm registry.
+install: $(if $(wildcard cockpit/dist/gpuguard.js),,cockpit) install-python install-data install-cockpit
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "gpuguard $(VERSION) installed; start it with: systemctl enable --now gpuguardd.service"
 

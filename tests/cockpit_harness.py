@@ -174,7 +174,9 @@ def cockpit_ws(system_bus: BusDaemon) -> Iterator[Callable[..., CockpitWs]]:
         ws.close()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: playwright's sync API keeps an asyncio loop running in this thread
+# for as long as it is open, and every later test that calls asyncio.run() would then fail.
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     require_cockpit_tools()
     from playwright.sync_api import sync_playwright
