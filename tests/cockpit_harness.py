@@ -42,7 +42,7 @@ COCKPIT_WS = "/usr/lib/cockpit/cockpit-ws"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+                 "--disable-dev-shm-usage", "--disable-breakpad", "--disable-crash-reporter"]
 NOBODY = 65534
 
 
@@ -181,12 +181,20 @@ def chromium() -> Iterator[Any]:
     require_cockpit_tools()
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    # Chromium writes ~/.config/chromium (crash reports) and ~/.cache (dconf) whatever its
+    # profile directory: give it a home of its own, removed afterwards.
+    home = Path(tempfile.mkdtemp(prefix="gpuguard-chromium-"))
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+           "XDG_CACHE_HOME": str(home / ".cache")}
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)
+            try:
+                yield browser
+            finally:
+                browser.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ import pytest
 from playwright.sync_api import expect
 
 from gpuguardd import __version__
-from tests.cockpit_harness import NOBODY, CockpitWs, screenshot
+from tests import dbus_harness
+from tests.cockpit_harness import NOBODY, CockpitWs, require_cockpit_tools, screenshot
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import COMM, FAST_POLL, GPU, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
 from tests.packages import build
@@ -435,3 +436,32 @@ def test_leaked_and_unknown_gpus(daemon: GuardDaemon, cockpit_ws: Callable[..., 
     expect(card1.locator(".gg-error-text")).to_have_count(0)
     expect(card1).to_contain_text("0 B of 80.0 GiB")
     assert_not_reloaded(page)
+
+
+def test_daemon_installed_but_not_running(browser_page: Callable[..., Any], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuguardd installed (D-Bus could start it: the bus lists the name as activatable) but not
+    running, and not started by the attempt: the page says "not running" and how to start it."""
+    services = tmp_path / "system-services"
+    services.mkdir()
+    (services / "org.gpuguard.GpuGuard1.service").write_text(
+        "[D-BUS Service]\nName=org.gpuguard.GpuGuard1\nExec=/bin/false\nUser=root\n")
+    os.chmod(tmp_path, 0o755)
+    config = dbus_harness.BUS_CONFIG.replace("<type>system</type>",
+                                             f"<type>system</type>\n  <servicedir>{services}</servicedir>")
+    monkeypatch.setattr(dbus_harness, "BUS_CONFIG", config)
+    require_cockpit_tools()
+    bus = dbus_harness.BusDaemon()
+    try:
+        ws = CockpitWs(bus)
+        try:
+            page = open_gpuguard(ws, browser_page)
+            status = page.locator(".gg-status")
+            expect(status).to_have_attribute("data-daemon", "not-running")
+            expect(status).to_contain_text("gpuguardd is not running")
+            expect(status).to_contain_text("systemctl start gpuguardd.service")
+            screenshot(page, "daemon-not-running")
+        finally:
+            ws.close()
+    finally:
+        bus.close()
