@@ -184,8 +184,9 @@ def chromium() -> Iterator[Any]:
     # Chromium writes ~/.config/chromium (crash reports) and ~/.cache (dconf) whatever its
     # profile directory: give it a home of its own, removed afterwards.
     home = Path(tempfile.mkdtemp(prefix="gpuguard-chromium-"))
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_CACHE_HOME": str(home / ".cache")}
+    env: dict[str, str | float | bool] = {
+        **os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_CACHE_HOME": str(home / ".cache")}
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)

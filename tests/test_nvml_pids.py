@@ -116,14 +116,14 @@ def test_daemon_in_another_pid_namespace_never_trusts_nvml_pids(gpu_host: GpuHos
     assert done.returncode == 0, done.stderr
     out: dict[str, Any] = json.loads(done.stdout)
     assert out["local_pid"] == tenant.pid, "could not give the local process NVML's pid"
-    code, status, stderr = out["status"]
+    _code, status, _stderr = out["status"]
     assert status["nvml_available"] is True
     assert "PID namespace" in status["nvml_error"], status
-    code, holders, stderr = out["holders"]
+    _code, holders, _stderr = out["holders"]
     local = {h["pid"]: h for h in holders}[tenant.pid]
     assert local["nvml_gpus"] == [] and local["gpus"] == [1] and local["gpus_from"] == "nodes"
     assert local["gpu_memory"] == 0
-    code, report, stderr = out["sweep"]
+    _code, report, _stderr = out["sweep"]
     assert report["terminated"] == [], report
     assert out["alive"], "the local process was ended on the word of another namespace's pid"
     assert any("PID namespace" in w for w in report["warnings"]), report["warnings"]
