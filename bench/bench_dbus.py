@@ -71,7 +71,8 @@ class Host:
             self.state.add_gpu(minor=int(os.minor(os.stat(self.nodes[f"nvidia{gpu}"]).st_rdev)))
         self.config = root / "gpuguard.conf"
         self.config.write_text(
-            f"[Devices]\nPaths={root}/dev/nvidia*\n[Sweep]\nGraceSec=2\n"
+            f"[Devices]\nPaths=\nPaths={root}/dev/nvidia*\n"
+            f"AllowMajors={' '.join(map(str, common.ALLOW_MAJORS))}\n[Sweep]\nGraceSec=2\n"
             f"[Daemon]\nRuntimeDirectory={root}/run\nStateDirectory={root}/state\n")
         self.procs: list[subprocess.Popen[str]] = []
         for n in range(holders):

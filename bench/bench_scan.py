@@ -55,10 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holders", type=int, default=200, help="processes holding device nodes")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per tool (median)")
     parser.add_argument("--workers", type=int, default=4, help="processes forking the population")
-    parser.add_argument("--uvm", choices=(common.UVM_FILE, common.UVM_ZERO), default=common.UVM_FILE,
-                        help="what the mapped nvidia-uvm is: a regular file (default) or a node "
-                             "with /dev/zero's numbers 1,5 (then gpuguard also sees every "
-                             "/dev/zero holder on the host, and other runs' (1,5) nodes see ours)")
     parser.add_argument("--profile", action="store_true", help="cProfile one find_holders run")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -76,7 +72,8 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine
                ) -> dict[str, Callable[[], Measured]]:
     def gpuguard_find() -> Measured:
         cpu, started = time.process_time(), time.perf_counter()
-        pinned, _ = find_holders(build_device_map(patterns), NvmlSnapshot(available=False))
+        pinned, _ = find_holders(build_device_map(patterns, allow_majors=common.ALLOW_MAJORS),
+                                 NvmlSnapshot(available=False))
         for _, handle in pinned:
             handle.close()
         wall = time.perf_counter() - started
@@ -102,7 +99,8 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine
 def profile_find(patterns: tuple[str, ...]) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
-    pinned, _ = find_holders(build_device_map(patterns), NvmlSnapshot(available=False))
+    pinned, _ = find_holders(build_device_map(patterns, allow_majors=common.ALLOW_MAJORS),
+                             NvmlSnapshot(available=False))
     profiler.disable()
     for _, handle in pinned:
         handle.close()
@@ -118,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-scan-"))
     population: Population | None = None
     try:
-        nodes = common.make_nodes(workdir / "dev", uvm=args.uvm)
+        # nvidia-uvm with /dev/zero's numbers, so that holders can map it (gpuguard refuses
+        # regular files as devices): every /dev/zero holder on the host is then seen as well.
+        nodes = common.make_nodes(workdir / "dev", uvm=common.UVM_ZERO)
         patterns = (str(workdir / "dev" / "nvidia*"),)
         paths = sorted(nodes.values())
         population = Population(workdir, nodes, args.procs, args.files, args.holders,
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         host = sum(name.isdigit() for name in os.listdir("/proc"))
         print(f"bench_scan: {args.procs} processes x {args.files} open files, {len(expected)} holding "
               f"device nodes ({host} processes on the host); population ready in "
-              f"{population.startup_sec:.1f} s; nvidia-uvm is {'a regular file' if args.uvm == 'file' else '1,5'}")
-        config = Config(device_paths=patterns, runtime_directory=str(workdir / "run"),
+              f"{population.startup_sec:.1f} s; nvidia-uvm is 1,5")
+        config = Config(device_paths=patterns, allow_majors=common.ALLOW_MAJORS, runtime_directory=str(workdir / "run"),
                         state_directory=str(workdir / "state"))
         engine = Engine(config)
         tools = make_tools(patterns, paths, engine)

@@ -207,6 +207,7 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
         if nvml:
             publish_nvml_empty(state_path)
         config = Config(device_paths=(str(workdir / "dev" / "nvidia*"),), grace_sec=5.0,
+                        allow_majors=common.ALLOW_MAJORS,
                         kill_timeout_sec=5.0, verify_timeout_sec=10.0, released_below_mib=64,
                         runtime_directory=str(workdir / "run"), state_directory=str(workdir / "state"))
         engine = Engine(config)

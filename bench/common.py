@@ -46,18 +46,19 @@ COMMON = Path(__file__).resolve()
 # no driver: only O_PATH opens work, which look the same in /proc/<pid>/fd) with minors drawn at
 # random per run.
 #
-# A holder that maps nvidia-uvm needs a node that can really be mapped. Either a regular file
-# stands in for it (UVM_FILE, the default: gpuguard finds mappings by the node's inode and path,
-# as for any node), or a node with /dev/zero's numbers (UVM_ZERO, as tests/conftest.py does).
-# The latter makes every process on the host that holds /dev/zero a holder in gpuguard's eyes,
+# A holder that maps nvidia-uvm needs a node that can really be mapped: a node with /dev/zero's
+# numbers (UVM_ZERO, as tests/conftest.py does; gpuguard refuses a regular file as a device, and
+# accepts majors 1 and 121 only because the benchmark's configuration says AllowMajors).
+# That makes every process on the host that holds /dev/zero a holder in gpuguard's eyes,
 # and the benchmark's holders holders of every other fake (1, 5) node on the host, such as a
 # concurrent test run's; alias_holders() accounts for the first.
 BENCH_MAJOR = 121
 NODE_NAMES = ("nvidia0", "nvidia1", "nvidiactl", "nvidia-modeset", "nvidia-uvm")
 ZERO = (1, 5)
 UVM_PATH = "o_path"  # a major-121 node like the others: fds only
-UVM_FILE = "file"
 UVM_ZERO = "zero"
+# [Devices] AllowMajors for the benchmark's nodes: no NVIDIA driver registers these.
+ALLOW_MAJORS = (BENCH_MAJOR, ZERO[0])
 
 # What a child of the population holds. Fork-mode holders rotate through 1-4; exec-mode holders
 # (sweep benchmark) are 5 or 6, by the GPU they hold.
@@ -109,7 +110,7 @@ def make_nodes(dev: Path, uvm: str = UVM_PATH) -> dict[str, str]:
 
     Real nodes live on devtmpfs, whose device number nothing else on the host shares; nodes on
     the root filesystem would share it with every binary and library in /proc/<pid>/maps.
-    uvm: what nvidia-uvm is (UVM_PATH, UVM_FILE or UVM_ZERO, see above).
+    uvm: what nvidia-uvm is (UVM_PATH or UVM_ZERO, see above).
     Call unmount_nodes(dev) when done.
     """
     dev.mkdir(parents=True, exist_ok=True)
@@ -122,10 +123,6 @@ def make_nodes(dev: Path, uvm: str = UVM_PATH) -> dict[str, str]:
     for offset, name in enumerate(NODE_NAMES):
         path = dev / name
         paths[name] = str(path)
-        if name == "nvidia-uvm" and uvm == UVM_FILE:
-            path.write_bytes(bytes(4096))
-            path.chmod(0o666)
-            continue
         major, minor = ZERO if name == "nvidia-uvm" and uvm == UVM_ZERO else (BENCH_MAJOR, base + offset)
         os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
     return paths

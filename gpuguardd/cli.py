@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from . import __version__, hooks, output
-from .config import load_config, parse_timespan
+from .config import MAX_GRACE_SEC, load_config, parse_timespan
 from .engine import Engine, HolderFilter, gpu_summaries
 from .errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from .log import setup_logging
@@ -165,7 +165,7 @@ def _local(args: argparse.Namespace) -> Backend:
 
 def _grace(text: str) -> int:
     try:
-        seconds = parse_timespan(text)
+        seconds = parse_timespan(text, MAX_GRACE_SEC)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return int(seconds * 1000)

@@ -1,9 +1,10 @@
 """Configuration: built-in defaults, overridden by systemd-style INI files.
 
 The files are read in the order systemd admins expect (main file, then drop-ins in name order).
-Lists follow systemd's rules: each assignment appends, an empty assignment resets. Unknown keys
-are errors rather than warnings, because a typo in `ProtectedExecutables=` must not silently
-leave nvidia-persistenced unprotected.
+Lists follow systemd's rules: each assignment appends (the first to the built-in default), an
+empty assignment resets. Unknown keys are errors rather than warnings, because a typo in
+`ProtectedExecutables=` must not silently leave nvidia-persistenced unprotected. Every number
+and time span has an upper bound, so no value can overflow a timer or make a sweep endless.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import fnmatch
 import functools
 import glob
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -70,6 +72,7 @@ class Config:
     dry_run: bool = False
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
+    allow_majors: tuple[int, ...] = ()
     poll_interval_sec: float = 2.0
     # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
     nvml_timeout_sec: float = 5.0
@@ -78,6 +81,15 @@ class Config:
     history_max: int = 1000
     # Where each value came from, for `gpuguardctl status` and error messages.
     sources: tuple[str, ...] = field(default=(), compare=False)
+    # (list item, "file:line") for items a file added, so a refused [Devices] Paths entry is
+    # reported where it was written.
+    origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    def origin(self, item: str) -> str:
+        for value, where in self.origins:
+            if value == item:
+                return where
+        return "built-in default"
 
     def protected_executable_patterns(self) -> tuple[str, ...]:
         """The configured paths plus their resolved forms, so /usr/bin/X matches /usr/lib/x/X."""
@@ -117,11 +129,23 @@ _TIME_UNITS = {
     "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
     "h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0,
 }
+# No time span anywhere may exceed this, whatever the key; each key has its own, lower bound.
+MAX_TIMESPAN_SEC = 24 * 3600.0
+# Upper bounds of the time-span keys (documented in gpuguard.conf(5)): a sweep must end and
+# write its report in bounded time, and no value may overflow a timer.
+MAX_GRACE_SEC = 3600.0
+MAX_KILL_TIMEOUT_SEC = 600.0
+MAX_VERIFY_TIMEOUT_SEC = 3600.0
+MAX_POLL_INTERVAL_SEC = 3600.0
+MAX_NVML_TIMEOUT_SEC = 600.0
+MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
+MAX_HISTORY = 1_000_000
+MAX_MAJOR = 4095  # Linux device majors are 12 bits
 _TIME_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
 
 
-def parse_timespan(text: str) -> float:
-    """Seconds from a systemd time span ("10", "1.5s", "500ms", "1min 30s")."""
+def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
+    """Seconds from a systemd time span ("10", "1.5s", "500ms", "1min 30s"), at most `maximum`."""
     text = text.strip().lower()
     if not text:
         raise ValueError("empty time span")
@@ -135,7 +159,19 @@ def parse_timespan(text: str) -> float:
         pos = match.end()
         while pos < len(text) and text[pos].isspace():
             pos += 1
+    # 400 digits parse as float('inf'): nothing downstream (sleep, int(ms)) survives that.
+    if not math.isfinite(total) or total > maximum:
+        raise ValueError(f"time span {text[:40]!r}{'...' if len(text) > 40 else ''} is too long "
+                         f"(at most {_span_text(maximum)})")
     return total
+
+
+def _span_text(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{int(seconds // 3600)}h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)}min"
+    return f"{seconds:g}s"
 
 
 def parse_bool(text: str) -> bool:
@@ -147,18 +183,19 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"invalid boolean {text!r} (use yes or no)")
 
 
-def _parse_mib(text: str) -> int:
-    value = int(text.strip())
-    if value < 0:
-        raise ValueError(f"negative size {text!r}")
-    return value
-
-
-def _parse_positive_int(text: str) -> int:
-    value = int(text.strip())
-    if value < 1:
-        raise ValueError(f"{text!r} is not a positive number")
-    return value
+def _bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        digits = text.strip()
+        if len(digits) > 20:
+            # int() of thousands of digits is slow or refused; no key needs more than 20.
+            raise ValueError(f"{digits[:20]!r}... is too large (at most {maximum})")
+        value = int(digits)
+        if value < minimum:
+            raise ValueError(f"{text!r} is below the minimum of {minimum}")
+        if value > maximum:
+            raise ValueError(f"{text!r} is too large (at most {maximum})")
+        return value
+    return parse
 
 
 def _parse_absolute_path(text: str) -> str:
@@ -168,9 +205,9 @@ def _parse_absolute_path(text: str) -> str:
     return value
 
 
-def _timespan_field(minimum: float = 0.0) -> Callable[[str], float]:
+def _timespan_field(maximum: float, minimum: float = 0.0) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        value = parse_timespan(text)
+        value = parse_timespan(text, maximum)
         if value < minimum:
             raise ValueError(f"{text!r} is below the minimum of {minimum}s")
         return value
@@ -189,29 +226,40 @@ def _absolute_list(text: str) -> list[str]:
     return items
 
 
+def _major_list(text: str) -> list[int]:
+    parse = _bounded_int(0, MAX_MAJOR)
+    majors: list[int] = []
+    for item in _split_list(text):
+        if not item.isdigit():
+            raise ValueError(f"{item!r} is not a device major number")
+        majors.append(parse(item))
+    return majors
+
+
 # (section, key) -> (dataclass field, parser, is_list)
 _Parser = Callable[[str], object]
 _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
-    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(), False),
-    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(), False),
-    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(), False),
-    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _parse_mib, False),
+    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC), False),
+    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(MAX_KILL_TIMEOUT_SEC), False),
+    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(MAX_VERIFY_TIMEOUT_SEC), False),
+    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
     ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
     ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
     ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
     ("Watch", "Units"): ("watch_units", _split_list, True),
     ("Devices", "Paths"): ("device_paths", _absolute_list, True),
-    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(0.1), False),
-    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(0.1), False),
+    ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),
+    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(MAX_POLL_INTERVAL_SEC, 0.1), False),
+    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(MAX_NVML_TIMEOUT_SEC, 0.1), False),
     ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
     ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
-    ("Daemon", "HistoryMax"): ("history_max", _parse_positive_int, False),
+    ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
 }
 
 KNOWN_KEYS: tuple[tuple[str, str], ...] = tuple(_KEYS)
 
 
-def _apply_file(path: str, values: dict[str, object]) -> None:
+def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, str]]) -> None:
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.read().splitlines()
@@ -220,7 +268,7 @@ def _apply_file(path: str, values: dict[str, object]) -> None:
     except OSError as exc:
         raise ConfigError(path, 0, "", exc.strerror or str(exc)) from None
     section = ""
-    # Lists restart from the defaults' value only when a file assigns them; systemd semantics.
+    defaults = Config()
     for number, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line[0] in "#;":
@@ -246,11 +294,17 @@ def _apply_file(path: str, values: dict[str, object]) -> None:
                 if not value:
                     values[name] = []
                 else:
+                    # Appends to what is there: the built-in default until an empty
+                    # assignment resets it (systemd semantics). Replacing the default would
+                    # drop nvidia-persistenced's protection for one added path.
                     current = values.get(name)
-                    items = list(current) if isinstance(current, list) else []
+                    items = list(current) if isinstance(current, list) else list(getattr(defaults, name))
                     parsed = parser(value)
                     assert isinstance(parsed, list)
-                    values[name] = items + parsed
+                    # A value given twice means it once (so uncommenting the shipped file's
+                    # defaults leaves the defaults as they are).
+                    values[name] = list(dict.fromkeys(items + parsed))
+                    origins.extend((str(item), f"{path}:{number}") for item in parsed)
             else:
                 values[name] = parser(value)
         except ValueError as exc:
@@ -275,8 +329,9 @@ def load_config(paths: Sequence[str] | None = None) -> Config:
     files = list(paths) if paths is not None else config_files()
     defaults = Config()
     values: dict[str, object] = {}
+    origins: list[tuple[str, str]] = []
     for path in files:
-        _apply_file(path, values)
+        _apply_file(path, values, origins)
     final: dict[str, object] = {}
     for f in dataclasses.fields(Config):
         if f.name in values:
@@ -289,4 +344,5 @@ def load_config(paths: Sequence[str] | None = None) -> Config:
     runtime_dir = os.environ.get("RUNTIME_DIRECTORY")
     if runtime_dir and "runtime_directory" not in final:
         final["runtime_directory"] = runtime_dir.split(":")[0]
-    return dataclasses.replace(defaults, sources=tuple(files), **final)  # type: ignore[arg-type]
+    return dataclasses.replace(defaults, sources=tuple(files), origins=tuple(origins),
+                               **final)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import glob
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .models import DeviceNode
@@ -104,8 +104,32 @@ def _maps_dev(st_dev: int) -> bytes:
     return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}".encode()
 
 
-def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices") -> DeviceMap:
+def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
+    """Why a watched path must not count as a GPU device, or None.
+
+    Anything else would make every holder of it a GPU holder: a node with /dev/null's numbers
+    makes each `| grep` a management client that --include-management kills.
+    """
+    if not stat.S_ISCHR(st.st_mode):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a device"
+        if stat.S_ISBLK(st.st_mode):
+            kind = "a block device"
+        return f"not a character device ({kind})"
+    major = os.major(st.st_rdev)
+    if major not in driver and major not in allowed:
+        return (f"character device {major}:{os.minor(st.st_rdev)}, and major {major} is no NVIDIA "
+                "driver's in /proc/devices nor in [Devices] AllowMajors")
+    return None
+
+
+def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
+                     allow_majors: Iterable[int] = (),
+                     origin: Callable[[str], str] | None = None) -> DeviceMap:
+    """The nodes `patterns` name now. Entries that are not character devices of an NVIDIA
+    driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
+    where it was configured (`origin(pattern)`) and why."""
     device_map = DeviceMap(majors=driver_majors(proc_devices))
+    allowed = frozenset(allow_majors)
     tokens: list[bytes] = []
     for pattern in patterns:
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -115,6 +139,12 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             except OSError:
                 continue
             if stat.S_ISDIR(st.st_mode) or path in device_map.by_path:
+                continue
+            why = refusal(st, device_map.majors, allowed)
+            if why is not None:
+                where = f" ({origin(pattern)})" if origin is not None else ""
+                shown = path if path == pattern else f"{path} (matched by {pattern})"
+                device_map.warnings.append(f"[Devices] Paths{where}: ignored {shown}: {why}")
                 continue
             role, name_minor = role_for_name(path)
             rdev = st.st_rdev if stat.S_ISCHR(st.st_mode) else None

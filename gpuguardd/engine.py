@@ -84,13 +84,13 @@ class Engine:
         return snap
 
     def device_map(self) -> DeviceMap:
-        return build_device_map(self.config.device_paths)
+        return _device_map(self.config)
 
     def _scan_pinned(self, nvml: NvmlSnapshot | None = None
                      ) -> tuple[Pinned, NvmlSnapshot, list[int], list[str]]:
         config = self.config
         snap = nvml if nvml is not None else self.snapshot()
-        device_map = build_device_map(config.device_paths)
+        device_map = _device_map(config)
         pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
         own_chain = procfs.ancestors(os.getpid())
         for holder, _ in pinned:
@@ -233,6 +233,11 @@ class Engine:
                 report.id[:8], report.outcome, len(report.terminated), len(report.survived),
                 len(report.spared), report.duration_ms)
         return report
+
+
+def _device_map(config: Config) -> DeviceMap:
+    return build_device_map(config.device_paths, allow_majors=config.allow_majors,
+                            origin=config.origin)
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:

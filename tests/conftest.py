@@ -116,7 +116,10 @@ class GpuHost:
         self.config_extra = extra
         self.config_path.write_text(
             "[Devices]\n"
+            # Only this host's nodes (not the machine's /dev/nvidia*), of the local-use major.
+            "Paths=\n"
             f"Paths={self.dev}/nvidia*\n"
+            "AllowMajors=120\n"
             "[Sweep]\n"
             "GraceSec=2\n"
             "KillTimeoutSec=3\n"

@@ -267,7 +267,8 @@ def test_broken_config_is_reported_with_file_line_and_key(gpu_host: GpuHost) -> 
 
 def test_sweeps_of_the_same_gpu_wait_for_each_other(inproc_nvml: GpuHost) -> None:
     host = inproc_nvml
-    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), runtime_directory=str(host.root / "run"),
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
+                           runtime_directory=str(host.root / "run"),
                            verify_timeout_sec=2))
     proc = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
     other = GpuLocks(str(host.root / "run" / "locks"))
@@ -291,7 +292,8 @@ def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Scan, let the holder die and its PID be handed to a new process, then sweep the scan."""
     host = inproc_nvml
-    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), runtime_directory=str(host.root / "run"),
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
+                           runtime_directory=str(host.root / "run"),
                            verify_timeout_sec=0.2), use_pidfd=use_pidfd)
     victim = host.spawn("--hold", host.node("nvidia-uvm"))
     pid = victim.pid

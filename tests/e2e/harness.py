@@ -312,6 +312,9 @@ VerifyTimeoutSec=5
 ReleasedBelowMiB=64
 [Watch]
 Units={watch}
+[Devices]
+# The fake nodes: major 120 (local use) and nvidia-uvm with /dev/zero's numbers (1, 5).
+AllowMajors=120 1
 [Daemon]
 PollIntervalSec=0.5
 """

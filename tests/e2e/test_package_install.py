@@ -57,9 +57,22 @@ def gpuguard_paths(machine: Machine) -> set[str]:
     return set(found.split())
 
 
+# The fake nodes' majors are no NVIDIA driver's: the daemon refuses them unless told.
+NODES_DROPIN = "/etc/gpuguard/gpuguard.conf.d/e2e-nodes.conf"
+
+
 def make_nodes(machine: Machine) -> None:
     machine.run("".join(f"rm -f /dev/{n}; mknod -m 666 /dev/{n} c {a} {b}\n"
                         for n, (a, b) in NODES.items()))
+    majors = " ".join(sorted({str(a) for a, _ in NODES.values()}))
+    machine.write(NODES_DROPIN, f"[Devices]\nAllowMajors={majors}\n")
+    machine.systemctl("reload", "gpuguardd.service")
+
+
+def forget_nodes(machine: Machine) -> None:
+    """Remove the drop-in again: a purge must leave /etc/gpuguard as it found it."""
+    machine.path(NODES_DROPIN).unlink(missing_ok=True)
+    machine.systemctl("reload", "gpuguardd.service")
 
 
 def start_holder(machine: Machine, unit: str) -> int:
@@ -162,12 +175,15 @@ def test_deb_sweep_without_nvml_binding_is_unverified(deb_machine: tuple[Machine
     status = json.loads(m.run(["gpuguardctl", "status", "--json"]).stdout)
     assert status["nvml_available"] is False
     make_nodes(m)
-    pid = start_holder(m, "leftover-a.service")
-    code, report = sweep(m, "leftover-a.service")
-    assert report["outcome"] == "unverified", report
-    assert code == 6
-    assert pid in [t["pid"] for t in report["terminated"]]  # type: ignore[attr-defined]
-    assert not alive(m, pid)
+    try:
+        pid = start_holder(m, "leftover-a.service")
+        code, report = sweep(m, "leftover-a.service")
+        assert report["outcome"] == "unverified", report
+        assert code == 6
+        assert pid in [t["pid"] for t in report["terminated"]]  # type: ignore[attr-defined]
+        assert not alive(m, pid)
+    finally:
+        forget_nodes(m)
 
 
 def test_deb_with_nvml_binding_where_the_man_page_says_verifies(
@@ -193,6 +209,7 @@ def test_deb_with_nvml_binding_where_the_man_page_says_verifies(
             f"[Service]\nEnvironment=LD_LIBRARY_PATH={FAKE_NVML_DIR}\n"
             f"Environment=FAKE_NVML_STATE={FAKE_NVML_STATE}\n")
     m.systemctl("daemon-reload")
+    make_nodes(m)
     m.systemctl("restart", "gpuguardd.service")
     try:
         status = json.loads(m.run(["gpuguardctl", "status", "--json"]).stdout)
@@ -208,6 +225,7 @@ def test_deb_with_nvml_binding_where_the_man_page_says_verifies(
         m.path("/etc/systemd/system/gpuguardd.service.d").rmdir()
         m.path(f"{site}/pynvml.py").unlink()
         m.systemctl("daemon-reload")
+        forget_nodes(m)
 
 
 def test_deb_upgrade_restarts_the_daemon_and_keeps_the_admins_config(
