@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
-import glob
 import math
 import os
 import re
@@ -90,30 +88,6 @@ class Config:
             if value == item:
                 return where
         return "built-in default"
-
-    def protected_executable_patterns(self) -> tuple[str, ...]:
-        """The configured paths plus their resolved forms, so /usr/bin/X matches /usr/lib/x/X."""
-        return self._resolved_executables
-
-    @functools.cached_property
-    def _resolved_executables(self) -> tuple[str, ...]:
-        # Asked for every holder of every scan, and realpath() costs a few lstat()s per path:
-        # resolved once per Config, so a reload (a new Config) sees symlinks changed since.
-        resolved: list[str] = []
-        for pattern in self.protected_executables:
-            resolved.append(pattern)
-            if not glob.has_magic(pattern):
-                real = os.path.realpath(pattern)
-                if real != pattern:
-                    resolved.append(real)
-        return tuple(dict.fromkeys(resolved))
-
-    def is_protected_executable(self, exe: str) -> str | None:
-        """The pattern that protects `exe` (a resolved path), if any."""
-        for pattern in self.protected_executable_patterns():
-            if fnmatch.fnmatchcase(exe, pattern):
-                return pattern
-        return None
 
     def is_protected_unit(self, unit: str) -> str | None:
         for pattern in self.protected_units:

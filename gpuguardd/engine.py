@@ -36,7 +36,7 @@ from .models import (
 )
 from .nvml import Nvml
 from .process import pidfds_supported
-from .protection import mark_protection
+from .protection import ProtectedFiles, mark_protection
 from .sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 
 log = logging.getLogger("gpuguard.engine")
@@ -93,8 +93,9 @@ class Engine:
         device_map = _device_map(config)
         pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
         own_chain = procfs.ancestors(os.getpid())
+        protected = ProtectedFiles.resolve(config)  # once per scan: installs and upgrades
         for holder, _ in pinned:
-            mark_protection(holder, config, own_chain)
+            mark_protection(holder, config, own_chain, protected)
         warnings = list(device_map.warnings) + nvml_pid_warnings(snap, [h for h, _ in pinned])
         hidden = [pid for pid in unreadable if pid != 1 or os.geteuid() != 0]
         if hidden:

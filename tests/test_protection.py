@@ -35,8 +35,11 @@ def test_protected_executable_and_unit_but_not_a_containers_namesake() -> None:
     config = Config()
     child = subprocess.Popen(["sleep", "30"])
     try:
-        assert "protected executable /usr/bin/nvidia-persistenced" in (
-            protection_reason(holder_for(child.pid, exe="/usr/bin/nvidia-persistenced"), config, []) or "")
+        # The path text a holder shows proves nothing; the file it runs does.
+        assert protection_reason(holder_for(child.pid, exe="/usr/bin/nvidia-persistenced"), config, []) is None
+        sleep = os.path.realpath(f"/proc/{child.pid}/exe")
+        assert f"protected executable {sleep}" in (protection_reason(
+            holder_for(child.pid, exe=sleep), Config(protected_executables=(sleep,)), []) or "")
         assert protection_reason(holder_for(child.pid, unit="nvidia-persistenced.service"), config, []) \
             == "protected unit nvidia-persistenced.service"
         # The unit name inside a container is the container's business, not a host daemon.
