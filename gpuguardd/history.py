@@ -20,6 +20,7 @@ holds a tenth more than that (amortised: not a rewrite per sweep).
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import json
 import logging
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from . import safetext
+from .safefiles import create_temporary, open_nofollow
 
 log = logging.getLogger("gpuguard.history")
 
@@ -128,12 +130,20 @@ class History:
     def _load_locked(self) -> None:
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            handle = open(self.path, "rb")  # noqa: SIM115 (closed below, after the stream)
+            handle = os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb")
         except FileNotFoundError:
             self._entries.clear()
             self._lines_in_file = 0
             return
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                # Never followed: the next write replaces the link itself (rename), not its target.
+                log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
+                          "new file at the next report", self.path)
+                self._entries.clear()
+                self._lines_in_file = 0
+                self._file_clean = False
+                return
             self._read_failed(exc)
             return
         try:
@@ -246,8 +256,7 @@ class History:
                 self._rewrite_locked()
                 return
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                             FILE_MODE)
+                fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
             except OSError as exc:
                 self._write_failed(exc)
                 return
@@ -275,10 +284,10 @@ class History:
                   self.path, exc.strerror or exc)
 
     def _rewrite_locked(self) -> None:
-        tmp = f"{self.path}.tmp-{os.getpid()}"
+        tmp = ""
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+            fd, tmp = create_temporary(self.directory, f"{FILE_NAME}.tmp-", FILE_MODE)
             try:
                 with os.fdopen(fd, "wb", closefd=False) as handle:
                     for entry in self._entries:
@@ -291,7 +300,8 @@ class History:
             _fsync_directory(self.directory)
         except OSError as exc:
             try:
-                os.unlink(tmp)
+                if tmp:
+                    os.unlink(tmp)
             except OSError:
                 pass
             self._write_failed(exc)

@@ -6,9 +6,12 @@ within one process as well as between processes: one mechanism serves both.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from collections.abc import Iterable
+
+from .safefiles import open_nofollow
 
 # Holders whose GPU nobody can name (control devices only, no NVML) share this lock.
 UNKNOWN_GPU = "unknown"
@@ -33,10 +36,12 @@ class GpuLocks:
         for name in names:
             path = os.path.join(self.directory, f"gpu-{name}.lock")
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                # Never through a symbolic link: as root that would create or lock any file.
+                fd = open_nofollow(path, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError as exc:
                 self.release()
-                return f"cannot open {path}: {exc.strerror}; sweeps are not serialized"
+                why = "a symbolic link, not followed" if exc.errno == errno.ELOOP else exc.strerror
+                return f"cannot open {path}: {why}; sweeps are not serialized"
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
