@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from . import __version__, hooks, output
 from .config import MAX_GRACE_SEC, load_config, parse_timespan
-from .engine import Engine, HolderFilter, gpu_summaries
+from .engine import Engine, HolderFilter, gpu_summaries, node_gpu_summaries
 from .errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from .log import setup_logging
 from .models import (
@@ -91,6 +91,8 @@ class LocalBackend:
 
     def gpus(self) -> list[dict[str, Any]]:
         scan = self.engine.scan()
+        if not scan.nvml.available:
+            return node_gpu_summaries(scan, self.engine.device_map())
         return gpu_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024)
 
     def holders(self, gpus: list[str], unit: str, container: str,

@@ -134,6 +134,8 @@ class Engine:
         warnings: list[str] = []
         indices: set[int] = set()
         known = ", ".join(str(g.index) for g in snap.gpus) or "none"
+        # Without NVML the only GPUs known are those a configured device node names.
+        nodes = {} if snap.available else node_gpus(self.device_map())
         for item in items:
             text = str(item).strip()
             if isinstance(item, int) or text.isdigit():
@@ -141,7 +143,12 @@ class Engine:
                 if snap.available and snap.by_index(index) is None:
                     raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
                 if not snap.available:
-                    warnings.append(f"NVML unavailable: GPU {index} taken to be /dev/nvidia{index}")
+                    if index not in nodes:
+                        raise InvalidArgument(
+                            f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
+                            f"device node names it (GPUs of the nodes: "
+                            f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
+                    warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
                 indices.add(index)
             elif _UUID.match(text):
                 matches = [g.index for g in snap.gpus if g.uuid.lower() == text.lower()]
@@ -234,6 +241,30 @@ class Engine:
                 report.id[:8], report.outcome, len(report.terminated), len(report.survived),
                 len(report.spared), report.duration_ms)
         return report
+
+
+def node_gpus(device_map: DeviceMap) -> dict[int, str]:
+    """GPU number -> device node, from the configured nodes alone (when NVML is unavailable,
+    the number is the node's minor, as holders are attributed then)."""
+    found: dict[int, str] = {}
+    for node in device_map.nodes:
+        if node.role == "gpu" and node.minor is not None:
+            found.setdefault(node.minor, node.path)
+    return found
+
+
+def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  # type: ignore[type-arg]
+    """`gpuguardctl gpus` without NVML: the GPUs the nodes name, memory unknown (0)."""
+    summaries = []
+    for index, path in sorted(node_gpus(device_map).items()):
+        holders = [h for h in scan.holders if index in h.gpus]
+        summaries.append({
+            "index": index, "uuid": "", "name": "", "pci_bus_id": "", "minor": index,
+            "device_path": path, "memory_total": 0, "memory_used": 0,
+            "holder_count": len(holders), "state": "in-use" if holders else "unknown",
+            "error": scan.nvml.error or "NVML unavailable",
+        })
+    return summaries
 
 
 def _device_map(config: Config) -> DeviceMap:

@@ -45,7 +45,8 @@ def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
     gpus = escaped(gpus)
     rows = []
     for gpu in gpus:
-        memory = f"{human_bytes(gpu['memory_used'])} / {human_bytes(gpu['memory_total'])}"
+        memory = (f"{human_bytes(gpu['memory_used'])} / {human_bytes(gpu['memory_total'])}"
+                  if gpu["memory_total"] else "unknown")
         rows.append([str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"], memory,
                      str(gpu["holder_count"]), gpu["state"]])
     table(["GPU", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)

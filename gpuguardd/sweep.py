@@ -152,6 +152,58 @@ def _survivor_reason(pid: int) -> tuple[str, str]:
     return stat.state, f"still running after SIGKILL (state {stat.state})"
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
+    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            fields = dict(line.split(b":", 1) for line in handle.read().splitlines() if b":" in line)
+        ignored = int(fields.get(b"SigIgn", b"0").strip(), 16)
+        caught = int(fields.get(b"SigCgt", b"0").strip(), 16)
+        nspids = fields.get(b"NSpid", b"").split()
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(ignored & bit) or (len(nspids) > 1 and nspids[-1] == b"1" and not caught & bit)
+
+
+def _exit_status(pid: int, start_time: int) -> str:
+    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+        fields = data[data.rfind(b")") + 2:].split()
+        # Fields 3 (state), 22 (start time) and 52 (exit code, as waitpid() reports it).
+        if fields[0] != b"Z" or int(fields[19]) != start_time:
+            return ""
+        code = int(fields[49])
+    except (OSError, IndexError, ValueError):
+        return ""
+    if not os.WIFSIGNALED(code):
+        return f"exited with status {os.WEXITSTATUS(code)}"
+    try:
+        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
+    except ValueError:
+        return f"killed by signal {os.WTERMSIG(code)}"
+
+
+def _ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
+    """The signal of ours that ended a process, as far as is known; "" for none.
+
+    `last_sent`: the last signal sent before its exit was seen ("" if none yet), `status`:
+    _exit_status(), `sigterm_ignored`: SIGTERM could not end it when it was sent.
+    """
+    sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
+    if status.startswith("killed by "):
+        killer = status.removeprefix("killed by ")
+        return killer if killer in sent else ""
+    if status:
+        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
+        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
+    return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent
+
+
 class Sweep:
     def __init__(self, scope: Scope, settings: SweepSettings, scanner: Scanner,
                  snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
@@ -173,6 +225,9 @@ class Sweep:
         # Sent SIGKILL and not gone after KillTimeoutSec: exiting, not yet survivors (module
         # docstring). pid -> (holder, a handle of our own, when the first signal went out).
         self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
+        # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
+        # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
+        self._sigterm_ignored: set[int] = set()
 
     # -- the whole run -------------------------------------------------------------------
 
@@ -262,6 +317,8 @@ class Sweep:
 
     def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> str:
         """"sent", "gone" (exited before the signal) or "denied" (not ours to signal)."""
+        if sig == signal.SIGTERM and _ignores_sigterm(holder.pid):
+            self._sigterm_ignored.add(holder.pid)
         try:
             sent = handle.send(sig)
         except PermissionError:
@@ -347,11 +404,17 @@ class Sweep:
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
                      sent_at: float, seen_at: float | None = None) -> None:
         seen = time.monotonic() if seen_at is None else seen_at
+        # What is known, not what was hoped: the kernel's exit status while it still has it;
+        # otherwise SIGTERM is credited only if it could have ended the process.
+        status = _exit_status(holder.pid, handle.start_time) if handle.alive() else ""
+        signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
         entry: dict[str, object] = {
             "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
             "signal": signal_name,
             "exited_after_ms": max(0, int((seen - sent_at) * 1000)),
         }
+        if status:
+            entry["exit_status"] = status
         if handle.alive():
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked
             # at verification), but worth naming the parent that should reap it.
