@@ -25,7 +25,7 @@ from . import __version__
 from .bus import GuardBus
 from .busnames import BUS_NAME
 from .config import Config, load_config
-from .engine import Engine
+from .engine import Engine, log_device_refusals
 from .errors import ConfigError
 from .history import History
 from .log import setup_logging
@@ -191,6 +191,7 @@ class Daemon:
                 log.warning("StateDirectory changed to %s: the history stays in %s until restart",
                             config.state_directory, old.state_directory)
             self.engine.set_config(config)
+            log_device_refusals(config)
             self.service.config_changed()
             log.info("configuration reloaded from %s",
                      ", ".join(config.sources) or "built-in defaults")
@@ -265,6 +266,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("unusable configuration: %s", exc)
         return EXIT_CONFIG
+    log_device_refusals(config)
     return asyncio.run(Daemon(args, config).run())
 
 

@@ -267,6 +267,13 @@ def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  
     return summaries
 
 
+def log_device_refusals(config: Config) -> None:
+    """Log, once per configuration, the [Devices] Paths entries that are refused (each scan
+    also puts them in its warnings, which only sweep reports show)."""
+    for warning in _device_map(config).warnings:
+        log.warning("%s", warning)
+
+
 def _device_map(config: Config) -> DeviceMap:
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
                             origin=config.origin)

@@ -116,10 +116,11 @@ class GpuHost:
         self.config_extra = extra
         self.config_path.write_text(
             "[Devices]\n"
-            # Only this host's nodes (not the machine's /dev/nvidia*), of the local-use major.
+            # Only this host's nodes (not the machine's /dev/nvidia*), of the local-use majors:
+            # 120 here, 122 for tests/dbus_harness.py's private GPU.
             "Paths=\n"
             f"Paths={self.dev}/nvidia*\n"
-            "AllowMajors=120\n"
+            "AllowMajors=120 122\n"
             "[Sweep]\n"
             "GraceSec=2\n"
             "KillTimeoutSec=3\n"

@@ -148,7 +148,7 @@ def test_a_lost_gpus_holders_still_map_to_it(inproc_nvml: GpuHost, sessions: lis
     write_driver_info(info, host)
     holder = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
     nvml = session(sessions, driver_gpus_dir=str(info))
-    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",),
+    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
                            runtime_directory=str(host.root / "run"), verify_timeout_sec=0.3),
                     nvml=nvml)
     scan = engine.scan()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from gpuguardd import procfs
 from gpuguardd.config import Config
@@ -48,6 +50,38 @@ def test_protected_executable_and_unit_but_not_a_containers_namesake() -> None:
         assert protection_reason(holder_for(child.pid, exe=sys.executable), config, []) is None
         # No readable exe: cannot prove it is not protected, so it is spared.
         assert "executable unknown" in (protection_reason(holder_for(child.pid, exe=""), config, []) or "")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_protected_daemon_stays_protected_when_its_binary_is_upgraded(tmp_path: Path) -> None:
+    """A package upgrade replaces the file under a running daemon: it then runs a deleted
+    inode the configured path no longer names. In the daemon's own mount namespace that path
+    can only have been put there by root, so it still protects the process."""
+    sleep = shutil.which("sleep")
+    assert sleep
+    daemon_path = tmp_path / "nv-hostengine"
+    shutil.copy2(os.path.realpath(sleep), daemon_path)
+    config = Config(protected_executables=(str(daemon_path),))
+    child = subprocess.Popen([str(daemon_path), "30"])
+    try:
+        new = tmp_path / "nv-hostengine.dpkg-new"
+        shutil.copy2(os.path.realpath(sleep), new)
+        os.rename(new, daemon_path)  # as dpkg does
+        assert os.readlink(f"/proc/{child.pid}/exe").endswith(" (deleted)")
+        reason = protection_reason(holder_for(child.pid, exe=str(daemon_path)), config, [])
+        assert reason is not None and "replaced on disk since the process started" in reason
+        # Another file that was deleted while running is not protected by its old path.
+        other = tmp_path / "other"
+        shutil.copy2(os.path.realpath(sleep), other)
+        victim = subprocess.Popen([str(other), "30"])
+        try:
+            other.unlink()
+            assert protection_reason(holder_for(victim.pid, exe=str(other)), config, []) is None
+        finally:
+            victim.kill()
+            victim.wait()
     finally:
         child.kill()
         child.wait()

@@ -16,6 +16,9 @@ import pytest
 from gpuguardd.config import load_config
 from gpuguardd.errors import ConfigError
 from tests.conftest import GpuHost, Proc
+from tests.dbus_harness import GuardDaemon
+
+pytest_plugins = ["tests.dbus_harness"]
 
 
 def hold(host: GpuHost, path: str) -> Proc:
@@ -81,7 +84,7 @@ def test_allow_majors_admits_a_driver_gpuguard_does_not_know(gpu_host: GpuHost,
 def test_the_test_nodes_need_their_major_allowed(gpu_host: GpuHost) -> None:
     """The suite's own major-120 nodes are refused like any other without AllowMajors=120."""
     host = gpu_host
-    host.config_path.write_text(host.config_path.read_text().replace("AllowMajors=120\n", ""))
+    host.config_path.write_text(host.config_path.read_text().replace("AllowMajors=120 122\n", ""))
     proc = host.spawn("--hold", host.node("nvidia0"))
     result = host.cli("holders", "--json")
     assert proc.pid not in {h["pid"] for h in json.loads(result.stdout)}
@@ -98,3 +101,19 @@ def test_bad_allow_majors_name_file_line_and_key(tmp_path: Path, value: str, why
         load_config([str(path)])
     assert str(info.value).startswith(f"{path}:2: [Devices] AllowMajors: ")
     assert why in str(info.value)
+
+
+def test_the_daemon_logs_refused_entries_at_start_and_reload(daemon: GuardDaemon,
+                                                             decoys: tuple[str, str]) -> None:
+    null_node, plain = decoys
+    host = daemon.host
+    host.write_config(f"[Devices]\nPaths={null_node}\n")
+    daemon.start()
+    line = line_of(host.config_path, f"Paths={null_node}")
+    assert f"[Devices] Paths ({host.config_path}:{line}): ignored {null_node}: character device 1:3" \
+        in daemon.stderr()
+    host.write_config(f"[Devices]\nPaths={plain}\n")
+    daemon.manager("Reload")
+    line = line_of(host.config_path, f"Paths={plain}")
+    expected = f"[Devices] Paths ({host.config_path}:{line}): ignored {plain}: not a character device"
+    assert expected in daemon.stderr()

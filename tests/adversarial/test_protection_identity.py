@@ -46,6 +46,19 @@ def masquerade(host: GpuHost, fake_bin: Path, over: str, name: str) -> Proc:
     return proc
 
 
+def protected_and_impostor(host: GpuHost, tmp_path: Path) -> tuple[Path, Path, Proc]:
+    """A protected file on the host (host-bin/nvidia-persistenced, configured), and a holder
+    that runs a copy of it (the same bytes, not the same file) shown at the same path."""
+    host_bin = tmp_path / "host-bin"
+    host_bin.mkdir()
+    shutil.copy2(PYTHON, host_bin / "nvidia-persistenced")
+    host.write_config(f"[Sweep]\nProtectedExecutables={host_bin}/nvidia-persistenced\n")
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir()
+    shutil.copy2(PYTHON, fake_bin / "nvidia-persistenced")
+    return host_bin, fake_bin, masquerade(host, fake_bin, str(host_bin), "nvidia-persistenced")
+
+
 def sweep(host: GpuHost) -> tuple[int, dict[str, Any]]:
     result = host.cli("sweep", "--gpu", "0", "--json")
     assert result.stdout, result.stderr
@@ -69,14 +82,7 @@ def test_a_bind_mount_over_usr_bin_protects_nothing(gpu_host: GpuHost, tmp_path:
 def test_the_real_protected_file_is_spared_its_lookalike_is_not(gpu_host: GpuHost, tmp_path: Path) -> None:
     """The protected file exists on the host; a user's file shown at the same path is not it."""
     host = gpu_host
-    host_bin = tmp_path / "host-bin"
-    host_bin.mkdir()
-    shutil.copy2(PYTHON, host_bin / "nvidia-persistenced")
-    host.write_config(f"[Sweep]\nProtectedExecutables={host_bin}/nvidia-persistenced\n")
-    fake_bin = tmp_path / "fake-bin"
-    fake_bin.mkdir()
-    shutil.copy2(PYTHON, fake_bin / "nvidia-persistenced")  # the same bytes: not the same file
-    impostor = masquerade(host, fake_bin, str(host_bin), "nvidia-persistenced")
+    host_bin, _, impostor = protected_and_impostor(host, tmp_path)
     assert os.readlink(f"/proc/{impostor.pid}/exe") == f"{host_bin}/nvidia-persistenced"
     real = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
                       exe=str(host_bin / "nvidia-persistenced"), nvml=(0, GiB))
@@ -87,3 +93,16 @@ def test_the_real_protected_file_is_spared_its_lookalike_is_not(gpu_host: GpuHos
     assert spared[real.pid] == f"protected executable {host_bin}/nvidia-persistenced"
     assert real.alive() and not impostor.alive()
     assert code == 0 and report["outcome"] == "freed"  # the spared one's memory is accounted
+
+
+def test_a_deleted_lookalike_in_another_namespace_is_not_an_upgraded_daemon(
+        gpu_host: GpuHost, tmp_path: Path) -> None:
+    """Only in the daemon's own mount namespace does '<protected path> (deleted)' mean an
+    upgraded daemon; a user's namespace can show that text for any file it deleted."""
+    host = gpu_host
+    host_bin, fake_bin, impostor = protected_and_impostor(host, tmp_path)
+    (fake_bin / "nvidia-persistenced").unlink()
+    assert os.readlink(f"/proc/{impostor.pid}/exe") == f"{host_bin}/nvidia-persistenced (deleted)"
+    code, report = sweep(host)
+    assert [t["pid"] for t in report["terminated"]] == [impostor.pid], report
+    assert report["spared"] == [] and code == 0
