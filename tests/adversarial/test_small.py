@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,14 +23,16 @@ from gpuguardd.engine import Engine
 from gpuguardd.models import SweepRequest
 from tests.conftest import ROOT, GiB, GpuHost, Proc
 
-# Holds the nodes given, optionally ignores SIGTERM, and exits with status 7 after a delay.
+# Holds the nodes given, optionally ignores SIGTERM, and exits with status 7 when its "timer"
+# goes off: a line on stdin, which the test sends once the sweep has sent SIGTERM, so the exit
+# falls inside the grace period however slow the machine is, and owes nothing to the signal.
 TIMED_HOLDER = """
-import os, signal, sys, time
-fds = [os.open(path, os.O_PATH) for path in sys.argv[3:]]
+import os, signal, sys
+fds = [os.open(path, os.O_PATH) for path in sys.argv[2:]]
 if sys.argv[1] == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("ready", os.getpid(), flush=True)
-time.sleep(float(sys.argv[2]))
+sys.stdin.readline()
 sys.exit(7)
 """
 
@@ -100,9 +103,9 @@ def test_pid_2_in_a_pid_namespace_is_an_ordinary_process() -> None:
     assert seen["reason"] is None, seen  # `sleep`, not kthreadd: nothing protects it
 
 
-def timed_holder(host: GpuHost, mode: str, delay: float, reap: bool) -> Proc:
-    popen = subprocess.Popen([sys.executable, "-c", TIMED_HOLDER, mode, str(delay),
-                              host.node("nvidia0"), host.node("nvidia-uvm")], stdout=subprocess.PIPE, text=True)
+def timed_holder(host: GpuHost, mode: str, reap: bool) -> Proc:
+    popen = subprocess.Popen([sys.executable, "-c", TIMED_HOLDER, mode, host.node("nvidia0"),
+                              host.node("nvidia-uvm")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert popen.stdout is not None
     line = popen.stdout.readline().split()
     assert line and line[0] == "ready"
@@ -113,12 +116,36 @@ def timed_holder(host: GpuHost, mode: str, delay: float, reap: bool) -> Proc:
     return proc
 
 
-def terminated(host: GpuHost) -> dict[str, Any]:
-    """Sweep GPU 0 in this process (no interpreter start-up between the holder's start and the
-    scan: its timer must still be running when the sweep begins) with a long grace."""
+class TimerAfterSigterm(logging.Handler):
+    """Sets off the holder's timer once the sweep logs that it sent SIGTERM."""
+
+    def __init__(self, proc: Proc) -> None:
+        super().__init__()
+        self.proc = proc
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if f"sent SIGTERM to pid {self.proc.pid} " in record.getMessage():
+            assert self.proc.popen.stdin is not None
+            self.proc.popen.stdin.write("time is up\n")
+            self.proc.popen.stdin.flush()
+
+
+def terminated(host: GpuHost, timed: Proc | None = None) -> dict[str, Any]:
+    """Sweep GPU 0 in this process with a long grace; `timed`'s timer goes off after SIGTERM."""
     config = dataclasses.replace(load_config([str(host.config_path)]), grace_sec=20, verify_timeout_sec=2)
     engine = Engine(config)
-    report = engine.sweep(SweepRequest(gpus=["0"])).to_dict()
+    sweep_log = logging.getLogger("gpuguard.sweep")
+    handler = TimerAfterSigterm(timed) if timed is not None else None
+    level = sweep_log.level
+    if handler is not None:
+        sweep_log.addHandler(handler)
+        sweep_log.setLevel(logging.INFO)  # the "sent SIGTERM" line is INFO
+    try:
+        report = engine.sweep(SweepRequest(gpus=["0"])).to_dict()
+    finally:
+        if handler is not None:
+            sweep_log.removeHandler(handler)
+            sweep_log.setLevel(level)
     assert len(report["terminated"]) == 1 and not report["survived"], report
     return dict(report["terminated"][0])
 
@@ -128,24 +155,24 @@ def test_a_holder_that_ignores_sigterm_and_exits_on_its_timer_was_not_ended_by_i
     """Reaped at once by its parent: the kernel has forgotten how it ended. What is known is
     that SIGTERM could not end it, so the report does not say it did."""
     host = inproc_nvml
-    proc = timed_holder(host, "ignore", 3.0, reap=True)
+    proc = timed_holder(host, "ignore", reap=True)
     host.state.add_proc(0, proc.pid, GiB)
     host.publish()
-    entry = terminated(host)
+    entry = terminated(host, timed=proc)
     assert entry["pid"] == proc.pid
     assert entry["signal"] == "", entry
-    assert 0 < entry["exited_after_ms"] < 19000
-    assert "exit_status" not in entry
+    assert entry["exited_after_ms"] < 19000  # on its timer, inside the grace
+    assert entry.get("exit_status") in (None, "exited with status 7")  # if not reaped yet
 
 
 def test_the_kernel_exit_status_is_recorded_while_it_has_it(inproc_nvml: GpuHost) -> None:
     host = inproc_nvml
-    on_its_own = timed_holder(host, "ignore", 3.0, reap=False)
-    entry = terminated(host)
+    on_its_own = timed_holder(host, "ignore", reap=False)
+    entry = terminated(host, timed=on_its_own)
     assert (entry["signal"], entry.get("exit_status")) == ("", "exited with status 7"), entry
     on_its_own.popen.wait()
     # The control: one that SIGTERM really ends is recorded as such.
-    by_sigterm = timed_holder(host, "default", 60, reap=False)
+    by_sigterm = timed_holder(host, "default", reap=False)
     entry = terminated(host)
     assert entry["pid"] == by_sigterm.pid
     assert (entry["signal"], entry.get("exit_status")) == ("SIGTERM", "killed by SIGTERM"), entry
