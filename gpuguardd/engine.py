@@ -261,7 +261,8 @@ def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  
         summaries.append({
             "index": index, "uuid": "", "name": "", "pci_bus_id": "", "minor": index,
             "device_path": path, "memory_total": 0, "memory_used": 0,
-            "holder_count": len(holders), "state": "in-use" if holders else "unknown",
+            "holder_count": len(holders),
+            "state": "in-use" if any(_makes_in_use(h, index) for h in holders) else GPU_UNKNOWN,
             "error": scan.nvml.error or "NVML unavailable",
         })
     return summaries
