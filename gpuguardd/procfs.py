@@ -87,6 +87,12 @@ def read_cmdline(pid: int) -> str | None:
     return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
 
 
+def read_wchan(pid: int) -> str | None:
+    """The kernel function a process sleeps in (a symbol name: short, but text all the same)."""
+    read = _read_bounded(f"{PROC}/{pid}/wchan", safetext.NAME_MAX)
+    return None if read is None else safetext.text(read[0], safetext.NAME_MAX, read[1])
+
+
 def ancestors(pid: int) -> list[int]:
     """pid and its parents up to PID 1, for "never signal the sweeper's own chain"."""
     chain: list[int] = []

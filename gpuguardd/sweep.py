@@ -141,12 +141,7 @@ def _survivor_reason(pid: int) -> tuple[str, str]:
     if stat.state == "Z":
         return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
     if stat.state == "D":
-        wchan = ""
-        try:
-            with open(f"/proc/{pid}/wchan", encoding="ascii", errors="replace") as handle:
-                wchan = handle.read().strip()
-        except OSError:
-            pass
+        wchan = (procfs.read_wchan(pid) or "").strip()
         where = f" in {wchan}" if wchan and wchan != "0" else ""
         return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
     return stat.state, f"still running after SIGKILL (state {stat.state})"

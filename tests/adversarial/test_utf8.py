@@ -126,3 +126,24 @@ def test_history_append_never_stores_bad_text(tmp_path: Path) -> None:
     history.append({"id": "c" * 32, "targets": [{"exe": "/x/\udcff"}]})
     assert history.last() == {"id": "c" * 32, "targets": [{"exe": "/x/\\xff"}]}
     assert b"\\udc" not in (tmp_path / FILE_NAME).read_bytes()
+
+
+def test_proc_readers_escape_what_a_process_names_itself(tmp_path: Path) -> None:
+    """comm (prctl), argv and exe with bytes that are not UTF-8, read by procfs/holders."""
+    import subprocess
+    import sys
+
+    from gpuguardd import procfs
+    code = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'gg-\\xff\\xfe', 0, 0, 0); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, b"arg-\xff"], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        stat = procfs.read_stat(proc.pid)
+        assert stat is not None and stat.comm == "gg-\\xff\\xfe"
+        assert (procfs.read_cmdline(proc.pid) or "").endswith(" arg-\\xff")
+        assert safetext.is_clean(procfs.read_wchan(proc.pid) or "")
+        assert safetext.is_clean(procfs.read_cgroup(proc.pid) or "")
+    finally:
+        proc.kill()
+        proc.wait()
