@@ -163,3 +163,27 @@ def test_wire_size_is_an_upper_bound() -> None:
     actual = len(bytes(message._marshall(False)))
     estimate = replysize.wire_size(typed)
     assert actual - 200 <= estimate <= actual * 2, (actual, estimate)
+
+
+def test_only_the_capped_part_of_a_command_line_is_read() -> None:
+    import subprocess
+    import sys
+    import tracemalloc
+
+    from gpuguardd import procfs
+    code = "import sys, time; print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, *["B" * ARG_MAX_ONE] * 15],
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        tracemalloc.start()
+        try:
+            cmdline = procfs.read_cmdline(proc.pid) or ""
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert len(cmdline.encode()) <= safetext.CMDLINE_MAX and cmdline.endswith(safetext.MARKER)
+        assert peak < 64 * 1024, peak  # 1.9 MB of argv, 4 KiB of it read
+    finally:
+        proc.kill()
+        proc.wait()
