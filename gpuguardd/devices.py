@@ -15,12 +15,14 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from .mig import MigCap, read_mig_minors
 from .models import DeviceNode
 
 _GPU_NAME = re.compile(r"^nvidia(\d+)$")
+_CAPS_NAME = re.compile(r"^nvidia-cap(\d+)$")
 # Driver names in /proc/devices -> role of their minors (see the NVIDIA driver's nv.c and uvm).
 _DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm": "uvm",
-                  "nvidia-caps": "caps", "nvidia-caps-imex-channels": "caps",
+                  "nvidia-caps": "caps", "nvidia-caps-imex-channels": "imex",
                   "nvidia-nvswitch": "other", "nvidia-nvlink": "other"}
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
@@ -38,7 +40,9 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     if name == "nvidia-modeset":
         return "modeset", None
     if "nvidia-caps" in path or name.startswith("nvidia-cap"):
-        return "caps", None
+        # /dev/nvidia-caps/nvidia-capN: N is the minor that mig-minors maps to a MIG instance.
+        caps = _CAPS_NAME.match(name)
+        return "caps", int(caps.group(1)) if caps and "imex" not in path else None
     # nvidia-uvm-tools (profilers), nvidia-nvswitchctl and friends: a GPU handle, not a context.
     return "control", None
 
@@ -77,6 +81,8 @@ class DeviceMap:
     # searches per process instead of two per node; a line that has one is then checked exactly.
     maps_prefilter: tuple[bytes, ...] = ()
     warnings: list[str] = field(default_factory=list)
+    # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
+    mig_caps: dict[int, MigCap] = field(default_factory=dict)
 
     def node_for_rdev(self, rdev: int) -> DeviceNode | None:
         node = self.by_rdev.get(rdev)
@@ -96,7 +102,9 @@ class DeviceMap:
             return DeviceNode(label, "gpu", minor=minor, rdev=rdev)
         if family == "uvm":
             return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
-        return DeviceNode(label, "caps" if family == "caps" else "control", rdev=rdev)
+        if family == "caps":
+            return DeviceNode(label, "caps", minor=minor, rdev=rdev)
+        return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
 
 
 def _maps_dev(st_dev: int) -> bytes:
@@ -124,12 +132,17 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
 
 def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
                      allow_majors: Iterable[int] = (),
-                     origin: Callable[[str], str] | None = None) -> DeviceMap:
+                     origin: Callable[[str], str] | None = None,
+                     mig_minors: str | None = None) -> DeviceMap:
     """The nodes `patterns` name now. Entries that are not character devices of an NVIDIA
     driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
     where it was configured (`origin(pattern)`) and why."""
     device_map = DeviceMap(majors=driver_majors(proc_devices))
     allowed = frozenset(allow_majors)
+    if mig_minors:
+        device_map.mig_caps, problem = read_mig_minors(mig_minors)
+        if problem:
+            device_map.warnings.append(problem)
     tokens: list[bytes] = []
     for pattern in patterns:
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -149,7 +162,10 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             role, name_minor = role_for_name(path)
             rdev = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
             minor = name_minor
-            if role == "gpu" and rdev is not None and os.major(rdev) in device_map.majors:
+            # A real driver's node: the minor it was made with, whatever its name says.
+            family = device_map.majors.get(os.major(rdev)) if rdev is not None else None
+            if rdev is not None and ((role == "gpu" and family is not None)
+                                     or (role == "caps" and family == "caps")):
                 minor = os.minor(rdev)
             node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev,
                               inode=(st.st_dev, st.st_ino))

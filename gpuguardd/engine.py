@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from . import nvmlprocs, procfs
 from .attribution import (
@@ -24,9 +25,15 @@ from .devices import DeviceMap, build_device_map
 from .errors import InvalidArgument
 from .holders import find_holders
 from .locks import UNKNOWN_GPU, GpuLocks
+from .mig import annotate_device_paths
 from .models import (
+    GPU_IDLE,
+    GPU_IN_USE,
+    GPU_LEAKED,
+    GPU_LOST,
     GPU_UNKNOWN,
     KIND_COMPUTE,
+    GpuInfo,
     Holder,
     NvmlSnapshot,
     Report,
@@ -42,6 +49,7 @@ from .sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_tar
 log = logging.getLogger("gpuguard.engine")
 
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+_MIG_UUID = re.compile(r"^MIG-[0-9A-F-]{8,}$", re.IGNORECASE)
 MAX_GRACE_MS = 3_600_000
 
 
@@ -51,6 +59,7 @@ class HolderFilter:
     unit: str = ""
     container: str = ""
     include_protected: bool = True
+    mig: tuple[str, ...] = ()  # MIG UUIDs: only these instances' holders
 
 
 class Engine:
@@ -91,6 +100,7 @@ class Engine:
         config = self.config
         snap = nvml if nvml is not None else self.snapshot()
         device_map = _device_map(config)
+        annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
         pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
         own_chain = procfs.ancestors(os.getpid())
         protected = ProtectedFiles.resolve(config)  # once per scan: installs and upgrades
@@ -115,7 +125,7 @@ class Engine:
     def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
         scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
-                      container=holder_filter.container)
+                      container=holder_filter.container, mig=holder_filter.mig)
         holders = [h for h in result.holders
                    if (holder_filter.include_protected or not h.protected)
                    and (not holder_filter.container or container_matches(h.container, holder_filter.container))
@@ -160,17 +170,38 @@ class Engine:
                 raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
         return tuple(sorted(indices)), warnings
 
+    @staticmethod
+    def resolve_mig(wanted: Iterable[object], nvml: NvmlSnapshot) -> tuple[tuple[str, ...], list[object]]:
+        """The MIG UUIDs among what the caller named (as NVML spells them), and the rest.
+
+        A MIG instance is a scope of its own: it is never widened to its GPU."""
+        found: list[str] = []
+        rest: list[object] = []
+        for item in wanted:
+            text = str(item).strip()
+            if isinstance(item, int) or not text.upper().startswith("MIG-"):
+                rest.append(item)
+                continue
+            match = nvml.mig_instance(text) if _MIG_UUID.match(text) else None
+            if match is None:
+                why = "" if nvml.available else f" ({nvml.error or 'NVML unavailable'})"
+                raise InvalidArgument(f"unknown MIG UUID {text!r}{why}: gpuguardctl gpus lists "
+                                      "the instances")
+            found.append(match[1].uuid)
+        return tuple(sorted(set(found))), rest
+
     def resolve_request(self, request: SweepRequest) -> tuple[Scope, SweepSettings, list[str]]:
         config = self.config
         nvml = self.snapshot(with_processes=False)
-        gpus, warnings = self.resolve_gpus(request.gpus, nvml)
+        mig, others = self.resolve_mig(request.gpus, nvml)
+        gpus, warnings = self.resolve_gpus(others, nvml)
         unit = _checked(normalize_unit_name, request.unit)
         container = _checked(validate_container_label, request.container)
         if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
             raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
         grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
         dry_run = config.dry_run if request.dry_run is None else request.dry_run
-        scope = Scope(gpus=gpus, unit=unit, container=container,
+        scope = Scope(gpus=gpus, unit=unit, container=container, mig=mig,
                       include_management=request.include_management,
                       adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
@@ -183,6 +214,9 @@ class Engine:
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}
+        # An instance's sweep locks its GPU: instances share the GPU's driver state.
+        names.update(str(found[0].index) for uuid in scope.mig
+                     if (found := nvml.mig_instance(uuid)) is not None)
         for holder, _ in pinned:
             if is_target(holder, scope):
                 names.update(str(g) for g in holder.gpus)
@@ -277,7 +311,7 @@ def log_device_refusals(config: Config) -> None:
 
 def _device_map(config: Config) -> DeviceMap:
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
-                            origin=config.origin)
+                            origin=config.origin, mig_minors=config.mig_minors_path)
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:
@@ -294,6 +328,8 @@ def describe_scope(scope: Scope) -> str:
     parts: list[str] = []
     if scope.gpus:
         parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
+    if scope.mig:
+        parts.append("MIG " + ",".join(scope.mig))
     if scope.unit:
         parts.append(f"unit {scope.unit}")
     if scope.container:
@@ -351,6 +387,32 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  #
             "pci_bus_id": gpu.pci_bus_id, "minor": gpu.minor if gpu.minor is not None else 0,
             "device_path": gpu.device_path, "memory_total": gpu.memory_total,
             "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state,
-            "error": gpu.error,
+            "error": gpu.error, "mig_mode": gpu.mig_mode,
+            "mig_instances": mig_summaries(gpu, scan.holders, released_below_bytes),
         })
     return summaries
+
+
+def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
+                  ) -> list[dict[str, Any]]:
+    """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
+    a GPU of its own, on its own memory and tenants."""
+    out = []
+    for instance in gpu.mig:
+        tenants = [h for h in holders if instance.uuid in h.mig]
+        if gpu.lost:
+            state = GPU_LOST
+        elif gpu.unknown or (instance.error and not instance.memory_total):
+            state = GPU_UNKNOWN  # never idle on a figure that could not be read
+        elif tenants or instance.processes:
+            state = GPU_IN_USE
+        elif instance.memory_used > released_below_bytes:
+            state = GPU_LEAKED
+        else:
+            state = GPU_IDLE
+        out.append({"uuid": instance.uuid, "gpu_instance_id": instance.gpu_instance_id,
+                    "compute_instance_id": instance.compute_instance_id,
+                    "device_path": instance.device_path, "memory_total": instance.memory_total,
+                    "memory_used": instance.memory_used, "holder_count": len(tenants),
+                    "state": state})
+    return out

@@ -20,6 +20,7 @@ import psutil
 from . import procfs, safetext
 from .attribution import attribute
 from .devices import DeviceMap
+from .mig import instances_for_caps
 from .models import (
     GPUS_FROM_NODES,
     GPUS_FROM_NVML,
@@ -186,6 +187,19 @@ def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
     return sorted(gpus)
 
 
+def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
+             device_map: DeviceMap) -> tuple[set[int], list[str]]:
+    """The MIG instances a holder runs in: NVML's per-instance lists where they list it (and
+    its pids are this /proc's), else the instances whose caps nodes it holds; with the GPUs
+    those caps nodes belong to (node evidence, like /dev/nvidiaN)."""
+    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
+              for i in gpu.mig if pid in i.processes}
+    if listed:
+        return set(), sorted(listed)
+    gpus, migs = instances_for_caps(nodes, device_map.mig_caps, nvml)
+    return gpus, sorted(migs)
+
+
 def describe(pid: int, nvml: NvmlSnapshot,
              device_map: DeviceMap, user_cache: dict[int, str],
              use_pidfd: bool = True, raw: RawHolding | None = None
@@ -235,6 +249,8 @@ def describe(pid: int, nvml: NvmlSnapshot,
             how.add("nvml")
             nvml_gpus.add(gpu.index)
             memory += gpu.processes[pid] or 0
+    caps_gpus, holder.mig = _mig_for(pid, nodes, nvml, device_map)
+    holder.node_gpus = sorted(set(holder.node_gpus) | caps_gpus)
     holder.how = [h for h in ("fd", "mmap", "nvml") if h in how]
     holder.nvml_gpus = sorted(nvml_gpus)
     # Which GPU a process computes on only NVML knows: every CUDA process holds every GPU's

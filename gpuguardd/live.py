@@ -64,7 +64,7 @@ class InventoryListener(Protocol):
 def filter_holders(holders: list[Holder], holder_filter: HolderFilter) -> list[Holder]:
     """Engine.list_holders' filter, applied to a scan the daemon already has."""
     scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
-                  container=holder_filter.container)
+                  container=holder_filter.container, mig=holder_filter.mig)
     return [h for h in holders
             if (holder_filter.include_protected or not h.protected)
             and (not holder_filter.container or container_matches(h.container, holder_filter.container))

@@ -47,6 +47,22 @@ class DeviceNode:
 
 
 @dataclass
+class MigInstance:
+    """One MIG device (a compute instance in a GPU instance) of a GPU in MIG mode."""
+
+    uuid: str  # "MIG-...", what users name it by
+    gpu_instance_id: int
+    compute_instance_id: int
+    memory_total: int = 0
+    memory_used: int = 0
+    error: str = ""
+    # pid -> bytes, from the instance's own process lists (see GpuInfo.processes)
+    processes: dict[int, int | None] = field(default_factory=dict)
+    # The caps node its processes open (/dev/nvidia-caps/nvidia-capN), from mig-minors; "".
+    device_path: str = ""
+
+
+@dataclass
 class GpuInfo:
     index: int
     uuid: str = ""
@@ -59,9 +75,12 @@ class GpuInfo:
     unknown: bool = False  # state unreadable (see GPU_UNKNOWN); memory_used means nothing then
     error: str = ""
     # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS;
-    # only entries that are process ids (nvmlprocs.merge), each process once
+    # only entries that are process ids (nvmlprocs.merge), each process once; in MIG mode
+    # also every instance's processes, since the parent's lists may be empty.
     processes: dict[int, int | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # entries of NVML's lists left out
+    mig_mode: bool = False
+    mig: list[MigInstance] = field(default_factory=list)
 
     @property
     def device_path(self) -> str:
@@ -82,6 +101,13 @@ class NvmlSnapshot:
         for gpu in self.gpus:
             if gpu.index == index:
                 return gpu
+        return None
+
+    def mig_instance(self, uuid: str) -> tuple[GpuInfo, MigInstance] | None:
+        for gpu in self.gpus:
+            for instance in gpu.mig:
+                if instance.uuid.lower() == uuid.lower():
+                    return gpu, instance
         return None
 
     def index_for_minor(self, minor: int) -> int | None:
@@ -108,6 +134,7 @@ class Holder:
     nvml_gpus: list[int] = field(default_factory=list)  # the GPUs NVML lists it on
     node_gpus: list[int] = field(default_factory=list)  # the GPUs whose nodes it holds
     gpus_from: str = ""  # GPUS_FROM_NVML, GPUS_FROM_NODES, or "" when it holds no GPU at all
+    mig: list[str] = field(default_factory=list)  # MIG UUIDs of the instances it runs in
     gpu_memory: int = 0
     state: str = ""
     kind: str = KIND_MANAGEMENT
@@ -134,6 +161,7 @@ class Holder:
             "nvml_gpus": list(self.nvml_gpus),
             "node_gpus": list(self.node_gpus),
             "gpus_from": self.gpus_from,
+            "mig": list(self.mig),
             "gpu_memory": self.gpu_memory,
             "state": self.state,
             "kind": self.kind,
@@ -180,15 +208,19 @@ class Scope:
     container: str = ""
     include_management: bool = False
     adopted: tuple[tuple[int, int], ...] = ()  # see SweepRequest.adopted
+    # MIG instances (UUIDs) named on their own: only their tenants, never the rest of the GPU.
+    mig: tuple[str, ...] = ()
 
     @property
     def whole_host(self) -> bool:
-        return not self.gpus and not self.unit and not self.container
+        return not self.gpus and not self.mig and not self.unit and not self.container
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpus": list(self.gpus), "unit": self.unit,
                                "container": self.container,
                                "include_management": self.include_management}
+        if self.mig:
+            out["mig"] = list(self.mig)
         if self.adopted:
             out["adopted_pids"] = [pid for pid, _ in self.adopted]
         return out

@@ -23,7 +23,7 @@ except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lack
 
 from . import nvmlprocs
 from .driverinfo import DRIVER_GPUS_DIR, DriverGpu, fill_from_driver, read_driver_gpus
-from .models import GpuInfo, NvmlSnapshot
+from .models import GpuInfo, MigInstance, NvmlSnapshot
 from .nvmlworker import NvmlHung, NvmlWorker
 
 PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
@@ -253,7 +253,66 @@ class Nvml:
             gpu.unknown = True  # no memory figure: neither idle nor leaked can be said
         if with_processes and not gpu.lost:
             gpu.processes = self._processes(handle, gpu)
+        if not gpu.lost:
+            self._mig(handle, gpu, with_processes)
         return gpu
+
+    def _mig(self, handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
+        """The MIG devices of a GPU in MIG mode, each with its memory and processes.
+
+        In MIG mode the parent's memory is the aggregate and its process lists are empty for
+        all but privileged callers (nvml.h), so tenants are found on the instances, which are
+        walked by index up to the maximum: an index without an instance is NOT_FOUND, and
+        gaps are normal once instances were destroyed."""
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError as exc:
+            # NOT_SUPPORTED: a GPU that cannot do MIG (or a driver that predates it).
+            if not isinstance(exc, (pynvml.NVMLError_NotSupported,
+                                    pynvml.NVMLError_FunctionNotFound)) and not gpu.error:
+                gpu.error = _error_text(exc)
+            return
+        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return
+        gpu.mig_mode = True
+        try:
+            slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+        except pynvml.NVMLError as exc:
+            gpu.error = gpu.error or _error_text(exc)
+            return
+        for slot in range(slots):
+            try:
+                mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except pynvml.NVMLError_NotFound:
+                continue
+            except pynvml.NVMLError as exc:
+                gpu.error = gpu.error or _error_text(exc)
+                continue
+            instance = self._instance(mig_handle, gpu, with_processes)
+            if instance is not None:
+                gpu.mig.append(instance)
+
+    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> MigInstance | None:
+        try:
+            instance = MigInstance(uuid=_text(pynvml.nvmlDeviceGetUUID(mig_handle)),
+                                   gpu_instance_id=int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)),
+                                   compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)))
+        except pynvml.NVMLError as exc:
+            # Without its UUID and ids nobody can name or find the instance.
+            gpu.error = gpu.error or _error_text(exc)
+            return None
+        try:
+            instance.memory_total, instance.memory_used = self._memory(mig_handle)
+        except pynvml.NVMLError as exc:
+            instance.error = _error_text(exc)
+        if with_processes:
+            listed = GpuInfo(index=gpu.index)  # collects the lists' errors for this instance
+            instance.processes = self._processes(mig_handle, listed)
+            instance.error = instance.error or listed.error
+            for pid, used in instance.processes.items():
+                # The parent's aggregate list (privileged callers) has them already: once.
+                gpu.processes.setdefault(pid, used)
+        return instance
 
     @staticmethod
     def _memory(handle: Any) -> tuple[int, int]:

@@ -49,6 +49,12 @@ def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
                   if gpu["memory_total"] else "unknown")
         rows.append([str(gpu["index"]), gpu["name"], gpu["uuid"], gpu["pci_bus_id"], memory,
                      str(gpu["holder_count"]), gpu["state"]])
+        # MIG instances under their GPU, by the UUID users name them with.
+        for mig in gpu.get("mig_instances") or []:
+            memory = f"{human_bytes(mig['memory_used'])} / {human_bytes(mig['memory_total'])}"
+            rows.append([f"  {gpu['index']}/gi{mig['gpu_instance_id']}/ci{mig['compute_instance_id']}",
+                         "MIG instance", mig["uuid"], mig["device_path"] or "-", memory,
+                         str(mig["holder_count"]), mig["state"]])
     table(["GPU", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 
 
@@ -56,7 +62,7 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
     holders = escaped(holders)
     rows = []
     for h in holders:
-        gpus = ",".join(str(g) for g in h["gpus"]) or "?"
+        gpus = ",".join([str(g) for g in h["gpus"]] + list(h.get("mig") or [])) or "?"
         memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
         kind = h["kind"] + (" (protected)" if h["protected"] else "")
         command = h["cmdline"] or f"[{h['comm']}]"
@@ -72,6 +78,8 @@ def describe_scope(scope: dict[str, Any]) -> str:
     parts = []
     if scope.get("gpus"):
         parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
+    if scope.get("mig"):
+        parts.append("MIG " + ",".join(str(m) for m in scope["mig"]))
     if scope.get("unit"):
         parts.append(f"unit {scope['unit']}")
     if scope.get("container"):
@@ -103,7 +111,8 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     for g in report.get("gpus", []):
         after = human_bytes(g["memory_used_after"]) if not report.get("dry_run") else "-"
         flag = "" if g.get("released") or report.get("dry_run") else " (not released)"
-        out.write(f"  GPU {g['index']}: {human_bytes(g['memory_used_before'])} used before, {after} after{flag}\n")
+        what = f"GPU {g['index']}" + (f" MIG {g['mig_uuid']}" if g.get("mig_uuid") else "")
+        out.write(f"  {what}: {human_bytes(g['memory_used_before'])} used before, {after} after{flag}\n")
     for leak in report.get("leaks", []):
         out.write(f"  LEAK: GPU {leak['gpu']} keeps {human_bytes(leak['bytes'])} with no process holding it\n")
     for warning in report.get("warnings", []):

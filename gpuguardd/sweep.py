@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, Union
 
 from . import procfs
 from .attribution import container_matches
@@ -33,6 +33,7 @@ from .models import (
     OUTCOME_UNVERIFIED,
     GpuInfo,
     Holder,
+    MigInstance,
     NvmlSnapshot,
     Report,
     Scope,
@@ -73,6 +74,10 @@ class SweepSettings:
 
 
 Pinned = list[tuple[Holder, ProcessHandle]]
+# What a sweep verifies: a whole GPU (NVML index) or one MIG instance (its MIG UUID).
+MemoryKey = Union[int, str]
+# A GPU, and the instance of it the key names (None: the whole GPU).
+MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
 # Returns the holders (protection already decided) with their handles, and the NVML snapshot.
 Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
 
@@ -105,11 +110,31 @@ def on_nvml_word_alone(holder: Holder) -> bool:
     return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
 
 
+def _on_mig_scope(holder: Holder, scope: Scope) -> bool:
+    """In a scope of MIG instances only when every instance it runs in is one of them: a
+    tenant of another instance of the same GPU is never touched, and a holder of the GPU
+    whose instance is unknown (no NVML listing, no caps node) is no instance's tenant."""
+    return bool(holder.mig) and set(holder.mig) <= set(scope.mig)
+
+
+def _mig_scope_why(holder: Holder, scope: Scope) -> str:
+    """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
+    others = sorted(set(holder.mig) - set(scope.mig))
+    if others and set(holder.mig) & set(scope.mig):
+        return f"also in MIG instance {', '.join(others)}"
+    return ""
+
+
+def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
+    """On the scope's whole GPUs (gpu_scope's rule) or inside its MIG instances."""
+    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or _on_mig_scope(holder, scope)
+
+
 def in_scope(holder: Holder, scope: Scope) -> bool:
     if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
         # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
         # the unit watch chose (unitwatch.py), never a recycled PID.
-        return not scope.gpus or gpu_scope(holder, scope.gpus)[0]
+        return (not scope.gpus and not scope.mig) or _on_scope_gpus(holder, scope)
     if scope.container:
         if not container_matches(holder.container, scope.container):
             return False
@@ -118,8 +143,8 @@ def in_scope(holder: Holder, scope: Scope) -> bool:
         return False
     if scope.unit and holder.unit != scope.unit:
         return False
-    if scope.gpus:
-        return gpu_scope(holder, scope.gpus)[0]
+    if scope.gpus or scope.mig:
+        return _on_scope_gpus(holder, scope)
     return True
 
 
@@ -129,9 +154,20 @@ def is_target(holder: Holder, scope: Scope) -> bool:
 
 
 def _brief(holder: Holder) -> dict[str, object]:
-    return {"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-            "container": holder.container, "kind": holder.kind, "gpus": list(holder.gpus),
-            "gpu_memory": holder.gpu_memory, "exe": holder.exe}
+    brief: dict[str, object] = {
+        "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+        "container": holder.container, "kind": holder.kind, "gpus": list(holder.gpus),
+        "gpu_memory": holder.gpu_memory, "exe": holder.exe}
+    if holder.mig:
+        brief["mig"] = list(holder.mig)
+    return brief
+
+
+def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
+    if isinstance(key, str):
+        return snap.mig_instance(key)
+    gpu = snap.by_index(key)
+    return None if gpu is None else (gpu, None)
 
 
 def _survivor_reason(pid: int) -> tuple[str, str]:
@@ -233,12 +269,13 @@ class Sweep:
         report.warnings.extend(warnings)
         targets = self._plan(pinned)
         gpus_in_scope = self._gpus_in_scope(targets, nvml)
-        before = {g.index: g for g in nvml.gpus}
+        before = {key: view for key in self._all_keys(nvml)
+                  if (view := memory_view(nvml, key)) is not None}
         if not nvml.available:
             report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
         if self.settings.dry_run:
             report.outcome = OUTCOME_DRY_RUN
-            report.gpus = [self._gpu_entry(before.get(i), i, None) for i in gpus_in_scope]
+            report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
             self._close(pinned)
             return self._finish()
         rounds = 0
@@ -251,7 +288,7 @@ class Sweep:
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             for holder, _ in targets:
                 report.targets.append(_brief(holder))
-            gpus_in_scope = sorted(set(gpus_in_scope) | set(self._gpus_in_scope(targets, nvml)))
+            gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
         for holder, _ in targets:
             report.survived.append({"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
                                     "state": holder.state,
@@ -260,7 +297,7 @@ class Sweep:
         self._close(pinned)
         after = self._verify(gpus_in_scope, nvml.available)
         self._report_exiting()
-        report.gpus = [self._gpu_entry(before.get(i), i, after.get(i)) for i in gpus_in_scope]
+        report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
         self._decide_outcome(gpus_in_scope, before, after, nvml.available)
         return self._finish()
 
@@ -280,7 +317,8 @@ class Sweep:
         for holder, handle in pinned:
             if not in_scope(holder, self.scope):
                 _, why = gpu_scope(holder, self.scope.gpus)
-                if why and in_scope(holder, replace(self.scope, gpus=())):
+                why = why or _mig_scope_why(holder, self.scope)
+                if why and in_scope(holder, replace(self.scope, gpus=(), mig=())):
                     self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
                                                "unit": holder.unit, "why": why})
                 continue
@@ -301,12 +339,24 @@ class Sweep:
                 self.report.targets.append(_brief(holder))
         return targets
 
-    def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[int]:
-        if self.scope.gpus:
-            return sorted(self.scope.gpus)
+    @staticmethod
+    def _all_keys(nvml: NvmlSnapshot) -> list[MemoryKey]:
+        return [*(g.index for g in nvml.gpus), *(i.uuid for g in nvml.gpus for i in g.mig)]
+
+    def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
+        """What to verify: whole GPUs by index, and MIG instances by UUID where the scope
+        (or, for a unit or container, its holders) is an instance: that instance's memory is
+        what the sweep freed, and the GPU's aggregate also holds its other tenants'."""
+        gpus: list[MemoryKey] = []
+        if self.scope.gpus or self.scope.mig:
+            gpus.extend(sorted(self.scope.gpus))
+            gpus.extend(sorted(self.scope.mig))
+            return gpus
         if self.scope.whole_host:
             return [g.index for g in nvml.gpus]
-        return sorted({g for holder, _ in targets for g in holder.gpus})
+        gpus.extend(sorted({g for holder, _ in targets if not holder.mig for g in holder.gpus}))
+        gpus.extend(sorted({m for holder, _ in targets for m in holder.mig}))
+        return gpus
 
     # -- termination ---------------------------------------------------------------------
 
@@ -423,15 +473,17 @@ class Sweep:
 
     # -- verification --------------------------------------------------------------------
 
-    def _released(self, gpu: GpuInfo) -> bool:
-        if gpu.lost or gpu.unknown or (gpu.error and not gpu.memory_total):
+    def _released(self, view: MemoryView) -> bool:
+        gpu, instance = view
+        memory: GpuInfo | MigInstance = gpu if instance is None else instance
+        if gpu.lost or gpu.unknown or (memory.error and not memory.memory_total):
             return False
-        if any(pid in self._terminated_pids or pid in self._exiting for pid in gpu.processes):
+        if any(pid in self._terminated_pids or pid in self._exiting for pid in memory.processes):
             return False
-        others = sum(mem or 0 for pid, mem in gpu.processes.items() if os.path.exists(f"/proc/{pid}"))
-        return gpu.memory_used <= self.settings.released_below_bytes + others
+        others = sum(mem or 0 for pid, mem in memory.processes.items() if os.path.exists(f"/proc/{pid}"))
+        return memory.memory_used <= self.settings.released_below_bytes + others
 
-    def _verify(self, gpus: list[int], nvml_available: bool) -> dict[int, GpuInfo]:
+    def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
         """Poll NVML until the memory is back and no target is still exiting, or until
         VerifyTimeoutSec; the last readings."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
@@ -441,9 +493,9 @@ class Sweep:
         delay = self.settings.poll_start_sec
         while True:
             snap = self.snapshot()
-            current = {g.index: g for g in snap.gpus if g.index in gpus}
+            current = {key: view for key in gpus if (view := memory_view(snap, key)) is not None}
             if not self._exiting and snap.available \
-                    and all(i in current and self._released(current[i]) for i in gpus):
+                    and all(k in current and self._released(current[k]) for k in gpus):
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.available else {}
@@ -452,44 +504,58 @@ class Sweep:
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.settings.poll_max_sec)
 
-    def _gpu_entry(self, before: GpuInfo | None, index: int,
-                   after: GpuInfo | None) -> dict[str, object]:
-        entry: dict[str, object] = {"index": index, "uuid": before.uuid if before else "",
-                                    "memory_used_before": before.memory_used if before else 0,
-                                    "memory_total": before.memory_total if before else 0}
+    def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
+                   after: MemoryView | None) -> dict[str, object]:
+        was = _memory_of(before)
+        entry: dict[str, object] = {"index": before[0].index if before else key,
+                                    "uuid": before[0].uuid if before else "",
+                                    "memory_used_before": was.memory_used if was else 0,
+                                    "memory_total": was.memory_total if was else 0}
+        if isinstance(key, str):
+            entry["mig_uuid"] = key
+            if before is None:
+                entry["index"] = 0
         if after is not None:
-            entry["memory_used_after"] = after.memory_used
+            now = _memory_of(after)
+            entry["memory_used_after"] = now.memory_used if now else 0
             entry["released"] = self._released(after)
         else:
-            entry["memory_used_after"] = before.memory_used if before and self.settings.dry_run else 0
+            entry["memory_used_after"] = was.memory_used if was and self.settings.dry_run else 0
             entry["released"] = False
         return entry
 
-    def _decide_outcome(self, gpus: list[int], before: dict[int, GpuInfo],
-                        after: dict[int, GpuInfo], nvml_available: bool) -> None:
+    def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],
+                        after: dict[MemoryKey, MemoryView], nvml_available: bool) -> None:
         report = self.report
-        readable = {i: g for i, g in after.items() if not (g.unknown or g.lost)}
-        verified = nvml_available and bool(gpus) and all(i in readable for i in gpus)
-        not_released: list[int] = []
-        for index in gpus:
-            gpu = after.get(index)
-            if gpu is not None and index not in readable:
+        readable = {k: v for k, v in after.items() if not (v[0].unknown or v[0].lost)}
+        verified = nvml_available and bool(gpus) and all(k in readable for k in gpus)
+        not_released: list[MemoryKey] = []
+        for key in gpus:
+            view = after.get(key)
+            name = f"MIG {key}" if isinstance(key, str) else f"GPU {key}"
+            if view is not None and key not in readable:
                 # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
-                report.warnings.append(f"GPU {index}: memory could not be read ("
+                gpu = view[0]
+                report.warnings.append(f"{name}: memory could not be read ("
                                        f"{gpu.error or ('lost' if gpu.lost else 'unknown')})")
                 continue
-            if gpu is None:
+            if view is None:
                 if nvml_available:
-                    info = before.get(index)
+                    was = _memory_of(before.get(key))
                     report.warnings.append(
-                        f"GPU {index}: memory could not be read"
-                        + (f" ({info.error})" if info and info.error else ""))
+                        f"{name}: memory could not be read"
+                        + (f" ({was.error})" if was and was.error else ""))
                 continue
-            if not self._released(gpu):
-                not_released.append(index)
-                if not gpu.processes:
-                    report.leaks.append({"gpu": index, "uuid": gpu.uuid,
-                                         "bytes": gpu.memory_used})
+            if not self._released(view):
+                not_released.append(key)
+                memory = _memory_of(view)
+                assert memory is not None
+                if not memory.processes:
+                    leak: dict[str, object] = {"gpu": view[0].index, "uuid": view[0].uuid,
+                                               "bytes": memory.memory_used}
+                    if view[1] is not None:
+                        leak["mig_uuid"] = view[1].uuid
+                    report.leaks.append(leak)
         report.verified = verified and not not_released
         if report.survived:
             report.outcome = OUTCOME_SURVIVORS
@@ -501,3 +567,15 @@ class Sweep:
             report.outcome = OUTCOME_UNVERIFIED
         else:
             report.outcome = OUTCOME_FREED
+
+
+def _memory_of(view: MemoryView | None) -> GpuInfo | MigInstance | None:
+    """Whose memory a view is about: the instance's, or the whole GPU's."""
+    if view is None:
+        return None
+    return view[0] if view[1] is None else view[1]
+
+
+def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:
+    """first, then what `more` adds, without repeats (keys mix ints and strings: no sort)."""
+    return list(dict.fromkeys([*first, *more]))

@@ -35,6 +35,7 @@ __all__ = [
     "LIBRARY_NAME",
     "STATE_ENV",
     "FakeGpu",
+    "FakeMig",
     "FakeNvmlBuildError",
     "FakeNvmlState",
     "FakeProc",
@@ -62,6 +63,7 @@ _PROC_KINDS: frozenset[str] = frozenset(("compute", "graphics", "mps"))
 # whatever the code under test happened to call next.
 _MAX_GPUS = 64
 _MAX_PROCS = 4096
+MIG_SLOTS = 7  # nvmlDeviceGetMaxMigDeviceCount on A100/H100/H200
 _MAX_UUID_LEN = 95
 _MAX_NAME_LEN = 95
 _MAX_DRIVER_LEN = 79
@@ -182,6 +184,10 @@ class FakeGpu:
     lost: bool = False
     handle_error: int = 0
     reserved: int = 0
+    # None: the GPU cannot do MIG; True/False: MIG mode on/off. In MIG mode the parent's
+    # process lists are empty unless mig_parent_lists is "aggregate" (what root sees).
+    mig: bool | None = None
+    mig_parent_lists: Literal["empty", "aggregate"] = "empty"
 
     def __post_init__(self) -> None:
         if self.minor is None:
@@ -217,7 +223,35 @@ class FakeGpu:
             line += f" handle_error={FakeNvmlState._code('handle_error', self.handle_error)}"
         if self.reserved:
             line += f" reserved={self.reserved}"
+        if self.mig is not None:
+            line += f" mig={'on' if self.mig else 'off'} mig_parent_lists={self.mig_parent_lists}"
         return line + " lost" if self.lost else line
+
+
+@dataclass
+class FakeMig:
+    """A MIG device of GPU ``gpu``, found by nvmlDeviceGetMigDeviceHandleByIndex at ``slot``
+    (0-6; gaps are allowed, as on real drivers), with its own memory."""
+
+    gpu: int
+    slot: int
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    memory_total: int = 10 * GIB
+    base_used: int = 0
+
+    def _line(self) -> str:
+        _check_token("uuid", self.uuid, _MAX_UUID_LEN)
+        if not 0 <= self.slot < MIG_SLOTS:
+            raise ValueError(f"MIG slot {self.slot} is not 0-{MIG_SLOTS - 1}")
+        for what, number in (("gpu_instance_id", self.gpu_instance_id),
+                             ("compute_instance_id", self.compute_instance_id),
+                             ("memory_total", self.memory_total), ("base_used", self.base_used)):
+            if number < 0:
+                raise ValueError(f"MIG {self.uuid}: {what} must not be negative, got {number}")
+        return (f"mig {self.gpu} {self.slot} uuid={self.uuid} gi={self.gpu_instance_id}"
+                f" ci={self.compute_instance_id} total={self.memory_total} used={self.base_used}")
 
 
 @dataclass
@@ -241,6 +275,7 @@ class FakeProc:
     release_delay_ms: int = 0
     listed_ms: int | None = None
     raw: bool = False
+    mig_slot: int | None = None  # the MIG instance (slot on ``gpu``) it runs in
 
     def _line(self) -> str:
         if self.kind not in _PROC_KINDS:
@@ -256,6 +291,8 @@ class FakeProc:
             if self.listed_ms < 0:
                 raise ValueError(f"pid {self.pid}: listed_ms must not be negative")
             line += f" listed_ms={self.listed_ms}"
+        if self.mig_slot is not None:
+            line += f" mig={self.mig_slot}"
         return line + " raw" if self.raw else line
 
 
@@ -275,6 +312,7 @@ class FakeNvmlState:
     driver_version: str = "550.54.15"
     gpus: list[FakeGpu] = field(default_factory=list)
     procs: list[FakeProc] = field(default_factory=list)
+    migs: list[FakeMig] = field(default_factory=list)
     init_error: int = 0
     fail: dict[str, int] = field(default_factory=dict)
     hang: list[tuple[str, int, int | None]] = field(default_factory=list)
@@ -310,6 +348,24 @@ class FakeNvmlState:
         self.gpus.append(gpu)
         return gpu
 
+    def add_mig(self, gpu: int, uuid: str, gpu_instance_id: int, compute_instance_id: int = 0,
+                slot: int | None = None, memory_total: int = 10 * GIB, base_used: int = 0) -> FakeMig:
+        """Add a MIG device to GPU ``gpu`` (turning its MIG mode on), at the next free slot
+        unless ``slot`` is given."""
+        if not 0 <= gpu < len(self.gpus):
+            raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
+        self.gpus[gpu].mig = True
+        used = {m.slot for m in self.migs if m.gpu == gpu}
+        if slot is None:
+            slot = min(set(range(MIG_SLOTS)) - used)
+        elif slot in used:
+            raise ValueError(f"GPU {gpu} already has a MIG device in slot {slot}")
+        mig = FakeMig(gpu=gpu, slot=slot, uuid=uuid, gpu_instance_id=gpu_instance_id,
+                      compute_instance_id=compute_instance_id, memory_total=memory_total,
+                      base_used=base_used)
+        self.migs.append(mig)
+        return mig
+
     def add_proc(
         self,
         gpu: int,
@@ -319,12 +375,20 @@ class FakeNvmlState:
         release_delay_ms: int = 0,
         listed_ms: int | None = None,
         raw: bool = False,
+        mig: str | None = None,
     ) -> FakeProc:
-        """Add a process holding ``used`` bytes on GPU ``gpu``."""
+        """Add a process holding ``used`` bytes on GPU ``gpu`` (in its MIG device ``mig``, by
+        UUID, on a GPU in MIG mode)."""
         if not 0 <= gpu < len(self.gpus):
             raise ValueError(f"no GPU {gpu}; add it first (have {len(self.gpus)})")
+        slot = None
+        if mig is not None:
+            found = [m.slot for m in self.migs if m.gpu == gpu and m.uuid == mig]
+            if not found:
+                raise ValueError(f"GPU {gpu} has no MIG device {mig}")
+            slot = found[0]
         proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms,
-                        listed_ms=listed_ms, raw=raw)
+                        listed_ms=listed_ms, raw=raw, mig_slot=slot)
         self.procs.append(proc)
         return proc
 
@@ -364,6 +428,8 @@ class FakeNvmlState:
             _check_token("node", node, _MAX_NODE_PATH)
             lines.append(f"node {node}")
         lines.extend(g._line() for g in self.gpus)
+        # The library wants instances after their GPU and before the procs that name them.
+        lines.extend(m._line() for m in self.migs)
         for proc in self.procs:
             if not 0 <= proc.gpu < len(self.gpus):
                 raise ValueError(f"pid {proc.pid} is on GPU {proc.gpu}, which does not exist")

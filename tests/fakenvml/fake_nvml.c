@@ -18,6 +18,9 @@
  *   hang nvmlDeviceGetMemoryInfo_v2 60000 [GPU]
  *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost] [handle_error=15]
  *   proc 0 12345 4294967296 compute release_delay_ms=0 [listed_ms=N]
+ *   gpu 1 uuid=GPU-... name=... pci=... total=85899345920 mig=on mig_parent_lists=empty
+ *   mig 1 0 uuid=MIG-... gi=1 ci=0 total=10737418240 used=0
+ *   proc 1 23456 1073741824 compute mig=0
  *
  * gpu records must be numbered 0, 1, 2... in order and come before the
  * procs that name them; '_' in a name stands for a space; minor defaults to
@@ -39,6 +42,18 @@
  * decodes pids 0 and 4294967295, and nvmlDeviceGetRunningProcessDetailList
  * does not exist; nvmlDeviceGetConfComputeMemSizeInfo does, as on those
  * drivers (the symbols are how a caller tells them apart).
+ *
+ * MIG (see the block before the MIG entry points for what real drivers do
+ * and where that comes from): a gpu with mig=on is in MIG mode and mig=off
+ * is MIG-capable with the mode off; without the key the GPU cannot do MIG
+ * at all (NVML_ERROR_NOT_SUPPORTED).  mig records name the parent GPU, the
+ * slot nvmlDeviceGetMigDeviceHandleByIndex finds the instance at (slots may
+ * have gaps, 0-6), its UUID, GPU and compute instance ids and its memory.
+ * A proc with mig=SLOT runs in that instance.  mig_parent_lists= says what
+ * the parent's process lists show in MIG mode: "empty" (the default: an
+ * unprivileged caller, or a driver that only lists per instance) or
+ * "aggregate" (every instance's processes, as nvml.h promises a privileged
+ * caller).
  *
  * Liveness: a proc whose pid has exited keeps holding its memory (and stays
  * listed) until release_delay_ms after this library first noticed it was
@@ -206,6 +221,7 @@ typedef struct {
 
 #define MAX_GPUS 64
 #define MAX_PROCS 4096
+#define MAX_MIGS (MAX_GPUS * MIG_SLOTS)
 #define MAX_FAILS 256
 #define MAX_HANGS 64
 /* NVML_DEVICE_UUID_V2_BUFFER_SIZE and NVML_DEVICE_NAME_V2_BUFFER_SIZE: what
@@ -243,6 +259,28 @@ struct fake_gpu {
     unsigned long long reserved;
     int lost;
     nvmlReturn_t handle_error;
+    int mig_mode;          /* MIG_UNSUPPORTED, or NVML_DEVICE_MIG_DISABLE/_ENABLE */
+    int parent_aggregate;  /* in MIG mode, the parent's lists show every instance's procs */
+};
+
+#define MIG_UNSUPPORTED (-1)
+#define MIG_DISABLE 0 /* NVML_DEVICE_MIG_DISABLE */
+#define MIG_ENABLE 1  /* NVML_DEVICE_MIG_ENABLE */
+/* nvmlDeviceGetMaxMigDeviceCount on A100, H100 and H200: at most seven
+ * instances (1g profiles), so slots run 0-6. */
+#define MIG_SLOTS 7
+#define NO_MIG 0xFFFFFFFFu /* a proc outside any instance; NVML's "not MIG" id */
+
+/* One MIG device (a compute instance inside a GPU instance).  Its handle is
+ * a pointer into state.migs, as GPU handles point into state.gpus. */
+struct fake_mig {
+    unsigned int gpu;
+    unsigned int slot;
+    char uuid[UUID_SIZE];
+    unsigned int gi;
+    unsigned int ci;
+    unsigned long long total;
+    unsigned long long base_used;
 };
 
 /* pynvml only ever holds a pointer to it, so the handle type can be the
@@ -259,6 +297,7 @@ struct fake_proc {
     unsigned long long listed_ms; /* ULLONG_MAX: listed for the whole release delay */
     int raw; /* listed as written, never checked for liveness */
     unsigned int raw_pid;
+    unsigned int mig_slot; /* NO_MIG, or the slot of the instance it runs in */
 };
 
 struct fail_rule {
@@ -285,6 +324,8 @@ struct state {
     unsigned int proc_count;
     char nodes[MAX_NODES][NODE_PATH_SIZE];
     unsigned int node_count;
+    struct fake_mig migs[MAX_MIGS];
+    unsigned int mig_count;
 };
 
 struct dead_pid {
@@ -438,6 +479,7 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
     }
     gpu = &st->gpus[st->gpu_count];
     memset(gpu, 0, sizeof *gpu);
+    gpu->mig_mode = MIG_UNSUPPORTED;
 
     while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
         char *value = strchr(tok, '=');
@@ -501,6 +543,24 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
                 parse_error(ctx, "bad reserved", value);
                 return 0;
             }
+        } else if (strcmp(tok, "mig") == 0) {
+            if (strcmp(value, "on") == 0)
+                gpu->mig_mode = MIG_ENABLE;
+            else if (strcmp(value, "off") == 0)
+                gpu->mig_mode = MIG_DISABLE;
+            else {
+                parse_error(ctx, "mig must be on or off, got", value);
+                return 0;
+            }
+        } else if (strcmp(tok, "mig_parent_lists") == 0) {
+            if (strcmp(value, "aggregate") == 0)
+                gpu->parent_aggregate = 1;
+            else if (strcmp(value, "empty") == 0)
+                gpu->parent_aggregate = 0;
+            else {
+                parse_error(ctx, "mig_parent_lists must be empty or aggregate, got", value);
+                return 0;
+            }
         } else {
             parse_error(ctx, "unknown gpu key", tok);
             return 0;
@@ -514,6 +574,15 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
         gpu->minor = (unsigned int)index;
     ++st->gpu_count;
     return 1;
+}
+
+static struct fake_mig *find_mig(struct state *st, unsigned int gpu, unsigned long long slot)
+{
+    unsigned int i;
+    for (i = 0; i < st->mig_count; ++i)
+        if (st->migs[i].gpu == gpu && st->migs[i].slot == slot)
+            return &st->migs[i];
+    return NULL;
 }
 
 static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
@@ -537,6 +606,7 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
         return 0;
     }
     proc->gpu = (unsigned int)gpu;
+    proc->mig_slot = NO_MIG;
 
     tok = strtok_r(NULL, DELIMS, save);
     /* Range-checked below, once "raw" is known. */
@@ -572,6 +642,15 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
             proc->raw = 1;
             continue;
         }
+        if (strncmp(tok, "mig=", 4) == 0) {
+            unsigned long long slot;
+            if (!parse_ull(tok + 4, &slot) || find_mig(st, proc->gpu, slot) == NULL) {
+                parse_error(ctx, "proc names no MIG instance listed above it on its gpu", tok);
+                return 0;
+            }
+            proc->mig_slot = (unsigned int)slot;
+            continue;
+        }
         if (strncmp(tok, "release_delay_ms=", 17) == 0) {
             field = &proc->release_delay_ms;
             value = tok + 17;
@@ -595,7 +674,82 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
         return 0;
     }
     proc->pid = proc->raw ? 0 : (pid_t)pid;
+    if (proc->mig_slot == NO_MIG && st->gpus[proc->gpu].mig_mode == MIG_ENABLE) {
+        /* A GPU in MIG mode runs nothing outside its instances. */
+        parse_error(ctx, "a proc on a GPU in MIG mode needs mig=SLOT", NULL);
+        return 0;
+    }
     ++st->proc_count;
+    return 1;
+}
+
+static int parse_mig(struct parse_ctx *ctx, struct state *st, char **save)
+{
+    struct fake_mig *mig;
+    unsigned long long gpu, slot, v;
+    int have_uuid = 0, have_gi = 0, have_ci = 0, have_total = 0;
+    char *tok;
+
+    if (st->mig_count >= MAX_MIGS) {
+        parse_error(ctx, "too many mig records", NULL);
+        return 0;
+    }
+    mig = &st->migs[st->mig_count];
+    memset(mig, 0, sizeof *mig);
+    tok = strtok_r(NULL, DELIMS, save);
+    if (!parse_ull(tok, &gpu) || gpu >= st->gpu_count) {
+        parse_error(ctx, "mig names no gpu listed above it", tok);
+        return 0;
+    }
+    if (st->gpus[gpu].mig_mode != MIG_ENABLE) {
+        parse_error(ctx, "mig instance on a gpu without mig=on", tok);
+        return 0;
+    }
+    tok = strtok_r(NULL, DELIMS, save);
+    if (!parse_ull(tok, &slot) || slot >= MIG_SLOTS || find_mig(st, (unsigned int)gpu, slot)) {
+        parse_error(ctx, "mig slot must be 0-6 and unused on its gpu, got", tok);
+        return 0;
+    }
+    mig->gpu = (unsigned int)gpu;
+    mig->slot = (unsigned int)slot;
+    while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
+        char *value = strchr(tok, '=');
+        if (value == NULL) {
+            parse_error(ctx, "expected key=value, got", tok);
+            return 0;
+        }
+        *value++ = '\0';
+        if (strcmp(tok, "uuid") == 0) {
+            have_uuid = copy_token(mig->uuid, sizeof mig->uuid, value);
+        } else if (strcmp(tok, "gi") == 0 || strcmp(tok, "ci") == 0) {
+            if (!parse_ull(value, &v) || v >= NO_MIG) {
+                parse_error(ctx, "bad instance id", value);
+                return 0;
+            }
+            if (tok[0] == 'g') {
+                mig->gi = (unsigned int)v;
+                have_gi = 1;
+            } else {
+                mig->ci = (unsigned int)v;
+                have_ci = 1;
+            }
+        } else if (strcmp(tok, "total") == 0) {
+            have_total = parse_ull(value, &mig->total);
+        } else if (strcmp(tok, "used") == 0) {
+            if (!parse_ull(value, &mig->base_used)) {
+                parse_error(ctx, "bad used", value);
+                return 0;
+            }
+        } else {
+            parse_error(ctx, "unknown mig key", tok);
+            return 0;
+        }
+    }
+    if (!have_uuid || !have_gi || !have_ci || !have_total) {
+        parse_error(ctx, "mig record needs uuid=, gi=, ci= and total=", NULL);
+        return 0;
+    }
+    ++st->mig_count;
     return 1;
 }
 
@@ -625,6 +779,8 @@ static int parse_line(struct parse_ctx *ctx, struct state *st, char *line)
         ++st->node_count;
         return 1;
     }
+    if (strcmp(kw, "mig") == 0)
+        return parse_mig(ctx, st, &save);
 
     a = strtok_r(NULL, DELIMS, &save);
     b = strtok_r(NULL, DELIMS, &save);
@@ -846,7 +1002,21 @@ static int handle_index(nvmlDevice_t device, unsigned int *index)
     return 1;
 }
 
-/* enter() plus the checks every per-device call shares. */
+static struct fake_mig *mig_of_handle(nvmlDevice_t device)
+{
+    uintptr_t p = (uintptr_t)device;
+    uintptr_t base = (uintptr_t)g_state.migs;
+    uintptr_t slot;
+    if (p < base || (p - base) % sizeof g_state.migs[0] != 0)
+        return NULL;
+    slot = (p - base) / sizeof g_state.migs[0];
+    return slot < g_state.mig_count ? &g_state.migs[slot] : NULL;
+}
+
+/* enter() plus the checks every per-device call shares.  A MIG device
+ * handle gets NOT_SUPPORTED: nvml.h lists, per query, the few that take
+ * one (UUID, memory, process lists, the MIG queries), and the rest are
+ * whole-GPU properties. */
 static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, struct fake_gpu **gpu)
 {
     unsigned int index;
@@ -854,9 +1024,33 @@ static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, stru
     if (rc != NVML_SUCCESS)
         return rc;
     if (!handle_index(device, &index))
-        return NVML_ERROR_INVALID_ARGUMENT;
+        return mig_of_handle(device) != NULL ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
     forced_hang(function, (int)index);
     *gpu = &g_state.gpus[index];
+    return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
+}
+
+/* enter_device() for the queries that also take a MIG device handle: *mig
+ * is the instance (NULL for a whole GPU) and *gpu its parent, whose loss
+ * takes every instance with it. */
+static nvmlReturn_t enter_any(const char *function, nvmlDevice_t device, struct fake_gpu **gpu,
+                              struct fake_mig **mig)
+{
+    unsigned int index;
+    nvmlReturn_t rc = enter(function);
+    *mig = NULL;
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (handle_index(device, &index)) {
+        *gpu = &g_state.gpus[index];
+    } else {
+        *mig = mig_of_handle(device);
+        if (*mig == NULL)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        *gpu = &g_state.gpus[(*mig)->gpu];
+    }
+    /* A hang named for the GPU takes its instances with it. */
+    forced_hang(function, (int)(*gpu - g_state.gpus));
     return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
 }
 
@@ -1116,9 +1310,10 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
     struct fake_gpu *gpu;
-    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(__func__, device, &gpu, &mig);
     if (rc == NVML_SUCCESS)
-        rc = copy_out(uuid, length, gpu->uuid);
+        rc = copy_out(uuid, length, mig != NULL ? mig->uuid : gpu->uuid);
     return leave(rc);
 }
 
@@ -1199,30 +1394,42 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
     return leave(rc);
 }
 
-static void memory_of(const struct fake_gpu *gpu, unsigned long long *used, unsigned long long *free_)
+/* A MIG instance's memory is its own; the parent's is the aggregate over
+ * the whole GPU (nvml.h: "In MIG mode, if device handle is provided, the
+ * API returns aggregate information"), so it counts every instance. */
+static void memory_of(const struct fake_gpu *gpu, const struct fake_mig *mig,
+                      unsigned long long *total, unsigned long long *used,
+                      unsigned long long *free_)
 {
     unsigned int index = (unsigned int)(gpu - g_state.gpus), i;
     unsigned long long now = monotonic_ns();
-    *used = gpu->base_used;
-    for (i = 0; i < g_state.proc_count; ++i)
-        if (g_state.procs[i].gpu == index && proc_counted(&g_state.procs[i], now))
-            *used += g_state.procs[i].used;
+    *total = mig != NULL ? mig->total : gpu->total;
+    *used = mig != NULL ? mig->base_used : gpu->base_used;
+    for (i = 0; mig == NULL && i < g_state.mig_count; ++i)
+        if (g_state.migs[i].gpu == index)
+            *used += g_state.migs[i].base_used;
+    for (i = 0; i < g_state.proc_count; ++i) {
+        const struct fake_proc *p = &g_state.procs[i];
+        if (p->gpu == index && (mig == NULL || p->mig_slot == mig->slot) && proc_counted(p, now))
+            *used += p->used;
+    }
     /* A test may over-commit a GPU; report it full rather than wrap. */
-    *free_ = *used < gpu->total ? gpu->total - *used : 0;
+    *free_ = *used < *total ? *total - *used : 0;
 }
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     struct fake_gpu *gpu;
-    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(__func__, device, &gpu, &mig);
     if (rc == NVML_SUCCESS && memory == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS) {
-        memory->total = gpu->total;
-        memory_of(gpu, &memory->used, &memory->free);
+        unsigned long long reserved = mig != NULL ? 0 : gpu->reserved;
+        memory_of(gpu, mig, &memory->total, &memory->used, &memory->free);
         /* v1 has no "reserved": the driver's own memory reads as used. */
-        memory->used += gpu->reserved;
-        memory->free = memory->used < gpu->total ? gpu->total - memory->used : 0;
+        memory->used += reserved;
+        memory->free = memory->used < memory->total ? memory->total - memory->used : 0;
     }
     return leave(rc);
 }
@@ -1230,7 +1437,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
     struct fake_gpu *gpu;
-    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(__func__, device, &gpu, &mig);
     if (rc == NVML_SUCCESS && memory == NULL)
         rc = NVML_ERROR_INVALID_ARGUMENT;
     /* Versioned structs are how NVML keeps old callers safe; a mismatch
@@ -1239,15 +1447,39 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     if (rc == NVML_SUCCESS && memory->version != NVML_MEMORY_V2)
         rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     if (rc == NVML_SUCCESS) {
-        memory->total = gpu->total;
-        memory->reserved = gpu->reserved;
-        memory_of(gpu, &memory->used, &memory->free);
-        memory->free = memory->free > gpu->reserved ? memory->free - gpu->reserved : 0;
+        /* The driver's reservation is the whole GPU's; an instance reports none. */
+        memory->reserved = mig != NULL ? 0 : gpu->reserved;
+        memory_of(gpu, mig, &memory->total, &memory->used, &memory->free);
+        memory->free = memory->free > memory->reserved ? memory->free - memory->reserved : 0;
     }
     return leave(rc);
 }
 
 /* ---- running processes ---------------------------------------------- */
+
+/* Whether a list of `gpu` (or of its instance `mig`) shows proc `p`.  An
+ * instance lists its own processes.  A GPU in MIG mode lists them all only
+ * in mig_parent_lists=aggregate (nvml.h: aggregate information for a
+ * privileged caller); otherwise nothing, which is what an unprivileged
+ * caller sees, so per-instance handles are the only place to find them. */
+static int proc_on(const struct fake_proc *p, const struct fake_gpu *gpu,
+                   const struct fake_mig *mig)
+{
+    if (p->gpu != (unsigned int)(gpu - g_state.gpus))
+        return 0;
+    if (mig != NULL)
+        return p->mig_slot == mig->slot;
+    return gpu->mig_mode != MIG_ENABLE || gpu->parent_aggregate;
+}
+
+/* GPU and compute instance ids of a proc, NO_MIG outside MIG, as the
+ * _v2/_v3 process structs carry them. */
+static void proc_instance(const struct fake_proc *p, unsigned int *gi, unsigned int *ci)
+{
+    struct fake_mig *mig = p->mig_slot == NO_MIG ? NULL : find_mig(&g_state, p->gpu, p->mig_slot);
+    *gi = mig != NULL ? mig->gi : NO_MIG;
+    *ci = mig != NULL ? mig->ci : NO_MIG;
+}
 
 /* The NVML two-call protocol: when *count is too small (pynvml's first
  * call passes 0 and NULL) report the needed size with INSUFFICIENT_SIZE,
@@ -1257,18 +1489,18 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
                                nvmlProcessInfo_t *infos, nvmlProcessDetail_v1_t *details)
 {
     struct fake_gpu *gpu;
-    unsigned int index, i, needed = 0, n = 0;
+    struct fake_mig *mig;
+    unsigned int i, needed = 0, n = 0;
     unsigned long long now = monotonic_ns();
-    nvmlReturn_t rc = enter_device(function, device, &gpu);
+    nvmlReturn_t rc = enter_any(function, device, &gpu, &mig);
 
     if (rc != NVML_SUCCESS)
         return leave(rc);
     if (count == NULL)
         return leave(NVML_ERROR_INVALID_ARGUMENT);
-    index = (unsigned int)(gpu - g_state.gpus);
     for (i = 0; i < g_state.proc_count; ++i) {
         const struct fake_proc *p = &g_state.procs[i];
-        if (p->gpu == index && p->kind == kind && proc_listed(p, now))
+        if (proc_on(p, gpu, mig) && p->kind == kind && proc_listed(p, now))
             ++needed;
     }
     if (needed > *count) {
@@ -1282,20 +1514,17 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
      * bounding by the first count keeps that from overrunning the buffer. */
     for (i = 0; i < g_state.proc_count && n < needed; ++i) {
         const struct fake_proc *p = &g_state.procs[i];
-        if (p->gpu != index || p->kind != kind || !proc_listed(p, now))
+        if (!proc_on(p, gpu, mig) || p->kind != kind || !proc_listed(p, now))
             continue;
         if (details != NULL) {
             memset(&details[n], 0, sizeof details[n]);
             details[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
             details[n].usedGpuMemory = p->used;
-            details[n].gpuInstanceId = 0xFFFFFFFFu;
-            details[n].computeInstanceId = 0xFFFFFFFFu;
+            proc_instance(p, &details[n].gpuInstanceId, &details[n].computeInstanceId);
         } else if (infos != NULL) {
             infos[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
             infos[n].usedGpuMemory = p->used;
-            /* 0xFFFFFFFF: not a MIG instance. */
-            infos[n].gpuInstanceId = 0xFFFFFFFFu;
-            infos[n].computeInstanceId = 0xFFFFFFFFu;
+            proc_instance(p, &infos[n].gpuInstanceId, &infos[n].computeInstanceId);
         } else {
             infos_v1[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
             infos_v1[n].usedGpuMemory = p->used;
@@ -1357,5 +1586,127 @@ nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t device, void *memI
     nvmlReturn_t rc = enter_device(__func__, device, &gpu);
     if (rc == NVML_SUCCESS)
         rc = memInfo == NULL ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
+    return leave(rc);
+}
+
+/* ---- MIG ------------------------------------------------------------- */
+
+/* What real drivers do, from nvml.h (R470 and later) and NVIDIA's MIG user
+ * guide:
+ *  - nvmlDeviceGetMigMode: current and pending mode of a MIG-capable GPU,
+ *    NOT_SUPPORTED on a GPU that cannot do MIG (and on a MIG handle);
+ *  - nvmlDeviceGetMaxMigDeviceCount: how many MIG devices the GPU can hold
+ *    (7 on A100/H100/H200), NOT_SUPPORTED where MIG is not;
+ *  - nvmlDeviceGetMigDeviceHandleByIndex: NOT_SUPPORTED unless MIG mode is
+ *    on, INVALID_ARGUMENT past the maximum, NOT_FOUND where no instance
+ *    sits at that index: callers must walk all indices, gaps included;
+ *  - a MIG handle answers UUID ("MIG-..."), memory (its own slice) and the
+ *    process lists (its own tenants, with GPU/compute instance ids in the
+ *    _v2/_v3 structs), plus the MIG queries below;
+ *  - the parent's memory is the aggregate, and its process lists are
+ *    empty for an unprivileged caller (mig_parent_lists=aggregate shows
+ *    what root sees).
+ * pynvml passes every out-parameter by reference (byref(c_uint()) and
+ * byref(c_nvmlDevice_t())), so these take pointers and return codes. */
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                  unsigned int *pendingMode)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && (currentMode == NULL || pendingMode == NULL))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && gpu->mig_mode == MIG_UNSUPPORTED)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        *currentMode = *pendingMode = (unsigned int)gpu->mig_mode;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    struct fake_gpu *gpu;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && count == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && gpu->mig_mode == MIG_UNSUPPORTED)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        *count = MIG_SLOTS;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                 nvmlDevice_t *migDevice)
+{
+    struct fake_gpu *gpu;
+    struct fake_mig *mig = NULL;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && migDevice == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && gpu->mig_mode != MIG_ENABLE)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS && index >= MIG_SLOTS)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        mig = find_mig(&g_state, (unsigned int)(gpu - g_state.gpus), index);
+        if (mig == NULL)
+            rc = NVML_ERROR_NOT_FOUND;
+        else
+            *migDevice = (nvmlDevice_t)(void *)mig;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    struct fake_gpu *gpu;
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(__func__, device, &gpu, &mig);
+    if (rc == NVML_SUCCESS && isMigDevice == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *isMigDevice = mig != NULL;
+    return leave(rc);
+}
+
+/* The instance ids of a MIG handle; a whole GPU has none (NOT_SUPPORTED). */
+static nvmlReturn_t get_instance_id(const char *function, nvmlDevice_t device, unsigned int *id,
+                                    int compute)
+{
+    struct fake_gpu *gpu;
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(function, device, &gpu, &mig);
+    if (rc == NVML_SUCCESS && id == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && mig == NULL)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        *id = compute ? mig->ci : mig->gi;
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    return get_instance_id(__func__, device, id, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    return get_instance_id(__func__, device, id, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                          nvmlDevice_t *device)
+{
+    struct fake_gpu *gpu;
+    struct fake_mig *mig;
+    nvmlReturn_t rc = enter_any(__func__, migDevice, &gpu, &mig);
+    if (rc == NVML_SUCCESS && device == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS && mig == NULL)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS)
+        *device = gpu;
     return leave(rc);
 }
