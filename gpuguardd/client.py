@@ -179,13 +179,20 @@ class DBusBackend:
                 raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
         return sorted(set(indices))
 
+    async def _gpus_option(self, bus: MessageBus, wanted: list[str]) -> Variant:
+        """The `gpus` option: indices (au) as released, unless a MIG instance is named: it has
+        no index, so then the text goes as typed (as) and the daemon resolves it."""
+        if any(str(item).strip().upper().startswith("MIG-") for item in wanted):
+            return Variant("as", [str(item).strip() for item in wanted])
+        return Variant("au", await self._indices(bus, wanted))
+
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[dict[str, Any]]:
         async def get(bus: MessageBus) -> list[dict[str, Any]]:
             options: dict[str, Variant] = {"include_protected": Variant("b", include_protected),
                                        "fresh": Variant("b", True)}
             if gpus:
-                options["gpus"] = Variant("au", await self._indices(bus, gpus))
+                options["gpus"] = await self._gpus_option(bus, gpus)
             if unit:
                 options["unit"] = Variant("s", unit)
             if container:
@@ -199,7 +206,7 @@ class DBusBackend:
         async def run(bus: MessageBus) -> dict[str, Any]:
             options: dict[str, Variant] = {}
             if request.gpus:
-                options["gpus"] = Variant("au", await self._indices(bus, request.gpus))
+                options["gpus"] = await self._gpus_option(bus, request.gpus)
             if request.container:
                 options["container"] = Variant("s", request.container)
             if request.grace_ms is not None:

@@ -90,6 +90,10 @@ class Engine:
         if snap.available and not nvmlprocs.pids_are_local():
             snap.pids_local = False
             snap.error = snap.error or nvmlprocs.NOT_LOCAL
+        if any(gpu.mig for gpu in snap.gpus):
+            # Instances name their caps node; only MIG hosts pay for the device map here.
+            device_map = self.device_map()
+            annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
         return snap
 
     def device_map(self) -> DeviceMap:
@@ -404,8 +408,8 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
             state = GPU_LOST
         elif gpu.unknown or (instance.error and not instance.memory_total):
             state = GPU_UNKNOWN  # never idle on a figure that could not be read
-        elif tenants or instance.processes:
-            state = GPU_IN_USE
+        elif instance.processes or any(h.kind == KIND_COMPUTE and not h.protected for h in tenants):
+            state = GPU_IN_USE  # as _makes_in_use: management holders never make it busy
         elif instance.memory_used > released_below_bytes:
             state = GPU_LEAKED
         else:

@@ -275,6 +275,8 @@ def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
         values[prop] = str(values[prop] or "")
     for prop in ("Index", "Minor", "MemoryTotal", "MemoryUsed", "HolderCount"):
         values[prop] = max(0, int(values[prop] or 0))
+    values["MigMode"] = bool(values["MigMode"])
+    values["MigInstances"] = marshal.mig_instances(values["MigInstances"] or [])
     return values
 
 
@@ -339,3 +341,13 @@ class GpuInterface(PropertyHolder):
     @dbus_types(returns="s")
     def Error(self) -> str:
         return self.value("Error")  # type: ignore[no-any-return]
+
+    @dbus_property(access=READ)
+    @dbus_types(returns="b")
+    def MigMode(self) -> bool:
+        return self.value("MigMode")  # type: ignore[no-any-return]
+
+    @dbus_property(access=READ)
+    @dbus_types(returns="aa{sv}")
+    def MigInstances(self) -> list[VarDict]:
+        return self.value("MigInstances")  # type: ignore[no-any-return]

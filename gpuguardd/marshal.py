@@ -39,21 +39,22 @@ HOLDER: Schema = {
     "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
     "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
     "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
-    "ppid": "u",
+    "ppid": "u", "mig": "as",
 }
 
 SCOPE: Schema = {"gpus": "au", "unit": "s", "container": "s", "include_management": "b",
-                 "grace_ms": "u"}
+                 "grace_ms": "u", "mig": "as"}
 
 _TARGET: Schema = {"pid": "u", "comm": "s", "unit": "s", "container": "s", "kind": "s",
-                   "gpus": "au", "gpu_memory": "t", "exe": "s"}
+                   "gpus": "au", "gpu_memory": "t", "exe": "s", "mig": "as"}
 _TERMINATED: Schema = {"pid": "u", "comm": "s", "unit": "s", "signal": "s",
                        "exited_after_ms": "u", "zombie_parent": "u"}
 _SURVIVED: Schema = {"pid": "u", "comm": "s", "unit": "s", "state": "s", "why": "s"}
 _SPARED: Schema = {"pid": "u", "comm": "s", "unit": "s", "why": "s"}
 _REPORT_GPU: Schema = {"index": "u", "uuid": "s", "memory_used_before": "t",
-                       "memory_used_after": "t", "memory_total": "t", "released": "b"}
-_LEAK: Schema = {"gpu": "u", "uuid": "s", "bytes": "t"}
+                       "memory_used_after": "t", "memory_total": "t", "released": "b",
+                       "mig_uuid": "s"}
+_LEAK: Schema = {"gpu": "u", "uuid": "s", "bytes": "t", "mig_uuid": "s"}
 
 REPORT: Schema = {
     "id": "s", "started_usec": "t", "duration_ms": "u", "requested_by": "s", "reason": "s",
@@ -68,7 +69,13 @@ REPORT: Schema = {
 GPU_PROPERTIES: Mapping[str, str] = {
     "Index": "index", "Uuid": "uuid", "Name": "name", "PciBusId": "pci_bus_id", "Minor": "minor",
     "DevicePath": "device_path", "MemoryTotal": "memory_total", "MemoryUsed": "memory_used",
-    "HolderCount": "holder_count", "State": "state", "Error": "error"}
+    "HolderCount": "holder_count", "State": "state", "Error": "error",
+    "MigMode": "mig_mode", "MigInstances": "mig_instances"}
+
+# One entry of a Gpu object's MigInstances (engine.mig_summaries).
+MIG_INSTANCE: Schema = {
+    "uuid": "s", "gpu_instance_id": "u", "compute_instance_id": "u", "device_path": "s",
+    "memory_total": "t", "memory_used": "t", "holder_count": "u", "state": "s"}
 
 _RANGES = {"y": (0, 2**8 - 1), "n": (-(2**15), 2**15 - 1), "q": (0, 2**16 - 1),
            "i": (-(2**31), 2**31 - 1), "u": (0, 2**32 - 1), "x": (-(2**63), 2**63 - 1),
@@ -209,6 +216,9 @@ FILTER_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s"
                                      "include_protected": "b", "fresh": "b"}
 SWEEP_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s", "grace_ms": "u",
                                     "dry_run": "b", "include_management": "b", "reason": "s"}
+# Other signatures an option also takes: `gpus` as `as` carries indices, GPU- or MIG- UUIDs as
+# text (a MIG instance has no index of its own); `au` stays as released.
+ALSO_ACCEPTED: Mapping[str, tuple[str, ...]] = {"gpus": ("as",)}
 
 MAX_TEXT = 1024
 
@@ -219,14 +229,18 @@ def parse_options(options: Mapping[str, Any], spec: Mapping[str, str], what: str
     for key, variant in options.items():
         if key not in spec:
             raise InvalidArgument(f"unknown {what} option {key!r} (known: {', '.join(sorted(spec))})")
-        expected = spec[key]
+        accepted = [spec[key], *ALSO_ACCEPTED.get(key, ())]
         signature = variant.signature if isinstance(variant, Variant) else "?"
-        if signature != expected:
-            raise InvalidArgument(f"{what} option {key!r} must be of type {expected}, got {signature}")
+        if signature not in accepted:
+            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
+                                  f"got {signature}")
         value = variant.value
-        if expected == "s":
+        if signature == "s":
             check_text(key, value)
-        values[key] = list(value) if expected.startswith("a") else value
+        if signature == "as":
+            for item in value:
+                check_text(key, item)
+        values[key] = list(value) if signature.startswith("a") else value
     return values
 
 
@@ -238,6 +252,11 @@ def check_text(key: str, value: str) -> None:
         raise InvalidArgument(f"{key} {value[:60]!r} contains control characters")
 
 
-def gpu_list(values: Iterable[int]) -> list[str]:
-    """NVML indices as the engine's SweepRequest takes them (what a caller typed)."""
-    return [str(int(v)) for v in values]
+def gpu_list(values: Iterable[int | str]) -> list[str]:
+    """A `gpus` option as the engine's SweepRequest takes it (what a caller typed): indices,
+    or text that resolve_request checks (GPU- and MIG- UUIDs)."""
+    return [str(v) if isinstance(v, str) else str(int(v)) for v in values]
+
+
+def mig_instances(values: Iterable[Mapping[str, Any]]) -> list[VarDict]:
+    return [to_vardict(v, MIG_INSTANCE) for v in values]

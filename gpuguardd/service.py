@@ -126,6 +126,7 @@ class Service:
             scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request,
                                                      request)
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
+                                         mig=scope.mig,
                                          include_protected=holder_filter.include_protected)
         # The last scan when it is fresh for this call: started under 1 s (LIST_MAX_AGE_SEC)
         # before the call arrived and before no event that can change the holders (a sweep, a

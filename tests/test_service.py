@@ -145,7 +145,7 @@ def test_list_holders_types_and_filters(guard: GuardDaemon) -> None:
         "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
         "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
         "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
-        "ppid": "u"}
+        "ppid": "u", "mig": "as"}
     on_gpu0 = guard.manager("ListHolders", "a{sv}", "1", "gpus", "au", "1", "0")[0]
     assert pid not in [h["pid"] for h in on_gpu0]
     on_gpu1 = guard.manager("ListHolders", "a{sv}", "1", "gpus", "au", "1", "1")[0]

@@ -100,7 +100,7 @@ def test_a_value_that_does_not_fit_is_sent_inferred_and_logged(caplog: pytest.Lo
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"bogus": Variant("b", True)}, "unknown sweep option 'bogus'"),
-    ({"gpus": Variant("ai", [0])}, "'gpus' must be of type au, got ai"),
+    ({"gpus": Variant("ai", [0])}, "'gpus' must be of type au or as, got ai"),
     ({"reason": Variant("s", "a\x1b[2Jb")}, "control characters"),
     ({"unit": Variant("s", "x" * 2000)}, "too long"),
 ])
