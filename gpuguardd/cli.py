@@ -283,6 +283,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             else:
                 for report in reports:
                     output.print_report(report, out)
+                output.print_omitted(reports, "reports", out)
             return EXIT_OK
         if args.verb == "watch":
             from .client import DBusBackend

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from .escaping import escape_text, escaped
+from .marshal import UID_UNKNOWN
+from .replysize import OMITTED_KEY
 
 
 def human_bytes(value: int) -> str:
@@ -66,11 +68,21 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
         memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
         kind = h["kind"] + (" (protected)" if h["protected"] else "")
         command = h["cmdline"] or f"[{h['comm']}]"
-        rows.append([str(h["pid"]), h["user"] or str(h["uid"]), h["unit"] or "-",
+        user = h["user"] or ("?" if h.get("uid", UID_UNKNOWN) == UID_UNKNOWN else str(h["uid"]))
+        rows.append([str(h["pid"]), user, h["unit"] or "-",
                      h["container"] or "-", kind, h["state"], gpus, memory,
                      ",".join(h["how"]), command[:80]])
     table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW",
            "COMMAND"], rows, out)
+    print_omitted(holders, "holders", out)
+
+
+def print_omitted(entries: list[dict[str, Any]], what: str, out: TextIO) -> None:
+    """The daemon cut the reply to stay under the bus's message size (replysize.py): say so."""
+    omitted = entries[-1].get(OMITTED_KEY, 0) if entries else 0
+    if omitted:
+        out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
+                  f"bus's message size)\n")
 
 
 def describe_scope(scope: dict[str, Any]) -> str:

@@ -82,11 +82,12 @@ def test_holders_with_maximal_argv_keep_list_holders_small(guard: GuardDaemon) -
 
 def big_report(n: int, targets: int, exe_len: int = 300) -> dict[str, Any]:
     return {"id": f"{n:032x}", "started_usec": 1_700_000_000_000_000 + n, "outcome": "freed",
-            "requested_by": "uid 0 (root) :1.7", "dry_run": False,
-            "targets": [{"pid": 1000 + i, "comm": "python3", "exe": "/" + "x" * exe_len}
-                        for i in range(targets)],
-            "terminated": [{"pid": 1000 + i, "comm": "python3", "signal": "SIGTERM"}
-                           for i in range(targets)]}
+            "requested_by": "uid 0 (root) :1.7", "dry_run": False, "duration_ms": 5,
+            "scope": {"gpus": [], "unit": "", "container": ""},
+            "targets": [{"pid": 1000 + i, "comm": "python3", "unit": "",
+                         "exe": "/" + "x" * exe_len} for i in range(targets)],
+            "terminated": [{"pid": 1000 + i, "comm": "python3", "unit": "", "signal": "SIGTERM",
+                            "exited_after_ms": 3} for i in range(targets)]}
 
 
 def write_history(daemon: GuardDaemon, reports: list[dict[str, Any]]) -> Path:
@@ -127,6 +128,9 @@ def test_a_35_mb_history_keeps_get_history_small(daemon: GuardDaemon) -> None:
         assert result.returncode == 0, result.stderr
         history = daemon.ctl("history", "-n", "1000", "--json", as_nobody=True)
         assert history.returncode == 0, history.stderr
+        text = daemon.ctl("history", "-n", "1000")
+        assert text.returncode == 0, text.stderr
+        assert f"({1000 - len(got)} more reports not shown" in text.stdout
         assert daemon.alive()
         daemon.stop()
     # The file itself is untouched: the whole huge report is still there.
@@ -187,3 +191,22 @@ def test_only_the_capped_part_of_a_command_line_is_read() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_cli_says_when_a_reply_was_cut() -> None:
+    import io
+
+    from gpuguardd import output
+    holders = plain(replysize.bound_holders(
+        [{"pid": Variant("u", pid), "comm": Variant("s", "x"), "exe": Variant("s", "e" * 4000),
+          "cmdline": Variant("s", "c" * 4000), "uid": Variant("u", 0), "user": Variant("s", "root"),
+          "unit": Variant("s", ""), "container": Variant("s", ""), "kind": Variant("s", "compute"),
+          "protected": Variant("b", False), "state": Variant("s", "S"), "gpus": Variant("au", [0]),
+          "gpu_memory": Variant("t", 0), "how": Variant("as", ["fd"])} for pid in range(100)],
+        budget=10 * 1024))
+    out = io.StringIO()
+    output.print_holders(holders, out)
+    assert f"({100 - len(holders)} more holders not shown" in out.getvalue()
+    out = io.StringIO()
+    output.print_omitted([{"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7}], "reports", out)
+    assert out.getvalue().startswith("(7 more reports not shown")

@@ -17,3 +17,15 @@ def test_unknown_uid_is_sent_as_uid_t_minus_one() -> None:
 def test_known_uid_is_sent_as_it_is() -> None:
     typed = marshal.holder(Holder(pid=4242, comm="x", uid=65534, user="nobody").to_dict())
     assert typed["uid"].signature == "u" and typed["uid"].value == 65534
+
+
+def test_the_cli_shows_an_unknown_uid_as_a_question_mark() -> None:
+    import io
+
+    from gpuguardd import output
+    from gpuguardd.marshal import unwrap
+    out = io.StringIO()
+    output.print_holders([unwrap(marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict()))],
+                         out)
+    row = out.getvalue().splitlines()[1].split()
+    assert row[:2] == ["4242", "?"] and "4294967295" not in out.getvalue()
