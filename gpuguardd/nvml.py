@@ -81,6 +81,8 @@ class Nvml:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
+        # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
+        self._seen: dict[int, GpuInfo] = {}
         self.last_error = ""
         self._timeout = timeout
         self._worker = NvmlWorker()
@@ -110,6 +112,7 @@ class Nvml:
             return False
         self._initialized = True
         self._identity.clear()
+        self._seen.clear()
         self.last_error = ""
         return True
 
@@ -161,12 +164,25 @@ class Nvml:
             gpu = done.get(index)
             if gpu is None:
                 gpu = GpuInfo(index=index, unknown=True, error=message)
-                identity = self._identity.get(index)
-                if identity is not None:
-                    gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+                self._recall(gpu)
             gpus.append(gpu)
         return NvmlSnapshot(available=True, error=message,
                             driver_version=progress.driver or self._last_driver, gpus=gpus)
+
+    def _recall(self, gpu: GpuInfo) -> None:
+        """Give a GPU that cannot be read now what NVML said of it before: its identity (so
+        its device nodes and holders still map to it) and its MIG instances, their figures
+        unknown (so `MIG-` UUIDs still name them and their caps nodes still map)."""
+        identity = self._identity.get(gpu.index)
+        if identity is not None:
+            gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+        seen = self._seen.get(gpu.index)
+        if seen is None or seen.uuid != gpu.uuid:
+            return
+        gpu.mig_mode = seen.mig_mode
+        gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id,
+                               compute_instance_id=m.compute_instance_id, error=gpu.error)
+                   for m in seen.mig]
 
     def _read_driver_gpus(self) -> list[DriverGpu]:
         if self._driver_gpus is None:
@@ -204,6 +220,8 @@ class Nvml:
                 progress.gpu = index
                 gpus.append(self._gpu(index, with_processes))
                 progress.done.append(gpus[-1])
+                if not (gpus[-1].unknown or gpus[-1].lost):
+                    self._seen[index] = gpus[-1]
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
     def _gpu(self, index: int, with_processes: bool) -> GpuInfo:
@@ -216,9 +234,7 @@ class Nvml:
             gpu.error = _error_text(exc)
             gpu.lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
             gpu.unknown = not gpu.lost
-            identity = self._identity.get(index)
-            if identity is not None:
-                gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+            self._recall(gpu)
             return gpu
 
         def query(call: Callable[[], Any]) -> Any | None:

@@ -13,7 +13,7 @@ import pytest
 from gpuguardd.config import Config
 from gpuguardd.driverinfo import DriverGpu, bus_key, fill_from_driver, read_driver_gpus
 from gpuguardd.engine import Engine, gpu_summaries
-from gpuguardd.models import GpuInfo, ScanResult, SweepRequest
+from gpuguardd.models import GpuInfo, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.nvml import Nvml
 from gpuguardd.nvmlworker import NvmlHung, NvmlWorker
 from tests.conftest import GiB, GpuHost, MiB
@@ -49,7 +49,6 @@ def timed_snapshot(nvml: Nvml) -> tuple[float, list[GpuInfo], str]:
 
 
 def states(gpus: list[GpuInfo]) -> list[str]:
-    from gpuguardd.models import NvmlSnapshot
     snap = NvmlSnapshot(available=True, gpus=gpus)
     return [s["state"] for s in gpu_summaries(ScanResult(holders=[], nvml=snap), 64 * MiB)]
 
@@ -207,3 +206,33 @@ def test_worker_answers_at_once_while_stuck_and_recovers() -> None:
     assert worker.run(lambda: 42, 1.0, "after") == 42
     with pytest.raises(ZeroDivisionError):
         worker.run(lambda: 1 // 0, 1.0, "raises")
+
+
+MIG_A = "MIG-11111111-2222-4333-8444-555555555555"
+
+
+@pytest.mark.parametrize("fault", ["hang", "handle_error"])
+def test_an_unreadable_mig_gpu_keeps_its_instances_unknown(
+        inproc_nvml: GpuHost, sessions: list[Nvml], fault: str) -> None:
+    """MIG UUIDs still name a GPU's instances while NVML cannot read it, and each reads
+    `unknown`, never `idle`."""
+    host = inproc_nvml
+    host.state.add_mig(1, MIG_A, gpu_instance_id=1, compute_instance_id=0, memory_total=40 * GiB)
+    host.publish()
+    nvml = session(sessions, timeout=TIMEOUT)
+    _, gpus, _ = timed_snapshot(nvml)
+    assert [m.uuid for m in gpus[1].mig] == [MIG_A]
+    if fault == "hang":
+        host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", 1500, 1)]
+    else:
+        host.state.gpus[1].handle_error = 999
+    host.publish()
+    _, gpus, _ = timed_snapshot(nvml)
+    assert gpus[1].unknown and gpus[1].mig_mode
+    assert [(m.uuid, m.gpu_instance_id) for m in gpus[1].mig] == [(MIG_A, 1)]
+    summary = gpu_summaries(ScanResult(holders=[], nvml=NvmlSnapshot(available=True, gpus=gpus)),
+                            64 * MiB)[1]
+    assert summary["state"] == "unknown"
+    assert [(m["uuid"], m["state"]) for m in summary["mig_instances"]] == [(MIG_A, "unknown")]
+    host.state.hang = []
+    host.publish()
