@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from .escaping import escape_text
+
 DROPIN_FILE = "gpuguard.conf"
 HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
 ETC_UNIT_DIR = "/etc/systemd/system"
@@ -355,7 +357,8 @@ def format_list(hooks: Sequence[InstalledHook]) -> str:
             lines.extend(f"    applies to {unit}" for unit in hook.applies_to)
         else:
             lines.append("    applies to no unit known yet")
-    return "\n".join(lines) + "\n"
+    # Unit and file names come from directories on the host: shown escaped (escaping.py).
+    return "\n".join(escape_text(line) for line in lines) + "\n"
 
 
 # -- gpuguardctl hook ... (the CLI wiring lives here so cli.py only has to call it) ----------
@@ -399,18 +402,20 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         act = install if args.hook_action == "install" else remove
         result = act(args.pattern, root, reload=not args.no_reload)
     except HookError as exc:
-        sys.stderr.write(f"gpuguardctl: error: {exc}\n")
+        sys.stderr.write(f"gpuguardctl: error: {escape_text(exc)}\n")
         return 2 if exc.usage else 1
     except OSError as exc:
-        sys.stderr.write(f"gpuguardctl: error: {exc.filename or ''}: {exc.strerror or exc}\n")
+        where = exc.filename or ""
+        sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
         return 1
     if args.json:
         json.dump(result.to_dict(), out, indent=2, sort_keys=True)
         out.write("\n")
         return 0
     for message in result.messages:
-        out.write(message + "\n")
+        out.write(escape_text(message) + "\n")
     verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
             "removed": "removed", "absent": "nothing to remove"}[result.action]
-    out.write(f"{result.target}: {verb} ({result.path}); daemon-reload: {result.reload}\n")
+    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
+                          f"{result.reload}") + "\n")
     return 0

@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import re
+from pathlib import Path
 
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.log import PlainFormatter, SdDaemonFormatter
@@ -139,3 +140,14 @@ def test_daemon_and_ctl_output_escape_hostile_names(guard: GuardDaemon) -> None:
     assert_clean(log)
     assert all(re.match(r"<\d>", line) for line in log.splitlines()), log
     assert not any(line.startswith("<3>FORGED") for line in log.splitlines())
+
+
+def test_hook_list_escapes_unit_names(tmp_path: Path) -> None:
+    """`hook list` shows unit file names from the host's directories."""
+    from gpuguardd import hooks
+    hooks.install("vllm-", str(tmp_path), reload=False)
+    units = tmp_path / "etc" / "systemd" / "system"
+    (units / f"vllm-{SCREEN}.service").write_text("[Service]\nExecStart=/bin/true\n")
+    text = hooks.format_list(hooks.list_hooks("", str(tmp_path)))
+    assert_clean(text, lines=2)
+    assert "applies to vllm-\\x1b[2J\\x1b]0;pwned\\x07.service" in text
