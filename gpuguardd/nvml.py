@@ -59,12 +59,18 @@ class _Progress:
         return self.call + (f" (GPU {self.gpu})" if self.gpu is not None else "")
 
     def profile(self, frame: FrameType, event: str, arg: object) -> None:
-        # A profile hook on the worker thread only: it records each pynvml entry point as it
-        # is called, so a hang is reported by name whoever added the call (process lists,
-        # MIG instances) without wrapping every call site.
-        if event == "call" and frame.f_code.co_name.startswith("nvml") \
-                and frame.f_globals.get("__name__") == "pynvml":
-            self.call = frame.f_code.co_name
+        # A profile hook on the worker thread only: it records each NVML entry point as it is
+        # called, so a hang is reported by name whoever added the call (process lists, MIG
+        # instances) without wrapping every call site. pynvml looks every C function up by
+        # name right before calling it, which names the very entry point (..._v2, ..._v3),
+        # raw ctypes calls through pynvml's lookup included.
+        if event != "call" or frame.f_globals.get("__name__") != "pynvml":
+            return
+        name = frame.f_code.co_name
+        if name == "_nvmlGetFunctionPointer":
+            self.call = str(frame.f_locals.get("name", self.call))[:128]
+        elif name.startswith("nvml"):
+            self.call = name
 
 
 class Nvml:

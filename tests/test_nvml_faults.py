@@ -73,7 +73,7 @@ def test_a_hung_call_costs_one_timeout_then_nothing_until_it_returns(
     nvml = session(sessions, timeout=TIMEOUT)
     took, gpus, error = timed_snapshot(nvml)
     assert took < TIMEOUT + SLACK
-    assert "NVML hung: nvmlDeviceGetMemoryInfo (GPU 1) has not returned" in error
+    assert "NVML hung: nvmlDeviceGetMemoryInfo_v2 (GPU 1) has not returned" in error
     # GPU 0 was read before the hang; GPU 1 keeps its identity but not its state.
     assert not gpus[0].unknown and gpus[0].memory_total == 80 * GiB
     assert gpus[1].unknown and gpus[1].uuid == host.state.gpus[1].uuid and gpus[1].minor == 1
@@ -81,7 +81,7 @@ def test_a_hung_call_costs_one_timeout_then_nothing_until_it_returns(
     # While the call is stuck nobody queues behind it: the answer comes at once.
     took, gpus, error = timed_snapshot(nvml)
     assert took < 0.1
-    assert error.startswith("NVML hung: nvmlDeviceGetMemoryInfo (GPU 1)")
+    assert error.startswith("NVML hung: nvmlDeviceGetMemoryInfo_v2 (GPU 1)")
     assert states(gpus) == ["unknown", "unknown"]
     assert [g.uuid for g in gpus] == [g.uuid for g in host.state.gpus]
     # The driver comes back: so do the states.

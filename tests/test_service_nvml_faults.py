@@ -40,7 +40,7 @@ def test_a_hung_nvml_never_blocks_replies_or_the_watchdog(daemon: GuardDaemon) -
     hung_at = time.monotonic()
     wait_until(lambda: state_of(daemon, 1) == "unknown", 5, "GPU 1 unknown")
     error = daemon.get_property(MANAGER_PATH, MANAGER, "NvmlError")
-    assert "NVML hung: nvmlDeviceGetMemoryInfo (GPU 1)" in error
+    assert "NVML hung: nvmlDeviceGetMemoryInfo_v2 (GPU 1)" in error
     assert "has not returned" in daemon.get_property(f"{MANAGER_PATH}/gpu/1", GPU, "Error")
     # Every reply that needs NVML (a fresh holder scan, a sweep's GPU lookup) is bounded.
     assert timed(lambda: daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")) < REPLY_BOUND
