@@ -9,7 +9,7 @@ import os
 import pwd
 import sys
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from . import __version__, hooks, output
 from .config import MAX_GRACE_SEC, load_config, parse_timespan
@@ -37,6 +37,7 @@ EXIT_SURVIVORS = 3
 EXIT_NOT_RELEASED = 4
 EXIT_NOT_AUTHORIZED = 5
 EXIT_UNVERIFIED = 6
+EXIT_NOT_FREE = 7
 
 OUTCOME_EXIT = {
     OUTCOME_FREED: EXIT_OK,
@@ -227,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also end management clients (nvidia-smi, exporters)")
     sweep.add_argument("--reason", default="", help="recorded in the report and the journal")
 
+    check = verbs.add_parser("check", parents=[common],
+                             help="exit 0 when the GPUs have no compute holder and no leaked memory")
+    check.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+                       help="only this GPU or MIG instance (repeatable; default: all)")
+
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
     history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
 
@@ -276,6 +282,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             report = backend.sweep(request)
             output.print_json(report, out) if args.json else output.print_report(report, out)
             return OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+        if args.verb == "check":
+            return run_check(backend, args.gpu, args.json, out)
         if args.verb == "history":
             reports = backend.history(args.count)
             if args.json:
@@ -305,6 +313,20 @@ def run(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     parser.error(f"unknown verb {args.verb!r}")
     return EXIT_USAGE
+
+
+def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO) -> int:
+    """`gpuguardctl check`: read-only; one line per problem, EXIT_NOT_FREE when there is one."""
+    from .check import check
+
+    result = check(backend.status(), backend.gpus(), backend.holders(selectors, "", "", True),
+                   selectors)
+    if as_json:
+        output.print_json(result.to_dict(), out)
+    else:
+        for problem in result.problems:
+            out.write(problem.message + "\n")
+    return EXIT_OK if result.ok else EXIT_NOT_FREE
 
 
 def main() -> None:
