@@ -17,6 +17,9 @@ APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproje
 # its lockfile pins; its browser tests run Debian's cockpit-ws/cockpit-bridge and headless
 # chromium (fonts for its screenshots). npm itself: see the deps target.
 APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
+# Fleet (issue 12): Prometheus metrics (the client library, the real node_exporter and Prometheus
+# servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
+APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
 
 .PHONY: all deps venv test lint typecheck unit gpu-test bench clean man install install-python \
 	install-data uninstall deb rpm demo e2e cockpit install-cockpit
@@ -152,6 +155,7 @@ install-python:
 	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
 	$(call entry_point,gpuguardd.cli,$(DESTDIR)$(BINDIR)/gpuguardctl)
 	$(call entry_point,gpuguardd.daemon,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
+	$(call entry_point,gpuguardd.exporter,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
 
 # Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
 # from dh-python and %pyproject_install). The paths in the unit and the example drop-ins
@@ -163,6 +167,10 @@ install-data: man
 	sed 's|/usr/libexec/gpuguard/|$(LIBEXECDIR)/gpuguard/|g' systemd/gpuguardd.service \
 		> build/install/gpuguardd.service
 	$(INSTALL) -m 644 build/install/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguardd.service
+	sed 's|/usr/libexec/gpuguard/|$(LIBEXECDIR)/gpuguard/|g' systemd/gpuguard-exporter.service \
+		> build/install/gpuguard-exporter.service
+	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
+	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	set -e; for d in $(DROPIN_DIRS); do \
 		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
 		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' systemd/dropins/$$d/gpuguard.conf \
@@ -206,7 +214,8 @@ uninstall:
 		systemctl disable --now gpuguardd.service 2>/dev/null || true; \
 	fi
 	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
-		$(DESTDIR)$(UNITDIR)/gpuguardd.service \
+		$(DESTDIR)$(UNITDIR)/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service \
+		$(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter \
 		$(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service \
 		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
 		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl

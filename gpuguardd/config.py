@@ -80,6 +80,8 @@ class Config:
     state_directory: str = "/var/lib/gpuguard"
     runtime_directory: str = "/run/gpuguard"
     history_max: int = 1000
+    # node_exporter's textfile collector directory ("": no textfile); metrics.py.
+    textfile_directory: str = ""
     # Where each value came from, for `gpuguardctl status` and error messages.
     sources: tuple[str, ...] = field(default=(), compare=False)
     # (list item, "file:line") for items a file added, so a refused [Devices] Paths entry is
@@ -182,6 +184,10 @@ def _parse_absolute_path(text: str) -> str:
     return value
 
 
+def _optional_absolute_path(text: str) -> str:
+    return _parse_absolute_path(text) if text.strip() else ""
+
+
 def _timespan_field(maximum: float, minimum: float = 0.0) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = parse_timespan(text, maximum)
@@ -232,6 +238,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
     ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
     ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
+    ("Metrics", "TextfileDirectory"): ("textfile_directory", _optional_absolute_path, False),
 }
 
 KNOWN_KEYS: tuple[tuple[str, str], ...] = tuple(_KEYS)

@@ -58,6 +58,9 @@ class ManagerBackend(Protocol):
 
     async def reload(self, caller: Caller) -> None: ...
 
+    def get_metrics(self) -> str:
+        """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
+
 
 _A = TypeVar("_A", bound=Callable[..., Awaitable[Any]])
 
@@ -112,7 +115,7 @@ class ManagerInterface(PropertyHolder):
     # Out-argument and signal-argument names: dbus-fast only knows the in-arguments' names.
     OUT_NAMES: Mapping[str, list[str]] = {
         "ListHolders": ["holders"], "Sweep": ["report"], "SweepUnit": ["report"],
-        "GetHistory": ["reports"]}
+        "GetHistory": ["reports"], "GetMetrics": ["text"]}
     SIGNAL_ARGS: Mapping[str, list[str]] = {
         "SweepStarted": ["id", "scope"],
         "ProcessTerminated": ["id", "pid", "comm", "unit", "signal"],
@@ -190,6 +193,12 @@ class ManagerInterface(PropertyHolder):
     async def GetHistory(self, count: int) -> list[VarDict]:
         sized = [self._sized_report(r) for r in self.backend.history(count)]
         return replysize.bound_reports([r for r, _ in sized], sizes=[n for _, n in sized])
+
+    @method()
+    @contract_errors
+    @dbus_types(returns="s")
+    async def GetMetrics(self) -> str:
+        return self.backend.get_metrics()
 
     @method()
     @contract_errors

@@ -27,6 +27,7 @@ from .errors import NotAuthorized
 from .history import History
 from .interfaces import GpuInterface, ManagerInterface
 from .live import Inventory, filter_holders
+from .metrics import Metrics, write_textfile
 from .models import NvmlSnapshot, Report, ScanResult, SweepRequest
 from .ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
 from .runner import SweepRunner
@@ -70,6 +71,8 @@ class Service:
             # Typed once, through the cache GetHistory and SweepFinished share (not exported
             # yet: no PropertiesChanged).
             self.manager.update(LastSweep=self.manager.typed_report(last))
+        self.metrics = Metrics()
+        self.metrics.note_history(last)
         self.gpus: dict[int, GpuInterface] = {}
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
@@ -185,6 +188,25 @@ class Service:
     def history(self, count: int) -> list[dict[str, Any]]:
         return self.store.newest(count)
 
+    def get_metrics(self) -> str:
+        return self.metrics_text().decode()
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def _publish_metrics(self) -> None:
+        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        directory = self.engine.config.textfile_directory
+        if not directory:
+            return
+        data = self.metrics_text()
+        future = self.io_executor.submit(write_textfile, directory, data)
+
+        def done(f: Any) -> None:
+            if f.exception() is not None:
+                log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
+        future.add_done_callback(done)
+
     async def reload(self, caller: Caller) -> None:
         await self.auth.require(caller, ACTION_RELOAD)
         log.info("reload requested by %s", caller.describe())
@@ -207,6 +229,8 @@ class Service:
                 self.bus.export(gpu_path(index), gpu)
             else:
                 gpu.refresh(summary)
+        self.metrics.observe_inventory(snapshot.available, summaries, self.inventory.holders)
+        self._publish_metrics()
         self.on_change()
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None:
@@ -227,6 +251,8 @@ class Service:
         data = self.manager.typed_report(report.to_dict())
         self.manager.SweepFinished(report.id, report.outcome, data)
         self.manager.update(LastSweep=data)
+        self.metrics.observe_report(report.to_dict())
+        self._publish_metrics()
         for leak in report.leaks:
             index = int(leak.get("gpu", 0))
             self.leak_suspected(index, str(leak.get("uuid", "")), int(leak.get("bytes", 0)))

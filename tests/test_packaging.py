@@ -36,7 +36,10 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
         "etc/gpuguard/gpuguard.conf",
         "usr/bin/gpuguardctl",
         "usr/libexec/gpuguard/gpuguardd",
+        "usr/libexec/gpuguard/gpuguard-exporter",
         f"{unitdir}/gpuguardd.service",
+        f"{unitdir}/gpuguard-exporter.service",
+        f"{unitdir}/gpuguard-exporter.socket",
         f"usr/share/dbus-1/system.d/{DBUS_NAME}.conf",
         f"usr/share/dbus-1/system-services/{DBUS_NAME}.service",
         f"usr/share/dbus-1/interfaces/{DBUS_NAME}.xml",
@@ -168,7 +171,8 @@ def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) 
     assert (dest / "usr/share/cockpit/gpuguard/manifest.json").read_bytes() == \
         (ROOT / "cockpit/src/manifest.json").read_bytes()
     assert (dest / "usr/lib/gpuguard/python/gpuguardd/__pycache__").is_dir(), "byte-compiled"
-    for program in ("usr/bin/gpuguardctl", "usr/libexec/gpuguard/gpuguardd"):
+    for program in ("usr/bin/gpuguardctl", "usr/libexec/gpuguard/gpuguardd",
+                    "usr/libexec/gpuguard/gpuguard-exporter"):
         assert os.access(dest / program, os.X_OK)
         text = (dest / program).read_text()
         assert text.startswith("#!/usr/bin/python3\n")
@@ -227,6 +231,13 @@ def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, 
                             capture_output=True, text=True, check=False)
     assert daemon.returncode == 0, daemon.stderr
     assert daemon.stdout.strip() == f"gpuguardd {__version__}"
+    # The exporter imports prometheus_client: Debian's python3-prometheus-client here.
+    exporter = subprocess.run([str(prefix / "libexec/gpuguard/gpuguard-exporter"), "--version"],
+                              env=clean, capture_output=True, text=True, check=False)
+    assert exporter.returncode == 0, exporter.stderr
+    assert exporter.stdout.strip() == f"gpuguard-exporter {__version__}"
+    unit = (prefix / "lib/systemd/system/gpuguard-exporter.service").read_text()
+    assert f"ExecStart={prefix}/libexec/gpuguard/gpuguard-exporter --idle-exit 60s\n" in unit
     make("uninstall", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
     assert tree(prefix) == set()
 
@@ -244,7 +255,8 @@ def test_deb_version_and_relationships() -> None:
     assert deb_field(deb, "Version") == __version__
     assert deb_field(deb, "Architecture") == "all"
     depends = deb_field(deb, "Depends")
-    for dep in ("python3-dbus-fast (>= 1.84)", "python3-psutil", "python3-sdnotify", "python3:any"):
+    for dep in ("python3-dbus-fast (>= 1.84)", "python3-psutil", "python3-sdnotify",
+                "python3-prometheus-client (>= 0.16)", "python3:any"):
         assert dep in depends, depends
     assert "nvidia" not in depends, "nvidia-ml-py is not in Debian: suggested, never required"
     assert "python3-pip" in deb_field(deb, "Suggests")
