@@ -108,6 +108,7 @@ DATADIR ?= $(PREFIX)/share
 MANDIR ?= $(DATADIR)/man
 SYSCONFDIR ?= /etc
 UNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 DBUS_POLICYDIR ?= $(DATADIR)/dbus-1/system.d
 DBUS_SERVICEDIR ?= $(DATADIR)/dbus-1/system-services
 DBUS_INTERFACEDIR ?= $(DATADIR)/dbus-1/interfaces
@@ -171,6 +172,7 @@ install-data: man
 		> build/install/gpuguard-exporter.service
 	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
+	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
 	set -e; for d in $(DROPIN_DIRS); do \
 		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
 		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' systemd/dropins/$$d/gpuguard.conf \
@@ -216,6 +218,7 @@ uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
 		$(DESTDIR)$(UNITDIR)/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service \
 		$(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter \
+		$(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf \
 		$(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service \
 		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
 		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import socket
+import socketserver
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -150,9 +151,17 @@ def listening_socket(listen: str) -> tuple[socket.socket, bool]:
 
 
 class _Server(HTTPServer):
-    """One request at a time; counts them, so the idle timer knows a timeout from a request."""
+    """HTTPServer on a socket it is given; one request at a time, counted, so the idle timer
+    knows a timeout from a request. It never creates a socket of its own: the unit allows
+    AF_UNIX only (the listening socket comes from systemd)."""
 
     handled = 0
+
+    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler]) -> None:
+        address = sock.getsockname()
+        socketserver.BaseServer.__init__(self, address, handler)
+        self.socket = sock
+        self.server_name, self.server_port = str(address[0]), int(address[1])
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         self.handled += 1
@@ -161,9 +170,7 @@ class _Server(HTTPServer):
 
 def serve(sock: socket.socket, bus_address: str | None, idle_exit: float) -> None:
     handler = type("BoundHandler", (Handler,), {"bus_address": bus_address})
-    server = _Server(sock.getsockname()[:2], handler, bind_and_activate=False)
-    server.socket.close()
-    server.socket = sock
+    server = _Server(sock, handler)
     server.timeout = 1.0
     last, seen = time.monotonic(), 0
     try:

@@ -40,6 +40,7 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
         f"{unitdir}/gpuguardd.service",
         f"{unitdir}/gpuguard-exporter.service",
         f"{unitdir}/gpuguard-exporter.socket",
+        "usr/lib/sysusers.d/gpuguard-exporter.conf",
         f"usr/share/dbus-1/system.d/{DBUS_NAME}.conf",
         f"usr/share/dbus-1/system-services/{DBUS_NAME}.service",
         f"usr/share/dbus-1/interfaces/{DBUS_NAME}.xml",
@@ -324,6 +325,7 @@ def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     assert (control / "conffiles").read_text().split() == ["/etc/gpuguard/gpuguard.conf"]
     postinst = (control / "postinst").read_text()
     assert "deb-systemd-helper enable 'gpuguardd.service'" in postinst
+    assert "systemd-sysusers gpuguard-exporter.conf" in postinst
     assert "_dh_action=restart" in postinst and "_dh_action=start" in postinst
     assert "deb-systemd-invoke stop 'gpuguardd.service'" in (control / "prerm").read_text()
     postrm = (control / "postrm").read_text()

@@ -63,6 +63,9 @@ def require_tools() -> list[str]:
     return missing
 
 
+BOOT_MASKED = ("prometheus.service", "prometheus-node-exporter.service", "slurmctld.service",
+               "slurmd.service")
+
 CGROUP_ROOTS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
 
 
@@ -143,6 +146,11 @@ class Machine:
         # lives on another file system (a CI workspace volume), and the container's own tmpfs
         # on /tmp hides a checkout under /tmp.
         cmd.append(f"--bind-ro={REPO}")
+        # Servers that `make deps` installs for tests/e2e/test_fleet.py enable themselves at
+        # boot (Debian's packages do): kept from starting in every machine, where they would
+        # take the CPU and the ports; the fleet tests run them with configurations of their
+        # own. systemd in a container reads these from its own command line.
+        cmd += [f"systemd.mask={unit}" for unit in BOOT_MASKED]
         # nspawn keeps its own cgroup (--keep-unit) and puts the container in "payload" below
         # it. Without a cgroup of its own that is the host's root cgroup, shared by every
         # container booted at the same time: their systemds would manage each other's
