@@ -167,6 +167,9 @@ def make_host(root: Path, libdir: Path) -> GpuHost:
     state = FakeNvmlState()
     state.add_gpu(minor=0, memory_total=80 * GiB)
     state.add_gpu(minor=1, memory_total=80 * GiB)
+    # Like libnvidia-ml, the fake holds nvidiactl and every GPU's node while initialised: every
+    # process that uses NVML (gpuguardd, gpuguardctl --local, an in-process engine) is a holder.
+    state.nodes = [str(dev / name) for name in ("nvidiactl", "nvidia0", "nvidia1")]
     host = GpuHost(root=root, dev=dev, config_path=root / "gpuguard.conf",
                    state_path=root / "nvml.state", libdir=libdir, state=state)
     host.write_config()

@@ -1,0 +1,59 @@
+"""gpuguardd on a real bus sees a leak past the processes that hold every GPU's node on a real
+host: nvidia-persistenced (protected), an nvidia-smi-like management client, and gpuguardd's
+own NVML handles (the fake library opens the nodes as libnvidia-ml does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from tests.conftest import GiB
+from tests.dbus_harness import (
+    GPU,
+    MANAGER_PATH,
+    PRIVATE_MINOR,
+    PYTHON,
+    GuardDaemon,
+    SignalRecorder,
+    private_gpu,
+    wait_until,
+)
+
+pytest_plugins = ["tests.dbus_harness"]
+
+
+def test_leak_suspected_past_management_and_protected_holders(daemon: GuardDaemon,
+                                                              recorder: SignalRecorder) -> None:
+    host = daemon.host
+    gpu = private_gpu(host)
+    node, ctl = str(host.dev / f"nvidia{PRIVATE_MINOR}"), host.node("nvidiactl")
+    bindir = host.root / "usr-bin"
+    bindir.mkdir()
+    persistenced_exe = bindir / "nvidia-persistenced"
+    shutil.copy2(os.path.realpath(PYTHON), persistenced_exe)
+    host.write_config(f"PollIntervalSec=0.25\n[Sweep]\nProtectedExecutables={persistenced_exe}\n")
+    host.state.nodes = [ctl, node]  # what the daemon's libnvidia-ml opens at nvmlInit
+    host.publish()
+    persistenced = host.spawn("--hold", ctl, "--hold", node, exe=str(persistenced_exe))
+    smi = host.spawn("--hold", ctl, "--hold", node)
+    daemon.start()
+    assert daemon.proc is not None
+    path = f"{MANAGER_PATH}/gpu/{gpu}"
+
+    def holders() -> dict[int, dict[str, object]]:
+        listed = json.loads(daemon.ctl("holders", "--json", "--gpu", str(gpu)).stdout)
+        return {h["pid"]: h for h in listed}
+
+    seen = wait_until(lambda: (lambda found: found if {persistenced.pid, smi.pid,
+                                                       daemon.proc.pid} <= set(found) else None)(
+        holders()), 20, "persistenced, the client and gpuguardd itself as holders")
+    assert seen[daemon.proc.pid]["kind"] == "management" and seen[daemon.proc.pid]["protected"]
+    assert seen[persistenced.pid]["protected"] and seen[smi.pid]["kind"] == "management"
+    wait_until(lambda: daemon.property_is(path, GPU, "State", "idle"), 10, "the GPU idle")
+    host.state.gpus[gpu].base_used = 5 * GiB
+    host.publish()
+    leak = recorder.wait_for("LeakSuspected", lambda s: s.body[0] == gpu)
+    assert leak.body == [gpu, host.state.gpus[gpu].uuid, 5 * GiB]
+    wait_until(lambda: daemon.get_property(path, GPU, "State") == "leaked", 5, "State leaked")
+    assert daemon.get_property(path, GPU, "HolderCount") >= 3
