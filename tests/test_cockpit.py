@@ -126,8 +126,10 @@ def test_page_shows_the_daemons_gpus_and_holders_live(guard: GuardDaemon, cockpi
     assert listed[protected]["protected"] and listed[protected]["protected_why"]
     expect(row(page, protected).locator(".gg-protected-why")).to_contain_text(listed[protected]["protected_why"])
     expect(row(page, management).locator(".gg-protected-why")).to_have_count(0)
+    # gpuguardd itself is the other management holder, protected: its NVML library holds every
+    # GPU's node, as libnvidia-ml does (the fake's default).
     expect(page.locator("section.gg-gpu[data-index='1'] .gg-holder-kinds")).to_contain_text(
-        "1 compute, 1 management, 1 protected")
+        "1 compute, 2 management, 2 protected")
     expect(page.locator("section.gg-gpu[data-index='0'] .gg-holder-kinds")).to_contain_text("1 compute")
     expect(page.locator("section.gg-gpu[data-index='0'] .gg-state")).to_have_text("in-use")
     expect(page.locator("section.gg-gpu[data-index='0']")).to_contain_text("2.0 GiB of 80.0 GiB")
