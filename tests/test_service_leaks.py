@@ -41,13 +41,14 @@ def test_leak_suspected_past_management_and_protected_holders(daemon: GuardDaemo
     assert daemon.proc is not None
     path = f"{MANAGER_PATH}/gpu/{gpu}"
 
-    def holders() -> dict[int, dict[str, object]]:
-        listed = json.loads(daemon.ctl("holders", "--json", "--gpu", str(gpu)).stdout)
-        return {h["pid"]: h for h in listed}
+    wanted = {persistenced.pid, smi.pid, daemon.proc.pid}
 
-    seen = wait_until(lambda: (lambda found: found if {persistenced.pid, smi.pid,
-                                                       daemon.proc.pid} <= set(found) else None)(
-        holders()), 20, "persistenced, the client and gpuguardd itself as holders")
+    def holders() -> dict[int, dict[str, object]] | None:
+        listed = json.loads(daemon.ctl("holders", "--json", "--gpu", str(gpu)).stdout)
+        found = {h["pid"]: h for h in listed}
+        return found if wanted <= set(found) else None
+
+    seen = wait_until(holders, 20, "persistenced, the client and gpuguardd itself as holders")
     assert seen[daemon.proc.pid]["kind"] == "management" and seen[daemon.proc.pid]["protected"]
     assert seen[persistenced.pid]["protected"] and seen[smi.pid]["kind"] == "management"
     wait_until(lambda: daemon.property_is(path, GPU, "State", "idle"), 10, "the GPU idle")
