@@ -348,8 +348,13 @@ class Nvml:
     @staticmethod
     def _processes(handle: Any, gpu: GpuInfo) -> dict[int, int | None]:
         lists, errors = nvmlprocs.read_lists(handle)
-        for exc in errors:
-            if not isinstance(exc, pynvml.NVMLError_NotSupported) and not gpu.error:
+        failed = [exc for exc in errors if not isinstance(exc, pynvml.NVMLError_NotSupported)]
+        for exc in failed:
+            if not gpu.error:
                 gpu.error = _error_text(exc)
+        if failed and not lists:
+            # Not one list could be read: who uses the GPU is unknown, and so is whether
+            # memory in use there is a leak.
+            gpu.unknown = True
         found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
         return found

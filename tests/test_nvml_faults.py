@@ -236,3 +236,21 @@ def test_an_unreadable_mig_gpu_keeps_its_instances_unknown(
     assert [(m["uuid"], m["state"]) for m in summary["mig_instances"]] == [(MIG_A, "unknown")]
     host.state.hang = []
     host.publish()
+
+
+def test_a_gpu_whose_process_lists_all_fail_is_unknown_not_leaked(
+        inproc_nvml: GpuHost, sessions: list[Nvml]) -> None:
+    host = inproc_nvml
+    host.state.gpus[0].base_used = 6 * GiB  # no process to show for it: a leak, if lists work
+    host.publish()
+    nvml = session(sessions)
+    _, gpus, _ = timed_snapshot(nvml)
+    assert states(gpus) == ["leaked", "idle"]
+    host.state.fail = {name: 999 for name in ("nvmlDeviceGetRunningProcessDetailList",
+                                              "nvmlDeviceGetComputeRunningProcesses_v3",
+                                              "nvmlDeviceGetGraphicsRunningProcesses_v3",
+                                              "nvmlDeviceGetMPSComputeRunningProcesses_v3")}
+    host.publish()
+    _, gpus, _ = timed_snapshot(nvml)
+    assert states(gpus) == ["unknown", "unknown"]
+    assert "Unknown Error" in gpus[0].error
