@@ -97,7 +97,8 @@ class Inventory:
         self._result_mark = (0.0, -1)
         self._generation = 0  # bumped by invalidate(): older scans are never served after it
         self._queued: asyncio.Future[ScanResult] | None = None
-        self._leaked: set[int] = set()
+        # (GPU index, MIG UUID or "" for the whole GPU) of each leak already announced
+        self._leaked: set[tuple[int, str]] = set()
         self._rescan_task: asyncio.Task[Any] | None = None
 
     # -- scans ---------------------------------------------------------------------------
@@ -221,15 +222,23 @@ class Inventory:
         released_below = self.engine.config.released_below_mib * 1024 * 1024
         self.summaries = gpu_summaries(ScanResult(holders=self.holders, nvml=snapshot), released_below)
         self.listener.inventory_changed(snapshot, self.summaries)
-        leaked = {s["index"] for s in self.summaries if s["state"] == GPU_LEAKED}
+        # A MIG instance leaks on its own: its GPU's aggregate memory hides it while another
+        # instance is busy, so each instance is announced by its MIG UUID.
+        leaked: dict[tuple[int, str], tuple[str, int]] = {}
         for summary in self.summaries:
-            if summary["index"] in leaked - self._leaked:
-                self.listener.leak_suspected(summary["index"], summary["uuid"], summary["memory_used"])
-        self._leaked = leaked
+            if summary["state"] == GPU_LEAKED:
+                leaked[(summary["index"], "")] = (summary["uuid"], summary["memory_used"])
+            for mig in summary.get("mig_instances") or []:
+                if mig["state"] == GPU_LEAKED:
+                    leaked[(summary["index"], mig["uuid"])] = (mig["uuid"], mig["memory_used"])
+        for key, (uuid, used) in leaked.items():
+            if key not in self._leaked:
+                self.listener.leak_suspected(key[0], uuid, used)
+        self._leaked = set(leaked)
 
-    def note_leak_reported(self, index: int) -> None:
+    def note_leak_reported(self, index: int, mig_uuid: str = "") -> None:
         """A sweep report already announced this leak: the poll need not repeat it."""
-        self._leaked.add(index)
+        self._leaked.add((index, mig_uuid))
 
 
 def _chain(source: asyncio.Future[ScanResult], target: asyncio.Future[ScanResult]) -> None:

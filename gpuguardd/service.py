@@ -255,8 +255,9 @@ class Service:
         self._publish_metrics()
         for leak in report.leaks:
             index = int(leak.get("gpu", 0))
-            self.leak_suspected(index, str(leak.get("uuid", "")), int(leak.get("bytes", 0)))
-            self.inventory.note_leak_reported(index)
+            mig_uuid = str(leak.get("mig_uuid", ""))  # a MIG instance is named by its own UUID
+            self.leak_suspected(index, mig_uuid or str(leak.get("uuid", "")), int(leak.get("bytes", 0)))
+            self.inventory.note_leak_reported(index, mig_uuid)
         self.inventory.request_rescan()
         self.on_change()
 

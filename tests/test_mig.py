@@ -155,8 +155,10 @@ def test_caps_nodes_map_to_their_gpu_and_instance(mig_host: MigHost) -> None:
     assert code == 0, stderr
     assert {t["pid"] for t in report["terminated"]} == {mig_host.a.pid}
     assert in_b.alive() and mig_host.b.alive()
-    # On A and C, so not inside a scope of A alone.
+    # On A and C, so not inside a scope of A alone: spared, saying why.
     assert gi_only.alive()
+    assert any(s["pid"] == gi_only.pid and s["why"] == f"also in MIG instance {MIG_C}"
+               for s in report["spared"]), report["spared"]
 
 
 def test_unknown_mig_uuid_is_a_usage_error_naming_it(mig_host: MigHost) -> None:

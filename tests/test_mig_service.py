@@ -68,6 +68,20 @@ def test_gpu_objects_show_instances_and_gpus_options_select_one(
     time.sleep(1.0)
     # Only changes are signalled: GPU 0's (empty) instances never changed.
     assert recorder.property_changes(GPU0, "MigInstances") == []
+    # Instance B's tenant goes away on its own and B keeps 2 GiB with no process, while a
+    # tenant of C keeps the GPU in-use: the GPU's aggregate hides the leak, the instance's
+    # own LeakSuspected (by its MIG UUID) does not.
+    host = guard.host
+    in_c = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
+    host.state.add_proc(1, in_c.pid, GiB, mig=MIG_C)
+    host.publish()
+    wait_until(lambda: instance(guard, MIG_C)["state"] == "in-use", 10, "C in use")
+    assert not any(s.body[1] == MIG_B for s in recorder.of("LeakSuspected"))
+    mig.b.stop()
+    recorder.wait_for("LeakSuspected", lambda s: s.body == [1, MIG_B, 2 * GiB])
+    assert instance(guard, MIG_B)["state"] == "leaked"
+    assert guard.get_property(GPU1, GPU, "State") == "in-use"
+    assert not any(s.body[0] == 1 and s.body[1] != MIG_B for s in recorder.of("LeakSuspected"))
 
 
 def test_unknown_mig_uuid_is_invalid_argument(guard: GuardDaemon) -> None:
