@@ -50,7 +50,8 @@ class ManagerBackend(Protocol):
     async def caller(self) -> Caller: ...
 
     async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[VarDict]:
-        """Typed holders (marshal.holder), filtered and redacted for `caller`."""
+        """Typed holders (marshal.holder), filtered and redacted for `caller`, bounded in
+        size (replysize.bound_holders)."""
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -162,7 +163,7 @@ class ManagerInterface(PropertyHolder):
     async def ListHolders(self, filter: VarDict) -> list[VarDict]:
         options = marshal.parse_options(filter, marshal.FILTER_OPTIONS, "filter")
         caller = await self.backend.caller()
-        return replysize.bound_holders(await self.backend.list_holders(caller, options))
+        return await self.backend.list_holders(caller, options)
 
     @method()
     @contract_errors

@@ -73,9 +73,11 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
     return items
 
 
-def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET
-                  ) -> list[dict[str, Variant]]:
-    sizes = [wire_size(h) for h in holders]
+def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
+                  sizes: list[int] | None = None) -> list[dict[str, Variant]]:
+    """`sizes`: each holder's wire_size() or more, if the caller knows them already."""
+    if sizes is None:
+        sizes = [wire_size(h) for h in holders]
     if sum(sizes) + 8 <= budget:
         return holders
     compact = [_compact(h) for h in holders]

@@ -12,7 +12,7 @@ from typing import Any
 
 from dbus_fast import Variant
 
-from . import __version__, hooks, marshal
+from . import __version__, hooks, marshal, replysize
 from .auth import Authorizer, Caller
 from .bus import GuardBus, current_call
 from .busnames import (
@@ -76,6 +76,7 @@ class Service:
         self.gpus: dict[int, GpuInterface] = {}
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
+        self._typed_sizes: dict[int, int] = {}
         self.on_change: Callable[[], None] = lambda: None
         # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
@@ -147,19 +148,24 @@ class Service:
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, holder_filter)
+        # The reply stays far below the bus's message limit (replysize.py). A redacted holder
+        # is no bigger than its typed one, so the sizes typed once per scan bound it.
+        sizes = [self._typed_sizes[id(h)] for h in holders]
         # Filtering and redaction are per caller; only the typing is shared.
         if not caller.is_root and any(h.uid != caller.uid for h in holders) \
                 and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
             # Command lines can carry secrets (tokens, passwords in arguments).
-            return [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
-                    for h in holders]
-        return [typed[id(h)] for h in holders]
+            return replysize.bound_holders(
+                [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
+                 for h in holders], sizes=sizes)
+        return replysize.bound_holders([typed[id(h)] for h in holders], sizes=sizes)
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
         """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
         typed once per scan: callers served from one scan share it (never mutated)."""
         if self._typed_for is not result:
             self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
+            self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
             self._typed_for = result
         return self._typed
 

@@ -210,3 +210,60 @@ def test_the_cli_says_when_a_reply_was_cut() -> None:
     out = io.StringIO()
     output.print_omitted([{"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7}], "reports", out)
     assert out.getvalue().startswith("(7 more reports not shown")
+
+
+# One process with a long executable path and a long argv that forks HOLDERS children: each
+# inherits its device fd, its exe and its command line, so each is a holder with ~8 KiB of text.
+FORKER = """
+import os, signal, sys, time
+os.setsid()
+fd = os.open(sys.argv[1], os.O_PATH)
+for _ in range(int(sys.argv[2])):
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        while True:
+            time.sleep(3600)
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"""
+HOLDERS = 1200
+
+
+def test_many_long_holders_are_compacted_not_dropped(guard: GuardDaemon,
+                                                           tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+
+    from tests.adversarial.hostile_holder import odd_interpreter
+    from tests.dbus_harness import PRIVATE_MINOR, private_gpu
+    private_gpu(guard.host)
+    deep = tmp_path / "/".join(["d" * 200] * 18)  # a 3.6 KB path: exe near PATH_MAX
+    exe = odd_interpreter(deep)
+    node = str(guard.host.dev / f"nvidia{PRIVATE_MINOR}")
+    proc = subprocess.Popen([exe, "-c", FORKER, node, str(HOLDERS), "C" * 4096],
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        pids = {proc.pid} | {child.pid for child in psutil.Process(proc.pid).children()}
+        assert len(pids) == HOLDERS + 1
+
+        def listed() -> tuple[list[Any], int] | None:
+            body, size = call_sized(guard.address, "ListHolders", "a{sv}",
+                                    [{"fresh": Variant("b", True)}])
+            holders = [h for h in plain(body[0]) if h["pid"] in pids]
+            return (holders, size) if len(holders) == len(pids) else None
+        holders, size = wait_until(listed, 60, f"ListHolders to list {HOLDERS + 1} holders",
+                                   interval=1)
+        # Sent in full they would make ~10 MB: every one is still listed, its text cut.
+        assert size <= replysize.REPLY_BUDGET + 4096, size
+        assert all(len(h["exe"].encode()) <= replysize.COMPACT_TEXT for h in holders)
+        assert all(h["exe"].endswith(safetext.MARKER) for h in holders)
+        assert not any(replysize.OMITTED_KEY in h for h in holders)
+        assert guard.alive()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
