@@ -56,7 +56,8 @@ def test_fresh_scans_by_nobody_are_coalesced_and_rate_limited(daemon: GuardDaemo
     assert out.split() == ["replies", "300", "errors", "0"], out
     scans = daemon.stderr().count(SCAN_LINE) - before
     # At most one fresh scan a second for nobody, plus the daemon's own (NVML saw the holder).
-    assert scans <= took + 3, (scans, took)  # before: 60 scans in 3.9 s
+    # At least nobody's first fresh scan is seen (the count cannot pass by seeing nothing).
+    assert 1 <= scans <= took + 3, (scans, took)  # before: 60 scans in 3.9 s
     denials = [line for line in daemon.stderr().splitlines() if "denied to uid 65534" in line]
     assert len(denials) == 1, denials
 
