@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,13 +104,20 @@ def test_pid_2_in_a_pid_namespace_is_an_ordinary_process() -> None:
     assert seen["reason"] is None, seen  # `sleep`, not kthreadd: nothing protects it
 
 
-def timed_holder(host: GpuHost, mode: str, reap: bool) -> Proc:
-    popen = subprocess.Popen([sys.executable, "-c", TIMED_HOLDER, mode, host.node("nvidia0"),
+def timed_holder(host: GpuHost, mode: str, reap: bool, namespace_init: bool = False) -> Proc:
+    """`namespace_init`: the holder is PID 1 of a PID namespace of its own (unshare --fork
+    then reaps it), where a signal it has no handler for, sent from outside, is dropped."""
+    prefix = ["unshare", "--pid", "--fork"] if namespace_init else []
+    popen = subprocess.Popen([*prefix, sys.executable, "-c", TIMED_HOLDER, mode, host.node("nvidia0"),
                               host.node("nvidia-uvm")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert popen.stdout is not None
     line = popen.stdout.readline().split()
     assert line and line[0] == "ready"
-    proc = Proc(popen, int(line[1]))
+    pid = int(line[1])
+    if namespace_init:
+        assert pid == 1
+        pid = int(Path(f"/proc/{popen.pid}/task/{popen.pid}/children").read_text().split()[0])
+    proc = Proc(popen, pid)
     host.procs.append(proc)
     if reap:
         threading.Thread(target=popen.wait, daemon=True).start()
@@ -177,3 +185,14 @@ def test_the_kernel_exit_status_is_recorded_while_it_has_it(inproc_nvml: GpuHost
     assert entry["pid"] == by_sigterm.pid
     assert (entry["signal"], entry.get("exit_status")) == ("SIGTERM", "killed by SIGTERM"), entry
     by_sigterm.popen.wait()
+
+
+def test_a_namespace_init_that_sigterm_cannot_reach_exits_on_its_own(inproc_nvml: GpuHost) -> None:
+    """A container's init without a SIGTERM handler never receives ours (the kernel drops it):
+    when it exits on its own during the grace, SIGTERM is not credited."""
+    host = inproc_nvml
+    proc = timed_holder(host, "default", reap=False, namespace_init=True)
+    entry = terminated(host, timed=proc)
+    assert entry["pid"] == proc.pid
+    assert entry["signal"] == "", entry
+    assert entry.get("exit_status") in (None, "exited with status 7")
