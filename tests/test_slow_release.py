@@ -35,8 +35,11 @@ def thaw_later(cgroup: Path, seconds: float) -> threading.Timer:
 def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
         gpu_host: GpuHost, frozen_cgroup: Path) -> None:  # noqa: F811
     host = gpu_host
+    # It ignores SIGTERM, as a worker stuck in the driver's teardown effectively does: a fatal
+    # SIGTERM sent to a frozen process would already decide its exit status (the kernel sets
+    # the group exit at send time), and the report rightly records that signal, not SIGKILL.
     slow = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
-                      nvml=(0, 4 * GiB), release_delay_ms=300)
+                      "--ignore-term", nvml=(0, 4 * GiB), release_delay_ms=300)
     freeze(frozen_cgroup, slow.pid)
     host.write_config("[Sweep]\nKillTimeoutSec=300ms\nVerifyTimeoutSec=8s\n")
     timer = thaw_later(frozen_cgroup, 2.0)
