@@ -216,8 +216,6 @@ export class GuardModel {
             return;
         const manager = unwrap(this.manager.data);
         this.update({ manager });
-        if (!manager.Busy && this.state.running && this.state.running.finished)
-            this.update({ running: null });
     }
 
     readGpus(structural) {
