@@ -26,6 +26,7 @@ from tests.cockpit_harness import NOBODY, CockpitWs, require_cockpit_tools, scre
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import COMM, FAST_POLL, GPU, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
 from tests.packages import build
+from tests.test_mig import MIG_A, MIG_B, MIG_C, setup_mig
 
 pytest_plugins = ["tests.dbus_harness", "tests.cockpit_harness"]
 
@@ -467,3 +468,50 @@ def test_daemon_installed_but_not_running(browser_page: Callable[..., Any], tmp_
             ws.close()
     finally:
         bus.close()
+
+
+def test_mig_instances_under_their_gpu_and_one_swept_alone(daemon: GuardDaemon, cockpit_ws: Callable[..., CockpitWs],
+                                                          browser_page: Callable[..., Any]) -> None:
+    """GPU 1 in MIG mode (tests/test_mig.py's host): its instances under its card with the
+    daemon's MigInstances, tenants' MIG UUIDs in the table, and a sweep of instance A alone."""
+    mig = setup_mig(daemon.host, "[Daemon]\nPollIntervalSec=0.25\n")
+    daemon.start()
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    card = page.locator("section.gg-gpu[data-index='1']")
+    expect(card).to_contain_text("MIG mode on")
+    expect(card.locator(".gg-mig-instance")).to_have_count(3)
+    expect(page.locator("section.gg-gpu[data-index='0'] .gg-mig")).to_have_count(0)
+    wait_until(lambda: next(i for i in daemon.get_property(f"{MANAGER_PATH}/gpu/1", GPU, "MigInstances")
+                            if i["uuid"] == MIG_A)["holder_count"] == 1, 10, "instance A's tenant")
+    for instance in daemon.get_property(f"{MANAGER_PATH}/gpu/1", GPU, "MigInstances"):
+        shown = card.locator(".gg-mig-instance", has_text=instance["uuid"])
+        expect(shown.locator(".gg-state")).to_have_text(instance["state"])
+        expect(shown.locator(".gg-mig-holders")).to_contain_text(f"{instance['holder_count']} holder")
+    instance_a = card.locator(".gg-mig-instance", has_text=MIG_A)
+    expect(instance_a).to_contain_text("GPU instance 1, compute instance 0")
+    expect(instance_a).to_contain_text("3.0 GiB of 40.0 GiB")
+    expect(row(page, mig.a.pid).locator("td").nth(5)).to_contain_text(MIG_A)
+    expect(row(page, mig.b.pid).locator("td").nth(5)).to_contain_text(MIG_B)
+
+    dialog = open_sweep_dialog(page)
+    page.check("#scope-gpus")
+    expect(dialog.locator(f"[id='sweep-mig-{MIG_C}']")).to_be_visible()
+    page.check(f"[id='sweep-mig-{MIG_A}']")
+    page.fill("#sweep-grace", "1")
+    page.click("#sweep-preview")
+    plan = dialog.locator(".gg-report-section[data-section='targets']")
+    expect(plan).to_contain_text(str(mig.a.pid))
+    expect(plan).not_to_contain_text(str(mig.b.pid))
+    page.click("#sweep-run")
+    expect(dialog.locator(".gg-sweep-summary")).to_contain_text("Sweep finished", timeout=30000)
+    report = daemon.manager("GetHistory", "u", "1")[0][0]
+    assert [t["pid"] for t in report["terminated"]] == [mig.a.pid], report
+    gpus = dialog.locator(".gg-report-section[data-section='gpus']")
+    expect(gpus).to_contain_text(MIG_A)
+    expect(dialog.locator(".gg-report")).to_contain_text(f"MIG instance {MIG_A}")
+    wait_until(lambda: not mig.a.alive(), 10, "A's tenant to end")
+    assert mig.b.alive(), "a sweep of instance A ended B's tenant"
+    page.click("#sweep-close")
+    expect(row(page, mig.a.pid)).to_have_count(0)
+    expect(instance_a.locator(".gg-mig-holders")).to_contain_text("0 holders")
+    screenshot(page, "mig")

@@ -81,8 +81,11 @@ function MigInstances({ instances }) {
                             <StateLabel state={mig.state} />
                         </div>
                         <div className="gg-muted">
-                            {cockpit.format(_("GPU instance $0, compute instance $1, $2 holders"),
-                                            mig.gpu_instance_id, mig.compute_instance_id, mig.holder_count ?? 0)}
+                            {cockpit.format(_("GPU instance $0, compute instance $1"), mig.gpu_instance_id, mig.compute_instance_id)}
+                            {", "}
+                            <span className="gg-mig-holders">
+                                {cockpit.format(cockpit.ngettext("$0 holder", "$0 holders", mig.holder_count ?? 0), mig.holder_count ?? 0)}
+                            </span>
                         </div>
                         <MemoryBar used={mig.memory_used} total={mig.memory_total} title={mig.uuid} />
                     </ListItem>

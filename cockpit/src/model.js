@@ -311,8 +311,11 @@ export class GuardModel {
             this.refreshHolders();
         } else if (signal === "LeakSuspected") {
             const [gpu, uuid, bytes] = args;
-            this.addEvent("warning", cockpit.format(_("GPU $0 keeps $1 with no process holding it"), gpu, formatBytes(bytes)),
-                          { uuid });
+            // A MIG instance leaks on its own: the signal names it by its MIG UUID.
+            const text = String(uuid).startsWith("MIG-")
+                ? cockpit.format(_("MIG instance $0 of GPU $1 keeps $2 with no process holding it"), uuid, gpu, formatBytes(bytes))
+                : cockpit.format(_("GPU $0 keeps $1 with no process holding it"), gpu, formatBytes(bytes));
+            this.addEvent("warning", text, { uuid });
         }
     }
 
@@ -385,6 +388,8 @@ export function scopeText(scope) {
     const parts = [];
     if (scope.gpus && scope.gpus.length)
         parts.push(cockpit.format(cockpit.ngettext("GPU $0", "GPUs $0", scope.gpus.length), scope.gpus.join(", ")));
+    if (scope.mig && scope.mig.length)
+        parts.push(cockpit.format(cockpit.ngettext("MIG instance $0", "MIG instances $0", scope.mig.length), scope.mig.join(", ")));
     if (scope.unit)
         parts.push(cockpit.format(_("unit $0"), scope.unit));
     if (scope.container)
