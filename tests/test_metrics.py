@@ -148,12 +148,14 @@ def test_daemon_publishes_a_sweep_in_the_textfile_and_on_the_bus(daemon: GuardDa
     ids = (("UUID", uuid), ("gpu", str(gpu)))
 
     def in_use() -> bool:
-        # NVML's process list can show the GPU in use a poll before the /proc scan finds
-        # the holder: wait for both.
+        # NVML's process list can show the GPU in use a poll before the /proc scan finds the
+        # holder, and a loaded machine's daemon rescans /proc only so often: ask for a fresh
+        # scan (which publishes the inventory, and so the textfile), then wait for both.
+        daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")
         got = samples(prom.read_text())
         return (got.get(("gpuguard_gpu_state", (*ids, ("state", "in-use")))) == 1
                 and got.get(("gpuguard_gpu_holders", (*ids, ("kind", "compute")))) == 1)
-    wait_until(in_use, 10, "the holder in the textfile")
+    wait_until(in_use, 20, "the holder in the textfile", interval=0.2)
     result = daemon.manager("Sweep", "a{sv}", "2", "gpus", "au", "1", str(gpu), "grace_ms", "u", "2000")[0]
     assert result["outcome"] == "freed" and [t["pid"] for t in result["terminated"]] == [pid]
 
@@ -169,6 +171,8 @@ def test_daemon_publishes_a_sweep_in_the_textfile_and_on_the_bus(daemon: GuardDa
         assert got[("gpuguard_memory_reclaimed_bytes_total", ())] == 2 * GiB
         assert got[("gpuguard_last_sweep_timestamp_seconds", ())] > 0
     assert stat.S_IMODE(prom.stat().st_mode) == 0o644
+    # Once the daemon is gone (a write may be under way while it runs), no temporary file is left.
+    assert daemon.stop() == 0
     assert sorted(os.listdir(textfiles)) == [TEXTFILE_NAME]
 
 
