@@ -173,6 +173,12 @@ install-data: man
 	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
+	@# Slurm: the epilog and the report-only UnkillableStepProgram (README "Fleet").
+	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d
+	set -e; for f in epilog.d/50-gpuguard unkillable-step; do \
+		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' slurm/$$f > build/install/slurm-script; \
+		$(INSTALL) -m 755 build/install/slurm-script $(DESTDIR)$(DATADIR)/gpuguard/slurm/$$f; \
+	done
 	set -e; for d in $(DROPIN_DIRS); do \
 		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
 		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' systemd/dropins/$$d/gpuguard.conf \

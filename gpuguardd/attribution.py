@@ -78,12 +78,32 @@ def unit_of(path: str) -> str:
     return ""
 
 
+_CONTAINER_SCOPE = re.compile(
+    r"^(docker|libpod|cri-containerd|crio)-(?:conmon-)?([0-9a-f]{12,})\.scope$")
+_SCOPE_KINDS = {"docker": "docker", "libpod": "podman", "cri-containerd": "containerd",
+                "crio": "crio"}
+
+
+def container_scope_label(unit: str) -> str:
+    """The container a runtime's host scope runs (docker-<id>.scope: docker/<id>), or ""."""
+    match = _CONTAINER_SCOPE.match(unit)
+    return f"{_SCOPE_KINDS[match.group(1)]}/{match.group(2)}" if match else ""
+
+
 def attribute(cgroup_file: str | None) -> Attribution:
     if not cgroup_file:
         return Attribution("", "", "")
     path = cgroup_path(cgroup_file)
     container, inner = container_of(path)
-    return Attribution(cgroup=path, unit=unit_of(inner), container=container)
+    unit = unit_of(inner)
+    if container and not unit:
+        # Docker and Podman (systemd cgroup driver) run a container as a host scope,
+        # docker-<id>.scope: that scope is the unit of its processes, so [Watch] Units= and
+        # a unit sweep can name it. A unit inside the container stays the container's.
+        host = unit_of(path)
+        if container_scope_label(host) == container:
+            unit = host
+    return Attribution(cgroup=path, unit=unit, container=container)
 
 
 def normalize_unit_name(name: str) -> str:

@@ -8,6 +8,7 @@ import logging
 import os
 import pwd
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, TextIO
 
@@ -227,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--include-management", action="store_true",
                        help="also end management clients (nvidia-smi, exporters)")
     sweep.add_argument("--reason", default="", help="recorded in the report and the journal")
+    sweep.add_argument("--slurm-epilog", action="store_true",
+                       help="as Slurm's Epilog=: the finished job's leftovers (SLURM_JOB_ID, "
+                            "SLURM_JOB_UID, SLURM_JOB_GPUS); the exit status is the drain decision")
+    sweep.add_argument("--deadline", type=_grace, default=None, metavar="SEC",
+                       help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
 
     check = verbs.add_parser("check", parents=[common],
                              help="exit 0 when the GPUs have no compute holder and no leaked memory")
@@ -260,6 +266,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     out = sys.stdout
     if args.verb == "hook":
         return hooks.run_command(args, out)
+    if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
+        parser.error("--slurm-epilog takes the job's GPUs from Slurm: no --gpu, --unit or --container")
+    if args.verb == "sweep" and args.deadline is not None and not args.slurm_epilog:
+        parser.error("--deadline only applies with --slurm-epilog")
     try:
         backend = connect(args)
         if args.verb == "status":
@@ -274,6 +284,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)
             output.print_json(found, out) if args.json else output.print_holders(found, out)
             return EXIT_OK
+        if args.verb == "sweep" and args.slurm_epilog:
+            return run_slurm_epilog(backend, args, out)
         if args.verb == "sweep":
             request = SweepRequest(gpus=args.gpu, unit=args.unit, container=args.container,
                                    grace_ms=args.grace, dry_run=args.dry_run,
@@ -327,6 +339,65 @@ def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO
         for problem in result.problems:
             out.write(problem.message + "\n")
     return EXIT_OK if result.ok else EXIT_NOT_FREE
+
+
+def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    """`sweep --slurm-epilog`: the finished job's sweep, bounded by --deadline. stdout is the
+    drain reason (one line, only when the exit status is not 0) or, with --json, the report;
+    the human report goes to stderr, which slurmd logs."""
+    from . import slurm
+
+    named = os.environ.get("SLURM_JOB_ID", "")
+    job_id = named if named.isdigit() and len(named) <= 20 else "?"
+    try:
+        job = slurm.epilog_job(os.environ)
+        job_id = job.job_id
+        try:
+            gpus = backend.gpus()
+        except GpuGuardError as exc:
+            log.warning("no GPU list (%s): device minors taken to be NVML indices", exc)
+            gpus = []
+        selectors, warnings = slurm.gpu_selectors(job.minors, gpus)
+        for warning in warnings:
+            log.warning("%s", warning)
+        reason = job.reason + (f" {args.reason}" if args.reason else "")
+        request = SweepRequest(gpus=selectors, grace_ms=slurm.EPILOG_GRACE_MS if args.grace is None
+                               else args.grace, dry_run=args.dry_run,
+                               include_management=args.include_management, reason=reason,
+                               slurm_job=job.job_id, slurm_uid=job.uid)
+        deadline = (args.deadline if args.deadline is not None else slurm.EPILOG_DEADLINE_MS) / 1000
+        result: list[Any] = []
+
+        def work() -> None:
+            try:
+                result.append(backend.sweep(request))
+            except BaseException as exc:  # handed to the main thread
+                result.append(exc)
+        worker = threading.Thread(target=work, name="gpuguard-epilog", daemon=True)
+        worker.start()
+        worker.join(deadline)
+        if not result:
+            line = f"gpuguard: job {job_id}: no result within the {deadline:g} s deadline"
+            log.error("%s", line)
+            out.write(line + "\n")
+            return EXIT_ERROR
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        report: dict[str, Any] = result[0]
+    except (GpuGuardError, DaemonUnavailable) as exc:
+        code = EXIT_USAGE if isinstance(exc, InvalidArgument) else \
+            EXIT_NOT_AUTHORIZED if isinstance(exc, NotAuthorized) else EXIT_ERROR
+        line = slurm.summary(job_id, {"outcome": "error", "error": str(exc)})
+        log.error("%s", line)
+        out.write(line + "\n")
+        return code
+    output.print_report(report, sys.stderr)
+    code = OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+    if args.json:
+        output.print_json(report, out)
+    elif code != EXIT_OK:
+        out.write(slurm.summary(job_id, report) + "\n")
+    return code
 
 
 def main() -> None:

@@ -217,6 +217,9 @@ class DBusBackend:
                 options["include_management"] = Variant("b", True)
             if request.reason:
                 options["reason"] = Variant("s", request.reason)
+            if request.slurm_job:
+                options["slurm_job"] = Variant("s", request.slurm_job)
+                options["slurm_uid"] = Variant("u", request.slurm_uid)
             # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
             if request.unit:
                 (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "SweepUnit",

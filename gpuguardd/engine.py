@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from . import nvmlprocs, procfs
+from . import nvmlprocs, procfs, slurm
 from .attribution import (
     container_matches,
+    container_scope_label,
     normalize_unit_name,
     validate_container_label,
 )
@@ -205,9 +206,14 @@ class Engine:
             raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
         grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
         dry_run = config.dry_run if request.dry_run is None else request.dry_run
+        slurm.check_request(request)
+        if unit and not container:
+            # docker-<id>.scope and kin: the host unit of a container (attribution.py).
+            container = container_scope_label(unit)
         scope = Scope(gpus=gpus, unit=unit, container=container, mig=mig,
                       include_management=request.include_management,
-                      adopted=tuple((int(p), int(s)) for p, s in request.adopted))
+                      adopted=tuple((int(p), int(s)) for p, s in request.adopted),
+                      slurm_job=request.slurm_job, slurm_uid=request.slurm_uid)
         settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
                                  verify_timeout_sec=config.verify_timeout_sec,
                                  released_below_bytes=config.released_below_mib * 1024 * 1024,

@@ -43,7 +43,7 @@ HOLDER: Schema = {
 }
 
 SCOPE: Schema = {"gpus": "au", "unit": "s", "container": "s", "include_management": "b",
-                 "grace_ms": "u", "mig": "as"}
+                 "grace_ms": "u", "slurm_job": "s", "slurm_uid": "u", "mig": "as"}
 
 _TARGET: Schema = {"pid": "u", "comm": "s", "unit": "s", "container": "s", "kind": "s",
                    "gpus": "au", "gpu_memory": "t", "exe": "s", "mig": "as"}
@@ -215,7 +215,8 @@ def unwrap(value: Any) -> Any:
 FILTER_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s",
                                      "include_protected": "b", "fresh": "b"}
 SWEEP_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s", "grace_ms": "u",
-                                    "dry_run": "b", "include_management": "b", "reason": "s"}
+                                    "dry_run": "b", "include_management": "b", "reason": "s",
+                                    "slurm_job": "s", "slurm_uid": "u"}
 # Other signatures an option also takes: `gpus` as `as` carries indices, GPU- or MIG- UUIDs as
 # text (a MIG instance has no index of its own); `au` stays as released.
 ALSO_ACCEPTED: Mapping[str, tuple[str, ...]] = {"gpus": ("as",)}

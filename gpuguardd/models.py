@@ -193,6 +193,10 @@ class SweepRequest:
     # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
     # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
     adopted: list[tuple[int, int]] = field(default_factory=list)
+    # A Slurm epilog's job (gpuguardd/slurm.py): its cgroup's processes and its user's escaped
+    # holders of `gpus`, nothing of another job. slurm_uid -1: none.
+    slurm_job: str = ""
+    slurm_uid: int = -1
     # Whether the report goes into the audit history. A dry run by anyone but root does not
     # (it is answered, signalled and logged): any user may dry-run, and a flood of them must
     # never push a real sweep's record out of the history (README "Safety guarantees").
@@ -208,12 +212,15 @@ class Scope:
     container: str = ""
     include_management: bool = False
     adopted: tuple[tuple[int, int], ...] = ()  # see SweepRequest.adopted
+    slurm_job: str = ""  # see SweepRequest.slurm_job
+    slurm_uid: int = -1
     # MIG instances (UUIDs) named on their own: only their tenants, never the rest of the GPU.
     mig: tuple[str, ...] = ()
 
     @property
     def whole_host(self) -> bool:
-        return not self.gpus and not self.mig and not self.unit and not self.container
+        return (not self.gpus and not self.mig and not self.unit and not self.container
+                and not self.slurm_job)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpus": list(self.gpus), "unit": self.unit,
@@ -223,6 +230,9 @@ class Scope:
             out["mig"] = list(self.mig)
         if self.adopted:
             out["adopted_pids"] = [pid for pid, _ in self.adopted]
+        if self.slurm_job:
+            out["slurm_job"] = self.slurm_job
+            out["slurm_uid"] = self.slurm_uid
         return out
 
 

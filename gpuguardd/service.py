@@ -175,7 +175,8 @@ class Service:
             container=options.get("container", ""), grace_ms=options.get("grace_ms"),
             dry_run=options.get("dry_run"),
             include_management=options.get("include_management", False),
-            reason=options.get("reason", ""))
+            reason=options.get("reason", ""), slurm_job=options.get("slurm_job", ""),
+            slurm_uid=options.get("slurm_uid", -1))
         dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
         if not dry_run:
             await self.auth.require(caller, ACTION_SWEEP)

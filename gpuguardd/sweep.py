@@ -39,6 +39,7 @@ from .models import (
     Scope,
 )
 from .process import ProcessHandle, wait_for_exit
+from .slurm import in_job_scope
 
 log = logging.getLogger("gpuguard.sweep")
 
@@ -131,6 +132,10 @@ def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
 
 
 def in_scope(holder: Holder, scope: Scope) -> bool:
+    if scope.slurm_job:
+        # A Slurm epilog's sweep: its own rule, whatever else the scope says (slurm.py).
+        return in_job_scope(holder, scope.slurm_job, scope.slurm_uid,
+                            lambda: _on_scope_gpus(holder, scope))
     if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
         # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
         # the unit watch chose (unitwatch.py), never a recycled PID.

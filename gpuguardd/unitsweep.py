@@ -17,7 +17,8 @@ of these hold:
 
 1. H runs on the host: a container's processes are never a host unit's leftovers;
 2. H is a compute holder (a CUDA context) and not protected (the engine checks both again);
-3. H was U's: either the same process (PID and start time) was seen in U's cgroup by an
+3. H was U's (U may be a container's host scope, docker-<id>.scope, whose processes were the
+   container's): either the same process (PID and start time) was seen in U's cgroup by an
    earlier scan, or H holds one of U's GPUs (held by U's processes while U ran or now, or
    named by U's CUDA_VISIBLE_DEVICES);
 4. no running unit owns H now: its cgroup belongs to no unit (a slice, the root, a cgroup made
@@ -44,7 +45,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .attribution import normalize_unit_name
+from .attribution import container_scope_label, normalize_unit_name
 from .models import KIND_COMPUTE, Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
 from .sweep import gpu_scope
 
@@ -132,7 +133,10 @@ class UnitGpuRecords:
     def observe(self, holders: Iterable[Holder]) -> None:
         """Note every host unit's GPU holders from a scan (cheap: holders only)."""
         for holder in holders:
-            if not holder.unit or holder.container or not holder.gpus:
+            # A container's processes belong to no host unit, except the container's own
+            # host scope (docker-<id>.scope: attribution.container_scope_label).
+            host_unit = not holder.container or container_scope_label(holder.unit) == holder.container
+            if not holder.unit or not host_unit or not holder.gpus:
                 continue
             record = self._record(holder.unit)
             record.gpus.update(holder.gpus)

@@ -26,12 +26,19 @@ DOCKER_ID = "3f2a9c1d5e6f7a8b9c0d1e2f3a4b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9e0f1a2b"
     ("/lxc.monitor/129", "", ""),
     ("/lxc.payload.gpu-box/system.slice/tgi.service", "tgi.service", "lxc/gpu-box"),
     ("/lxc.payload/gpu-box/init.scope", "init.scope", "lxc/gpu-box"),
-    (f"/system.slice/docker-{DOCKER_ID}.scope", "", f"docker/{DOCKER_ID}"),
+    # A runtime's host scope is its container's unit ([Watch] Units=docker-*.scope).
+    (f"/system.slice/docker-{DOCKER_ID}.scope", f"docker-{DOCKER_ID}.scope", f"docker/{DOCKER_ID}"),
     (f"/docker/{DOCKER_ID}", "", f"docker/{DOCKER_ID}"),
-    (f"/machine.slice/libpod-{DOCKER_ID}.scope/container", "", f"podman/{DOCKER_ID}"),
+    (f"/machine.slice/libpod-{DOCKER_ID}.scope/container", f"libpod-{DOCKER_ID}.scope",
+     f"podman/{DOCKER_ID}"),
+    (f"/machine.slice/libpod-conmon-{DOCKER_ID}.scope", f"libpod-conmon-{DOCKER_ID}.scope",
+     f"podman/{DOCKER_ID}"),
+    # Docker inside an LXC container: that scope is the container's unit, not a host unit.
+    (f"/lxc/129/system.slice/docker-{DOCKER_ID}.scope", f"docker-{DOCKER_ID}.scope", "lxc/129"),
     (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/cri-containerd-{DOCKER_ID}.scope",
-     "", f"containerd/{DOCKER_ID}"),
-    (f"/kubepods.slice/kubepods-pod2.slice/crio-{DOCKER_ID}.scope", "", f"crio/{DOCKER_ID}"),
+     f"cri-containerd-{DOCKER_ID}.scope", f"containerd/{DOCKER_ID}"),
+    (f"/kubepods.slice/kubepods-pod2.slice/crio-{DOCKER_ID}.scope", f"crio-{DOCKER_ID}.scope",
+     f"crio/{DOCKER_ID}"),
     ("/machine.slice/systemd-nspawn@box.service/payload/system.slice/ollama.service", "ollama.service",
      "nspawn/box"),
 ])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 
@@ -190,3 +191,54 @@ def test_idle_exporter_exits_and_the_socket_starts_it_again(prometheus: Installe
     finally:
         m.run("rm -f /etc/systemd/system/gpuguard-exporter.service.d/idle.conf")
         m.systemctl("daemon-reload")
+
+
+# -- containers: [Watch] Units= takes their scopes ------------------------------------------
+
+def test_watch_sweeps_a_removed_containers_leftovers(guard: Installed) -> None:
+    """Docker's systemd cgroup driver runs a container as docker-<id>.scope; here a transient
+    scope of that name runs the fake server, one of its workers leaves the scope's cgroup, and
+    the scope is stopped (what `docker rm -f` does): the watch sweeps the worker left behind."""
+    m = guard.machine
+    cid = secrets.token_hex(32)
+    unit = f"docker-{cid}.scope"
+    m.write("/etc/gpuguard/gpuguard.conf.d/containers.conf", "[Watch]\nUnits=docker-*.scope libpod-*.scope\n")
+    m.systemctl("reload", "gpuguardd.service")
+    wait_for("the watch patterns", lambda: _watched(guard), 10, 0.3)
+    server = m.popen(["systemd-run", "--scope", f"--unit={unit}", "--", "/usr/bin/python3",
+                      str(REPO / "tests" / "e2e" / "fake_server.py"), f"--name=ctr-{cid[:8]}",
+                      "--workers=2", "--gpu=1", "--mib=4096", "--escaper=1"])
+    try:
+        pids = wait_for("the container's workers", lambda: _pids(guard, f"ctr-{cid[:8]}"), 30, 0.3)
+        workers = [pids["worker0"], pids["worker1"]]
+        wait_for("gpuguardd to see them in the scope", lambda: {
+            h["pid"] for h in guard.holders() if h["unit"] == unit and h["container"] == f"docker/{cid}"
+        } >= set(workers) or None, 20, 0.3)
+        m.run(["kill", "-USR1", str(workers[1])])  # leaves the container's cgroup
+        wait_for("the worker to leave", lambda: unit not in guard.cgroup(workers[1]) or None, 10)
+        m.systemctl("stop", unit)
+        report = wait_for("the watch's sweep", lambda: guard.reports_for(unit) or None, 30, 0.5)[0]
+        assert report["requested_by"] == f"watch:{unit}"
+        assert report["outcome"] == "freed", report
+        assert [t["pid"] for t in report["terminated"]] == [workers[1]]
+        assert report["scope"]["adopted_pids"] == [workers[1]]
+        assert not guard.alive(workers[1])
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+        m.systemctl("stop", unit, check=False)
+        m.run("rm -f /etc/gpuguard/gpuguard.conf.d/containers.conf")
+        m.systemctl("reload", "gpuguardd.service", check=False)
+
+
+def _watched(guard: Installed) -> bool:
+    done = guard.busctl("get-property", "org.gpuguard.GpuGuard1", "/org/gpuguard/GpuGuard1",
+                        "org.gpuguard.GpuGuard1.Manager", "WatchedUnits")
+    return "docker-*.scope" in done.stdout
+
+
+def _pids(guard: Installed, name: str) -> dict[str, int] | None:
+    try:
+        return guard.server_pids(name)
+    except OSError:
+        return None
