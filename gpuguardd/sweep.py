@@ -323,8 +323,9 @@ class Sweep:
             if not in_scope(holder, self.scope):
                 _, why = gpu_scope(holder, self.scope.gpus)
                 why = why or _mig_scope_why(holder, self.scope)
-                # Worth a line only for what would otherwise have been a target.
-                if why and is_target(holder, replace(self.scope, gpus=(), mig=())):
+                # Worth a line for what the scope would otherwise have taken; protected processes
+                # (gpuguard itself among them) are never in question.
+                if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
                     self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
                                                "unit": holder.unit, "why": why})
                 continue
