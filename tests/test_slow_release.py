@@ -26,10 +26,31 @@ def freeze(cgroup: Path, pid: int) -> None:
         time.sleep(0.01)
 
 
-def thaw_later(cgroup: Path, seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, lambda: (cgroup / "freezer.state").write_text("THAWED"))
-    timer.start()
-    return timer
+def sigkill_pending(pid: int) -> bool:
+    """SIGKILL (signal 9, bit 8) waits in the frozen process's pending sets."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [line.split()[1] for line in status.splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(int(mask, 16) & (1 << 8) for mask in masks)
+
+
+def thaw_after_sigkill(cgroup: Path, pid: int, seconds: float) -> threading.Event:
+    """Thaw `seconds` after the sweep's SIGKILL reached the frozen process, whatever the
+    machine's load made of the time before it: the process then dies `seconds` into its
+    SIGKILL, like a driver teardown that takes that long. Set the event to give up."""
+    cancel = threading.Event()
+
+    def run() -> None:
+        while not sigkill_pending(pid):
+            if cancel.wait(0.01):
+                return
+        if not cancel.wait(seconds):
+            (cgroup / "freezer.state").write_text("THAWED")
+    threading.Thread(target=run, daemon=True).start()
+    return cancel
 
 
 def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
@@ -38,23 +59,24 @@ def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
     # It ignores SIGTERM, as a worker stuck in the driver's teardown effectively does: a fatal
     # SIGTERM sent to a frozen process would already decide its exit status (the kernel sets
     # the group exit at send time), and the report rightly records that signal, not SIGKILL.
+    # It would also make SIGKILL pending at once, which is what the thaw below waits for.
     slow = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
                       "--ignore-term", nvml=(0, 4 * GiB), release_delay_ms=300)
     freeze(frozen_cgroup, slow.pid)
     host.write_config("[Sweep]\nKillTimeoutSec=300ms\nVerifyTimeoutSec=8s\n")
-    timer = thaw_later(frozen_cgroup, 2.0)
+    cancel = thaw_after_sigkill(frozen_cgroup, slow.pid, 1.5)
     try:
         code, report, stderr = sweep_json(host, "--gpu", "0", "--grace", "200ms")
     finally:
-        timer.cancel()
+        cancel.set()
     assert code == 0, stderr
     assert report["outcome"] == "freed"
     assert report["survived"] == []
     [ended] = report["terminated"]
     assert ended["pid"] == slow.pid and ended["signal"] == "SIGKILL"
-    # It went long after KillTimeoutSec (grace 0.2 s + 0.3 s), and the sweep did not sit out
-    # the whole VerifyTimeoutSec once it and its memory were gone.
-    assert ended["exited_after_ms"] >= 800
+    # It went 1.5 s after SIGKILL, long after KillTimeoutSec (0.3 s), and the sweep did not sit
+    # out the whole VerifyTimeoutSec once it and its memory were gone.
+    assert ended["exited_after_ms"] >= 200 + 1500
     assert report["duration_ms"] < 7000
     assert report["gpus"][0]["released"] is True
     assert slow.popen.wait(5) < 0
