@@ -83,7 +83,8 @@ def slurm(guard: Installed) -> Iterator[Installed]:
     m.copy(REPO / "slurm" / "epilog.d" / "50-gpuguard",
            "/usr/share/gpuguard/slurm/epilog.d/50-gpuguard", 0o755)
     m.run("mkdir -p /etc/slurm/epilog.d /var/lib/gg-slurm/ctld /var/lib/gg-slurm/d /run/gg-slurm "
-          "/var/log/gg-slurm/jobs && chmod 1777 /var/log/gg-slurm/jobs && ln -sf /usr/share/gpuguard/slurm/epilog.d/50-gpuguard "
+          "/var/log/gg-slurm/jobs && chmod 1777 /var/log/gg-slurm/jobs && "
+          "ln -sf /usr/share/gpuguard/slurm/epilog.d/50-gpuguard "
           f"/etc/slurm/epilog.d/50-gpuguard && (id {USER} >/dev/null 2>&1 || useradd -M {USER})")
     m.run("ip addr add 10.254.0.1/32 dev lo 2>/dev/null || true")
     m.systemctl("start", "munge.service")
@@ -117,7 +118,8 @@ def submit(guard: Installed, mode: str) -> str:
 
 
 def slurm_logs(guard: Installed) -> str:
-    return guard.machine.run("tail -n 15 /var/log/gg-slurm/*.log /var/log/gg-slurm/jobs/*; squeue; sinfo -N", check=False).stdout
+    return guard.machine.run("tail -n 15 /var/log/gg-slurm/*.log /var/log/gg-slurm/jobs/*; "
+                             "squeue; sinfo -N", check=False).stdout
 
 
 def job_pids(guard: Installed, job: str) -> dict[str, int]:
