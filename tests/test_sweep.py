@@ -38,9 +38,9 @@ def gone(pid: int) -> bool:
 
 def test_sweep_of_one_gpu_ends_its_holders_and_verifies_memory(gpu_host: GpuHost) -> None:
     host = gpu_host
-    on0 = host.spawn("--hold", host.node("nvidia0"), "--hold", host.node("nvidia-uvm"),
-                     nvml=(0, 4 * GiB), release_delay_ms=200)
-    on1 = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"), nvml=(1, 2 * GiB))
+    # Like CUDA processes, each holds every GPU's node; NVML's lists say which GPU it is on.
+    on0 = host.spawn("--cuda", str(host.dev), nvml=(0, 4 * GiB), release_delay_ms=200)
+    on1 = host.spawn("--cuda", str(host.dev), nvml=(1, 2 * GiB))
     code, report, stderr = sweep_json(host, "--gpu", "0", "--reason", "test")
     assert code == 0, stderr
     assert report["outcome"] == "freed"
