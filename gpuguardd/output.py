@@ -85,13 +85,13 @@ def print_omitted(entries: list[dict[str, Any]], what: str, out: TextIO) -> None
                   f"bus's message size)\n")
 
 
-def describe_scope(scope: dict[str, Any]) -> str:
-    scope = escaped(scope)
+def describe_scope(scope: Any) -> str:
+    scope = _fields(escaped(scope))
     parts = []
     if scope.get("gpus"):
-        parts.append("GPU " + ",".join(str(g) for g in scope["gpus"]))
+        parts.append("GPU " + _joined(scope["gpus"]))
     if scope.get("mig"):
-        parts.append("MIG " + ",".join(str(m) for m in scope["mig"]))
+        parts.append("MIG " + _joined(scope["mig"]))
     if scope.get("unit"):
         parts.append(f"unit {scope['unit']}")
     if scope.get("container"):
@@ -104,29 +104,59 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"{key}: {value}\n")
 
 
-def print_report(report: dict[str, Any], out: TextIO) -> None:
-    report = escaped(report)
-    what = describe_scope(report.get("scope", {}))
+# A report may come from history.jsonl, which an older version wrote or someone edited: the
+# printer takes any shape (a key missing, a string where a list was, a list of numbers) and
+# shows "?" for what it cannot read, rather than losing the admin the rest of the history.
+
+def _fields(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _entries(value: Any) -> list[dict[str, Any]]:
+    """The records in a report's list; anything else in it is shown as text in a record."""
+    if not isinstance(value, list):
+        return []
+    return [item if isinstance(item, dict) else {"comm": str(item)} for item in value]
+
+
+def _joined(value: Any) -> str:
+    return ",".join(str(item) for item in value) if isinstance(value, list) else str(value)
+
+
+def _size(value: Any) -> str:
+    return human_bytes(value) if isinstance(value, int) and not isinstance(value, bool) else "?"
+
+
+def _row(entry: dict[str, Any]) -> str:
+    return f"{entry.get('pid', '?')!s:>7}  {entry.get('comm', '?')!s:<16} {entry.get('unit') or '-'}"
+
+
+def print_report(report: Any, out: TextIO) -> None:
+    report = _fields(escaped(report))
+    what = describe_scope(report.get("scope"))
     dry = " (dry run)" if report.get("dry_run") else ""
-    out.write(f"Sweep {report['id'][:8]} of {what}{dry}, requested by {report['requested_by']}\n")
+    out.write(f"Sweep {str(report.get('id', '?'))[:8]} of {what}{dry}, "
+              f"requested by {report.get('requested_by', '?')}\n")
     if report.get("dry_run"):
-        for t in report.get("targets", []):
-            out.write(f"  would end   {t['pid']:>7}  {t['comm']:<16} {t['unit'] or '-'}\n")
-    for t in report.get("terminated", []):
+        for t in _entries(report.get("targets")):
+            out.write(f"  would end   {_row(t)}\n")
+    for t in _entries(report.get("terminated")):
         note = f", zombie of {t['zombie_parent']}" if t.get("zombie_parent") else ""
-        out.write(f"  terminated  {t['pid']:>7}  {t['comm']:<16} {t['unit'] or '-'}  "
-                  f"{t['signal'] or 'gone'} after {t['exited_after_ms']} ms{note}\n")
-    for s in report.get("survived", []):
-        out.write(f"  SURVIVED    {s['pid']:>7}  {s['comm']:<16} {s['unit'] or '-'}  {s['why']}\n")
-    for s in report.get("spared", []):
-        out.write(f"  spared      {s['pid']:>7}  {s['comm']:<16} {s['unit'] or '-'}  {s['why']}\n")
-    for g in report.get("gpus", []):
-        after = human_bytes(g["memory_used_after"]) if not report.get("dry_run") else "-"
+        out.write(f"  terminated  {_row(t)}  "
+                  f"{t.get('signal') or 'gone'} after {t.get('exited_after_ms', '?')} ms{note}\n")
+    for s in _entries(report.get("survived")):
+        out.write(f"  SURVIVED    {_row(s)}  {s.get('why', '?')}\n")
+    for s in _entries(report.get("spared")):
+        out.write(f"  spared      {_row(s)}  {s.get('why', '?')}\n")
+    for g in _entries(report.get("gpus")):
+        after = _size(g.get("memory_used_after")) if not report.get("dry_run") else "-"
         flag = "" if g.get("released") or report.get("dry_run") else " (not released)"
-        what = f"GPU {g['index']}" + (f" MIG {g['mig_uuid']}" if g.get("mig_uuid") else "")
-        out.write(f"  {what}: {human_bytes(g['memory_used_before'])} used before, {after} after{flag}\n")
-    for leak in report.get("leaks", []):
-        out.write(f"  LEAK: GPU {leak['gpu']} keeps {human_bytes(leak['bytes'])} with no process holding it\n")
-    for warning in report.get("warnings", []):
+        what = f"GPU {g.get('index', '?')}" + (f" MIG {g['mig_uuid']}" if g.get("mig_uuid") else "")
+        out.write(f"  {what}: {_size(g.get('memory_used_before'))} used before, {after} after{flag}\n")
+    for leak in _entries(report.get("leaks")):
+        out.write(f"  LEAK: GPU {leak.get('gpu', '?')} keeps {_size(leak.get('bytes'))} "
+                  f"with no process holding it\n")
+    warnings = report.get("warnings")
+    for warning in warnings if isinstance(warnings, list) else [warnings] if warnings else []:
         out.write(f"  warning: {warning}\n")
-    out.write(f"Outcome: {report['outcome']} in {report['duration_ms']} ms\n")
+    out.write(f"Outcome: {report.get('outcome', '?')} in {report.get('duration_ms', '?')} ms\n")
