@@ -8,9 +8,11 @@ PID can be recycled between the call and the check. Polkit is asked about the bu
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import pwd
+import time
 from dataclasses import dataclass
 
 from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
@@ -32,6 +34,12 @@ _NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
               "org.freedesktop.DBus.Error.Spawn.ExecFailed",
               "org.freedesktop.DBus.Error.Spawn.ChildExited"}
 _CACHE_SIZE = 1024
+# How long polkit's answer for one connection and action is reused. Any user can call in a
+# loop (ListHolders asks about view-details whenever other users' holders exist); without
+# this, each call is a round trip to polkitd, which runs its rules each time. The subject is
+# the bus name, which stays the same process, so the answer only ages (a session going
+# inactive, rules edited): a few seconds is fresh enough.
+POLKIT_DECISION_SEC = 5.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,12 @@ class Authorizer:
         # Denials are logged once per uid and action (ratelimit.py): any user can ask again
         # and again, and the journal is the admin's.
         self._denials = PerKey(DENIAL_LOG_INTERVAL_SEC)
+        # (sender, action, interactive) -> (when polkit answered, granted), for
+        # POLKIT_DECISION_SEC; bounded like _uids. Calls that come while polkit is being asked
+        # wait for that one answer.
+        self._decisions: collections.OrderedDict[tuple[str, str, bool], tuple[float, bool]] = \
+            collections.OrderedDict()
+        self._asking: dict[tuple[str, str, bool], asyncio.Future[bool]] = {}
 
     def _log_denial(self, level: int, caller: Caller, action: str, what: str, *args: object) -> None:
         count = self._denials.admit((caller.uid, action, what))
@@ -104,6 +118,30 @@ class Authorizer:
     async def allowed(self, caller: Caller, action: str) -> bool:
         if caller.is_root:
             return True
+        key = (caller.sender, action, caller.interactive)
+        decided = self._decisions.get(key)
+        if decided is not None and time.monotonic() - decided[0] < POLKIT_DECISION_SEC:
+            self._decisions.move_to_end(key)
+            return decided[1]
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = asyncio.ensure_future(self._decide(caller, action, key))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        # shield: one caller giving up (disconnecting) does not cancel the others' answer.
+        return await asyncio.shield(asking)
+
+    async def _decide(self, caller: Caller, action: str, key: tuple[str, str, bool]) -> bool:
+        # Every answer is kept, refusals for a failed check too: denying for a few seconds
+        # more is the safe side, and a failing polkit is not asked at the callers' rate.
+        granted = await self._ask_polkit(caller, action)
+        self._decisions[key] = (time.monotonic(), granted)
+        self._decisions.move_to_end(key)
+        while len(self._decisions) > _CACHE_SIZE:
+            self._decisions.popitem(last=False)
+        return granted
+
+    async def _ask_polkit(self, caller: Caller, action: str) -> bool:
         flags = POLKIT_ALLOW_USER_INTERACTION if caller.interactive else 0
         subject = ["system-bus-name", {"name": Variant("s", caller.sender)}]
         try:

@@ -11,10 +11,22 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
+from gpuguardd.auth import POLKIT_DECISION_SEC
+from gpuguardd.busnames import ACTION_VIEW_DETAILS
 from gpuguardd.ratelimit import PerKey, held_back
 from tests.conftest import GiB
-from tests.dbus_harness import FAST_POLL, NOBODY, PYTHON, ROOT, GuardDaemon, private_holder
+from tests.dbus_harness import (
+    FAST_POLL,
+    NOBODY,
+    PYTHON,
+    ROOT,
+    BusDaemon,
+    FakePolkit,
+    GuardDaemon,
+    private_holder,
+)
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -69,3 +81,26 @@ def test_refusals_are_logged_once_per_caller(guard: GuardDaemon) -> None:
     refused = [line for line in log.splitlines() if "Sweep refused" in line]
     assert len(refused) == 1, refused
     assert len([line for line in log.splitlines() if "denied to uid 65534" in line]) == 1
+
+
+def test_polkit_is_asked_once_per_connection_and_action(guard: GuardDaemon, system_bus: BusDaemon,
+                                                        tmp_path: Path) -> None:
+    """A flood of ListHolders by nobody, with root's holder listed, asks polkit about
+    view-details once per connection for POLKIT_DECISION_SEC, not once per call."""
+    polkit = FakePolkit(system_bus.address, tmp_path, {}, challenge=True)
+    try:
+        private_holder(guard.host, GiB)
+        connections = 4
+        started = time.monotonic()
+        out = flood(guard, "ListHolders", 200, connections)
+        took = time.monotonic() - started
+        assert out.split() == ["replies", "200", "errors", "0"], out
+        asked = [r for r in polkit.requests() if r["action"] == ACTION_VIEW_DETAILS]
+        assert all(r["uid"] == 65534 and not r["granted"] for r in asked)
+        # Each connection asks at least once (polkit is really consulted), then again only
+        # when its answer has aged. Before: 200 requests, one per call.
+        windows = int(took // POLKIT_DECISION_SEC) + 1
+        assert connections <= len(asked) <= connections * windows, (len(asked), took)
+        assert len({r["name"] for r in asked}) == connections
+    finally:
+        polkit.close()
