@@ -135,7 +135,15 @@ class SweepRunner:
                 self.sweep_executor, self.engine.sweep, request,
                 LoopObserver(loop, self.events, flight))
             if flight not in self.in_flight:
-                return report  # recorded as interrupted at shutdown; the record stays as it is
+                # Recorded as interrupted at shutdown, and SweepFinished sent: that record
+                # stays the sweep's one record (a second one under the same id would give
+                # readers, the hook and the history's compaction two answers for one sweep).
+                # What it learnt since goes to the journal, beside each signal it logged.
+                log.warning("sweep %s finished after it was recorded as interrupted: %s, "
+                            "%d process(es) ended, %d survived (the history keeps the "
+                            "interrupted record)", report.id[:8], report.outcome,
+                            len(report.terminated), len(report.survived))
+                return report
             self.in_flight.remove(flight)
             # Durable before anyone hears of it: a report the caller saw survives a crash.
             await self._record(request, report)

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpuguardd.config import Config, parse_timespan
 from gpuguardd.history import History
 from gpuguardd.models import Report, SweepRequest
@@ -106,7 +108,10 @@ class _HungEngine:
                       dry_run=False, outcome="freed")
 
 
-def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path) -> None:
+def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Recorded as it stands at shutdown; if it finishes while the daemon is still exiting,
+    that record stays the sweep's only one, and the late outcome goes to the journal."""
     engine = _HungEngine()
     history = History(str(tmp_path), 100)
     history.load()
@@ -142,3 +147,6 @@ def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path) -> None:
     assert [t["pid"] for t in record["terminated"]] == [4242]
     assert "stopped while this sweep was still running" in record["error"]
     assert [r.id for r in events.finished] == ["feedface" * 4]  # SweepFinished was sent
+    late = [r.getMessage() for r in caplog.records if "finished after it was recorded" in r.getMessage()]
+    assert late == ["sweep feedface finished after it was recorded as interrupted: freed, "
+                    "0 process(es) ended, 0 survived (the history keeps the interrupted record)"]
