@@ -17,7 +17,7 @@ from playwright.sync_api import expect
 
 from tests.adversarial.test_forged_signals import forge
 from tests.cockpit_harness import CockpitWs
-from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, FAST_POLL, GuardDaemon, private_gpu
+from tests.dbus_harness import BUS_NAME, FAST_POLL, MANAGER, MANAGER_PATH, GuardDaemon, private_gpu
 
 pytest_plugins = ["tests.dbus_harness", "tests.cockpit_harness"]
 
