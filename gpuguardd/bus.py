@@ -95,6 +95,17 @@ def name_owner_change(msg: Message, name: str) -> str | None:
     return str(msg.body[2])
 
 
+async def name_owner(bus: MessageBus, name: str) -> str:
+    """The unique name that owns `name` now, "" when none does (or the bus would not say):
+    what a signal claiming to come from `name` must carry as its sender."""
+    reply = await bus.call(Message(
+        destination=BUS_DAEMON, path=BUS_DAEMON_PATH, interface=BUS_DAEMON,
+        member="GetNameOwner", signature="s", body=[name]))
+    if reply is None or reply.message_type != MessageType.METHOD_RETURN or not reply.body:
+        return ""
+    return str(reply.body[0])
+
+
 PEER_INTERFACE = "org.freedesktop.DBus.Peer"
 MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 

@@ -17,7 +17,7 @@ from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from . import marshal
-from .bus import SafeBus, name_owner_change
+from .bus import SafeBus, name_owner, name_owner_change
 from .busnames import (
     BUS_NAME,
     ENV_BUS_ADDRESS,
@@ -279,12 +279,9 @@ class DBusBackend:
                 if reply.message_type == MessageType.ERROR:
                     raise error_from_reply(reply)
             # After the owner match is in place: a change from here on reaches the handler.
-            reply = await bus.call(Message(
-                destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
-                body=[BUS_NAME]))
-            if reply.message_type == MessageType.METHOD_RETURN and not owner[0]:
-                owner[0] = str(reply.body[0])
+            found = await name_owner(bus, BUS_NAME)
+            if found and not owner[0]:
+                owner[0] = found
             await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
             raise DaemonUnavailable(f"the connection to {self._where()} was closed")
         self._run(listen)

@@ -19,10 +19,10 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from dbus_fast import BusType, DBusError, Message, MessageType, NameFlag, RequestNameReply
+from dbus_fast import BusType, DBusError, NameFlag, RequestNameReply
 
 from . import __version__
-from .bus import GuardBus
+from .bus import GuardBus, name_owner
 from .busnames import BUS_NAME
 from .config import Config, load_config
 from .engine import Engine, log_device_refusals
@@ -142,20 +142,10 @@ class Daemon:
             return False
         if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             return True
-        owner = await self._owner(bus)
+        owner = await name_owner(bus, BUS_NAME)
         log.error("%s is already owned by %s: another gpuguardd is running; exiting", BUS_NAME,
                   owner or "another connection")
         return False
-
-    @staticmethod
-    async def _owner(bus: GuardBus) -> str:
-        reply = await bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="GetNameOwner", signature="s",
-            body=[BUS_NAME]))
-        if reply is not None and reply.message_type == MessageType.METHOD_RETURN and reply.body:
-            return str(reply.body[0])
-        return ""
 
     async def _watchdog(self, interval: float) -> None:
         # Pinged from the event loop, so a blocked loop stops the pings and systemd notices.

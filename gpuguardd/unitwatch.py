@@ -25,7 +25,7 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageFlag, MessageType
 from dbus_fast.aio import MessageBus
 
-from .bus import name_owner_change
+from .bus import name_owner, name_owner_change
 from .models import Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
 from .unitsweep import (
     MAX_UNITS,
@@ -168,11 +168,9 @@ async def local_systemd(address: str | None) -> tuple[Systemd | NoSystemd, Messa
         log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
                  "looked for", exc)
         return NoSystemd(), None
-    reply = await asyncio.wait_for(bus.call(Message(
-        destination=DBUS, path="/org/freedesktop/DBus", interface=DBUS, member="GetNameOwner",
-        signature="s", body=[SYSTEMD])), CALL_TIMEOUT_SEC)
+    owner = await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC)
     systemd = Systemd(bus)
-    systemd.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
+    systemd.available = bool(owner)
     if not systemd.available:
         log.info("no systemd on the bus: the unit's escaped leftovers are not looked for")
     return systemd, bus
@@ -226,15 +224,11 @@ class UnitWatcher:
         return await self._subscribe()
 
     async def _subscribe(self) -> bool:
-        reply = await self.bus.call(Message(destination=DBUS, path="/org/freedesktop/DBus",
-                                            interface=DBUS, member="GetNameOwner", signature="s",
-                                            body=[SYSTEMD]))
-        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
-            self._owner = ""
+        self._owner = await name_owner(self.bus, SYSTEMD)
+        if not self._owner:
             self.systemd.available = False
             log.info("unit watch off: no systemd on this bus")
             return False
-        self._owner = str(reply.body[0])
         ok = await self.systemd.subscribe()
         if ok:
             log.info("watching systemd units%s", f" matching {' '.join(self.patterns)}"
