@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import REPO, Installed, wait_for
+from tests.e2e.harness import FAKE_NVML_STATE, REPO, Installed, wait_for
 
 SLURM_CONF = """\
 ClusterName=gpuguard
@@ -87,6 +87,9 @@ def slurm(guard: Installed) -> Iterator[Installed]:
           "ln -sf /usr/share/gpuguard/slurm/epilog.d/50-gpuguard "
           f"/etc/slurm/epilog.d/50-gpuguard && (id {USER} >/dev/null 2>&1 || useradd -M {USER})")
     m.run("ip addr add 10.254.0.1/32 dev lo 2>/dev/null || true")
+    # The jobs' workers (the job's user) register with the fake NVML, as the driver would list
+    # them: its state may have been rewritten by an earlier test (Installed.write_gpus, 0644).
+    m.run(f"chmod 0666 {FAKE_NVML_STATE} {FAKE_NVML_STATE}.lock")
     m.systemctl("start", "munge.service")
     m.run(["systemd-run", "--collect", "--unit=e2e-slurmctld", "/usr/sbin/slurmctld", "-D", "-i"])
     m.run(["systemd-run", "--collect", "--unit=e2e-slurmd", "/usr/sbin/slurmd", "-D"])
@@ -233,4 +236,28 @@ def test_a_worker_that_cannot_be_ended_drains_the_node_with_gpuguards_reason(
         wait_for("the worker to go", lambda: not guard.alive(worker), 20, 0.2)
         host = m.run(["hostname", "-s"]).stdout.strip()
         m.run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], check=False)
+    wait_for("the node to be idle again", lambda: node_state(guard) == "idle" or None, 60, 0.5)
+
+
+def test_unkillable_step_program_reports_and_ends_nothing(slurm: Installed) -> None:
+    """The shipped report-only UnkillableStepProgram: holders into the journal, no signal."""
+    guard = slurm
+    m = guard.machine
+    m.copy(REPO / "slurm" / "unkillable-step", "/usr/share/gpuguard/slurm/unkillable-step", 0o755)
+    job = submit(guard, "stay")
+    worker = job_pids(guard, job)["worker"]
+    wait_for("gpuguardd to see the worker", lambda: any(
+        h["pid"] == worker for h in guard.holders()) or None, 20, 0.3)
+    try:
+        done = m.run(["/usr/share/gpuguard/slurm/unkillable-step"], env={"SLURM_JOB_ID": job})
+        assert done.returncode == 0
+
+        def reported() -> str | None:
+            text = m.journal("-t", "gpuguard-unkillable-step")
+            return text if str(worker) in text else None
+        journal = wait_for("the report in the journal", reported, 10, 0.3)
+        assert f"job {job} has a step that does not die" in journal
+        assert guard.alive(worker) and job_state(guard, job) == "RUNNING"
+    finally:
+        m.run(["scancel", job])
     wait_for("the node to be idle again", lambda: node_state(guard) == "idle" or None, 60, 0.5)
