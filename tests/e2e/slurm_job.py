@@ -8,7 +8,7 @@ fake NVML (tests/e2e/fake_server.py's helpers):
 * escape-wait: as escape, but the job ends only once /run/fake-server/slurm-<job id>.go
   exists (the test freezes the worker first: a rank stuck in the driver, which no signal ends).
 
-Each writes "KEY=PID ..." to /run/fake-server/slurm-<job id>.pids.
+Each writes "worker=PID gpu=N" to /run/fake-server/slurm-<job id>.pids.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
     mode = sys.argv[1]
     if mode == "stay":
         set_comm("job-rank0")
-        record(worker=os.getpid())
+        record(worker=os.getpid(), gpu=gpus()[0])
         hold_forever()
         return
     read_end, write_end = os.pipe()
@@ -67,7 +67,7 @@ def main() -> None:
         daemonize(write_end)
         if mode.startswith("escape"):
             set_comm("dp-worker")
-            record(worker=os.getpid())
+            record(worker=os.getpid(), gpu=gpus()[0])
             os.write(write_end, b"x")
             os.close(write_end)
             hold_forever()

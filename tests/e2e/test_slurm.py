@@ -144,22 +144,17 @@ def job_state(guard: Installed, job: str) -> str:
     return guard.machine.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
 
 
-def gpu_of(guard: Installed, pid: int) -> str:
-    try:
-        environ = guard.machine.read(f"/proc/{pid}/environ")
-    except OSError:
-        raise AssertionError(f"process {pid} is gone:\n{slurm_logs(guard)}") from None
-    return next(v.split("=", 1)[1] for v in environ.split("\0") if v.startswith("CUDA_VISIBLE_DEVICES="))
-
-
 def test_epilog_ends_the_escaped_worker_and_spares_another_job(slurm: Installed) -> None:
     guard = slurm
     other = submit(guard, "stay")
-    bystander = job_pids(guard, other)["worker"]
+    bystander_pids = job_pids(guard, other)
+    bystander = bystander_pids["worker"]
     wait_for("the other job to run", lambda: job_state(guard, other) == "RUNNING" or None, 30, 0.3)
     job = submit(guard, "escape")
-    worker = job_pids(guard, job)["worker"]
-    assert gpu_of(guard, worker) != gpu_of(guard, bystander), "two jobs, two GPUs"
+    worker_pids = job_pids(guard, job)
+    worker = worker_pids["worker"]
+    # (Recorded by the worker itself: the epilog may have ended it by the time we look.)
+    assert worker_pids["gpu"] != bystander_pids["gpu"], "two jobs, two GPUs"
     # The job ended (its own process exited); its worker did not: Slurm lost track of it.
     wait_for(f"job {job} to end", lambda: job_state(guard, job) == "" or None, 60, 0.5)
     report = wait_for("the epilog's sweep", lambda: next(
