@@ -276,7 +276,8 @@ deb: cockpit
 	mkdir -p $(DIST_ABS)
 	cp $(DIST_ABS)/deb-build/gpuguard_$(VERSION)_all.deb \
 		$(DIST_ABS)/deb-build/cockpit-gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
-	$(CLEAN_ENV) lintian --fail-on error \
+	# TMPDIR: lintian leaves its mldbm-elf-* caches behind; keep them in the build tree.
+	$(CLEAN_ENV) TMPDIR=$(DIST_ABS)/deb-build lintian --fail-on error \
 		$(DIST_ABS)/deb-build/gpuguard_$(VERSION)_*.changes
 	@echo "built $(DIST)/gpuguard_$(VERSION)_all.deb $(DIST)/cockpit-gpuguard_$(VERSION)_all.deb"
 

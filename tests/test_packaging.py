@@ -343,7 +343,9 @@ def lintian_tags() -> list[tuple[str, str]]:
     changes = next(build_dir("deb").glob("gpuguard_*.changes"))
     done = subprocess.run(["lintian", "--pedantic", "--info", "--display-experimental",
                            "--tag-display-limit", "0", str(changes)],
-                          capture_output=True, text=True, check=False, timeout=300)
+                          capture_output=True, text=True, check=False, timeout=300,
+                          # lintian leaves mldbm-elf-* caches in TMPDIR: not in the host's /tmp.
+                          env={**os.environ, "TMPDIR": str(changes.parent)})
     tags = re.findall(r"^([EWIPX]): (?:cockpit-)?gpuguard(?: source)?(?: \(\w+\))?: (\S+)", done.stdout, re.M)
     assert done.returncode == 0 or tags, done.stdout + done.stderr
     return tags
