@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,7 +134,16 @@ class GpuHost:
     def spawn(self, *args: str, exe: str | None = None, nvml: tuple[int, int] | None = None,
               release_delay_ms: int = 0, kind: str = "compute") -> Proc:
         """Start tests/holder.py with `args`; `nvml=(gpu, bytes)` lists it in the fake NVML."""
-        argv = [exe or sys.executable, str(HOLDER), *args]
+        proc = self.start([exe or sys.executable, str(HOLDER), *args])
+        if nvml is not None:
+            self.state.add_proc(nvml[0], proc.pid, nvml[1], kind=kind,  # type: ignore[arg-type]
+                                release_delay_ms=release_delay_ms)
+            self.publish()
+        return proc
+
+    def start(self, argv: list[str] | list[bytes]) -> Proc:
+        """Run a holder (argv runs tests/holder.py) until it says "ready <pid> [zombie=N]";
+        it is ended with the host."""
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         assert popen.stdout is not None
         line = popen.stdout.readline().split()
@@ -146,10 +156,6 @@ class GpuHost:
             if word.startswith("zombie="):
                 proc.zombie = int(word.split("=", 1)[1])
         self.procs.append(proc)
-        if nvml is not None:
-            self.state.add_proc(nvml[0], proc.pid, nvml[1], kind=kind,  # type: ignore[arg-type]
-                                release_delay_ms=release_delay_ms)
-            self.publish()
         return proc
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -252,3 +258,31 @@ def systemd_cgroup() -> Iterator[Callable[[str], CgroupDir]]:
                 break
             except OSError:
                 time.sleep(0.05)
+
+
+@contextmanager
+def v1_freezer(name: str) -> Iterator[Path]:
+    """A fresh cgroup in the host's v1 freezer: a process frozen there sleeps uninterruptibly
+    and no signal ends it until it is thawed (a worker stuck in the driver). Thawed and
+    removed afterwards."""
+    freezer = Path("/sys/fs/cgroup/freezer")
+    if not (freezer / "cgroup.procs").exists():
+        pytest.fail("the v1 freezer (needed to make a process that survives SIGKILL) is not mounted")
+    path = freezer / name
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        (path / "freezer.state").write_text("THAWED")
+        for _ in range(100):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+@pytest.fixture
+def frozen_cgroup() -> Iterator[Path]:
+    with v1_freezer(f"gg-test-{os.getpid()}") as path:
+        yield path

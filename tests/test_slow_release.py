@@ -12,7 +12,7 @@ from typing import Any
 
 from gpuguardd import procfs
 from tests.conftest import GiB, GpuHost, MiB
-from tests.test_sweep import frozen_cgroup, sweep_json  # noqa: F401  (fixture used by name)
+from tests.test_sweep import sweep_json
 
 
 def freeze(cgroup: Path, pid: int) -> None:
@@ -54,7 +54,7 @@ def thaw_after_sigkill(cgroup: Path, pid: int, seconds: float) -> threading.Even
 
 
 def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
-        gpu_host: GpuHost, frozen_cgroup: Path) -> None:  # noqa: F811
+        gpu_host: GpuHost, frozen_cgroup: Path) -> None:
     host = gpu_host
     # It ignores SIGTERM, as a worker stuck in the driver's teardown effectively does: a fatal
     # SIGTERM sent to a frozen process would already decide its exit status (the kernel sets
@@ -83,7 +83,7 @@ def test_a_process_slow_to_die_after_sigkill_is_freed_not_a_survivor(
 
 
 def test_a_process_that_does_not_die_within_verify_timeout_is_a_survivor(
-        gpu_host: GpuHost, frozen_cgroup: Path) -> None:  # noqa: F811
+        gpu_host: GpuHost, frozen_cgroup: Path) -> None:
     host = gpu_host
     stuck = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
     freeze(frozen_cgroup, stuck.pid)

@@ -148,23 +148,6 @@ def test_unreaped_zombie_is_a_survivor_naming_its_parent(gpu_host: GpuHost) -> N
     assert parent.alive()
 
 
-@pytest.fixture
-def frozen_cgroup() -> Any:
-    freezer = Path("/sys/fs/cgroup/freezer")
-    if not (freezer / "cgroup.procs").exists():
-        pytest.fail("the v1 freezer (needed to make a process that survives SIGKILL) is not mounted")
-    path = freezer / f"gg-test-{os.getpid()}"
-    path.mkdir()
-    yield path
-    (path / "freezer.state").write_text("THAWED")
-    for _ in range(100):
-        try:
-            path.rmdir()
-            break
-        except OSError:
-            time.sleep(0.05)
-
-
 def test_uninterruptible_holder_is_reported_not_hidden(gpu_host: GpuHost, frozen_cgroup: Path) -> None:
     """A v1-frozen task sleeps uninterruptibly and ignores SIGKILL until thawed, like a D-state
     process stuck in the driver."""

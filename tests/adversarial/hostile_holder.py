@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from tests.conftest import HOLDER, GpuHost, Proc
@@ -46,13 +44,7 @@ def spawn(host: GpuHost, junk: list[bytes], exe: bytes | None = None, used: int 
     argv: list[bytes] = [exe or os.fsencode(sys.executable), b"-c", RUN_HOLDER.encode(),
                          os.fsencode(str(HOLDER)), b"--hold", node.encode(), b"--comm",
                          comm.encode(), b"--", *junk]
-    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert popen.stdout is not None
-    line = popen.stdout.readline().split()
-    assert line and line[0] == "ready", f"holder did not start: {line}"
-    proc = Proc(popen, int(line[1]))
-    threading.Thread(target=popen.wait, daemon=True).start()
-    host.procs.append(proc)
+    proc = host.start(argv)
     host.state.add_proc(index, proc.pid, used)
     host.publish()
     return proc

@@ -14,10 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tests.adversarial.fake_systemd import FakeSystemd
 from tests.dbus_harness import (
@@ -27,7 +24,6 @@ from tests.dbus_harness import (
     NOBODY,
     PYTHON,
     ROOT,
-    BusDaemon,
     GuardDaemon,
     private_gpu,
     wait_until,
@@ -37,15 +33,6 @@ pytest_plugins = ["tests.dbus_harness"]
 
 SYSTEMD = "org.freedesktop.systemd1"
 UNIT = "gg-forged.service"
-
-
-@pytest.fixture
-def systemd(system_bus: BusDaemon) -> Iterator[FakeSystemd]:
-    fake = FakeSystemd(system_bus.address)
-    try:
-        yield fake
-    finally:
-        fake.close()
 
 
 def bus_call(address: str, member: str, *args: str) -> str:

@@ -12,6 +12,16 @@ from gpuguardd.history import FILE_NAME, MAX_LINE, History
 MiB = 1024 * 1024
 
 
+def peak_while_loading(history: History) -> int:
+    """Peak bytes Python allocated during history.load()."""
+    tracemalloc.start()
+    try:
+        history.load()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_large_history_loads_in_bounded_memory(tmp_path: Path) -> None:
     line = {"id": "", "outcome": "freed", "requested_by": "hook:x.service",
             "warnings": ["w" * 900]}
@@ -20,12 +30,7 @@ def test_a_large_history_loads_in_bounded_memory(tmp_path: Path) -> None:
             handle.write(json.dumps({**line, "id": f"{n:032x}"}) + "\n")
     assert (tmp_path / FILE_NAME).stat().st_size > 18 * MiB
     history = History(str(tmp_path), 100)
-    tracemalloc.start()
-    try:
-        history.load()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = peak_while_loading(history)
     # 100 reports of ~1 KiB each are kept; reading the whole file would peak above 19 MiB.
     assert peak < 4 * MiB, f"peak {peak / MiB:.1f} MiB"
     assert len(history) == 100
@@ -40,12 +45,7 @@ def test_an_endless_line_is_skipped_without_being_held(tmp_path: Path) -> None:
         handle.write('{"id": "' + "x" * (MAX_LINE + 32 * MiB) + '"}\n')
         handle.write(json.dumps({"id": "b" * 32, "outcome": "freed"}) + "\n")
     history = History(str(tmp_path), 10)
-    tracemalloc.start()
-    try:
-        history.load()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = peak_while_loading(history)
     assert [r["id"] for r in history.newest(0)] == ["b" * 32, "a" * 32]
     # Pieces are kept up to MAX_LINE, then dropped; the whole line would be 96 MiB.
     assert peak < MAX_LINE + 8 * MiB, f"peak {peak / MiB:.1f} MiB"

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import pytest
 
 from gpuguardd.models import SweepRequest
 from gpuguardd.unitwatch import UnitState
 from tests.adversarial.fake_systemd import FakeSystemd
-from tests.dbus_harness import BusDaemon, GuardDaemon, wait_until
+from tests.dbus_harness import GuardDaemon, wait_until
 from tests.test_unitwatch import Harness
 
 pytest_plugins = ["tests.dbus_harness"]
@@ -85,14 +84,6 @@ def test_a_dry_run_does_not_join_the_running_real_sweep() -> None:
 
 
 # -- on the bus, as the issue saw it ----------------------------------------------------------
-
-@pytest.fixture
-def systemd(system_bus: BusDaemon) -> Iterator[FakeSystemd]:
-    fake = FakeSystemd(system_bus.address)
-    try:
-        yield fake
-    finally:
-        fake.close()
 
 
 def test_nobodys_dry_run_is_not_handed_to_the_hook(guard: GuardDaemon,

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import v1_freezer
 from tests.e2e.harness import FAKE_NVML_STATE, REPO, Installed, wait_for
 
 SLURM_CONF = """\
@@ -191,20 +191,8 @@ def host_pid(guard: Installed, inner: int) -> int:
 
 @pytest.fixture
 def freezer() -> Iterator[Path]:
-    path = Path("/sys/fs/cgroup/freezer") / f"gg-slurm-e2e-{os.getpid()}"
-    if not Path("/sys/fs/cgroup/freezer/cgroup.procs").exists():
-        pytest.fail("the host's cgroup v1 freezer is needed to make a worker no signal ends")
-    path.mkdir()
-    try:
+    with v1_freezer(f"gg-slurm-e2e-{os.getpid()}") as path:
         yield path
-    finally:
-        (path / "freezer.state").write_text("THAWED")
-        for _ in range(100):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def test_a_worker_that_cannot_be_ended_drains_the_node_with_gpuguards_reason(
