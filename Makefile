@@ -154,9 +154,9 @@ install-python:
 	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBEXECDIR)/gpuguard
 	find gpuguardd -name '*.py' -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
 	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
-	$(call entry_point,gpuguardd.cli,$(DESTDIR)$(BINDIR)/gpuguardctl)
-	$(call entry_point,gpuguardd.daemon,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
-	$(call entry_point,gpuguardd.exporter,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
+	$(call entry_point,gpuguardd.cli.main,$(DESTDIR)$(BINDIR)/gpuguardctl)
+	$(call entry_point,gpuguardd.daemon.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
+	$(call entry_point,gpuguardd.exporter.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
 
 # Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
 # from dh-python and %pyproject_install). The paths in the unit and the example drop-ins

@@ -108,7 +108,7 @@ def daemon(host: Host, address: str) -> Iterator[tuple[subprocess.Popen[bytes], 
     env["NOTIFY_SOCKET"] = str(sock_dir / "notify")
     log = open(host.root / "gpuguardd.log", "ab")  # noqa: SIM115
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.daemon", "--bus-address", address,
+    proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.daemon.main", "--bus-address", address,
                              "--config", str(host.config)], env=env, stderr=log,
                             stdout=subprocess.DEVNULL)
     try:

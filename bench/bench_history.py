@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run in the child: load the history and print seconds, peak RSS and reports kept as JSON.
 CHILD = """
 import json, resource, sys, time
-from gpuguardd.history import History
+from gpuguardd.daemon.history import History
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 history = History(sys.argv[1], int(sys.argv[2]))
 start = time.perf_counter()

@@ -37,10 +37,10 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.devices import build_device_map, driver_majors
-from gpuguardd.engine import Engine
-from gpuguardd.holders import find_holders
-from gpuguardd.models import NvmlSnapshot
+from gpuguardd.engine.devices import build_device_map, driver_majors
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.holders import find_holders
+from gpuguardd.engine.models import NvmlSnapshot
 
 FIND = "gpuguard find_holders"
 SCAN = "gpuguard Engine.scan()"

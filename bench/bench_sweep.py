@@ -47,9 +47,9 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.devices import driver_majors
-from gpuguardd.engine import Engine
-from gpuguardd.models import OUTCOME_FREED, OUTCOME_UNVERIFIED, Report, SweepRequest
+from gpuguardd.engine.devices import driver_majors
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.models import OUTCOME_FREED, OUTCOME_UNVERIFIED, Report, SweepRequest
 from tests.fakenvml import (
     STATE_ENV,
     FakeNvmlBuildError,

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from gpuguardd.errors import ConfigError
 
 DEFAULT_CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"

@@ -12,7 +12,7 @@ import sys
 import traceback
 from typing import Any, TextIO
 
-from .escaping import escape_text
+from gpuguardd.escaping import escape_text
 
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6,
              logging.DEBUG: 7}

@@ -160,7 +160,7 @@ class GpuHost:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "gpuguardd.cli", *args, "--local", "--config",
+            [sys.executable, "-m", "gpuguardd.cli.main", *args, "--local", "--config",
              str(self.config_path)],
             check=False, env=self.env, capture_output=True, text=True, timeout=timeout)
 

@@ -265,7 +265,7 @@ class GuardDaemon:
         run_env.update(env or {})
         run_env["NOTIFY_SOCKET"] = str(notify_path)
         run_env.pop("GPUGUARD_BUS_ADDRESS", None)
-        argv = [PYTHON, "-m", "gpuguardd.daemon", "--bus-address", self.address,
+        argv = [PYTHON, "-m", "gpuguardd.daemon.main", "--bus-address", self.address,
                 "--config", str(self.host.config_path), *extra_args]
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=run_env,
@@ -341,7 +341,7 @@ class GuardDaemon:
                    timeout=timeout, as_nobody=as_nobody)
 
     def ctl(self, *args: str, as_nobody: bool = False, timeout: float = 60) -> Result:
-        return run([PYTHON, "-m", "gpuguardd.cli", *args], env=self.env,
+        return run([PYTHON, "-m", "gpuguardd.cli.main", *args], env=self.env,
                    timeout=timeout, as_nobody=as_nobody)
 
 
@@ -387,7 +387,7 @@ class SignalRecorder:
         from dbus_fast import Message, MessageType
         from dbus_fast.aio import MessageBus
 
-        from gpuguardd.marshal import unwrap
+        from gpuguardd.bus.marshal import unwrap
 
         bus = await MessageBus(bus_address=self.address).connect()
         self._loop = asyncio.get_running_loop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguardd.attribution import (
+from gpuguardd.engine.attribution import (
     attribute,
     container_matches,
     normalize_unit_name,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from gpuguardd.check import check
-from gpuguardd.cli import EXIT_NOT_FREE, EXIT_OK, EXIT_USAGE
+from gpuguardd.cli.check import check
+from gpuguardd.cli.main import EXIT_NOT_FREE, EXIT_OK, EXIT_USAGE
 from tests.conftest import GiB, GpuHost
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.config import Config, config_files, load_config, parse_bool, parse_timespan
+from gpuguardd.engine.protection import ProtectedFiles
 from gpuguardd.errors import ConfigError
-from gpuguardd.protection import ProtectedFiles
 
 
 def write(path: Path, text: str) -> str:

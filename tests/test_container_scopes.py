@@ -10,7 +10,7 @@ import json
 import secrets
 from collections.abc import Callable
 
-from gpuguardd.attribution import container_scope_label
+from gpuguardd.engine.attribution import container_scope_label
 from tests.conftest import CgroupDir, GiB, GpuHost
 
 

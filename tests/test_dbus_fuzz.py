@@ -17,7 +17,7 @@ from typing import Any
 from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.marshal import SWEEP_OPTIONS
+from gpuguardd.bus.marshal import SWEEP_OPTIONS
 from tests.dbus_harness import BUS_NAME, GPU, MANAGER, MANAGER_PATH, GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from gpuguardd.config import Config
-from gpuguardd.engine import Engine, HolderFilter
-from gpuguardd.models import Holder
+from gpuguardd.engine.facade import Engine, HolderFilter
+from gpuguardd.engine.models import Holder
 from tests.conftest import GiB, GpuHost
 
 
@@ -182,14 +182,14 @@ def test_without_nvml_holders_are_still_found_by_device_files(gpu_host: GpuHost)
     proc = host.spawn("--hold", host.node("nvidia1"), "--hold", host.node("nvidia-uvm"))
     env = dict(host.env)
     env.pop("LD_LIBRARY_PATH")  # no libnvidia-ml.so.1 anywhere: the library is missing
-    result = subprocess.run([sys.executable, "-m", "gpuguardd.cli", "holders", "--json", "--local",
+    result = subprocess.run([sys.executable, "-m", "gpuguardd.cli.main", "holders", "--json", "--local",
                              "--config", str(host.config_path)], env=env, capture_output=True,
                             text=True, check=False)
     assert result.returncode == 0, result.stderr
     mine = [h for h in json.loads(result.stdout) if h["pid"] == proc.pid]
     assert mine and mine[0]["gpus"] == [1] and mine[0]["how"] == ["fd"]
     status = json.loads(subprocess.run(
-        [sys.executable, "-m", "gpuguardd.cli", "status", "--json", "--local", "--config",
+        [sys.executable, "-m", "gpuguardd.cli.main", "status", "--json", "--local", "--config",
          str(host.config_path)], env=env, capture_output=True, text=True, check=True).stdout)
     assert status["nvml_available"] is False
     assert "Library Not Found" in status["nvml_error"]
@@ -214,7 +214,7 @@ def test_non_root_scan_says_what_it_could_not_see(gpu_host: GpuHost) -> None:
     try:
         result = subprocess.run(
             ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-             "gpuguardd.cli", "holders", "--local", "--config", conf.name],
+             "gpuguardd.cli.main", "holders", "--local", "--config", conf.name],
             env=host.env, capture_output=True, text=True, check=False, cwd="/")
     finally:
         os.unlink(conf.name)

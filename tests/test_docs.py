@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd import __version__, cli, config, marshal
+from gpuguardd import __version__, config
+from gpuguardd.bus import marshal
+from gpuguardd.cli import main as cli
 from tests.packages import require_tools
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,8 +185,7 @@ def test_cli_exit_codes_are_documented() -> None:
 # -- gpuguardd(8) --------------------------------------------------------------------------
 
 def test_daemon_options_and_exit_codes_are_documented() -> None:
-    from gpuguardd import daemon
-
+    from gpuguardd.daemon import main as daemon
     top = sections(source("gpuguardd.8"), 1)
     items = bold_items(top["OPTIONS"])
     options = option_strings(daemon.build_parser())
@@ -338,8 +339,7 @@ def test_errors_outcomes_and_polkit_actions_are_documented() -> None:
     documented_actions = {plain(line) for line in top["AUTHORIZATION"].splitlines()
                           if line.startswith("_org.")}
     assert actions == documented_actions
-    from gpuguardd import models
-
+    from gpuguardd.engine import models
     outcomes = {v for k, v in vars(models).items() if k.startswith("OUTCOME_") and isinstance(v, str)}
     documented_outcomes = {plain(line) for line in top["OUTCOMES"].splitlines() if line.startswith("_")}
     assert outcomes == documented_outcomes

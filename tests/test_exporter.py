@@ -42,7 +42,7 @@ def exporter(guard: GuardDaemon) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     proc = subprocess.Popen(
         ["systemd-socket-activate", "-l", f"127.0.0.1:{port}",
          *(f"-E{name}={env[name]}" for name in ("GPUGUARD_BUS_ADDRESS", "PYTHONPATH")),
-         *NOBODY, PYTHON, "-m", "gpuguardd.exporter", "--idle-exit", "3s"],
+         *NOBODY, PYTHON, "-m", "gpuguardd.exporter.main", "--idle-exit", "3s"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     wait_until(lambda: _connects(port), 10, "the activation socket")
     try:

@@ -162,8 +162,8 @@ def test_process_in_compute_and_graphics_lists_is_counted_once(gpu_host: GpuHost
 def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:
     """A leftover is adopted for the GPUs its unit held only by the sweep's rule: a CUDA process
     of another tenant holds the unit's GPU node too."""
-    from gpuguardd.models import Holder
-    from gpuguardd.unitwatch import UnitGpuRecords, adoption_candidates
+    from gpuguardd.engine.models import Holder
+    from gpuguardd.systemd.unitwatch import UnitGpuRecords, adoption_candidates
 
     records = UnitGpuRecords()
     records.observe([Holder(pid=10, unit="llm.service", gpus=[1], nvml_gpus=[1], start_time=1)])

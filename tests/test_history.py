@@ -1,6 +1,6 @@
 """The sweep history: durable, bounded, newest first, and never lost to a crash or a bad line.
 
-The first half drives gpuguardd.history directly; the second restarts (and kills) the real
+The first half drives gpuguardd.daemon.history directly; the second restarts (and kills) the real
 daemon and reads the history back over D-Bus.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.history import FILE_NAME, History
+from gpuguardd.daemon.history import FILE_NAME, History
 from tests.dbus_harness import MANAGER, MANAGER_PATH, GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd import cli, hooks
-from gpuguardd.hooks import HookError, HookTarget, parse_pattern, render_dropin
+from gpuguardd.cli import main as cli
+from gpuguardd.systemd import hooks
+from gpuguardd.systemd.hooks import HookError, HookTarget, parse_pattern, render_dropin
 from tests.conftest import GpuHost
 
 ETC = "etc/systemd/system"
@@ -219,7 +220,7 @@ def test_hook_runs_the_gpuguardctl_that_installed_it(tmp_path: Path) -> None:
     bindir = tmp_path / "usr-local-bin"
     bindir.mkdir()
     program = bindir / "gpuguardctl"
-    program.write_text(f"#!{sys.executable}\nfrom gpuguardd.cli import main\nmain()\n")
+    program.write_text(f"#!{sys.executable}\nfrom gpuguardd.cli.main import main\nmain()\n")
     program.chmod(0o755)
     root = tmp_path / "root"
     root.mkdir()

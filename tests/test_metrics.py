@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguardd.metrics import TEXTFILE_NAME, Metrics, write_textfile
-from gpuguardd.models import Holder
+from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
+from gpuguardd.engine.models import Holder
 from tests.conftest import GiB
 from tests.dbus_harness import FAST_POLL, GuardDaemon, private_gpu, private_holder, wait_until
 

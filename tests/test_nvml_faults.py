@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.config import Config
-from gpuguardd.driverinfo import DriverGpu, bus_key, fill_from_driver, read_driver_gpus
-from gpuguardd.engine import Engine, gpu_summaries
-from gpuguardd.models import GpuInfo, NvmlSnapshot, ScanResult, SweepRequest
-from gpuguardd.nvml import Nvml
-from gpuguardd.nvmlworker import NvmlHung, NvmlWorker
+from gpuguardd.engine.driverinfo import DriverGpu, bus_key, fill_from_driver, read_driver_gpus
+from gpuguardd.engine.facade import Engine, gpu_summaries
+from gpuguardd.engine.models import GpuInfo, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.nvml import Nvml
+from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from tests.conftest import GiB, GpuHost, MiB
 
 TIMEOUT = 0.3

@@ -17,7 +17,7 @@ def test_missing_pynvml_module_degrades_to_device_files(gpu_host: GpuHost) -> No
     shadow.mkdir()
     (shadow / "pynvml.py").write_text("raise ImportError('pynvml is not installed here')\n")
     env = dict(host.env, PYTHONPATH=f"{shadow}:{host.env['PYTHONPATH']}")
-    run = [sys.executable, "-m", "gpuguardd.cli", "--local", "--config", str(host.config_path)]
+    run = [sys.executable, "-m", "gpuguardd.cli.main", "--local", "--config", str(host.config_path)]
     status = json.loads(subprocess.run([*run, "status", "--json"], env=env, capture_output=True,
                                        text=True, check=True).stdout)
     assert status["nvml_available"] is False

@@ -90,7 +90,7 @@ local.stdout.readline()
 
 
 def ctl(*args):
-    done = subprocess.run([sys.executable, "-m", "gpuguardd.cli", *args, "--json", "--local",
+    done = subprocess.run([sys.executable, "-m", "gpuguardd.cli.main", *args, "--json", "--local",
                            "--config", config], capture_output=True, text=True)
     return [done.returncode, json.loads(done.stdout) if done.stdout else None, done.stderr]
 

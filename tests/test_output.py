@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from gpuguardd.models import Holder
-from gpuguardd.output import describe_scope, human_bytes, print_holders
+from gpuguardd.cli.output import describe_scope, human_bytes, print_holders
+from gpuguardd.engine.models import Holder
 
 
 def test_sizes() -> None:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpuguardd import __version__, cli
+from gpuguardd import __version__
+from gpuguardd.cli import main as cli
 from tests.packages import ROOT, build, build_dir, make, require_tools
 
 COMPLETION = ROOT / "completion" / "gpuguardctl"
@@ -144,7 +145,7 @@ def test_completion_asks_gpuguardctl_for_gpus(gpu_host: GpuHost, tmp_path: Path)
     """--gpu offers the indices and UUIDs that `gpuguardctl gpus --json` reports, using the
     --local/--config options already typed."""
     ctl = tmp_path / "gpuguardctl"
-    ctl.write_text(f"#!/bin/sh\nexec {sys.executable} -m gpuguardd.cli \"$@\"\n")
+    ctl.write_text(f"#!/bin/sh\nexec {sys.executable} -m gpuguardd.cli.main \"$@\"\n")
     ctl.chmod(0o755)
     config = str(gpu_host.config_path)
     listed = subprocess.run([str(ctl), "--local", "--config", config, "gpus", "--json"],
@@ -334,8 +335,7 @@ def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     assert "rm -rf /var/lib/gpuguard" in postrm
     assert "deb-systemd-helper purge 'gpuguardd.service'" in postrm
     # The purge finds hook drop-ins by the header hooks.py writes.
-    from gpuguardd import hooks
-
+    from gpuguardd.systemd import hooks
     assert hooks.HEADER in postrm
 
 

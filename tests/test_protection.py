@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuguardd import procfs
 from gpuguardd.config import Config
-from gpuguardd.models import Holder
-from gpuguardd.protection import protection_reason
+from gpuguardd.engine import procfs
+from gpuguardd.engine.models import Holder
+from gpuguardd.engine.protection import protection_reason
 
 
 def holder_for(pid: int, exe: str = "/usr/bin/python3", unit: str = "", container: str = "",

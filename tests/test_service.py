@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from gpuguardd import dbusxml
-from gpuguardd.live import LIST_MAX_AGE_SEC
+from gpuguardd.bus import dbusxml
+from gpuguardd.daemon.live import LIST_MAX_AGE_SEC
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import (
     BUS_NAME,
@@ -391,7 +391,7 @@ def test_polkit_decides_for_other_users(guard: GuardDaemon, system_bus: BusDaemo
 def test_second_daemon_exits_while_the_name_is_taken(guard: GuardDaemon) -> None:
     env = dict(guard.env)
     second = subprocess.run(
-        [PYTHON, "-m", "gpuguardd.daemon", "--bus-address", guard.address, "--config",
+        [PYTHON, "-m", "gpuguardd.daemon.main", "--bus-address", guard.address, "--config",
          str(guard.host.config_path)], env=env, capture_output=True, text=True, timeout=30, check=False)
     assert second.returncode == 1
     assert "org.gpuguard.GpuGuard1 is already owned by :1." in second.stderr
@@ -574,7 +574,7 @@ def test_gpuguardctl_talks_to_the_daemon(guard: GuardDaemon) -> None:
 
 
 def test_gpuguardctl_watch_prints_signals(guard: GuardDaemon) -> None:
-    watch = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli", "watch", "--json"],
+    watch = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli.main", "watch", "--json"],
                              env=guard.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # subscribed
@@ -592,6 +592,6 @@ def test_gpuguardctl_watch_prints_signals(guard: GuardDaemon) -> None:
 def test_gpuguardctl_without_daemon(system_bus: BusDaemon, gpu_host: GpuHost) -> None:
     env = dict(gpu_host.env)
     env["GPUGUARD_BUS_ADDRESS"] = system_bus.address
-    status = subprocess.run([PYTHON, "-m", "gpuguardd.cli", "status"], env=env,
+    status = subprocess.run([PYTHON, "-m", "gpuguardd.cli.main", "status"], env=env,
                             capture_output=True, text=True, timeout=30, check=False)
     assert status.returncode == 1 and "no gpuguardd answers" in status.stderr

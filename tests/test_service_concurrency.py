@@ -9,7 +9,7 @@ from typing import Any
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.marshal import unwrap
+from gpuguardd.bus.marshal import unwrap
 from tests.conftest import GiB
 from tests.dbus_harness import (
     BUS_NAME,

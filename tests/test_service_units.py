@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 from dbus_fast import Variant
 
-from gpuguardd import dbusxml, live, marshal
-from gpuguardd.auth import Caller
+from gpuguardd.bus import dbusxml, marshal
+from gpuguardd.bus.auth import Caller
+from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
+from gpuguardd.daemon import live
+from gpuguardd.daemon.notify import watchdog_interval
+from gpuguardd.daemon.service import requested_by
+from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.interfaces import GpuInterface, ManagerInterface
-from gpuguardd.models import Holder, NvmlSnapshot, ScanResult
-from gpuguardd.notify import watchdog_interval
-from gpuguardd.service import requested_by
 
 ROOT = Path(__file__).resolve().parent.parent
 DBUS = ROOT / "dbus"

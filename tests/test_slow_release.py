@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuguardd import procfs
+from gpuguardd.engine import procfs
 from tests.conftest import GiB, GpuHost, MiB
 from tests.test_sweep import sweep_json
 

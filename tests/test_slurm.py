@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd import procfs
+from gpuguardd.engine import procfs
+from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.slurm import epilog_job, gpu_selectors, job_of_cgroups
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
 
 NOBODY = 65534
@@ -102,7 +102,7 @@ def spawn_as(host: GpuHost, uid: int, *args: str, gpu: int | None = None,
 
 def epilog(host: GpuHost, job: int, uid: int, gpus: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**host.env, "SLURM_JOB_ID": str(job), "SLURM_JOB_UID": str(uid), "SLURM_JOB_GPUS": gpus}
-    return subprocess.run([sys.executable, "-m", "gpuguardd.cli", "sweep", "--slurm-epilog",
+    return subprocess.run([sys.executable, "-m", "gpuguardd.cli.main", "sweep", "--slurm-epilog",
                            "--local", "--config", str(host.config_path), *extra],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from gpuguardd import procfs
 from gpuguardd.config import Config
-from gpuguardd.engine import Engine
-from gpuguardd.locks import GpuLocks
-from gpuguardd.models import SweepRequest
-from gpuguardd.process import ProcessHandle
-from gpuguardd.sweep import Sweep
+from gpuguardd.engine import procfs
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.locks import GpuLocks
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.process import ProcessHandle
+from gpuguardd.engine.sweep import Sweep
 from tests.conftest import GiB, GpuHost, MiB
 
 
@@ -212,7 +212,7 @@ def test_the_sweeper_never_signals_its_own_ancestors(gpu_host: GpuHost) -> None:
     host = gpu_host
     # A holder that runs the sweep itself, like an ExecStopPost shell that still holds a device.
     script = (f"import os, subprocess, sys; fd = os.open({host.node('nvidia-uvm')!r}, os.O_PATH); "
-              f"r = subprocess.run([sys.executable, '-m', 'gpuguardd.cli', 'sweep', '--json', '--local', "
+              f"r = subprocess.run([sys.executable, '-m', 'gpuguardd.cli.main', 'sweep', '--json', '--local', "
               f"'--config', {str(host.config_path)!r}], capture_output=True, text=True); print(r.stdout)")
     result = subprocess.run([sys.executable, "-c", script], env=host.env, capture_output=True,
                             text=True, timeout=60, check=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd.hooks import parse_pattern, render_dropin
+from gpuguardd.systemd.hooks import parse_pattern, render_dropin
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "gpuguardd.service"

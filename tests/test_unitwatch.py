@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.models import (
+from gpuguardd.engine.models import (
     KIND_COMPUTE,
     KIND_MANAGEMENT,
     GpuInfo,
@@ -22,7 +22,7 @@ from gpuguardd.models import (
     ScanResult,
     SweepRequest,
 )
-from gpuguardd.unitwatch import (
+from gpuguardd.systemd.unitwatch import (
     UnitGpuRecords,
     UnitState,
     UnitWatch,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpuguardd.history import FILE_NAME
+from gpuguardd.daemon.history import FILE_NAME
 from tests.dbus_harness import FAST_POLL, NOBODY, PYTHON, GuardDaemon, private_gpu, private_holder, run
 
 pytest_plugins = ["tests.dbus_harness"]

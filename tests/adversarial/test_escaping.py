@@ -15,10 +15,10 @@ import logging
 import re
 from pathlib import Path
 
+from gpuguardd.cli.output import print_holders, print_report, print_status
+from gpuguardd.cli.watch import describe
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.log import PlainFormatter, SdDaemonFormatter
-from gpuguardd.output import print_holders, print_report, print_status
-from gpuguardd.watch import describe
 from tests.conftest import GiB
 from tests.dbus_harness import GuardDaemon, private_gpu, private_holder, wait_until
 
@@ -144,7 +144,7 @@ def test_daemon_and_ctl_output_escape_hostile_names(guard: GuardDaemon) -> None:
 
 def test_hook_list_escapes_unit_names(tmp_path: Path) -> None:
     """`hook list` shows unit file names from the host's directories."""
-    from gpuguardd import hooks
+    from gpuguardd.systemd import hooks
     hooks.install("vllm-", str(tmp_path), reload=False)
     units = tmp_path / "etc" / "systemd" / "system"
     (units / f"vllm-{SCREEN}.service").write_text("[Service]\nExecStart=/bin/true\n")

@@ -104,7 +104,7 @@ def test_watch_shows_only_gpuguardds_signals(guard: GuardDaemon, tmp_path: Path)
     out_path = tmp_path / "watch.out"
     err_path = tmp_path / "watch.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        watch = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli", "watch", "--json"], env=guard.env,
+        watch = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli.main", "watch", "--json"], env=guard.env,
                                  stdout=out, stderr=err)
     try:
         name = wait_until(lambda: _try_name(guard.address, watch.pid), 15, "the watch's connection")

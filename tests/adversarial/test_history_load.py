@@ -7,7 +7,7 @@ import json
 import tracemalloc
 from pathlib import Path
 
-from gpuguardd.history import FILE_NAME, MAX_LINE, History
+from gpuguardd.daemon.history import FILE_NAME, MAX_LINE, History
 
 MiB = 1024 * 1024
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuguardd import output
-from gpuguardd.history import FILE_NAME
+from gpuguardd.cli import output
+from gpuguardd.daemon.history import FILE_NAME
 from tests.dbus_harness import GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from gpuguardd.models import SweepRequest
-from gpuguardd.unitwatch import UnitState
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.systemd.unitwatch import UnitState
 from tests.adversarial.fake_systemd import FakeSystemd
 from tests.dbus_harness import GuardDaemon, wait_until
 from tests.test_unitwatch import Harness

@@ -52,7 +52,7 @@ def gone(pid: int) -> bool:
 def local_sweep(host: GpuHost, address: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(host.env)
     env["GPUGUARD_BUS_ADDRESS"] = address
-    return subprocess.run([PYTHON, "-m", "gpuguardd.cli", "sweep", "--local", "--config",
+    return subprocess.run([PYTHON, "-m", "gpuguardd.cli.main", "sweep", "--local", "--config",
                            str(host.config_path), "--json", *args],
                           env=env, capture_output=True, text=True, timeout=120, check=False)
 

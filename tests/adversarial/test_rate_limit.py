@@ -13,9 +13,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpuguardd.auth import POLKIT_DECISION_SEC
-from gpuguardd.busnames import ACTION_VIEW_DETAILS
-from gpuguardd.ratelimit import PerKey, held_back
+from gpuguardd.bus.auth import POLKIT_DECISION_SEC
+from gpuguardd.bus.names import ACTION_VIEW_DETAILS
+from gpuguardd.bus.ratelimit import PerKey, held_back
 from tests.conftest import GiB
 from tests.dbus_harness import (
     FAST_POLL,

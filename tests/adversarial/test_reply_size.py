@@ -16,8 +16,9 @@ from typing import Any
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd import replysize, safetext
-from gpuguardd.history import FILE_NAME
+from gpuguardd import safetext
+from gpuguardd.bus import replysize
+from gpuguardd.daemon.history import FILE_NAME
 from tests.adversarial.hostile_holder import ARG_MAX_ONE, spawn
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
 
@@ -158,7 +159,7 @@ def test_bound_holders_compacts_then_omits() -> None:
 
 
 def test_wire_size_is_an_upper_bound() -> None:
-    from gpuguardd import marshal
+    from gpuguardd.bus import marshal
     data = big_report(1, 50)
     data["warnings"] = ["\u00e9t\u00e9 \U0001f600" * 20]
     typed = marshal.report(data)
@@ -174,7 +175,7 @@ def test_only_the_capped_part_of_a_command_line_is_read() -> None:
     import sys
     import tracemalloc
 
-    from gpuguardd import procfs
+    from gpuguardd.engine import procfs
     code = "import sys, time; print('ready', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code, *["B" * ARG_MAX_ONE] * 15],
                             stdout=subprocess.PIPE)
@@ -196,7 +197,7 @@ def test_only_the_capped_part_of_a_command_line_is_read() -> None:
 def test_the_cli_says_when_a_reply_was_cut() -> None:
     import io
 
-    from gpuguardd import output
+    from gpuguardd.cli import output
     holders = plain(replysize.bound_holders(
         [{"pid": Variant("u", pid), "comm": Variant("s", "x"), "exe": Variant("s", "e" * 4000),
           "cmdline": Variant("s", "c" * 4000), "uid": Variant("u", 0), "user": Variant("s", "root"),

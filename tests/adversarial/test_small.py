@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from gpuguardd.config import load_config
-from gpuguardd.engine import Engine
-from gpuguardd.models import SweepRequest
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.models import SweepRequest
 from tests.conftest import ROOT, GiB, GpuHost, Proc
 
 # Holds the nodes given, optionally ignores SIGTERM, and exits with status 7 when its "timer"
@@ -78,10 +78,10 @@ def test_gpus_local_without_nvml_lists_the_gpus_of_the_nodes(gpu_host: GpuHost) 
 
 PID2_PROBE = """
 import json, subprocess
-from gpuguardd import procfs
+from gpuguardd.engine import procfs
 from gpuguardd.config import Config, load_config
-from gpuguardd.models import Holder
-from gpuguardd.protection import protection_reason
+from gpuguardd.engine.models import Holder
+from gpuguardd.engine.protection import protection_reason
 child = subprocess.Popen(["sleep", "30"])
 stat = procfs.read_stat(child.pid)
 reason = protection_reason(Holder(pid=child.pid, exe="/usr/bin/sleep", state="S"), Config(), [1])

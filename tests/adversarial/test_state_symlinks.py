@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.history import FILE_NAME, History
-from gpuguardd.locks import GpuLocks
+from gpuguardd.daemon.history import FILE_NAME, History
+from gpuguardd.engine.locks import GpuLocks
 from tests.conftest import GiB, GpuHost
 
 VICTIM_TEXT = "root:x:0:0:precious, not the daemon's:/root:/bin/bash\n"

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from gpuguardd.config import Config, parse_timespan
-from gpuguardd.history import History
-from gpuguardd.models import Report, SweepRequest
-from gpuguardd.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_sec
+from gpuguardd.daemon.history import History
+from gpuguardd.daemon.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_sec
+from gpuguardd.engine.models import Report, SweepRequest
 from tests.conftest import GiB
 from tests.dbus_harness import PYTHON, ROOT, GuardDaemon, private_gpu, private_holder, wait_until
 
@@ -50,7 +50,7 @@ def test_sigterm_during_a_sweep_waits_for_its_report(daemon: GuardDaemon) -> Non
     daemon.start()
     pid = private_holder(daemon.host, GiB, "--ignore-term")
     gpu = str(private_gpu(daemon.host))
-    sweep = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli", "sweep", "--gpu", gpu, "--grace", "4",
+    sweep = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli.main", "sweep", "--gpu", gpu, "--grace", "4",
                               "--json"], env=daemon.env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:

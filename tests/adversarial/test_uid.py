@@ -3,8 +3,8 @@ never gives a process, never the engine's -1 (that would go out as an `x` or fai
 
 from __future__ import annotations
 
-from gpuguardd import marshal
-from gpuguardd.models import Holder
+from gpuguardd.bus import marshal
+from gpuguardd.engine.models import Holder
 
 
 def test_unknown_uid_is_sent_as_uid_t_minus_one() -> None:
@@ -22,8 +22,8 @@ def test_known_uid_is_sent_as_it_is() -> None:
 def test_the_cli_shows_an_unknown_uid_as_a_question_mark() -> None:
     import io
 
-    from gpuguardd import output
-    from gpuguardd.marshal import unwrap
+    from gpuguardd.bus.marshal import unwrap
+    from gpuguardd.cli import output
     out = io.StringIO()
     output.print_holders([unwrap(marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict()))],
                          out)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuguardd import safetext
-from gpuguardd.history import FILE_NAME, History
+from gpuguardd.daemon.history import FILE_NAME, History
 from tests.adversarial.hostile_holder import odd_interpreter, spawn
 from tests.dbus_harness import (
     MANAGER,
@@ -133,7 +133,7 @@ def test_proc_readers_escape_what_a_process_names_itself(tmp_path: Path) -> None
     import subprocess
     import sys
 
-    from gpuguardd import procfs
+    from gpuguardd.engine import procfs
     code = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'gg-\\xff\\xfe', 0, 0, 0); "
             "print('ready', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, b"arg-\xff"], stdout=subprocess.PIPE)

@@ -382,8 +382,8 @@ class Installed:
         # Program files, where a package puts them. The wrappers run the repository's venv
         # (its editable install), so the tests exercise the working tree.
         m.write("/usr/libexec/gpuguard/gpuguardd",
-                f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.daemon \"$@\"\n", 0o755)
-        m.write("/usr/bin/gpuguardctl", f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.cli \"$@\"\n",
+                f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.daemon.main \"$@\"\n", 0o755)
+        m.write("/usr/bin/gpuguardctl", f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.cli.main \"$@\"\n",
                 0o755)
         m.copy(REPO / "systemd" / "gpuguardd.service", "/usr/lib/systemd/system/gpuguardd.service")
         # As the packages do: the drop-ins ship inactive under /usr/share/gpuguard/dropins, and

@@ -76,7 +76,7 @@ def prometheus(guard: Installed) -> Iterator[Installed]:
     m.write("/etc/gpuguard/gpuguard.conf.d/metrics.conf", f"[Metrics]\nTextfileDirectory={TEXTFILES}\n")
     m.systemctl("reload", "gpuguardd.service")
     m.write("/usr/libexec/gpuguard/gpuguard-exporter",
-            f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.exporter \"$@\"\n", 0o755)
+            f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.exporter.main \"$@\"\n", 0o755)
     m.copy(REPO / "systemd" / "gpuguard-exporter.socket", "/usr/lib/systemd/system/gpuguard-exporter.socket")
     m.copy(REPO / "systemd" / "gpuguard-exporter.service", "/usr/lib/systemd/system/gpuguard-exporter.service")
     m.copy(REPO / "systemd" / "gpuguard-exporter.sysusers", "/usr/lib/sysusers.d/gpuguard-exporter.conf")

@@ -1,0 +1,1 @@
+"""D-Bus: the connection, the interface defined by dbus/*.xml, marshalling and authorization."""

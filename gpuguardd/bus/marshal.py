@@ -1,0 +1,263 @@
+"""Plain engine dicts to typed D-Bus variants and back, and caller options to engine requests.
+
+Each key the contract names has a fixed signature here, so `gpu_memory` is always `t` and a
+PID always `u` whatever Python type the engine happened to use. Keys the engine adds later get
+a signature inferred from the value rather than breaking the call; the contract's keys never
+depend on inference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from dbus_fast.signature import Variant
+
+from gpuguardd import safetext
+from gpuguardd.errors import InvalidArgument
+
+log = logging.getLogger("gpuguard.marshal")
+
+VarDict = dict[str, Variant]
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A key whose value is a dict (`a{sv}`) or a list of dicts (`aa{sv}`) with its own schema."""
+
+    signature: str
+    schema: Mapping[str, Field]
+
+
+Field = Union[str, Nested]
+Schema = Mapping[str, Field]
+
+HOLDER: Schema = {
+    "pid": "u", "comm": "s", "exe": "s", "cmdline": "s", "uid": "u", "user": "s", "unit": "s",
+    "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
+    "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
+    "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
+    "ppid": "u", "mig": "as",
+}
+
+SCOPE: Schema = {"gpus": "au", "unit": "s", "container": "s", "include_management": "b",
+                 "grace_ms": "u", "slurm_job": "s", "slurm_uid": "u", "mig": "as"}
+
+_TARGET: Schema = {"pid": "u", "comm": "s", "unit": "s", "container": "s", "kind": "s",
+                   "gpus": "au", "gpu_memory": "t", "exe": "s", "mig": "as"}
+_TERMINATED: Schema = {"pid": "u", "comm": "s", "unit": "s", "signal": "s",
+                       "exited_after_ms": "u", "zombie_parent": "u"}
+_SURVIVED: Schema = {"pid": "u", "comm": "s", "unit": "s", "state": "s", "why": "s"}
+_SPARED: Schema = {"pid": "u", "comm": "s", "unit": "s", "why": "s"}
+_REPORT_GPU: Schema = {"index": "u", "uuid": "s", "memory_used_before": "t",
+                       "memory_used_after": "t", "memory_total": "t", "released": "b",
+                       "mig_uuid": "s"}
+_LEAK: Schema = {"gpu": "u", "uuid": "s", "bytes": "t", "mig_uuid": "s"}
+
+REPORT: Schema = {
+    "id": "s", "started_usec": "t", "duration_ms": "u", "requested_by": "s", "reason": "s",
+    "scope": Nested("a{sv}", SCOPE), "dry_run": "b", "outcome": "s", "verified": "b",
+    "targets": Nested("aa{sv}", _TARGET), "terminated": Nested("aa{sv}", _TERMINATED),
+    "survived": Nested("aa{sv}", _SURVIVED), "spared": Nested("aa{sv}", _SPARED),
+    "gpus": Nested("aa{sv}", _REPORT_GPU), "leaks": Nested("aa{sv}", _LEAK),
+    "warnings": "as", "error": "s",
+}
+
+# Gpu object property -> key of engine.gpu_summaries()
+GPU_PROPERTIES: Mapping[str, str] = {
+    "Index": "index", "Uuid": "uuid", "Name": "name", "PciBusId": "pci_bus_id", "Minor": "minor",
+    "DevicePath": "device_path", "MemoryTotal": "memory_total", "MemoryUsed": "memory_used",
+    "HolderCount": "holder_count", "State": "state", "Error": "error",
+    "MigMode": "mig_mode", "MigInstances": "mig_instances"}
+
+# One entry of a Gpu object's MigInstances (engine.mig_summaries).
+MIG_INSTANCE: Schema = {
+    "uuid": "s", "gpu_instance_id": "u", "compute_instance_id": "u", "device_path": "s",
+    "memory_total": "t", "memory_used": "t", "holder_count": "u", "state": "s"}
+
+_RANGES = {"y": (0, 2**8 - 1), "n": (-(2**15), 2**15 - 1), "q": (0, 2**16 - 1),
+           "i": (-(2**31), 2**31 - 1), "u": (0, 2**32 - 1), "x": (-(2**63), 2**63 - 1),
+           "t": (0, 2**64 - 1)}
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _scalar(value: Any, signature: str) -> Any:
+    if signature in _RANGES:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Mismatch(f"{value!r} is not an integer")
+        low, high = _RANGES[signature]
+        if not low <= value <= high:
+            raise _Mismatch(f"{value} does not fit {signature}")
+        return value
+    if signature == "b":
+        if not isinstance(value, bool):
+            raise _Mismatch(f"{value!r} is not a boolean")
+        return value
+    if signature == "d":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Mismatch(f"{value!r} is not a number")
+        return float(value)
+    if signature in ("s", "o", "g"):
+        if not isinstance(value, str):
+            raise _Mismatch(f"{value!r} is not a string")
+        # The last line of defence: one string that is not valid UTF-8 (or holds NUL) would
+        # fail the whole reply, and none may be long enough to threaten the message limit.
+        # Text from /proc is already clean and bounded where it is read.
+        if not safetext.is_clean(value):
+            return safetext.clean(value, safetext.STRING_MAX)
+        return safetext.cut(value, safetext.STRING_MAX)
+    raise _Mismatch(f"unsupported signature {signature}")
+
+
+def _typed(value: Any, signature: str) -> Any:
+    """The value in the Python shape dbus-fast expects for `signature` (simple types only)."""
+    if signature.startswith("a") and len(signature) == 2:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch(f"{value!r} is not a list")
+        return [_scalar(item, signature[1]) for item in value]
+    return _scalar(value, signature)
+
+
+def infer(value: Any) -> Variant | None:
+    """A variant for a value no schema describes; None for values D-Bus cannot carry (None)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return Variant("b", value)
+    if isinstance(value, int):
+        return Variant("t" if 0 <= value < 2**64 else "x", value)
+    if isinstance(value, float):
+        return Variant("d", value)
+    if isinstance(value, str):
+        return Variant("s", _scalar(value, "s"))
+    if isinstance(value, Mapping):
+        return Variant("a{sv}", to_vardict(value, {}))
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if items and all(isinstance(i, Mapping) for i in items):
+            return Variant("aa{sv}", [to_vardict(i, {}) for i in items])
+        if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64
+                         for i in items):
+            return Variant("at", items)
+        return Variant("as", [_scalar(str(i), "s") for i in items])
+    return Variant("s", _scalar(str(value), "s"))
+
+
+def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
+    out: VarDict = {}
+    for key, value in data.items():
+        field = schema.get(key)
+        variant: Variant | None
+        if field is None or value is None:
+            variant = infer(value)
+        elif isinstance(field, Nested):
+            variant = _nested(key, value, field)
+        else:
+            try:
+                variant = Variant(field, _typed(value, field))
+            except _Mismatch as exc:
+                # An engine bug must not turn every call into an error: log it, send what we have.
+                log.warning("key %r: %s; sent with an inferred type", key, exc)
+                variant = infer(value)
+        if variant is not None:
+            out[str(key)] = variant
+    return out
+
+
+def _nested(key: str, value: Any, field: Nested) -> Variant | None:
+    if field.signature == "a{sv}" and isinstance(value, Mapping):
+        return Variant("a{sv}", to_vardict(value, field.schema))
+    if field.signature == "aa{sv}" and isinstance(value, (list, tuple)) \
+            and all(isinstance(item, Mapping) for item in value):
+        return Variant("aa{sv}", [to_vardict(item, field.schema) for item in value])
+    log.warning("key %r: %r is not %s; sent with an inferred type", key, value, field.signature)
+    return infer(value)
+
+
+# A holder whose uid could not be read (it exited, or /proc hid it) has uid -1 in the engine;
+# on the bus `uid` is a `u`, so it is sent as (uid_t)-1, which Linux never gives a process.
+UID_UNKNOWN = 2**32 - 1
+
+
+def holder(data: Mapping[str, Any]) -> VarDict:
+    uid = data.get("uid")
+    if isinstance(uid, int) and uid < 0:
+        data = {**data, "uid": UID_UNKNOWN}
+    return to_vardict(data, HOLDER)
+
+
+def report(data: Mapping[str, Any]) -> VarDict:
+    return to_vardict(data, REPORT)
+
+
+def scope(data: Mapping[str, Any]) -> VarDict:
+    return to_vardict(data, SCOPE)
+
+
+def unwrap(value: Any) -> Any:
+    """Variants (nested anywhere) to plain Python values, as the CLI's JSON shows them."""
+    if isinstance(value, Variant):
+        return unwrap(value.value)
+    if isinstance(value, dict):
+        return {k: unwrap(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [unwrap(v) for v in value]
+    return value
+
+
+# -- options callers send ---------------------------------------------------------------------
+
+FILTER_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s",
+                                     "include_protected": "b", "fresh": "b"}
+SWEEP_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s", "grace_ms": "u",
+                                    "dry_run": "b", "include_management": "b", "reason": "s",
+                                    "slurm_job": "s", "slurm_uid": "u"}
+# Other signatures an option also takes: `gpus` as `as` carries indices, GPU- or MIG- UUIDs as
+# text (a MIG instance has no index of its own); `au` stays as released.
+ALSO_ACCEPTED: Mapping[str, tuple[str, ...]] = {"gpus": ("as",)}
+
+MAX_TEXT = 1024
+
+
+def parse_options(options: Mapping[str, Any], spec: Mapping[str, str], what: str) -> dict[str, Any]:
+    """Validated plain values of an `a{sv}` argument; InvalidArgument names the bad key."""
+    values: dict[str, Any] = {}
+    for key, variant in options.items():
+        if key not in spec:
+            raise InvalidArgument(f"unknown {what} option {key!r} (known: {', '.join(sorted(spec))})")
+        accepted = [spec[key], *ALSO_ACCEPTED.get(key, ())]
+        signature = variant.signature if isinstance(variant, Variant) else "?"
+        if signature not in accepted:
+            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
+                                  f"got {signature}")
+        value = variant.value
+        if signature == "s":
+            check_text(key, value)
+        if signature == "as":
+            for item in value:
+                check_text(key, item)
+        values[key] = list(value) if signature.startswith("a") else value
+    return values
+
+
+def check_text(key: str, value: str) -> None:
+    # Strings end up in the journal and in reports: no control characters to forge lines with.
+    if len(value) > MAX_TEXT:
+        raise InvalidArgument(f"{key} is too long ({len(value)} characters, at most {MAX_TEXT})")
+    if any(not ch.isprintable() for ch in value):
+        raise InvalidArgument(f"{key} {value[:60]!r} contains control characters")
+
+
+def gpu_list(values: Iterable[int | str]) -> list[str]:
+    """A `gpus` option as the engine's SweepRequest takes it (what a caller typed): indices,
+    or text that resolve_request checks (GPU- and MIG- UUIDs)."""
+    return [str(v) if isinstance(v, str) else str(int(v)) for v in values]
+
+
+def mig_instances(values: Iterable[Mapping[str, Any]]) -> list[VarDict]:
+    return [to_vardict(v, MIG_INSTANCE) for v in values]

@@ -1,0 +1,125 @@
+"""Every reply and signal stays far below the bus's message limit, whatever the host holds.
+
+dbus-daemon refuses a message over its max_message_size (32 MiB on the system bus: the default,
+/usr/share/dbus-1/system.conf) and disconnects the sender, so one oversized reply would take
+gpuguardd off the bus. The fields are bounded where they are read (safetext: a command line or
+a path is at most 4 KiB); what is bounded here is how many of them go into one message:
+
+* a report (a Sweep/SweepUnit reply, SweepFinished, LastSweep, a GetHistory entry) is at most
+  REPORT_BUDGET: past it, its lists are cut and a warning in it says how many entries were left
+  out (the history file keeps the whole report);
+* a ListHolders or GetHistory reply is at most REPLY_BUDGET: holders past it are first sent in
+  a compact form (each text cut to COMPACT_TEXT bytes), and whatever still does not fit is left
+  out, the last entry sent carrying `omitted_after` (u): how many were left out.
+
+Sizes are the marshalled sizes, estimated from above (alignment included), without marshalling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dbus_fast.signature import Variant
+
+from gpuguardd import safetext
+
+log = logging.getLogger("gpuguard.replysize")
+
+MiB = 1024 * 1024
+BUS_MESSAGE_MAX = 32 * MiB  # dbus-daemon's default max_message_size
+REPLY_BUDGET = 8 * MiB  # a quarter of it: headers, and a bus configured lower, have room
+REPORT_BUDGET = 1 * MiB
+COMPACT_TEXT = 256
+OMITTED_KEY = "omitted_after"
+
+_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings")
+
+
+def wire_size(value: Any) -> int:
+    """An upper bound of `value`'s marshalled size (with the padding before it)."""
+    if isinstance(value, Variant):
+        return 8 + len(value.signature) + wire_size(value.value)
+    if isinstance(value, str):
+        length = len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+        return 8 + length + 1
+    if isinstance(value, (bool, int, float)):
+        return 16
+    if isinstance(value, Mapping):
+        return 8 + sum(8 + wire_size(k) + wire_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return 8 + sum(wire_size(item) for item in value)
+    return 8 + len(str(value))
+
+
+def _compact(holder: dict[str, Variant]) -> dict[str, Variant]:
+    return {key: Variant("s", safetext.cut(variant.value, COMPACT_TEXT))
+            if variant.signature == "s" and len(variant.value) > COMPACT_TEXT // 4 else variant
+            for key, variant in holder.items()}
+
+
+def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
+         ) -> list[dict[str, Variant]]:
+    """The items that fit in `budget`, the last marked with how many were left out."""
+    used = 8
+    for count, size in enumerate(sizes):
+        if used + size > budget:
+            kept = items[:count]
+            if kept:
+                kept[-1] = {**kept[-1], OMITTED_KEY: Variant("u", len(items) - count)}
+            return kept
+        used += size
+    return items
+
+
+def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
+                  sizes: list[int] | None = None) -> list[dict[str, Variant]]:
+    """`sizes`: each holder's wire_size() or more, if the caller knows them already."""
+    if sizes is None:
+        sizes = [wire_size(h) for h in holders]
+    if sum(sizes) + 8 <= budget:
+        return holders
+    compact = [_compact(h) for h in holders]
+    compact_sizes = [wire_size(h) for h in compact]
+    kept = _fit(compact, compact_sizes, budget)
+    log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to "
+                "%d bytes (reply limit %d bytes)", len(holders), sum(sizes), len(kept),
+                COMPACT_TEXT, budget)
+    return kept
+
+
+def bound_reports(reports: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
+                  sizes: list[int] | None = None) -> list[dict[str, Variant]]:
+    """Newest first, as many as fit; the last sent says how many older ones were left out."""
+    if sizes is None:
+        sizes = [wire_size(r) for r in reports]
+    kept = _fit(reports, sizes, budget)
+    if len(kept) < len(reports):
+        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
+                 len(reports), budget)
+    return kept
+
+
+def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], dict[str, Variant]],
+                 budget: int = REPORT_BUDGET) -> tuple[dict[str, Variant], int]:
+    """The typed report and its size, its lists cut to fit `budget` if they must be."""
+    first = typed(data)
+    size = wire_size(first)
+    if size <= budget:
+        return first, size
+    lists = {k: v for k, v in data.items() if k in _REPORT_LISTS and isinstance(v, list)}
+    keep = max((len(v) for v in lists.values()), default=0)
+    while True:
+        keep //= 2
+        left = sum(max(0, len(v) - keep) for v in lists.values())
+        note = (f"{left} entries of this report's lists ({', '.join(sorted(lists))}) were left "
+                f"out of this copy to keep it under the bus's message size; gpuguardd's history "
+                f"file keeps the whole report")
+        trimmed = {**data, **{k: v[:keep] for k, v in lists.items()}}
+        trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
+        result = typed(trimmed)
+        size = wire_size(result)
+        if size <= budget or keep == 0:
+            log.warning("report %s: %s", str(data.get("id", ""))[:8], note)
+            return result, size

@@ -1,0 +1,133 @@
+"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes.
+
+Slurm's HealthCheckProgram, node-health scripts and Kubernetes pre-start hooks ask one
+question before they place work on a GPU: does anything still compute on it, or does memory
+stay allocated with nobody holding it? The answer comes from the same inventory the daemon
+publishes (or the local engine's), so a check and a sweep never disagree about a holder.
+
+A problem is one line: a compute holder on a selected GPU (management clients such as
+nvidia-smi or an exporter are no problem), a GPU whose memory leaked, a GPU that is lost or
+cannot be read, or NVML being unavailable (the memory cannot be checked at all, so the GPU
+cannot be called free). Nothing is signalled and nothing is written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuguardd.cli.output import human_bytes
+from gpuguardd.errors import InvalidArgument
+from gpuguardd.escaping import escape_text as printable
+
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+# States of a GPU (or MIG instance) that make it unfit for the next job, and why.
+BAD_STATES = {
+    "leaked": "memory in use with no process holding it",
+    "lost": "fell off the bus (NVML reports it lost)",
+    "unknown": "its state cannot be read",
+}
+
+
+@dataclass
+class Problem:
+    gpu: int | None
+    uuid: str
+    kind: str  # holder, leaked, lost, unknown, nvml
+    message: str
+    pid: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu": -1 if self.gpu is None else self.gpu, "uuid": self.uuid, "kind": self.kind,
+                "message": self.message, "pid": self.pid}
+
+
+@dataclass
+class CheckResult:
+    checked: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "gpus": self.checked,
+                "problems": [p.to_dict() for p in self.problems]}
+
+
+def _selected(gpus: list[dict[str, Any]], selectors: list[str]
+              ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(GPU summary, MIG instance or None) for each selector; every GPU when there is none."""
+    if not selectors:
+        return [(g, None) for g in gpus]
+    chosen: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    for selector in selectors:
+        text = selector.strip()
+        found: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        for gpu in gpus:
+            by_index = text.isdigit() and int(text) == gpu.get("index")
+            if by_index or (_UUID.match(text) and str(gpu.get("uuid", "")).lower() == text.lower()):
+                found = (gpu, None)
+            else:
+                for instance in gpu.get("mig_instances") or []:
+                    if str(instance.get("uuid", "")).lower() == text.lower():
+                        found = (gpu, instance)
+            if found:
+                break
+        if found is None:
+            known = ", ".join(str(g.get("index")) for g in gpus) or "none"
+            raise InvalidArgument(f"no GPU {printable(text)!r} (GPUs: {known})")
+        if found not in chosen:
+            chosen.append(found)
+    return chosen
+
+
+def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[dict[str, Any]],
+          selectors: list[str]) -> CheckResult:
+    """The problems on the selected GPUs. `holders` are those the backend found in the same
+    selection (it resolves indices, UUIDs and MIG UUIDs the way a sweep does)."""
+    result = CheckResult()
+    if not status.get("nvml_available", False):
+        why = printable(status.get("nvml_error") or "NVML unavailable")
+        result.problems.append(Problem(None, "", "nvml",
+                                       f"NVML unavailable ({why}): GPU memory cannot be checked"))
+    # Without NVML there is no GPU list to select from; the holders still count.
+    chosen = _selected(gpus, selectors) if gpus else []
+    indices = {int(g["index"]) for g, _ in chosen}
+    for gpu, instance in chosen:
+        index, uuid = int(gpu["index"]), str(instance["uuid"] if instance else gpu.get("uuid", ""))
+        name = f"GPU {index} ({printable(uuid)})" if uuid else f"GPU {index}"
+        state = str((instance or gpu).get("state", "unknown"))
+        result.checked.append({"index": index, "uuid": uuid, "state": state,
+                               "memory_used": int((instance or gpu).get("memory_used", 0))})
+        if state in BAD_STATES:
+            detail = BAD_STATES[state]
+            if state == "leaked":
+                detail = f"{human_bytes(int((instance or gpu).get('memory_used', 0)))} {detail}"
+            error = gpu.get("error")
+            if error and state != "leaked":
+                detail += f": {printable(error)}"
+            result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
+    for holder in holders:
+        if holder.get("kind") != "compute":
+            continue
+        on = [int(g) for g in holder.get("gpus", [])]
+        # A holder whose GPU is unknown may be on any of them: not free.
+        if on and indices and not set(on) & indices:
+            continue
+        where = ",".join(str(g) for g in on) or "?"
+        first = min(set(on) & indices) if on and indices else None
+        uuid = next((str(g.get("uuid", "")) for g, _ in chosen if g["index"] == first), "")
+        who = printable(holder.get("user") or holder.get("uid", "?"))
+        unit = printable(holder.get("unit") or "-")
+        container = holder.get("container")
+        result.problems.append(Problem(
+            first, uuid, "holder",
+            f"GPU {where}: compute holder pid {holder.get('pid')} "
+            f"({printable(holder.get('comm', ''))}) user {who} unit {unit}"
+            + (f" container {printable(container)}" if container else "")
+            + (" [protected]" if holder.get("protected") else ""),
+            pid=int(holder.get("pid", 0))))
+    return result

@@ -1,0 +1,287 @@
+"""gpuguardctl's way to the daemon: blocking calls over D-Bus that return the LocalBackend's dicts.
+
+Each call opens its own connection inside asyncio.run: a command line makes one or two calls,
+and a fresh loop per call keeps this module free of threads and shared state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from gpuguardd.bus import marshal
+from gpuguardd.bus.connection import SafeBus, name_owner, name_owner_change
+from gpuguardd.bus.names import (
+    BUS_NAME,
+    ENV_BUS_ADDRESS,
+    ERROR_PREFIX,
+    GPU_INTERFACE,
+    MANAGER_INTERFACE,
+    MANAGER_PATH,
+    PROPERTIES_INTERFACE,
+)
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
+
+CALL_TIMEOUT_SEC = 120.0
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+_UNAVAILABLE = {"org.freedesktop.DBus.Error.ServiceUnknown",
+                "org.freedesktop.DBus.Error.NameHasNoOwner",
+                "org.freedesktop.DBus.Error.NoReply",
+                "org.freedesktop.DBus.Error.Disconnected",
+                "org.freedesktop.DBus.Error.Spawn.ChildExited",
+                "org.freedesktop.DBus.Error.Spawn.ExecFailed",
+                "org.freedesktop.DBus.Error.Spawn.ServiceNotFound",
+                "org.freedesktop.DBus.Error.TimedOut"}
+_ERRORS: dict[str, type[GpuGuardError]] = {
+    ERROR_PREFIX + "NotAuthorized": NotAuthorized,
+    ERROR_PREFIX + "InvalidArgument": InvalidArgument,
+    ERROR_PREFIX + "NvmlError": NvmlError,
+    "org.freedesktop.DBus.Error.AccessDenied": NotAuthorized,
+    "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired": NotAuthorized,
+}
+# Manager property -> key of LocalBackend.status()
+_STATUS_KEYS = {"Version": "version", "NvmlAvailable": "nvml_available", "NvmlError": "nvml_error",
+                "DriverVersion": "driver_version", "GpuCount": "gpu_count", "Busy": "busy",
+                "LastSweep": "last_sweep", "WatchedUnits": "watched_units",
+                "ConfigFiles": "config_files"}
+
+T = TypeVar("T")
+
+
+def default_address(explicit: str | None) -> str | None:
+    return explicit or os.environ.get(ENV_BUS_ADDRESS) or None
+
+
+def error_from_reply(reply: Message) -> Exception:
+    name = reply.error_name or ""
+    text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else name
+    if name in _UNAVAILABLE:
+        return DaemonUnavailable(text)
+    if name in _ERRORS:
+        return _ERRORS[name](text)
+    return GpuGuardError(f"{text} ({name})" if text != name else name)
+
+
+class DBusBackend:
+    """cli.Backend over D-Bus. Raises DaemonUnavailable at construction if nobody answers."""
+
+    def __init__(self, bus_address: str | None = None, interactive: bool | None = None) -> None:
+        self.address = default_address(bus_address)
+        # Let polkit ask for a password only when someone is at a terminal to type it.
+        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self._run(self._probe)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return self.address or "the system bus"
+
+    async def _connect(self) -> MessageBus:
+        try:
+            # dbus-fast before 5.0 connects in the constructor, later ones in connect().
+            if self.address:
+                bus = SafeBus(bus_address=self.address)
+            else:
+                bus = SafeBus(bus_type=BusType.SYSTEM)
+            return await bus.connect()
+        except Exception as exc:
+            raise DaemonUnavailable(f"cannot connect to {self._where()}: {exc}") from None
+
+    def _run(self, fn: Callable[[MessageBus], Awaitable[T]]) -> T:
+        async def session() -> T:
+            bus = await self._connect()
+            try:
+                return await fn(bus)
+            except (EOFError, ConnectionError) as exc:
+                raise DaemonUnavailable(f"lost the connection to {self._where()}: {exc}") from None
+            finally:
+                bus.disconnect()
+        return asyncio.run(session())
+
+    async def _call(self, bus: MessageBus, path: str, interface: str, member: str,
+                    signature: str = "", body: list[Any] | None = None,
+                    interactive: bool = False, timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
+        flags = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive and self.interactive \
+            else MessageFlag.NONE
+        msg = Message(destination=BUS_NAME, path=path, interface=interface, member=member,
+                      signature=signature, body=body or [], flags=flags)
+        try:
+            reply = await asyncio.wait_for(bus.call(msg), timeout)
+        except asyncio.TimeoutError:
+            raise GpuGuardError(f"gpuguardd did not answer {member} within {timeout:.0f} s") from None
+        if reply.message_type == MessageType.ERROR:
+            raise error_from_reply(reply)
+        return list(reply.body)
+
+    async def _probe(self, bus: MessageBus) -> None:
+        for member in ("NameHasOwner", "ListActivatableNames"):
+            reply = await bus.call(Message(
+                destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+                interface="org.freedesktop.DBus", member=member,
+                signature="s" if member == "NameHasOwner" else "",
+                body=[BUS_NAME] if member == "NameHasOwner" else []))
+            if reply.message_type == MessageType.ERROR:
+                raise DaemonUnavailable(f"{self._where()}: {reply.error_name}")
+            value = reply.body[0]
+            if (value is True) or (isinstance(value, list) and BUS_NAME in value):
+                return
+        raise DaemonUnavailable(f"{BUS_NAME} is not running on {self._where()}")
+
+    # -- cli.Backend ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        async def get(bus: MessageBus) -> dict[str, Any]:
+            (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
+                                        [MANAGER_INTERFACE])
+            return {_STATUS_KEYS.get(k, k): marshal.unwrap(v) for k, v in props.items()}
+        status = self._run(get)
+        status["mode"] = "daemon"
+        return status
+
+    async def _gpus(self, bus: MessageBus) -> list[dict[str, Any]]:
+        (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
+                                      "GetManagedObjects")
+        gpus = []
+        for interfaces in objects.values():
+            props = interfaces.get(GPU_INTERFACE)
+            if props is None:
+                continue
+            gpus.append({key: marshal.unwrap(props[prop]) for prop, key in marshal.GPU_PROPERTIES.items()
+                         if prop in props})
+        return sorted(gpus, key=lambda g: int(g.get("index", 0)))
+
+    def gpus(self) -> list[dict[str, Any]]:
+        return self._run(self._gpus)
+
+    async def _indices(self, bus: MessageBus, wanted: list[str]) -> list[int]:
+        """NVML indices for what the user typed; the daemon checks the indices' range."""
+        indices: list[int] = []
+        known: list[dict[str, Any]] | None = None
+        for item in wanted:
+            text = str(item).strip()
+            if text.isdigit():
+                indices.append(int(text))
+            elif _UUID.match(text):
+                known = known if known is not None else await self._gpus(bus)
+                found = [g["index"] for g in known if str(g.get("uuid", "")).lower() == text.lower()]
+                if not found:
+                    raise InvalidArgument(f"unknown GPU UUID {text!r}")
+                indices.extend(found)
+            else:
+                raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
+        return sorted(set(indices))
+
+    async def _gpus_option(self, bus: MessageBus, wanted: list[str]) -> Variant:
+        """The `gpus` option: indices (au) as released, unless a MIG instance is named: it has
+        no index, so then the text goes as typed (as) and the daemon resolves it."""
+        if any(str(item).strip().upper().startswith("MIG-") for item in wanted):
+            return Variant("as", [str(item).strip() for item in wanted])
+        return Variant("au", await self._indices(bus, wanted))
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[dict[str, Any]]:
+        async def get(bus: MessageBus) -> list[dict[str, Any]]:
+            options: dict[str, Variant] = {"include_protected": Variant("b", include_protected),
+                                       "fresh": Variant("b", True)}
+            if gpus:
+                options["gpus"] = await self._gpus_option(bus, gpus)
+            if unit:
+                options["unit"] = Variant("s", unit)
+            if container:
+                options["container"] = Variant("s", container)
+            (holders,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "ListHolders",
+                                          "a{sv}", [options], interactive=True)
+            return [marshal.unwrap(h) for h in holders]
+        return self._run(get)
+
+    def sweep(self, request: SweepRequest) -> dict[str, Any]:
+        async def run(bus: MessageBus) -> dict[str, Any]:
+            options: dict[str, Variant] = {}
+            if request.gpus:
+                options["gpus"] = await self._gpus_option(bus, request.gpus)
+            if request.container:
+                options["container"] = Variant("s", request.container)
+            if request.grace_ms is not None:
+                options["grace_ms"] = Variant("u", request.grace_ms)
+            if request.dry_run is not None:
+                options["dry_run"] = Variant("b", request.dry_run)
+            if request.include_management:
+                options["include_management"] = Variant("b", True)
+            if request.reason:
+                options["reason"] = Variant("s", request.reason)
+            if request.slurm_job:
+                options["slurm_job"] = Variant("s", request.slurm_job)
+                options["slurm_uid"] = Variant("u", request.slurm_uid)
+            # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
+            if request.unit:
+                (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "SweepUnit",
+                                             "sa{sv}", [request.unit, options], interactive=True,
+                                             timeout=None)
+            else:
+                (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "Sweep",
+                                             "a{sv}", [options], interactive=True, timeout=None)
+            return marshal.unwrap(report)  # type: ignore[no-any-return]
+        return self._run(run)
+
+    def history(self, count: int) -> list[dict[str, Any]]:
+        async def get(bus: MessageBus) -> list[dict[str, Any]]:
+            (reports,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "GetHistory", "u",
+                                          [count])
+            return [marshal.unwrap(r) for r in reports]
+        return self._run(get)
+
+    def reload(self) -> None:
+        async def call(bus: MessageBus) -> None:
+            await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "Reload", interactive=True)
+        self._run(call)
+
+    # -- watch ---------------------------------------------------------------------------
+
+    def watch(self, on_signal: Callable[[str, list[Any]], None],
+              on_owner: Callable[[str], None] | None = None) -> None:
+        """Call on_signal(member, plain args) for each Manager signal until interrupted."""
+        async def listen(bus: MessageBus) -> None:
+            rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
+                    f"interface='{MANAGER_INTERFACE}'")
+            owner_rule = ("type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
+                          f"arg0='{BUS_NAME}'")
+
+            # gpuguardd's unique name: only its signals are shown. Anyone may send a signal
+            # named SweepFinished straight to this connection; the bus sets the sender.
+            owner = [""]
+
+            def handler(msg: Message) -> None:
+                if msg.message_type != MessageType.SIGNAL:
+                    return
+                new_owner = name_owner_change(msg, BUS_NAME)
+                if new_owner is not None:
+                    owner[0] = new_owner
+                    if on_owner is not None:
+                        on_owner(new_owner)
+                elif msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH \
+                        and owner[0] and msg.sender == owner[0]:
+                    on_signal(msg.member or "", [marshal.unwrap(v) for v in msg.body])
+
+            bus.add_message_handler(handler)
+            for match in (owner_rule, rule):
+                reply = await bus.call(Message(
+                    destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+                    interface="org.freedesktop.DBus", member="AddMatch", signature="s",
+                    body=[match]))
+                if reply.message_type == MessageType.ERROR:
+                    raise error_from_reply(reply)
+            # After the owner match is in place: a change from here on reaches the handler.
+            found = await name_owner(bus, BUS_NAME)
+            if found and not owner[0]:
+                owner[0] = found
+            await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
+            raise DaemonUnavailable(f"the connection to {self._where()} was closed")
+        self._run(listen)

@@ -1,0 +1,410 @@
+"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pwd
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, TextIO
+
+from gpuguardd import __version__
+from gpuguardd.cli import output
+from gpuguardd.config import MAX_GRACE_SEC, load_config, parse_timespan
+from gpuguardd.engine.facade import Engine, HolderFilter, gpu_summaries, node_gpu_summaries
+from gpuguardd.engine.models import (
+    OUTCOME_DRY_RUN,
+    OUTCOME_ERROR,
+    OUTCOME_FREED,
+    OUTCOME_NOT_RELEASED,
+    OUTCOME_NOTHING,
+    OUTCOME_SURVIVORS,
+    OUTCOME_UNVERIFIED,
+    Report,
+    ScanResult,
+    SweepRequest,
+)
+from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
+from gpuguardd.log import setup_logging
+from gpuguardd.systemd import hooks
+from gpuguardd.systemd.unitsweep import UnitSweeps
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_SURVIVORS = 3
+EXIT_NOT_RELEASED = 4
+EXIT_NOT_AUTHORIZED = 5
+EXIT_UNVERIFIED = 6
+EXIT_NOT_FREE = 7
+
+OUTCOME_EXIT = {
+    OUTCOME_FREED: EXIT_OK,
+    OUTCOME_NOTHING: EXIT_OK,
+    OUTCOME_DRY_RUN: EXIT_OK,
+    OUTCOME_SURVIVORS: EXIT_SURVIVORS,
+    OUTCOME_NOT_RELEASED: EXIT_NOT_RELEASED,
+    OUTCOME_UNVERIFIED: EXIT_UNVERIFIED,
+    OUTCOME_ERROR: EXIT_ERROR,
+}
+
+log = logging.getLogger("gpuguard.cli")
+
+
+class Backend(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    def gpus(self) -> list[dict[str, Any]]: ...
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[dict[str, Any]]: ...
+
+    def sweep(self, request: SweepRequest) -> dict[str, Any]: ...
+
+    def history(self, count: int) -> list[dict[str, Any]]: ...
+
+
+def requester_description() -> str:
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    return f"uid {uid} ({name}) via gpuguardctl --local"
+
+
+class LocalBackend:
+    """The engine in this process: for root, when no daemon runs (or --local is given)."""
+
+    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
+        self.engine = Engine(load_config(config_files))
+        self.bus_address = bus_address  # where to ask systemd about units (None: system bus)
+
+    def status(self) -> dict[str, Any]:
+        snap = self.engine.snapshot(with_processes=False)
+        config = self.engine.config
+        return {"version": __version__, "nvml_available": snap.available,
+                "nvml_error": snap.error, "driver_version": snap.driver_version,
+                "gpu_count": len(snap.gpus), "busy": False, "last_sweep": {},
+                "watched_units": list(config.watch_units), "mode": "local",
+                "config_files": list(config.sources)}
+
+    def gpus(self) -> list[dict[str, Any]]:
+        scan = self.engine.scan()
+        if not scan.nvml.available:
+            return node_gpu_summaries(scan, self.engine.device_map())
+        return gpu_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024)
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[dict[str, Any]]:
+        scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
+                                                               container=container))
+        found, scan = self.engine.list_holders(HolderFilter(
+            gpus=scope.gpus, unit=scope.unit, container=scope.container, mig=scope.mig,
+            include_protected=include_protected))
+        for warning in scan.warnings:
+            log.warning("%s", warning)
+        return [h.to_dict() for h in found]
+
+    def sweep(self, request: SweepRequest) -> dict[str, Any]:
+        # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
+        # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
+        request.requested_by = (request.requested_by or hooks.requested_by_for_reason(request.reason)
+                                or requester_description())
+        if request.unit:
+            self.engine.resolve_request(request)  # a bad unit name is refused before anything
+            return asyncio.run(self._sweep_unit(request)).to_dict()
+        return self.engine.sweep(request).to_dict()
+
+    async def _sweep_unit(self, request: SweepRequest) -> Report:
+        """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
+        from gpuguardd.systemd.unitwatch import local_systemd  # dbus-fast only where a unit is swept
+
+        async def scan() -> ScanResult:
+            return self.engine.scan()
+
+        async def run(wanted: SweepRequest) -> Report:
+            return self.engine.sweep(wanted)
+
+        systemd, bus = await local_systemd(self.bus_address)
+        try:
+            sweeps = UnitSweeps(systemd, scan, run, lambda: self.engine.config.dry_run)
+            report = await sweeps.sweep_unit(request)
+        finally:
+            if bus is not None:
+                bus.disconnect()
+        assert report is not None  # None only for the daemon's watcher's own requests
+        return report
+
+    def history(self, count: int) -> list[dict[str, Any]]:
+        raise InvalidArgument("history is kept by the daemon; it is not available with --local")
+
+
+def connect(args: argparse.Namespace) -> Backend:
+    """The daemon if it answers; the local engine when asked, or for root's sweep as fallback."""
+    if args.local:
+        if args.verb == "watch":
+            raise InvalidArgument("watch shows the daemon's signals; it is not available with --local")
+        return _local(args)
+    try:
+        from gpuguardd.cli.client import DBusBackend
+        # bus_address None: $GPUGUARD_BUS_ADDRESS, else the system bus (decided in the client).
+        return DBusBackend(bus_address=getattr(args, "bus_address", None))
+    except (ImportError, DaemonUnavailable) as exc:
+        if args.verb == "sweep" and os.geteuid() == 0:
+            log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
+            return _local(args)
+        raise DaemonUnavailable(
+            f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
+
+
+def _local(args: argparse.Namespace) -> Backend:
+    if os.geteuid() != 0:
+        log.warning("running --local as a non-root user: processes of other users are invisible")
+    from gpuguardd.cli.client import default_address
+    return LocalBackend(args.config, default_address(args.bus_address))
+
+
+def _grace(text: str) -> int:
+    try:
+        seconds = parse_timespan(text, MAX_GRACE_SEC)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return int(seconds * 1000)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    common.add_argument("--local", action="store_true", default=argparse.SUPPRESS,
+                        help="run the engine in this process instead of asking gpuguardd (root)")
+    common.add_argument("--config", action="append", metavar="FILE", default=argparse.SUPPRESS,
+                        help="with --local: read FILE instead of /etc/gpuguard (repeatable)")
+    common.add_argument("--bus-address", metavar="ADDRESS", default=argparse.SUPPRESS,
+                        help="talk to gpuguardd on this D-Bus address instead of the system bus")
+
+    parser = argparse.ArgumentParser(
+        prog="gpuguardctl", parents=[common],
+        description="Find and safely end processes that keep NVIDIA GPUs busy.")
+    parser.add_argument("--version", action="version", version=f"gpuguardctl {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    verbs.required = True
+
+    verbs.add_parser("status", parents=[common], help="daemon and NVML state")
+    verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
+
+    def scope_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+                       help="only this GPU (repeatable)")
+        p.add_argument("--unit", default="", metavar="UNIT", help="only this systemd unit")
+        p.add_argument("--container", default="", metavar="ID",
+                       help="only this container (lxc/129, docker/3f2a...)")
+
+    holders = verbs.add_parser("holders", parents=[common], help="processes holding GPUs")
+    scope_args(holders)
+    holders.add_argument("--hide-protected", action="store_true",
+                         help="leave out processes a sweep would never touch")
+
+    sweep = verbs.add_parser("sweep", parents=[common],
+                             help="end the holders in a scope and verify the memory came back")
+    scope_args(sweep)
+    sweep.add_argument("--grace", type=_grace, default=None, metavar="SEC",
+                       help="time between SIGTERM and SIGKILL (default: GraceSec)")
+    sweep.add_argument("--dry-run", action="store_true", default=None,
+                       help="report what would be done, signal nothing")
+    sweep.add_argument("--include-management", action="store_true",
+                       help="also end management clients (nvidia-smi, exporters)")
+    sweep.add_argument("--reason", default="", help="recorded in the report and the journal")
+    sweep.add_argument("--slurm-epilog", action="store_true",
+                       help="as Slurm's Epilog=: the finished job's leftovers (SLURM_JOB_ID, "
+                            "SLURM_JOB_UID, SLURM_JOB_GPUS); the exit status is the drain decision")
+    sweep.add_argument("--deadline", type=_grace, default=None, metavar="SEC",
+                       help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
+
+    check = verbs.add_parser("check", parents=[common],
+                             help="exit 0 when the GPUs have no compute holder and no leaked memory")
+    check.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+                       help="only this GPU or MIG instance (repeatable; default: all)")
+
+    history = verbs.add_parser("history", parents=[common], help="past sweep reports")
+    history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
+
+    verbs.add_parser("watch", parents=[common],
+                     help="print the daemon's signals (sweeps, terminations, leaks) as they come")
+
+    # `hook install|remove|list`: ExecStopPost drop-ins (gpuguardd/hooks.py); needs no daemon.
+    hooks.add_parser(verbs, common)
+    return parser
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    for name, value in (("json", False), ("local", False), ("config", None), ("bus_address", None)):
+        if not hasattr(args, name):
+            setattr(args, name, value)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _defaults(args)
+    setup_logging("gpuguardctl")
+    if args.config and not args.local:
+        parser.error("--config only applies with --local (the daemon reads its own files)")
+    out = sys.stdout
+    if args.verb == "hook":
+        return hooks.run_command(args, out)
+    if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
+        parser.error("--slurm-epilog takes the job's GPUs from Slurm: no --gpu, --unit or --container")
+    if args.verb == "sweep" and args.deadline is not None and not args.slurm_epilog:
+        parser.error("--deadline only applies with --slurm-epilog")
+    try:
+        backend = connect(args)
+        if args.verb == "status":
+            status = backend.status()
+            output.print_json(status, out) if args.json else output.print_status(status, out)
+            return EXIT_OK
+        if args.verb == "gpus":
+            gpus = backend.gpus()
+            output.print_json(gpus, out) if args.json else output.print_gpus(gpus, out)
+            return EXIT_OK
+        if args.verb == "holders":
+            found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)
+            output.print_json(found, out) if args.json else output.print_holders(found, out)
+            return EXIT_OK
+        if args.verb == "sweep" and args.slurm_epilog:
+            return run_slurm_epilog(backend, args, out)
+        if args.verb == "sweep":
+            request = SweepRequest(gpus=args.gpu, unit=args.unit, container=args.container,
+                                   grace_ms=args.grace, dry_run=args.dry_run,
+                                   include_management=args.include_management,
+                                   reason=args.reason)
+            report = backend.sweep(request)
+            output.print_json(report, out) if args.json else output.print_report(report, out)
+            return OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+        if args.verb == "check":
+            return run_check(backend, args.gpu, args.json, out)
+        if args.verb == "history":
+            reports = backend.history(args.count)
+            if args.json:
+                output.print_json(reports, out)
+            else:
+                for report in reports:
+                    output.print_report(report, out)
+                output.print_omitted(reports, "reports", out)
+            return EXIT_OK
+        if args.verb == "watch":
+            from gpuguardd.cli.client import DBusBackend
+            from gpuguardd.cli.watch import run_watch
+            if not isinstance(backend, DBusBackend):
+                raise InvalidArgument("watch needs gpuguardd")
+            return run_watch(backend, args.json, out)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except InvalidArgument as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except NotAuthorized as exc:
+        log.error("not authorized: %s", exc)
+        return EXIT_NOT_AUTHORIZED
+    except (GpuGuardError, DaemonUnavailable) as exc:
+        log.error("%s", exc)
+        return EXIT_ERROR
+    parser.error(f"unknown verb {args.verb!r}")
+    return EXIT_USAGE
+
+
+def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO) -> int:
+    """`gpuguardctl check`: read-only; one line per problem, EXIT_NOT_FREE when there is one."""
+    from gpuguardd.cli.check import check
+
+    result = check(backend.status(), backend.gpus(), backend.holders(selectors, "", "", True),
+                   selectors)
+    if as_json:
+        output.print_json(result.to_dict(), out)
+    else:
+        for problem in result.problems:
+            out.write(problem.message + "\n")
+    return EXIT_OK if result.ok else EXIT_NOT_FREE
+
+
+def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    """`sweep --slurm-epilog`: the finished job's sweep, bounded by --deadline. stdout is the
+    drain reason (one line, only when the exit status is not 0) or, with --json, the report;
+    the human report goes to stderr, which slurmd logs."""
+    from gpuguardd.engine import slurm
+
+    named = os.environ.get("SLURM_JOB_ID", "")
+    job_id = named if named.isdigit() and len(named) <= 20 else "?"
+    try:
+        job = slurm.epilog_job(os.environ)
+        job_id = job.job_id
+        try:
+            gpus = backend.gpus()
+        except GpuGuardError as exc:
+            log.warning("no GPU list (%s): device minors taken to be NVML indices", exc)
+            gpus = []
+        selectors, warnings = slurm.gpu_selectors(job.minors, gpus)
+        for warning in warnings:
+            log.warning("%s", warning)
+        reason = job.reason + (f" {args.reason}" if args.reason else "")
+        request = SweepRequest(gpus=selectors, grace_ms=slurm.EPILOG_GRACE_MS if args.grace is None
+                               else args.grace, dry_run=args.dry_run,
+                               include_management=args.include_management, reason=reason,
+                               slurm_job=job.job_id, slurm_uid=job.uid)
+        deadline = (args.deadline if args.deadline is not None else slurm.EPILOG_DEADLINE_MS) / 1000
+        result: list[Any] = []
+
+        def work() -> None:
+            try:
+                result.append(backend.sweep(request))
+            except BaseException as exc:  # handed to the main thread
+                result.append(exc)
+        worker = threading.Thread(target=work, name="gpuguard-epilog", daemon=True)
+        worker.start()
+        worker.join(deadline)
+        if not result:
+            line = f"gpuguard: job {job_id}: no result within the {deadline:g} s deadline"
+            log.error("%s", line)
+            out.write(line + "\n")
+            return EXIT_ERROR
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        report: dict[str, Any] = result[0]
+    except (GpuGuardError, DaemonUnavailable) as exc:
+        code = EXIT_USAGE if isinstance(exc, InvalidArgument) else \
+            EXIT_NOT_AUTHORIZED if isinstance(exc, NotAuthorized) else EXIT_ERROR
+        line = slurm.summary(job_id, {"outcome": "error", "error": str(exc)})
+        log.error("%s", line)
+        out.write(line + "\n")
+        return code
+    output.print_report(report, sys.stderr)
+    code = OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+    if args.json:
+        output.print_json(report, out)
+    elif code != EXIT_OK:
+        out.write(slurm.summary(job_id, report) + "\n")
+    return code
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

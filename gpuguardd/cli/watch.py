@@ -1,0 +1,71 @@
+"""`gpuguardctl watch`: the Manager's signals as they come, one line each (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from gpuguardd.cli.client import DBusBackend
+from gpuguardd.cli.output import describe_scope, human_bytes
+from gpuguardd.escaping import escaped
+
+# Argument names of each signal, as in dbus/org.gpuguard.GpuGuard1.xml.
+SIGNAL_ARGS = {
+    "SweepStarted": ("id", "scope"),
+    "ProcessTerminated": ("id", "pid", "comm", "unit", "signal"),
+    "SweepFinished": ("id", "outcome", "report"),
+    "LeakSuspected": ("gpu", "uuid", "bytes"),
+}
+
+
+def describe(member: str, fields: dict[str, Any]) -> str:
+    fields = escaped(fields)
+    if member == "SweepStarted":
+        return f"sweep {fields['id'][:8]} started: {describe_scope(fields['scope'])}"
+    if member == "ProcessTerminated":
+        return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({fields['comm']}, "
+                f"unit {fields['unit'] or '-'}) ended by {fields['signal'] or 'itself'}")
+    if member == "SweepFinished":
+        report = fields["report"]
+        return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "
+                f"({len(report.get('terminated', []))} terminated, "
+                f"{len(report.get('survived', []))} survived) in {report.get('duration_ms', 0)} ms")
+    if member == "LeakSuspected":
+        return (f"GPU {fields['gpu']} ({fields['uuid']}): {human_bytes(int(fields['bytes']))} "
+                "in use with no process holding it")
+    return f"{member} {fields}"
+
+
+def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
+              err: TextIO = sys.stderr) -> int:
+    def on_signal(member: str, args: list[Any]) -> None:
+        names = SIGNAL_ARGS.get(member)
+        if names is None or len(names) != len(args):
+            return  # a signal added to the contract later: not ours to guess at
+        fields = dict(zip(names, args))
+        stamp = time.time()
+        try:
+            if as_json:
+                out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True,
+                                     default=str) + "\n")
+            else:
+                clock = time.strftime("%H:%M:%S", time.localtime(stamp))
+                out.write(f"{clock} {describe(member, fields)}\n")
+            out.flush()
+        except BrokenPipeError:
+            # `gpuguardctl watch | head`: the reader left. SystemExit passes through dbus-fast's
+            # handler guard (it only catches Exception) and ends the loop.
+            raise SystemExit(0) from None
+
+    def on_owner(owner: str) -> None:
+        err.write("gpuguardctl: gpuguardd is back\n" if owner
+                  else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
+        err.flush()
+
+    try:
+        backend.watch(on_signal, on_owner)
+    except KeyboardInterrupt:
+        return 0
+    return 0

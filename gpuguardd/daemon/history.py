@@ -1,0 +1,333 @@
+"""Sweep reports kept across restarts: one JSON object a line in StateDirectory/history.jsonl.
+
+Crash safety comes from the order of writes, not from luck:
+  * a report is appended as one line with a single write() and fsync()ed before the sweep's
+    D-Bus reply is sent, so a report the caller saw is on disk;
+  * a daemon killed mid-write leaves at most a torn last line; loading drops it (it is the
+    sweep that was in flight) and rewrites the file, so the next append starts on a fresh line;
+  * whole-file rewrites (compaction, repair) go to a temporary file that is fsynced and renamed
+    over the old one, then the directory is fsynced: readers see the old or the new file.
+Loading streams the file a line at a time and holds only the newest `max_entries` reports, so
+a file of any size loads in bounded memory (bench/bench_history.py). Strings that are not
+valid UTF-8 (written by an older gpuguard from a process's own bytes) are repaired on load as
+safetext would have made them, and the file is rewritten so. Lines that cannot be read are
+skipped and logged; a file with any such line is first renamed aside to
+history.jsonl.corrupt-<timestamp>, so nothing is thrown away unseen.
+The file is bounded: the newest `max_entries` are served, and the file is compacted once it
+holds a tenth more than that (amortised: not a rewrite per sweep).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import itertools
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from gpuguardd import safetext
+from gpuguardd.safefiles import create_temporary, open_nofollow
+
+log = logging.getLogger("gpuguard.history")
+
+FILE_NAME = "history.jsonl"
+FILE_MODE = 0o600
+# A line longer than this is not a report gpuguard wrote (reports are bounded long before):
+# it is skipped as unreadable without being held in memory.
+MAX_LINE = 64 * 1024 * 1024
+_PIECE = 1024 * 1024
+# What a line needs to hold for one of its strings to be other than valid, NUL-free UTF-8:
+# a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
+# without any (nearly all: records are written with ensure_ascii) skip the repair walk.
+_MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
+
+
+def _read_line(handle: BinaryIO) -> bytes | None:
+    """The next line (with its newline, if it has one); None at the end of the file; b""
+    for a line longer than MAX_LINE, which is read to its end in pieces and dropped."""
+    piece = handle.readline(_PIECE)
+    if not piece:
+        return None
+    if piece.endswith(b"\n") or len(piece) < _PIECE:
+        return piece
+    pieces, size = [piece], len(piece)
+    while piece and not piece.endswith(b"\n"):
+        piece = handle.readline(_PIECE)
+        size += len(piece)
+        if size > MAX_LINE:
+            pieces.clear()
+        elif pieces:
+            pieces.append(piece)
+    return b"".join(pieces)
+
+
+@dataclass
+class _Scan:
+    """What one pass over the history file found."""
+
+    entries: collections.deque[dict[str, Any]]
+    good: int = 0  # readable reports in the file (entries keeps only the newest)
+    garbled: list[int] = field(default_factory=list)  # the first unreadable line numbers
+    garbled_count: int = 0
+    torn: bool = False
+    unterminated: bool = False
+    repaired: int = 0
+
+    def garble(self, number: int) -> None:
+        self.garbled_count += 1
+        if len(self.garbled) < 10:
+            self.garbled.append(number)
+
+
+def _valid(entry: object) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("id"), str) and bool(entry["id"])
+
+
+def _fsync_directory(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _encode(report: dict[str, Any]) -> bytes:
+    # ensure_ascii keeps each record a single line whatever a process called itself.
+    return (json.dumps(report, sort_keys=True, ensure_ascii=True, default=str) + "\n").encode("ascii")
+
+
+class History:
+    """Thread-safe: appends run in an executor thread, reads on the event loop."""
+
+    def __init__(self, directory: str, max_entries: int) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, FILE_NAME)
+        self.max_entries = max(1, max_entries)
+        self._lock = threading.Lock()
+        self._entries: collections.deque[dict[str, Any]] = collections.deque()
+        self._lines_in_file = 0
+        # False after a failed write: the file may end mid-line, so the next write rewrites it.
+        self._file_clean = True
+        self.persistent = True
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        with self._lock:
+            self._load_locked()
+
+    def _load_locked(self) -> None:
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+            handle = os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb")
+        except FileNotFoundError:
+            self._entries.clear()
+            self._lines_in_file = 0
+            return
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                # Never followed: the next write replaces the link itself (rename), not its target.
+                log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
+                          "new file at the next report", self.path)
+                self._entries.clear()
+                self._lines_in_file = 0
+                self._file_clean = False
+                return
+            self._read_failed(exc)
+            return
+        try:
+            with handle:
+                scan = self._scan(handle)
+        except OSError as exc:
+            self._read_failed(exc)
+            return
+        if scan.garbled:
+            garbled = scan.garbled
+            shown = ", ".join(str(n) for n in garbled) + (" ..." if scan.garbled_count > 10 else "")
+            log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)",
+                        self.path, scan.garbled_count, shown)
+            why = (f"no readable report in it ({scan.garbled_count} unreadable line(s))"
+                   if not scan.good else f"{scan.garbled_count} unreadable line(s)")
+            if not self._set_aside(why):
+                # Rewriting would destroy what could not be moved away: leave the file alone.
+                self.persistent = False
+        if scan.torn:
+            log.warning("sweep history %s: dropped an incomplete last record (the daemon stopped "
+                        "while writing it)", self.path)
+        if scan.repaired:
+            log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
+                        "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
+        self._entries = collections.deque(scan.entries)  # without the scan's maxlen
+        self._lines_in_file = scan.good
+        if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
+                                or scan.good > self.max_entries):
+            self._rewrite_locked()
+
+    def _read_failed(self, exc: OSError) -> None:
+        log.error("cannot read the sweep history %s: %s; history is kept in memory only "
+                  "until the next restart", self.path, exc.strerror or exc)
+        self.persistent = False
+
+    def _scan(self, handle: BinaryIO) -> _Scan:
+        """One pass over the file, a line at a time: only the newest `max_entries` reports
+        are ever held, so a file of any size loads in bounded memory."""
+        scan = _Scan(collections.deque(maxlen=self.max_entries))
+        number = 0
+        while True:
+            line = _read_line(handle)
+            if line is None:
+                break
+            number += 1
+            if not line:
+                # No report is this big: skipped without being held.
+                scan.garble(number)
+                continue
+            # The piece after the last newline is a record whose write was cut short, unless
+            # it happens to be complete (cut before the newline).
+            last = not line.endswith(b"\n")
+            if not line.strip():
+                continue
+            entry = self._decode(line)
+            if entry is None:
+                if last:
+                    scan.torn = True
+                else:
+                    scan.garble(number)
+                continue
+            if _MAY_NEED_REPAIR.search(line):
+                entry, changed = safetext.repair(entry)
+                scan.repaired += changed
+            scan.entries.append(entry)
+            scan.good += 1
+            # Complete, but the file needs its newline back before anything is appended.
+            scan.unterminated = last
+        return scan
+
+    @staticmethod
+    def _decode(line: bytes) -> dict[str, Any] | None:
+        try:
+            # surrogateescape: a raw bad byte is repaired with the rest, not a lost record.
+            entry = json.loads(line.decode("utf-8", "surrogateescape"))
+        except (ValueError, RecursionError):
+            return None
+        return entry if _valid(entry) else None
+
+    def _set_aside(self, why: str) -> bool:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        target = f"{self.path}.corrupt-{stamp}"
+        suffix = 1
+        while os.path.exists(target):
+            suffix += 1
+            target = f"{self.path}.corrupt-{stamp}.{suffix}"
+        try:
+            os.rename(self.path, target)
+            _fsync_directory(self.directory)
+        except OSError as exc:
+            log.error("sweep history %s is damaged (%s) and could not be set aside: %s; new "
+                      "reports are kept in memory only", self.path, why, exc.strerror or exc)
+            return False
+        log.error("sweep history %s is damaged (%s): moved to %s; readable reports are kept",
+                  self.path, why, target)
+        return True
+
+    # -- writing -------------------------------------------------------------------------
+
+    def append(self, report: dict[str, Any]) -> None:
+        """Store one report durably (blocks on fsync: call from an executor)."""
+        report, _ = safetext.repair(report)  # what is read back must be sendable as it is
+        with self._lock:
+            self._entries.append(report)
+            while len(self._entries) > self.max_entries:
+                self._entries.popleft()
+            if not self.persistent:
+                return
+            if not self._file_clean or self._lines_in_file >= self._compact_at():
+                self._rewrite_locked()
+                return
+            try:
+                fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            try:
+                created = self._lines_in_file == 0
+                data = _encode(report)
+                written = os.write(fd, data)
+                if written != len(data):
+                    raise OSError(f"short write ({written} of {len(data)} bytes)")
+                os.fsync(fd)
+                self._lines_in_file += 1
+                if created:
+                    _fsync_directory(self.directory)
+            except OSError as exc:
+                self._write_failed(exc)
+            finally:
+                os.close(fd)
+
+    def _compact_at(self) -> int:
+        return self.max_entries + max(10, self.max_entries // 10)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self._file_clean = False
+        log.error("cannot write the sweep history %s: %s (the report is kept in memory)",
+                  self.path, exc.strerror or exc)
+
+    def _rewrite_locked(self) -> None:
+        tmp = ""
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+            fd, tmp = create_temporary(self.directory, f"{FILE_NAME}.tmp-", FILE_MODE)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as handle:
+                    for entry in self._entries:
+                        handle.write(_encode(entry))
+                    handle.flush()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.path)
+            _fsync_directory(self.directory)
+        except OSError as exc:
+            try:
+                if tmp:
+                    os.unlink(tmp)
+            except OSError:
+                pass
+            self._write_failed(exc)
+            return
+        self._lines_in_file = len(self._entries)
+        self._file_clean = True
+
+    # -- reading -------------------------------------------------------------------------
+
+    def newest(self, count: int) -> list[dict[str, Any]]:
+        """Up to `count` reports, newest first (0: all that are kept)."""
+        with self._lock:
+            if count <= 0 or count >= len(self._entries):
+                return list(reversed(self._entries))
+            return list(itertools.islice(reversed(self._entries), count))
+
+    def last(self) -> dict[str, Any] | None:
+        with self._lock:
+            return self._entries[-1] if self._entries else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def set_max_entries(self, max_entries: int) -> None:
+        with self._lock:
+            self.max_entries = max(1, max_entries)
+            while len(self._entries) > self.max_entries:
+                self._entries.popleft()

@@ -1,0 +1,254 @@
+"""The daemon's live view of GPUs and holders, kept current at almost no idle cost.
+
+Every PollIntervalSec the daemon reads NVML only (well under a millisecond a GPU): memory
+and NVML's process lists, published at once. The full holder scan walks every process's fds
+and maps, milliseconds per hundred processes and over a second on a host with thousands, so
+it runs only when it can find something new:
+  * a caller asked for holders, or a sweep finished (always);
+  * NVML's process lists or GPUs changed (not mere memory use, which moves all the time on a
+    busy GPU), at most every CHURN_FACTOR scan durations, so constant process churn costs at
+    most ~2 % of a CPU;
+  * as a safety net for holders NVML cannot see (management clients), every RESCAN_MIN_SEC or
+    RESCAN_FACTOR scan durations, whichever is longer: at most ~0.2 % of a CPU when idle.
+Scans run in a thread, never on the event loop, and concurrent requests share one scan that
+started after they asked.
+
+ListHolders does not need a scan of its own: it is answered from the last scan when that scan
+is *fresh* (Inventory.recent), which is exactly:
+  * it started less than LIST_MAX_AGE_SEC (1 s) before the call arrived (its start, not its
+    end, because /proc is read from the start on: its view is at least that new), and
+  * nothing the daemon hears of that can change the holders happened after it started: a
+    sweep finished, the configuration was reloaded, NVML's process lists or GPUs changed (seen
+    by the poll), or the unit watch saw a watched unit start or asked for a scan
+    (Inventory.invalidate, a generation counter: a scan that started before the event is
+    never served after it, even if it ends later).
+Otherwise the call waits for a scan as above (joining a running one only if that one is fresh
+by the same rule). So a holder that appeared before the call is listed unless it appeared at
+most 1 s before it and no event announced it; a /proc scan cannot promise more anyway for a
+process that opens a device while the scan runs. Filtering and cmdline redaction stay per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+from gpuguardd.engine.attribution import container_matches
+from gpuguardd.engine.facade import Engine, HolderFilter, gpu_summaries
+from gpuguardd.engine.models import GPU_LEAKED, Holder, NvmlSnapshot, ScanResult, Scope
+from gpuguardd.engine.sweep import in_scope
+
+log = logging.getLogger("gpuguard.live")
+
+# Holders NVML cannot see (management clients) only change HolderCount; a minute late is fine
+# for that, and each rescan walks all of /proc.
+RESCAN_MIN_SEC = 60.0
+LIST_MAX_AGE_SEC = 1.0  # ListHolders: oldest scan start served (see the module docstring)
+clock = time.monotonic  # the freshness rule's clock (tests move it)
+RESCAN_FACTOR = 500.0
+CHURN_FACTOR = 50.0
+
+GpuKey = tuple[str, tuple[int, ...], bool]
+
+
+class InventoryListener(Protocol):
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None: ...
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
+
+
+def filter_holders(holders: list[Holder], holder_filter: HolderFilter) -> list[Holder]:
+    """Engine.list_holders' filter, applied to a scan the daemon already has."""
+    scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
+                  container=holder_filter.container, mig=holder_filter.mig)
+    return [h for h in holders
+            if (holder_filter.include_protected or not h.protected)
+            and (not holder_filter.container or container_matches(h.container, holder_filter.container))
+            and in_scope(h, scope)]
+
+
+def _nvml_key(snapshot: NvmlSnapshot) -> tuple[bool, tuple[GpuKey, ...]]:
+    """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
+    return snapshot.available, tuple(
+        (g.uuid, tuple(sorted(g.processes)), g.lost) for g in snapshot.gpus)
+
+
+class Inventory:
+    def __init__(self, engine: Engine, executor: Executor, listener: InventoryListener) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.listener = listener
+        self.snapshot: NvmlSnapshot = NvmlSnapshot(available=False, error="not read yet")
+        self.holders: list[Holder] = []
+        self.summaries: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+        self._scanned_key: tuple[bool, tuple[GpuKey, ...]] | None = None
+        self._seen_key: tuple[bool, tuple[GpuKey, ...]] | None = None  # the last one polled
+        self._scanned_at = 0.0
+        self.scan_cost = 0.0  # seconds the last full scan took
+        self._running: asyncio.Future[ScanResult] | None = None
+        self._running_mark = (0.0, 0)  # (monotonic start, generation) of the running scan
+        # The last successful scan, with the same mark: what Inventory.recent may serve.
+        self.last_result: ScanResult | None = None
+        self._result_mark = (0.0, -1)
+        self._generation = 0  # bumped by invalidate(): older scans are never served after it
+        self._queued: asyncio.Future[ScanResult] | None = None
+        # (GPU index, MIG UUID or "" for the whole GPU) of each leak already announced
+        self._leaked: set[tuple[int, str]] = set()
+        self._rescan_task: asyncio.Task[Any] | None = None
+
+    # -- scans ---------------------------------------------------------------------------
+
+    async def scan(self) -> ScanResult:
+        """A full scan that started after this call (shared with other callers waiting)."""
+        loop = asyncio.get_running_loop()
+        if self._running is None:
+            future = self._start(loop)
+        else:
+            # The running scan may have read /proc before the caller's change: wait for the next.
+            if self._queued is None:
+                self._queued = loop.create_future()
+            future = self._queued
+        return await asyncio.shield(future)
+
+    def invalidate(self) -> None:
+        """Something may have changed the holders: scans that started before now are stale."""
+        self._generation += 1
+
+    def _fresh(self, mark: tuple[float, int], asked: float) -> bool:
+        started, generation = mark
+        return generation == self._generation and asked - started < LIST_MAX_AGE_SEC
+
+    async def recent(self) -> ScanResult:
+        """A scan that is fresh for a call arriving now (module docstring): the last one when
+        it is, else the running one when it is, else one that starts after this call."""
+        asked = clock()
+        if self.last_result is not None and self._fresh(self._result_mark, asked):
+            return self.last_result
+        if self._running is not None and self._fresh(self._running_mark, asked):
+            return await asyncio.shield(self._running)
+        return await self.scan()
+
+    async def fresh_scan(self) -> ScanResult:
+        """invalidate() and scan(): for callers that learnt of a change (the unit watch)."""
+        self.invalidate()
+        return await self.scan()
+
+    def _timed_scan(self) -> ScanResult:
+        started = time.monotonic()
+        try:
+            return self.engine.scan()
+        finally:
+            self.scan_cost = time.monotonic() - started
+            log.debug("holder scan took %.0f ms", self.scan_cost * 1000)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[ScanResult]:
+        # Marked before the thread starts: the scan's view is at least as new as this.
+        self._running_mark = (clock(), self._generation)
+        future: asyncio.Future[ScanResult] = loop.run_in_executor(self.executor, self._timed_scan)
+        self._running = future
+        future.add_done_callback(self._scan_done)
+        return future
+
+    def _scan_done(self, future: asyncio.Future[ScanResult]) -> None:
+        self._running = None
+        if not future.cancelled() and future.exception() is None:
+            self.last_result, self._result_mark = future.result(), self._running_mark
+            self._publish_scan(future.result())
+        elif not future.cancelled():
+            exc = future.exception()
+            log.error("holder scan failed: %s: %s", type(exc).__name__, exc)
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            follow = self._start(asyncio.get_running_loop())
+            follow.add_done_callback(lambda done: _chain(done, queued))
+
+    def request_rescan(self) -> None:
+        """Rescan soon, without waiting (after a sweep, a reload): the last scan is stale."""
+        self.invalidate()
+        if self._rescan_task is None or self._rescan_task.done():
+            self._rescan_task = asyncio.ensure_future(self._quiet_scan())
+
+    async def _quiet_scan(self) -> None:
+        try:
+            await self.scan()
+        except Exception as exc:  # already logged by _scan_done; the next poll retries
+            log.debug("rescan failed: %s", exc)
+
+    # -- polling -------------------------------------------------------------------------
+
+    async def poll(self) -> None:
+        loop = asyncio.get_running_loop()
+        snapshot = await loop.run_in_executor(self.executor, self.engine.snapshot)
+        since = time.monotonic() - self._scanned_at
+        stale = since >= max(RESCAN_MIN_SEC, RESCAN_FACTOR * self.scan_cost)
+        key = _nvml_key(snapshot)
+        changed = key != self._scanned_key and since >= CHURN_FACTOR * self.scan_cost
+        if key != self._seen_key:
+            # NVML saw processes or GPUs come or go: ListHolders must not serve older scans.
+            self._seen_key = key
+            self.invalidate()
+        if stale or changed:
+            await self.scan()
+        else:
+            self._publish(snapshot)
+
+    async def run(self, interval: Callable[[], float]) -> None:
+        while True:
+            try:
+                await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("GPU poll failed: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(interval())
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def _publish_scan(self, result: ScanResult) -> None:
+        self.holders = result.holders
+        self.warnings = result.warnings
+        self._scanned_key = _nvml_key(result.nvml)
+        self._seen_key = self._scanned_key
+        self._scanned_at = time.monotonic()
+        self._publish(result.nvml)
+
+    def _publish(self, snapshot: NvmlSnapshot) -> None:
+        self.snapshot = snapshot
+        released_below = self.engine.config.released_below_mib * 1024 * 1024
+        self.summaries = gpu_summaries(ScanResult(holders=self.holders, nvml=snapshot), released_below)
+        self.listener.inventory_changed(snapshot, self.summaries)
+        # A MIG instance leaks on its own: its GPU's aggregate memory hides it while another
+        # instance is busy, so each instance is announced by its MIG UUID.
+        leaked: dict[tuple[int, str], tuple[str, int]] = {}
+        for summary in self.summaries:
+            if summary["state"] == GPU_LEAKED:
+                leaked[(summary["index"], "")] = (summary["uuid"], summary["memory_used"])
+            for mig in summary.get("mig_instances") or []:
+                if mig["state"] == GPU_LEAKED:
+                    leaked[(summary["index"], mig["uuid"])] = (mig["uuid"], mig["memory_used"])
+        for key, (uuid, used) in leaked.items():
+            if key not in self._leaked:
+                self.listener.leak_suspected(key[0], uuid, used)
+        self._leaked = set(leaked)
+
+    def note_leak_reported(self, index: int, mig_uuid: str = "") -> None:
+        """A sweep report already announced this leak: the poll need not repeat it."""
+        self._leaked.add((index, mig_uuid))
+
+
+def _chain(source: asyncio.Future[ScanResult], target: asyncio.Future[ScanResult]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        exc = source.exception()
+        assert exc is not None
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())

@@ -1,0 +1,266 @@
+"""Prometheus metrics of one node's gpuguardd, rendered with prometheus_client.
+
+Two ways out, one source: the daemon keeps the counters here (from each finished sweep report)
+and the per-GPU gauges (from each inventory refresh); `[Metrics] TextfileDirectory=` writes
+them for node_exporter's textfile collector, and `GetMetrics` hands the same text to
+gpuguard-exporter (exporter.py), which serves it over HTTP so the root daemon needs no network.
+
+Per-GPU series carry the labels `gpu` (NVML index) and `UUID`, as dcgm-exporter's do, so a
+query can join the two. No pid, command or user labels: those are unbounded and belong in the
+history. Nothing dcgm-exporter already exports (memory used/total, utilisation) is repeated.
+Every label value that comes from a report is mapped onto a small fixed set here, so a strange
+report can never grow the number of series.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from gpuguardd import __version__
+from gpuguardd.engine.models import (
+    KIND_COMPUTE,
+    KIND_MANAGEMENT,
+    OUTCOME_DRY_RUN,
+    OUTCOME_ERROR,
+    OUTCOME_FREED,
+    OUTCOME_NOT_RELEASED,
+    OUTCOME_NOTHING,
+    OUTCOME_SURVIVORS,
+    OUTCOME_UNVERIFIED,
+)
+
+TEXTFILE_NAME = "gpuguard.prom"
+GPU_STATES = ("idle", "in-use", "leaked", "lost", "unknown")
+OUTCOMES = (OUTCOME_FREED, OUTCOME_NOTHING, OUTCOME_SURVIVORS, OUTCOME_NOT_RELEASED,
+            OUTCOME_DRY_RUN, OUTCOME_ERROR, OUTCOME_UNVERIFIED)
+SIGNALS = ("SIGTERM", "SIGKILL")
+PROCESS_STATES = ("R", "S", "D", "Z", "T", "t", "X", "I")
+# Sweeps finish in milliseconds (nothing to do) to minutes (grace + kill + verify timeouts).
+SWEEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RELEASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def trigger_of(report: dict[str, Any]) -> str:
+    """Who started a sweep, as a label: the ExecStopPost hook, the unit watch, a Slurm epilog,
+    or anyone else (an admin, a script)."""
+    requested_by = str(report.get("requested_by", ""))
+    if str(report.get("reason", "")).startswith("slurm:"):
+        return "slurm"
+    if requested_by.startswith("hook:"):
+        return "hook"
+    if requested_by.startswith("watch:"):
+        return "watch"
+    return "manual"
+
+
+def spared_why(why: str) -> str:
+    """The reason a process was spared, as one of a few label values (the text is free-form)."""
+    for prefix, label in (("management client", "management"), ("protected executable", "protected-executable"),
+                          ("protected unit", "protected-unit"), ("PID 1", "init"),
+                          ("kernel thread", "kernel-thread"), ("gpuguard itself", "self"),
+                          ("an ancestor", "self"), ("executable unknown", "executable-unknown")):
+        if why.startswith(prefix):
+            return label
+    return "other"
+
+
+def _one_of(value: object, allowed: Iterable[str], default: str = "other") -> str:
+    text = str(value)
+    return text if text in allowed else default
+
+
+class _Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, count in zip([*map(_float_text, self.bounds), "+Inf"], self.counts):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
+
+
+def _float_text(value: float) -> str:
+    return repr(float(value))
+
+
+class Metrics:
+    """The daemon's metrics. observe_* are called from the event loop; collect() may run in
+    another thread (the textfile writer), hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sweeps: dict[tuple[str, str], int] = {}
+        self._terminated: dict[str, int] = {}
+        self._survived: dict[str, int] = {}
+        self._spared: dict[str, int] = {}
+        self._reclaimed = 0
+        self._duration = _Histogram(SWEEP_BUCKETS)
+        self._release = _Histogram(RELEASE_BUCKETS)
+        self._last_sweep = 0.0
+        self._nvml_up = False
+        self._gpus: list[dict[str, Any]] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # -- input ---------------------------------------------------------------------------
+
+    def observe_report(self, report: dict[str, Any]) -> None:
+        with self._lock:
+            outcome = _one_of(report.get("outcome", ""), OUTCOMES)
+            key = (outcome, trigger_of(report))
+            self._sweeps[key] = self._sweeps.get(key, 0) + 1
+            for entry in report.get("terminated", []):
+                sig = _one_of(entry.get("signal") or "none", (*SIGNALS, "none"))
+                self._terminated[sig] = self._terminated.get(sig, 0) + 1
+            for entry in report.get("survived", []):
+                state = _one_of(entry.get("state", ""), PROCESS_STATES)
+                self._survived[state] = self._survived.get(state, 0) + 1
+            for entry in report.get("spared", []):
+                why = spared_why(str(entry.get("why", "")))
+                self._spared[why] = self._spared.get(why, 0) + 1
+            duration = max(0, int(report.get("duration_ms", 0))) / 1000.0
+            self._duration.observe(duration)
+            if not report.get("dry_run"):
+                for gpu in report.get("gpus", []):
+                    before = int(gpu.get("memory_used_before", 0))
+                    after = int(gpu.get("memory_used_after", before))
+                    self._reclaimed += max(0, before - after)
+            # A freed sweep ends the moment NVML shows the memory back: its duration is the
+            # time from the request to the memory being usable again.
+            if outcome == OUTCOME_FREED:
+                self._release.observe(duration)
+            self._note_finished(report)
+
+    def _note_finished(self, report: dict[str, Any]) -> None:
+        finished = int(report.get("started_usec", 0)) / 1e6 + int(report.get("duration_ms", 0)) / 1e3
+        self._last_sweep = max(self._last_sweep, finished)
+
+    def note_history(self, last: dict[str, Any] | None) -> None:
+        """The newest report kept from before a restart: its time, not its counts (counters
+        restart at zero with the daemon, which Prometheus's rate() expects)."""
+        if last:
+            with self._lock:
+                self._note_finished(last)
+
+    def observe_inventory(self, nvml_available: bool, summaries: list[dict[str, Any]],
+                          holders: Iterable[Any]) -> None:
+        kinds: dict[int, dict[str, int]] = {}
+        for holder in holders:
+            for index in getattr(holder, "gpus", ()):
+                per_gpu = kinds.setdefault(int(index), {})
+                kind = _one_of(getattr(holder, "kind", ""), (KIND_COMPUTE, KIND_MANAGEMENT))
+                per_gpu[kind] = per_gpu.get(kind, 0) + 1
+        gpus = []
+        for summary in summaries:
+            index = int(summary.get("index", 0))
+            gpus.append({"gpu": str(index), "UUID": str(summary.get("uuid", "")),
+                         "state": _one_of(summary.get("state", ""), GPU_STATES, "unknown"),
+                         "memory_used": int(summary.get("memory_used", 0)),
+                         "holders": kinds.get(index, {})})
+        with self._lock:
+            self._nvml_up = nvml_available
+            self._gpus = gpus
+
+    # -- output --------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            yield from self._families()
+
+    def _families(self) -> Iterator[Metric]:
+        sweeps = CounterMetricFamily("gpuguard_sweeps", "Sweeps finished, by outcome and trigger.",
+                                     labels=["outcome", "trigger"])
+        for (outcome, trigger), count in sorted(self._sweeps.items()):
+            sweeps.add_metric([outcome, trigger], count)
+        yield sweeps
+        for name, documentation, label, counts in (
+                ("gpuguard_processes_terminated", "Processes ended by a sweep, by the signal that ended them.",
+                 "signal", self._terminated),
+                ("gpuguard_processes_survived", "Processes that outlived a sweep, by process state.",
+                 "state", self._survived),
+                ("gpuguard_processes_spared", "Processes a sweep left alone on purpose, by why.",
+                 "why", self._spared)):
+            family = CounterMetricFamily(name, documentation, labels=[label])
+            for value, count in sorted(counts.items()):
+                family.add_metric([value], count)
+            yield family
+        yield self._duration.family("gpuguard_sweep_duration_seconds", "Time a sweep took.")
+        yield self._release.family("gpuguard_memory_release_seconds",
+                                   "Time from a sweep's start until NVML showed the memory released.")
+        yield CounterMetricFamily("gpuguard_memory_reclaimed_bytes",
+                                  "GPU memory that sweeps gave back.", value=self._reclaimed)
+        leaked = GaugeMetricFamily("gpuguard_leaked_memory_bytes",
+                                   "GPU memory in use with no process holding the GPU.",
+                                   labels=["gpu", "UUID"])
+        holders = GaugeMetricFamily("gpuguard_gpu_holders", "Processes holding the GPU, by kind.",
+                                    labels=["gpu", "UUID", "kind"])
+        state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
+                                  labels=["gpu", "UUID", "state"])
+        for gpu in self._gpus:
+            ids = [gpu["gpu"], gpu["UUID"]]
+            leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == "leaked" else 0)
+            for kind in (KIND_COMPUTE, KIND_MANAGEMENT):
+                holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
+            for name in GPU_STATES:
+                state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
+        yield leaked
+        yield holders
+        yield state
+        yield GaugeMetricFamily("gpuguard_last_sweep_timestamp_seconds",
+                                "When the newest sweep finished (Unix time; 0: none yet).",
+                                value=self._last_sweep)
+        yield GaugeMetricFamily("gpuguard_nvml_up", "1 when NVML answers, 0 when it is unavailable.",
+                                value=1 if self._nvml_up else 0)
+        info = GaugeMetricFamily("gpuguard_build_info", "gpuguard's version.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition format (what node_exporter and scrapers read)."""
+        return generate_latest(self.registry)
+
+
+def write_textfile(directory: str, data: bytes) -> str:
+    """Write `data` as DIRECTORY/gpuguard.prom atomically (a temporary file renamed over it),
+    so node_exporter never reads half a file; readable by node_exporter's user. The temporary
+    name does not end in .prom, which the collector ignores."""
+    fd, temporary = tempfile.mkstemp(prefix=".gpuguard.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            os.fchmod(handle.fileno(), 0o644)
+            handle.flush()
+            os.fsync(handle.fileno())
+        target = os.path.join(directory, TEXTFILE_NAME)
+        os.replace(temporary, target)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    return target

@@ -1,0 +1,199 @@
+"""Sweeps run by the daemon: in a thread, with their progress forwarded to the event loop.
+
+The engine's sweep blocks (signals, grace periods, NVML verification, per-GPU locks that make
+a second sweep of the same GPU wait for the first), so each runs in an executor thread while
+the event loop keeps answering the bus. The engine reports progress through SweepObserver
+from that thread; call_soon_threadsafe moves each callback onto the loop, in order, before
+the sweep's own completion (which travels the same queue).
+
+At shutdown (SIGTERM) running sweeps are waited for: each has a budget, the longest it can
+take by its settings (grace, kill timeout, verification, plus a margin for scans and locks),
+and the daemon keeps systemd's stop timeout extended while it waits. A sweep still running
+when every budget is spent (a hung driver) is recorded as it stands, with the terminations
+seen so far, so a stop never loses a sweep from the audit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpuguardd.config import Config
+from gpuguardd.daemon.history import History
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.models import OUTCOME_ERROR, Report, SweepRequest
+from gpuguardd.errors import GpuGuardError
+
+log = logging.getLogger("gpuguard.runner")
+
+
+class SweepEvents(Protocol):
+    """What the service publishes; called on the event loop."""
+
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None: ...
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None: ...
+
+    def sweep_finished(self, report: Report) -> None: ...
+
+    def busy_changed(self, busy: bool) -> None: ...
+
+
+# Scans, lock waits and NVML reads around a sweep's own timeouts.
+SWEEP_MARGIN_SEC = 15.0
+
+
+def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
+    """The longest a sweep of `request` takes under `config`: its grace period, the wait
+    after SIGKILL, NVML verification, and a margin."""
+    grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+    return grace + config.kill_timeout_sec + config.verify_timeout_sec + SWEEP_MARGIN_SEC
+
+
+@dataclass
+class InFlight:
+    """A running sweep as the loop has heard of it: enough to record it if it never ends."""
+
+    request: SweepRequest
+    budget_sec: float
+    started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
+    report_id: str = ""
+    scope: dict[str, Any] = field(default_factory=dict)
+    terminated: list[dict[str, Any]] = field(default_factory=list)
+
+
+class LoopObserver:
+    """The engine's SweepObserver, called from the sweep thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents,
+                 flight: InFlight | None = None) -> None:
+        self.loop = loop
+        self.events = events
+        self.flight = flight
+
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        self.loop.call_soon_threadsafe(self._started, report_id, dict(scope))
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        self.loop.call_soon_threadsafe(self._terminated, report_id, pid, comm, unit, signal_name)
+
+    def _started(self, report_id: str, scope: dict[str, object]) -> None:
+        if self.flight is not None:
+            self.flight.report_id, self.flight.scope = report_id, dict(scope)
+        self.events.sweep_started(report_id, scope)
+
+    def _terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
+        if self.flight is not None:
+            self.flight.terminated.append({"pid": pid, "comm": comm, "unit": unit,
+                                           "signal": signal_name})
+        self.events.process_terminated(report_id, pid, comm, unit, signal_name)
+
+
+class SweepRunner:
+    def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor,
+                 history: History, events: SweepEvents) -> None:
+        self.engine = engine
+        self.sweep_executor = sweep_executor
+        self.io_executor = io_executor
+        self.history = history
+        self.events = events
+        self.active = 0
+        self.closing = False
+        self.in_flight: list[InFlight] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0
+
+    async def validate(self, request: SweepRequest) -> None:
+        """Raise InvalidArgument now, before the caller's sweep counts as running."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+
+    async def run(self, request: SweepRequest) -> Report:
+        if self.closing:
+            # Shutdown waits for running sweeps; new ones would keep it waiting forever.
+            raise GpuGuardError("gpuguardd is stopping; sweep again once it is back")
+        loop = asyncio.get_running_loop()
+        self.active += 1
+        self._idle.clear()
+        if self.active == 1:
+            self.events.busy_changed(True)
+        flight = InFlight(request, sweep_budget_sec(self.engine.config, request))
+        self.in_flight.append(flight)
+        try:
+            report = await loop.run_in_executor(
+                self.sweep_executor, self.engine.sweep, request,
+                LoopObserver(loop, self.events, flight))
+            if flight not in self.in_flight:
+                # Recorded as interrupted at shutdown, and SweepFinished sent: that record
+                # stays the sweep's one record (a second one under the same id would give
+                # readers, the hook and the history's compaction two answers for one sweep).
+                # What it learnt since goes to the journal, beside each signal it logged.
+                log.warning("sweep %s finished after it was recorded as interrupted: %s, "
+                            "%d process(es) ended, %d survived (the history keeps the "
+                            "interrupted record)", report.id[:8], report.outcome,
+                            len(report.terminated), len(report.survived))
+                return report
+            self.in_flight.remove(flight)
+            # Durable before anyone hears of it: a report the caller saw survives a crash.
+            await self._record(request, report)
+            self.events.sweep_finished(report)
+        finally:
+            if flight in self.in_flight:
+                self.in_flight.remove(flight)
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+                self.events.busy_changed(False)
+        return report
+
+    def budget_sec(self) -> float:
+        """How long the running sweeps may still take, were they to run one after another
+        (sweeps of one GPU wait for each other's locks)."""
+        now = time.time_ns() // 1000
+        return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
+
+    async def record_interrupted(self) -> None:
+        """Record every sweep still running as it stands (at shutdown, its budget spent)."""
+        flights, self.in_flight = self.in_flight, []
+        for flight in flights:
+            request = flight.request
+            report = Report(
+                id=flight.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
+                requested_by=request.requested_by, scope=flight.scope or {"unit": request.unit},
+                dry_run=bool(request.dry_run), reason=request.reason, outcome=OUTCOME_ERROR,
+                duration_ms=(time.time_ns() // 1000 - flight.started_usec) // 1000,
+                terminated=[{**t, "exited_after_ms": 0} for t in flight.terminated],
+                error="gpuguardd stopped while this sweep was still running; what it had "
+                      "ended by then is listed, the rest is unknown")
+            log.warning("sweep %s still running at shutdown: recorded as interrupted (%d "
+                        "process(es) ended so far)", report.id[:8], len(report.terminated))
+            await self._record(request, report)
+            self.events.sweep_finished(report)
+
+    async def _record(self, request: SweepRequest, report: Report) -> None:
+        if not request.audited:
+            log.debug("sweep %s: a dry run by %s, not kept in the history", report.id[:8],
+                     request.requested_by)
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io_executor, self.history.append, report.to_dict())
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""
+        self.closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True

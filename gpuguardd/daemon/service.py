@@ -1,0 +1,275 @@
+"""What the daemon's D-Bus calls mean: authorization, holders, sweeps, history, reload, and
+publishing the live inventory as the Manager's properties and one Gpu object per GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from dbus_fast import Variant
+
+from gpuguardd import __version__
+from gpuguardd.bus import marshal, replysize
+from gpuguardd.bus.auth import Authorizer, Caller
+from gpuguardd.bus.connection import GuardBus, current_call
+from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
+from gpuguardd.bus.names import (
+    ACTION_RELOAD,
+    ACTION_SWEEP,
+    ACTION_VIEW_DETAILS,
+    MANAGER_PATH,
+    gpu_path,
+)
+from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
+from gpuguardd.daemon.history import History
+from gpuguardd.daemon.live import Inventory, filter_holders
+from gpuguardd.daemon.metrics import Metrics, write_textfile
+from gpuguardd.daemon.runner import SweepRunner
+from gpuguardd.engine.facade import Engine, HolderFilter
+from gpuguardd.engine.models import NvmlSnapshot, Report, ScanResult, SweepRequest
+from gpuguardd.errors import NotAuthorized
+from gpuguardd.systemd import hooks
+from gpuguardd.systemd.unitwatch import UnitWatch
+
+log = logging.getLogger("gpuguard.service")
+
+_NO_CMDLINE = Variant("s", "")
+
+
+def requested_by(caller: Caller, reason: str) -> str:
+    """Who a sweep is recorded for. Only root (the ExecStopPost hook) may be just "hook:<unit>";
+    anyone else who says "hook:" is named as well, so the journal cannot be misled."""
+    hook = hooks.requested_by_for_reason(reason)
+    if hook:
+        return hook if caller.is_root else f"{hook} via {caller.describe()}"
+    return caller.describe()
+
+
+class Service:
+    def __init__(self, bus: GuardBus, engine: Engine, history: History,
+                 scan_executor: Executor, sweep_executor: Executor, io_executor: Executor,
+                 reloader: Callable[[], Awaitable[None]]) -> None:
+        self.bus = bus
+        self.engine = engine
+        self.store = history
+        self.io_executor = io_executor
+        self.reloader = reloader
+        self.auth = Authorizer(bus)
+        self.fresh_scans = PerKey(FRESH_SCAN_INTERVAL_SEC)
+        self.inventory = Inventory(engine, scan_executor, self)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self)
+        last = history.last()
+        config = engine.config
+        self.manager = ManagerInterface(self, {
+            "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
+            "GpuCount": 0, "Busy": False,
+            "LastSweep": {},
+            "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
+        if last:
+            # Typed once, through the cache GetHistory and SweepFinished share (not exported
+            # yet: no PropertiesChanged).
+            self.manager.update(LastSweep=self.manager.typed_report(last))
+        self.metrics = Metrics()
+        self.metrics.note_history(last)
+        self.gpus: dict[int, GpuInterface] = {}
+        self._typed_for: ScanResult | None = None
+        self._typed: dict[int, marshal.VarDict] = {}
+        self._typed_sizes: dict[int, int] = {}
+        self.on_change: Callable[[], None] = lambda: None
+        # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
+        # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
+        self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
+                                    lambda: self.inventory.snapshot, self.inventory.fresh_scan,
+                                    self.runner.run, lambda: self.engine.config.dry_run)
+
+    async def start(self) -> None:
+        """Export the objects with the GPUs already in place (before the name is requested)."""
+        self.bus.export(MANAGER_PATH, self.manager)
+        try:
+            await self.inventory.scan()
+        except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
+            log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
+        await self.unit_watch.start()
+
+    def config_changed(self) -> None:
+        config = self.engine.config
+        self.store.set_max_entries(config.history_max)
+        self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
+        self.unit_watch.config_changed()
+        self.inventory.request_rescan()
+
+    def status_line(self) -> str:
+        snap = self.inventory.snapshot
+        gpus = f"{len(snap.gpus)} GPU(s)" if snap.available else f"NVML unavailable ({snap.error})"
+        holders = len(self.inventory.holders)
+        text = f"{gpus}, {holders} holder(s)"
+        if self.runner.busy:
+            text += f", {self.runner.active} sweep(s) running"
+        last = self.store.last()
+        if last:
+            text += f", last sweep {str(last.get('id', ''))[:8]}: {last.get('outcome', '?')}"
+        return text
+
+    # -- ManagerBackend ------------------------------------------------------------------
+
+    async def caller(self) -> Caller:
+        msg = current_call()
+        if msg is None:
+            raise NotAuthorized("cannot tell who is calling")
+        return await self.auth.caller(msg)
+
+    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
+        holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
+        if options.get("gpus") or options.get("unit") or options.get("container"):
+            loop = asyncio.get_running_loop()
+            request = SweepRequest(gpus=marshal.gpu_list(options.get("gpus", [])),
+                                   unit=options.get("unit", ""),
+                                   container=options.get("container", ""))
+            scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request,
+                                                     request)
+            holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
+                                         mig=scope.mig,
+                                         include_protected=holder_filter.include_protected)
+        # The last scan when it is fresh for this call: started under 1 s (LIST_MAX_AGE_SEC)
+        # before the call arrived and before no event that can change the holders (a sweep, a
+        # reload, an NVML process-list change, a unit starting); else a scan that starts after
+        # the call. live.py's docstring has the rule; the contract XML documents it.
+        # fresh=true (what gpuguardctl sends: an admin at a prompt wants the truth, not the
+        # last second's view) always waits for a scan that starts after the call.
+        # fresh=true is rate-limited per caller (ratelimit.py): a non-root uid that had a fresh
+        # scan under FRESH_SCAN_INTERVAL_SEC ago is served by the freshness rule above, which
+        # joins a running scan or the last one; concurrent fresh calls share one scan anyway
+        # (Inventory.scan). So no caller makes the daemon walk /proc more than once a second.
+        fresh = bool(options.get("fresh", False))
+        if fresh and not caller.is_root and self.fresh_scans.admit(caller.uid) is None:
+            fresh = False
+        result = await (self.inventory.scan() if fresh else self.inventory.recent())
+        typed = self._typed_holders(result)
+        holders = filter_holders(result.holders, holder_filter)
+        # The reply stays far below the bus's message limit (replysize.py). A redacted holder
+        # is no bigger than its typed one, so the sizes typed once per scan bound it.
+        sizes = [self._typed_sizes[id(h)] for h in holders]
+        # Filtering and redaction are per caller; only the typing is shared.
+        if not caller.is_root and any(h.uid != caller.uid for h in holders) \
+                and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
+            # Command lines can carry secrets (tokens, passwords in arguments).
+            return replysize.bound_holders(
+                [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
+                 for h in holders], sizes=sizes)
+        return replysize.bound_holders([typed[id(h)] for h in holders], sizes=sizes)
+
+    def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
+        """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
+        typed once per scan: callers served from one scan share it (never mutated)."""
+        if self._typed_for is not result:
+            self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
+            self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
+            self._typed_for = result
+        return self._typed
+
+    async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]:
+        request = SweepRequest(
+            gpus=marshal.gpu_list(options.get("gpus", [])), unit=options.get("unit", ""),
+            container=options.get("container", ""), grace_ms=options.get("grace_ms"),
+            dry_run=options.get("dry_run"),
+            include_management=options.get("include_management", False),
+            reason=options.get("reason", ""), slurm_job=options.get("slurm_job", ""),
+            slurm_uid=options.get("slurm_uid", -1))
+        dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
+        if not dry_run:
+            await self.auth.require(caller, ACTION_SWEEP)
+        request.dry_run = dry_run  # what was authorised is what runs (and what the watch sees)
+        request.requested_by = requested_by(caller, request.reason)
+        request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
+        await self.runner.validate(request)
+        if request.unit:
+            # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
+            unit_report = await self.unit_watch.sweep_unit(request)
+            assert unit_report is not None  # None only for the watch's own requests
+            return unit_report.to_dict()
+        report = await self.runner.run(request)
+        return report.to_dict()
+
+    def history(self, count: int) -> list[dict[str, Any]]:
+        return self.store.newest(count)
+
+    def get_metrics(self) -> str:
+        return self.metrics_text().decode()
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def _publish_metrics(self) -> None:
+        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        directory = self.engine.config.textfile_directory
+        if not directory:
+            return
+        data = self.metrics_text()
+        future = self.io_executor.submit(write_textfile, directory, data)
+
+        def done(f: Any) -> None:
+            if f.exception() is not None:
+                log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
+        future.add_done_callback(done)
+
+    async def reload(self, caller: Caller) -> None:
+        await self.auth.require(caller, ACTION_RELOAD)
+        log.info("reload requested by %s", caller.describe())
+        await self.reloader()
+
+    # -- InventoryListener ---------------------------------------------------------------
+
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None:
+        self.unit_watch.observe(self.inventory.holders)
+        self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
+        current = {s["index"]: s for s in summaries}
+        for index in sorted(set(self.gpus) - set(current)):
+            log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
+            self.bus.unexport(gpu_path(index), self.gpus.pop(index))
+        for index, summary in sorted(current.items()):
+            gpu = self.gpus.get(index)
+            if gpu is None:
+                gpu = self.gpus[index] = GpuInterface(summary)
+                self.bus.export(gpu_path(index), gpu)
+            else:
+                gpu.refresh(summary)
+        self.metrics.observe_inventory(snapshot.available, summaries, self.inventory.holders)
+        self._publish_metrics()
+        self.on_change()
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
+                    used // (1024 * 1024))
+        self.manager.LeakSuspected(index, uuid, used)
+
+    # -- SweepEvents ---------------------------------------------------------------------
+
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        self.manager.SweepStarted(report_id, marshal.scope(scope))
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
+
+    def sweep_finished(self, report: Report) -> None:
+        data = self.manager.typed_report(report.to_dict())
+        self.manager.SweepFinished(report.id, report.outcome, data)
+        self.manager.update(LastSweep=data)
+        self.metrics.observe_report(report.to_dict())
+        self._publish_metrics()
+        for leak in report.leaks:
+            index = int(leak.get("gpu", 0))
+            mig_uuid = str(leak.get("mig_uuid", ""))  # a MIG instance is named by its own UUID
+            self.leak_suspected(index, mig_uuid or str(leak.get("uuid", "")), int(leak.get("bytes", 0)))
+            self.inventory.note_leak_reported(index, mig_uuid)
+        self.inventory.request_rescan()
+        self.on_change()
+
+    def busy_changed(self, busy: bool) -> None:
+        self.manager.update(Busy=busy)
+        self.on_change()

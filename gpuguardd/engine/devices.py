@@ -1,0 +1,199 @@
+"""Which device files gpuguard watches, and how to recognise them from any mount namespace.
+
+A process inside a container may reach the same GPU through a node at another path or with
+another inode (Docker's --device creates fresh nodes). The device number is the identity that
+survives that, so nodes are indexed by path, by inode (for mmaps) and by rdev, with the
+driver's majors from /proc/devices as the last resort.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import stat
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from gpuguardd.engine.mig import MigCap, read_mig_minors
+from gpuguardd.engine.models import DeviceNode
+
+_GPU_NAME = re.compile(r"^nvidia(\d+)$")
+_CAPS_NAME = re.compile(r"^nvidia-cap(\d+)$")
+# Driver names in /proc/devices -> role of their minors (see the NVIDIA driver's nv.c and uvm).
+_DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm": "uvm",
+                  "nvidia-caps": "caps", "nvidia-caps-imex-channels": "imex",
+                  "nvidia-nvswitch": "other", "nvidia-nvlink": "other"}
+NVIDIA_CTL_MINOR = 255
+NVIDIA_MODESET_MINOR = 254
+
+
+def role_for_name(path: str) -> tuple[str, int | None]:
+    name = os.path.basename(path)
+    match = _GPU_NAME.match(name)
+    if match:
+        return "gpu", int(match.group(1))
+    if name == "nvidiactl":
+        return "control", None
+    if name == "nvidia-uvm":
+        return "uvm", None
+    if name == "nvidia-modeset":
+        return "modeset", None
+    if "nvidia-caps" in path or name.startswith("nvidia-cap"):
+        # /dev/nvidia-caps/nvidia-capN: N is the minor that mig-minors maps to a MIG instance.
+        caps = _CAPS_NAME.match(name)
+        return "caps", int(caps.group(1)) if caps and "imex" not in path else None
+    # nvidia-uvm-tools (profilers), nvidia-nvswitchctl and friends: a GPU handle, not a context.
+    return "control", None
+
+
+def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
+    """Character majors registered by NVIDIA's drivers -> a role family."""
+    majors: dict[int, str] = {}
+    try:
+        with open(proc_devices, encoding="ascii", errors="replace") as handle:
+            in_char = False
+            for line in handle:
+                if line.startswith("Character devices"):
+                    in_char = True
+                    continue
+                if line.startswith("Block devices"):
+                    break
+                parts = line.split()
+                if in_char and len(parts) == 2 and parts[0].isdigit() and parts[1] in _DRIVER_MAJORS:
+                    majors[int(parts[0])] = _DRIVER_MAJORS[parts[1]]
+    except OSError:
+        pass
+    return majors
+
+
+@dataclass
+class DeviceMap:
+    nodes: list[DeviceNode] = field(default_factory=list)
+    by_path: dict[str, DeviceNode] = field(default_factory=dict)
+    by_rdev: dict[int, DeviceNode] = field(default_factory=dict)
+    by_inode: dict[tuple[int, int], DeviceNode] = field(default_factory=dict)
+    majors: dict[int, str] = field(default_factory=dict)
+    # Substrings that reveal a watched device in /proc/<pid>/maps, checked before parsing it.
+    maps_tokens: tuple[bytes, ...] = ()
+    # Fewer, shorter substrings, one of which is on every maps line that maps_tokens would
+    # find: " <common path prefix>" per directory of nodes and " <dev> " per filesystem. Two
+    # searches per process instead of two per node; a line that has one is then checked exactly.
+    maps_prefilter: tuple[bytes, ...] = ()
+    warnings: list[str] = field(default_factory=list)
+    # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
+    mig_caps: dict[int, MigCap] = field(default_factory=dict)
+
+    def node_for_rdev(self, rdev: int) -> DeviceNode | None:
+        node = self.by_rdev.get(rdev)
+        if node is not None:
+            return node
+        family = self.majors.get(os.major(rdev))
+        if family is None:
+            return None
+        minor = os.minor(rdev)
+        # A node we were not configured with, e.g. created inside a container: name it by number.
+        label = f"char:{os.major(rdev)}:{minor}"
+        if family == "nvidia":
+            if minor == NVIDIA_CTL_MINOR:
+                return DeviceNode(label, "control", rdev=rdev)
+            if minor == NVIDIA_MODESET_MINOR:
+                return DeviceNode(label, "modeset", rdev=rdev)
+            return DeviceNode(label, "gpu", minor=minor, rdev=rdev)
+        if family == "uvm":
+            return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
+        if family == "caps":
+            return DeviceNode(label, "caps", minor=minor, rdev=rdev)
+        return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
+
+
+def _maps_dev(st_dev: int) -> bytes:
+    # /proc/<pid>/maps prints the device of the file's filesystem as "%02x:%02x".
+    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}".encode()
+
+
+def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
+    """Why a watched path must not count as a GPU device, or None.
+
+    Anything else would make every holder of it a GPU holder: a node with /dev/null's numbers
+    makes each `| grep` a management client that --include-management kills.
+    """
+    if not stat.S_ISCHR(st.st_mode):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a device"
+        if stat.S_ISBLK(st.st_mode):
+            kind = "a block device"
+        return f"not a character device ({kind})"
+    major = os.major(st.st_rdev)
+    if major not in driver and major not in allowed:
+        return (f"character device {major}:{os.minor(st.st_rdev)}, and major {major} is no NVIDIA "
+                "driver's in /proc/devices nor in [Devices] AllowMajors")
+    return None
+
+
+def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
+                     allow_majors: Iterable[int] = (),
+                     origin: Callable[[str], str] | None = None,
+                     mig_minors: str | None = None) -> DeviceMap:
+    """The nodes `patterns` name now. Entries that are not character devices of an NVIDIA
+    driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
+    where it was configured (`origin(pattern)`) and why."""
+    device_map = DeviceMap(majors=driver_majors(proc_devices))
+    allowed = frozenset(allow_majors)
+    if mig_minors:
+        device_map.mig_caps, problem = read_mig_minors(mig_minors)
+        if problem:
+            device_map.warnings.append(problem)
+    tokens: list[bytes] = []
+    for pattern in patterns:
+        paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) or path in device_map.by_path:
+                continue
+            why = refusal(st, device_map.majors, allowed)
+            if why is not None:
+                where = f" ({origin(pattern)})" if origin is not None else ""
+                shown = path if path == pattern else f"{path} (matched by {pattern})"
+                device_map.warnings.append(f"[Devices] Paths{where}: ignored {shown}: {why}")
+                continue
+            role, name_minor = role_for_name(path)
+            rdev = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
+            minor = name_minor
+            # A real driver's node: the minor it was made with, whatever its name says.
+            family = device_map.majors.get(os.major(rdev)) if rdev is not None else None
+            if rdev is not None and ((role == "gpu" and family is not None)
+                                     or (role == "caps" and family == "caps")):
+                minor = os.minor(rdev)
+            node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev,
+                              inode=(st.st_dev, st.st_ino))
+            device_map.nodes.append(node)
+            device_map.by_path[path] = node
+            if rdev is not None:
+                device_map.by_rdev.setdefault(rdev, node)
+            assert node.inode is not None
+            device_map.by_inode[node.inode] = node
+            tokens.append(b" " + _maps_dev(st.st_dev) + b" " + str(st.st_ino).encode() + b" ")
+            tokens.append(b" " + path.encode() + b"\n")
+    if not device_map.nodes and not device_map.majors:
+        device_map.warnings.append(
+            "no device files match " + " ".join(patterns) + " and no NVIDIA driver is registered "
+            "in /proc/devices: nothing can hold a GPU here")
+    device_map.maps_tokens = tuple(tokens)
+    device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
+    return device_map
+
+
+def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
+    by_dir: dict[str, list[str]] = {}
+    devs: set[bytes] = set()
+    for node in nodes:
+        by_dir.setdefault(os.path.dirname(node.path), []).append(os.path.basename(node.path))
+        if node.inode is not None:
+            devs.add(b" " + _maps_dev(node.inode[0]) + b" ")
+    # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
+    prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
+                for directory, names in by_dir.items()}
+    return tuple(sorted(prefixes | devs))

@@ -1,0 +1,428 @@
+"""The engine's front door: configuration + NVML + discovery + sweeps, free of D-Bus.
+
+The daemon, `gpuguardctl --local` and the tests all drive this class, so there is one code
+path from "who holds the GPUs" to "the memory is back".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuguardd.config import Config
+from gpuguardd.engine import nvmlprocs, procfs, slurm
+from gpuguardd.engine.attribution import (
+    container_matches,
+    container_scope_label,
+    normalize_unit_name,
+    validate_container_label,
+)
+from gpuguardd.engine.devices import DeviceMap, build_device_map
+from gpuguardd.engine.holders import find_holders
+from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
+from gpuguardd.engine.mig import annotate_device_paths
+from gpuguardd.engine.models import (
+    GPU_IDLE,
+    GPU_IN_USE,
+    GPU_LEAKED,
+    GPU_LOST,
+    GPU_UNKNOWN,
+    KIND_COMPUTE,
+    GpuInfo,
+    Holder,
+    NvmlSnapshot,
+    Report,
+    ScanResult,
+    Scope,
+    SweepRequest,
+)
+from gpuguardd.engine.nvml import Nvml
+from gpuguardd.engine.process import pidfds_supported
+from gpuguardd.engine.protection import ProtectedFiles, mark_protection
+from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+from gpuguardd.errors import InvalidArgument
+
+log = logging.getLogger("gpuguard.engine")
+
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+_MIG_UUID = re.compile(r"^MIG-[0-9A-F-]{8,}$", re.IGNORECASE)
+MAX_GRACE_MS = 3_600_000
+
+
+@dataclass(frozen=True)
+class HolderFilter:
+    gpus: tuple[int, ...] = ()
+    unit: str = ""
+    container: str = ""
+    include_protected: bool = True
+    mig: tuple[str, ...] = ()  # MIG UUIDs: only these instances' holders
+
+
+class Engine:
+    def __init__(self, config: Config, nvml: Nvml | None = None,
+                 use_pidfd: bool | None = None) -> None:
+        self._config = config
+        self._config_lock = threading.Lock()
+        # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
+        self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec)
+        self.use_pidfd = pidfds_supported() if use_pidfd is None else use_pidfd
+        if not self.use_pidfd:
+            log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
+                        "checks before each signal")
+
+    @property
+    def config(self) -> Config:
+        with self._config_lock:
+            return self._config
+
+    def set_config(self, config: Config) -> None:
+        with self._config_lock:
+            self._config = config
+
+    # -- inventory -----------------------------------------------------------------------
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        snap = self.nvml.snapshot(with_processes=with_processes)
+        if snap.available and not nvmlprocs.pids_are_local():
+            snap.pids_local = False
+            snap.error = snap.error or nvmlprocs.NOT_LOCAL
+        if any(gpu.mig for gpu in snap.gpus):
+            # Instances name their caps node; only MIG hosts pay for the device map here.
+            device_map = self.device_map()
+            annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
+        return snap
+
+    def device_map(self) -> DeviceMap:
+        return _device_map(self.config)
+
+    def _scan_pinned(self, nvml: NvmlSnapshot | None = None
+                     ) -> tuple[Pinned, NvmlSnapshot, list[int], list[str]]:
+        config = self.config
+        snap = nvml if nvml is not None else self.snapshot()
+        device_map = _device_map(config)
+        annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
+        pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
+        own_chain = procfs.ancestors(os.getpid())
+        protected = ProtectedFiles.resolve(config)  # once per scan: installs and upgrades
+        for holder, _ in pinned:
+            mark_protection(holder, config, own_chain, protected)
+        warnings = list(device_map.warnings) + nvml_pid_warnings(snap, [h for h, _ in pinned])
+        hidden = [pid for pid in unreadable if pid != 1 or os.geteuid() != 0]
+        if hidden:
+            shown = ", ".join(str(p) for p in hidden[:5]) + (" ..." if len(hidden) > 5 else "")
+            warnings.append(f"could not read the open files of {len(hidden)} process(es) "
+                            f"({shown}): permission denied"
+                            + ("; run as root to see every holder" if os.geteuid() != 0 else ""))
+        return pinned, snap, unreadable, warnings
+
+    def scan(self) -> ScanResult:
+        pinned, snap, unreadable, warnings = self._scan_pinned()
+        for _, handle in pinned:
+            handle.close()
+        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
+                          warnings=warnings)
+
+    def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
+        result = self.scan()
+        scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
+                      container=holder_filter.container, mig=holder_filter.mig)
+        holders = [h for h in result.holders
+                   if (holder_filter.include_protected or not h.protected)
+                   and (not holder_filter.container or container_matches(h.container, holder_filter.container))
+                   and in_scope(h, scope)]
+        return holders, result
+
+    # -- validation ----------------------------------------------------------------------
+
+    def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
+                     ) -> tuple[tuple[int, ...], list[str]]:
+        """NVML indices for what the caller named (index or UUID); InvalidArgument otherwise."""
+        items = list(wanted)
+        if not items:
+            return (), []
+        snap = nvml if nvml is not None else self.snapshot(with_processes=False)
+        warnings: list[str] = []
+        indices: set[int] = set()
+        known = ", ".join(str(g.index) for g in snap.gpus) or "none"
+        # Without NVML the only GPUs known are those a configured device node names.
+        nodes = {} if snap.available else node_gpus(self.device_map())
+        for item in items:
+            text = str(item).strip()
+            if isinstance(item, int) or text.isdigit():
+                index = int(text)
+                if snap.available and snap.by_index(index) is None:
+                    raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
+                if not snap.available:
+                    if index not in nodes:
+                        raise InvalidArgument(
+                            f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
+                            f"device node names it (GPUs of the nodes: "
+                            f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
+                    warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
+                indices.add(index)
+            elif _UUID.match(text):
+                matches = [g.index for g in snap.gpus if g.uuid.lower() == text.lower()]
+                if not matches:
+                    raise InvalidArgument(f"unknown GPU UUID {text!r}" + (
+                        "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
+                indices.update(matches)
+            else:
+                raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
+        return tuple(sorted(indices)), warnings
+
+    @staticmethod
+    def resolve_mig(wanted: Iterable[object], nvml: NvmlSnapshot) -> tuple[tuple[str, ...], list[object]]:
+        """The MIG UUIDs among what the caller named (as NVML spells them), and the rest.
+
+        A MIG instance is a scope of its own: it is never widened to its GPU."""
+        found: list[str] = []
+        rest: list[object] = []
+        for item in wanted:
+            text = str(item).strip()
+            if isinstance(item, int) or not text.upper().startswith("MIG-"):
+                rest.append(item)
+                continue
+            match = nvml.mig_instance(text) if _MIG_UUID.match(text) else None
+            if match is None:
+                why = "" if nvml.available else f" ({nvml.error or 'NVML unavailable'})"
+                raise InvalidArgument(f"unknown MIG UUID {text!r}{why}: gpuguardctl gpus lists "
+                                      "the instances")
+            found.append(match[1].uuid)
+        return tuple(sorted(set(found))), rest
+
+    def resolve_request(self, request: SweepRequest) -> tuple[Scope, SweepSettings, list[str]]:
+        config = self.config
+        nvml = self.snapshot(with_processes=False)
+        mig, others = self.resolve_mig(request.gpus, nvml)
+        gpus, warnings = self.resolve_gpus(others, nvml)
+        unit = _checked(normalize_unit_name, request.unit)
+        container = _checked(validate_container_label, request.container)
+        if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
+            raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
+        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+        dry_run = config.dry_run if request.dry_run is None else request.dry_run
+        slurm.check_request(request)
+        if unit and not container:
+            # docker-<id>.scope and kin: the host unit of a container (attribution.py).
+            container = container_scope_label(unit)
+        scope = Scope(gpus=gpus, unit=unit, container=container, mig=mig,
+                      include_management=request.include_management,
+                      adopted=tuple((int(p), int(s)) for p, s in request.adopted),
+                      slurm_job=request.slurm_job, slurm_uid=request.slurm_uid)
+        settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
+                                 verify_timeout_sec=config.verify_timeout_sec,
+                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
+                                 dry_run=dry_run)
+        return scope, settings, warnings
+
+    # -- sweeping ------------------------------------------------------------------------
+
+    def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
+        names: set[str] = {str(g) for g in scope.gpus}
+        # An instance's sweep locks its GPU: instances share the GPU's driver state.
+        names.update(str(found[0].index) for uuid in scope.mig
+                     if (found := nvml.mig_instance(uuid)) is not None)
+        for holder, _ in pinned:
+            if is_target(holder, scope):
+                names.update(str(g) for g in holder.gpus)
+                if not holder.gpus:
+                    names.add(UNKNOWN_GPU)
+        if scope.whole_host:
+            names.update(str(g.index) for g in nvml.gpus)
+            names.add(UNKNOWN_GPU)
+        return names
+
+    def sweep(self, request: SweepRequest, observer: SweepObserver | None = None) -> Report:
+        scope, settings, warnings = self.resolve_request(request)
+        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
+        try:
+            first = self._scan_pinned()
+            if not settings.dry_run:
+                # Which GPUs the sweep touches is only known from a scan; lock those. If we had
+                # to wait for another sweep, look again, and widen the lock if it reaches further.
+                held: set[str] = set()
+                wanted = self._lock_names(scope, first[0], first[1])
+                while not wanted <= held:
+                    locks.release()
+                    held = held | wanted
+                    problem = locks.acquire(held)
+                    if problem:
+                        warnings.append(problem)
+                        break
+                    if not locks.waited:
+                        break
+                    for _, handle in first[0]:
+                        handle.close()
+                    first = self._scan_pinned()
+                    wanted = self._lock_names(scope, first[0], first[1])
+            pending_first: list[tuple[Pinned, NvmlSnapshot, list[int], list[str]]] = [first]
+
+            def scanner() -> tuple[Pinned, NvmlSnapshot, list[str]]:
+                # The scan that decided the locks is the sweep's first; later rounds rescan.
+                pinned_now, snap, _, scan_warnings = pending_first.pop() if pending_first else self._scan_pinned()
+                return pinned_now, snap, scan_warnings
+
+            sweep = Sweep(scope, settings, scanner, self.snapshot,
+                          requested_by=request.requested_by, reason=request.reason,
+                          observer=observer)
+            sweep.report.warnings.extend(warnings)
+            if not self.use_pidfd:
+                sweep.report.warnings.append(
+                    "pidfds unavailable: PIDs were checked by start time before each signal")
+            log.info("sweep %s started by %s: %s%s", sweep.report.id[:8],
+                     request.requested_by or "unknown", describe_scope(scope),
+                     f" (reason: {request.reason})" if request.reason else "")
+            report = sweep.run()
+        finally:
+            locks.release()
+        level = logging.INFO if report.outcome in ("freed", "nothing-to-do", "dry-run") else logging.WARNING
+        log.log(level, "sweep %s finished: %s (%d terminated, %d survived, %d spared) in %d ms",
+                report.id[:8], report.outcome, len(report.terminated), len(report.survived),
+                len(report.spared), report.duration_ms)
+        return report
+
+
+def node_gpus(device_map: DeviceMap) -> dict[int, str]:
+    """GPU number -> device node, from the configured nodes alone (when NVML is unavailable,
+    the number is the node's minor, as holders are attributed then)."""
+    found: dict[int, str] = {}
+    for node in device_map.nodes:
+        if node.role == "gpu" and node.minor is not None:
+            found.setdefault(node.minor, node.path)
+    return found
+
+
+def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  # type: ignore[type-arg]
+    """`gpuguardctl gpus` without NVML: the GPUs the nodes name, memory unknown (0)."""
+    summaries = []
+    for index, path in sorted(node_gpus(device_map).items()):
+        holders = [h for h in scan.holders if index in h.gpus]
+        summaries.append({
+            "index": index, "uuid": "", "name": "", "pci_bus_id": "", "minor": index,
+            "device_path": path, "memory_total": 0, "memory_used": 0,
+            "holder_count": len(holders),
+            "state": "in-use" if any(_makes_in_use(h, index) for h in holders) else GPU_UNKNOWN,
+            "error": scan.nvml.error or "NVML unavailable",
+        })
+    return summaries
+
+
+def log_device_refusals(config: Config) -> None:
+    """Log, once per configuration, the [Devices] Paths entries that are refused (each scan
+    also puts them in its warnings, which only sweep reports show)."""
+    for warning in _device_map(config).warnings:
+        log.warning("%s", warning)
+
+
+def _device_map(config: Config) -> DeviceMap:
+    return build_device_map(config.device_paths, allow_majors=config.allow_majors,
+                            origin=config.origin, mig_minors=config.mig_minors_path)
+
+
+def _checked(validate: Callable[[str], str], value: str) -> str:
+    """`validate(value)` for a non-empty value, its ValueError as the caller's InvalidArgument."""
+    if not value:
+        return ""
+    try:
+        return validate(value)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def describe_scope(scope: Scope) -> str:
+    parts: list[str] = []
+    if scope.gpus:
+        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
+    if scope.mig:
+        parts.append("MIG " + ",".join(scope.mig))
+    if scope.unit:
+        parts.append(f"unit {scope.unit}")
+    if scope.container:
+        parts.append(f"container {scope.container}")
+    text = ", ".join(parts) if parts else "the whole host"
+    return text + (" including management clients" if scope.include_management else "")
+
+
+
+def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
+    """What NVML's lists said that /proc does not bear out, for the scan's warnings."""
+    if not snap.available:
+        return []
+    warnings = [w for gpu in snap.gpus for w in gpu.warnings]
+    if not snap.pids_local:
+        return [*warnings, snap.error]
+    for gpu in snap.gpus:
+        for pid in sorted(gpu.processes):
+            if not os.path.exists(f"{procfs.PROC}/{pid}"):
+                warnings.append(f"GPU {gpu.index}: NVML lists pid {pid}, which does not exist "
+                                "here (exited, memory not released yet?)")
+    for holder in holders:
+        if holder.how == ["nvml"] and holder.state != "Z":
+            warnings.append(f"NVML lists pid {holder.pid} ({holder.comm}) on GPU "
+                            f"{','.join(map(str, holder.nvml_gpus))}, but it holds no NVIDIA "
+                            "device here: never a sweep target on NVML's word alone")
+    return warnings
+
+
+def _makes_in_use(holder: Holder, index: int) -> bool:
+    """A holder that keeps GPU `index` busy. Management clients (nvidia-persistenced,
+    dcgm-exporter, gpuguardd's own NVML handles) and protected processes hold every GPU's node
+    on a real host: counting them would make every GPU in-use forever and hide every leak.
+    NVML's own lists (GpuInfo.processes) count whoever is on them."""
+    return index in holder.gpus and holder.kind == KIND_COMPUTE and not holder.protected
+
+
+def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  # type: ignore[type-arg]
+    """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
+    summaries = []
+    for gpu in scan.nvml.gpus:
+        holders = [h for h in scan.holders if gpu.index in h.gpus]
+        if gpu.lost:
+            state = "lost"
+        elif gpu.unknown:
+            state = GPU_UNKNOWN
+        elif gpu.processes or any(_makes_in_use(h, gpu.index) for h in holders):
+            state = "in-use"
+        elif gpu.memory_used > released_below_bytes:
+            state = "leaked"
+        else:
+            state = "idle"
+        summaries.append({
+            "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
+            "pci_bus_id": gpu.pci_bus_id, "minor": gpu.minor if gpu.minor is not None else 0,
+            "device_path": gpu.device_path, "memory_total": gpu.memory_total,
+            "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state,
+            "error": gpu.error, "mig_mode": gpu.mig_mode,
+            "mig_instances": mig_summaries(gpu, scan.holders, released_below_bytes),
+        })
+    return summaries
+
+
+def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
+                  ) -> list[dict[str, Any]]:
+    """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
+    a GPU of its own, on its own memory and tenants."""
+    out = []
+    for instance in gpu.mig:
+        tenants = [h for h in holders if instance.uuid in h.mig]
+        if gpu.lost:
+            state = GPU_LOST
+        elif gpu.unknown or (instance.error and not instance.memory_total):
+            state = GPU_UNKNOWN  # never idle on a figure that could not be read
+        elif instance.processes or any(h.kind == KIND_COMPUTE and not h.protected for h in tenants):
+            state = GPU_IN_USE  # as _makes_in_use: management holders never make it busy
+        elif instance.memory_used > released_below_bytes:
+            state = GPU_LEAKED
+        else:
+            state = GPU_IDLE
+        out.append({"uuid": instance.uuid, "gpu_instance_id": instance.gpu_instance_id,
+                    "compute_instance_id": instance.compute_instance_id,
+                    "device_path": instance.device_path, "memory_total": instance.memory_total,
+                    "memory_used": instance.memory_used, "holder_count": len(tenants),
+                    "state": state})
+    return out

@@ -1,0 +1,292 @@
+"""Discovery: every process that holds a watched device, by fd, by mmap, or in NVML's lists.
+
+psutil's open_files() reports regular files only, so device fds are found here, from
+/proc/<pid>/fd. One stat() per fd (following the link, relative to the open fd directory)
+gives the node's identity; no readlink is needed because the identity, not the name, decides.
+Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
+substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
+details need no second look. bench/bench_scan.py measures all this against fuser and lsof.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+from dataclasses import dataclass, field
+
+import psutil
+
+from gpuguardd import safetext
+from gpuguardd.engine import procfs
+from gpuguardd.engine.attribution import attribute
+from gpuguardd.engine.devices import DeviceMap
+from gpuguardd.engine.mig import instances_for_caps
+from gpuguardd.engine.models import (
+    GPUS_FROM_NODES,
+    GPUS_FROM_NVML,
+    KIND_COMPUTE,
+    KIND_MANAGEMENT,
+    DeviceNode,
+    Holder,
+    NvmlSnapshot,
+)
+from gpuguardd.engine.process import ProcessHandle
+
+PROC = procfs.PROC
+_S_IFMT = 0o170000
+_S_IFCHR = 0o020000
+
+
+@dataclass
+class RawHolding:
+    """What the fast pass saw of one process, before details are read."""
+
+    pid: int
+    nodes: dict[str, DeviceNode] = field(default_factory=dict)
+    how: set[str] = field(default_factory=set)
+    # Opened before /proc/<pid> was read: while it shows the process alive, what was read was
+    # that process's, since a PID is reused only after its process is reaped.
+    pidfd: int | None = None
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
+    dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        by_inode = device_map.by_inode
+        for name in os.listdir(dir_fd):
+            try:
+                st = os.stat(name, dir_fd=dir_fd)  # follows the link to the open file itself
+            except OSError:
+                continue  # closed meanwhile, or a file we may not stat
+            if st.st_mode & _S_IFMT != _S_IFCHR:
+                continue
+            node = by_inode.get((st.st_dev, st.st_ino)) or device_map.node_for_rdev(st.st_rdev)
+            if node is not None:
+                raw.nodes[node.path] = node
+                raw.how.add("fd")
+    finally:
+        os.close(dir_fd)
+
+
+def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
+    try:
+        with open(f"{PROC}/{pid}/maps", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return
+    seen: set[int] = set()
+    for token in device_map.maps_prefilter or device_map.maps_tokens:
+        found = data.find(token)
+        while found >= 0:
+            start = data.rfind(b"\n", 0, found) + 1
+            end = data.find(b"\n", found)
+            if end < 0:
+                end = len(data)
+            found = data.find(token, end)
+            if start not in seen:
+                seen.add(start)
+                node = _maps_line_node(data[start:end], device_map)
+                if node is not None:
+                    raw.nodes[node.path] = node
+                    raw.how.add("mmap")
+
+
+def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
+    parts = line.split(None, 5)
+    if len(parts) < 5:
+        return None
+    path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
+    node = device_map.by_path.get(path)
+    if node is None:
+        try:
+            major_text, minor_text = parts[3].split(b":")
+            dev = os.makedev(int(major_text, 16), int(minor_text, 16))
+            node = device_map.by_inode.get((dev, int(parts[4])))
+        except ValueError:
+            node = None
+    return node
+
+
+def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
+             ) -> tuple[dict[int, RawHolding], list[int]]:
+    """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
+
+    With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
+    RawHolding.pidfd for describe() (or the caller's RawHolding.close())."""
+    found: dict[int, RawHolding] = {}
+    unreadable: list[int] = []
+    for pid in procfs.list_pids() if pids is None else pids:
+        raw = RawHolding(pid)
+        if use_pidfd:
+            try:
+                raw.pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # exited
+            except OSError:
+                pass  # e.g. EMFILE: describe() pins it later and reads it again
+        try:
+            _scan_fds(pid, device_map, raw)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                unreadable.append(pid)
+            raw.close()
+            continue  # ENOENT: exited; ESRCH: exiting
+        _scan_maps(pid, device_map, raw)
+        if raw.nodes:
+            found[pid] = raw
+        else:
+            raw.close()
+    return found, unreadable
+
+
+def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
+    """exe, cmdline and user; each may be denied or vanish independently. Text is made valid
+    UTF-8 and bounded (safetext): a process chooses these bytes."""
+    try:
+        proc = psutil.Process(holder.pid)
+    except psutil.Error:
+        return
+    with proc.oneshot():
+        try:
+            exe = proc.exe()
+            # A binary replaced on disk while running reads "path (deleted)"; the path decides.
+            holder.exe = safetext.clean(exe.removesuffix(" (deleted)"), safetext.PATH_MAX)
+        except psutil.Error:
+            pass
+        holder.cmdline = procfs.read_cmdline(holder.pid) or ""
+        try:
+            holder.uid = proc.uids().real
+        except psutil.Error:
+            return
+    if holder.uid not in user_cache:
+        try:
+            user_cache[holder.uid] = safetext.clean(pwd.getpwuid(holder.uid).pw_name,
+                                                    safetext.NAME_MAX)
+        except KeyError:
+            user_cache[holder.uid] = str(holder.uid)
+    holder.user = user_cache[holder.uid]
+
+
+def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
+    gpus: set[int] = set()
+    for node in nodes:
+        if node.role != "gpu" or node.minor is None:
+            continue
+        if nvml.available:
+            index = nvml.index_for_minor(node.minor)
+            if index is not None:
+                gpus.add(index)
+        else:
+            # Without NVML the minor is the best name we have; the CLI says so.
+            gpus.add(node.minor)
+    return sorted(gpus)
+
+
+def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
+             device_map: DeviceMap) -> tuple[set[int], list[str]]:
+    """The MIG instances a holder runs in: NVML's per-instance lists where they list it (and
+    its pids are this /proc's), else the instances whose caps nodes it holds; with the GPUs
+    those caps nodes belong to (node evidence, like /dev/nvidiaN)."""
+    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
+              for i in gpu.mig if pid in i.processes}
+    if listed:
+        return set(), sorted(listed)
+    gpus, migs = instances_for_caps(nodes, device_map.mig_caps, nvml)
+    return gpus, sorted(migs)
+
+
+def describe(pid: int, nvml: NvmlSnapshot,
+             device_map: DeviceMap, user_cache: dict[int, str],
+             use_pidfd: bool = True, raw: RawHolding | None = None
+             ) -> tuple[Holder, ProcessHandle] | None:
+    """Read a holder's details, race-free: the process is pinned (pidfd, or start time) before
+    its holdings are read and checked to be alive after everything was read, so the details
+    can't belong to a recycled PID. A `raw` from scan_raw(use_pidfd=True) was read after
+    pinning: it is taken over, pidfd included. Otherwise the holdings are read again here."""
+    if raw is not None and raw.pidfd is not None:
+        stat = procfs.read_stat(pid)
+        if stat is None:
+            raw.close()
+            return None
+        handle = ProcessHandle(pid, stat.start_time, raw.pidfd)
+        raw.pidfd = None
+    else:
+        opened = ProcessHandle.open(pid, use_pidfd=use_pidfd)
+        if opened is None:
+            return None
+        handle = opened
+        stat = procfs.read_stat(pid)
+        if stat is None or stat.start_time != handle.start_time:
+            handle.close()
+            return None
+        # The fast pass ran before the process was pinned; look again now that it is.
+        raw = RawHolding(pid)
+        try:
+            _scan_fds(pid, device_map, raw)
+        except OSError:
+            pass
+        _scan_maps(pid, device_map, raw)
+    holder = Holder(pid=pid, comm=stat.comm, state=stat.state, ppid=stat.ppid,
+                    start_time=stat.start_time, uid=-1)
+    _fill_details(holder, user_cache)
+    where = attribute(procfs.read_cgroup(pid))
+    holder.cgroup, holder.unit, holder.container = where.cgroup, where.unit, where.container
+    nodes = sorted(raw.nodes.values(), key=lambda n: n.path)
+    holder.devices = [n.path for n in nodes]
+    holder.roles = sorted({n.role for n in nodes})
+    how = set(raw.how)
+    holder.node_gpus = _gpus_for(nodes, nvml)
+    memory = 0
+    nvml_gpus: set[int] = set()
+    # NVML's pids name local processes only where they are this /proc's (nvmlprocs).
+    for gpu in nvml.gpus if nvml.pids_local else ():
+        if pid in gpu.processes:
+            how.add("nvml")
+            nvml_gpus.add(gpu.index)
+            memory += gpu.processes[pid] or 0
+    caps_gpus, holder.mig = _mig_for(pid, nodes, nvml, device_map)
+    holder.node_gpus = sorted(set(holder.node_gpus) | caps_gpus)
+    holder.how = [h for h in ("fd", "mmap", "nvml") if h in how]
+    holder.nvml_gpus = sorted(nvml_gpus)
+    # Which GPU a process computes on only NVML knows: every CUDA process holds every GPU's
+    # node. The nodes stand in, for display, for a process NVML does not list; the sweep's
+    # scope rule (sweep.gpu_scope) treats the two sources differently.
+    if holder.nvml_gpus:
+        holder.gpus, holder.gpus_from = holder.nvml_gpus, GPUS_FROM_NVML
+    elif holder.node_gpus:
+        holder.gpus, holder.gpus_from = list(holder.node_gpus), GPUS_FROM_NODES
+    holder.gpu_memory = memory
+    holder.kind = KIND_COMPUTE if ("uvm" in holder.roles or "nvml" in how) else KIND_MANAGEMENT
+    if not holder.how or not handle.alive():
+        handle.close()
+        return None
+    return holder, handle
+
+
+def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True
+                 ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
+    """All holders with open handles on them (the caller closes them), and unreadable pids."""
+    raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd)
+    candidates = set(raw)
+    if nvml.pids_local:
+        for gpu in nvml.gpus:
+            # Checked again though nvmlprocs.merge dropped non-pids: pidfd_open(4294967295)
+            # raises OverflowError, not OSError.
+            candidates.update(p for p in gpu.processes if 0 < p < 2**31)
+    user_cache: dict[int, str] = {}
+    result: list[tuple[Holder, ProcessHandle]] = []
+    try:
+        for pid in sorted(candidates):
+            described = describe(pid, nvml, device_map, user_cache, use_pidfd, raw.get(pid))
+            if described is not None:
+                result.append(described)
+    finally:
+        for holding in raw.values():
+            holding.close()  # those describe() did not take over
+    return result, unreadable

@@ -1,0 +1,360 @@
+"""NVML through the real pynvml: GPU inventory, memory, and the driver's process lists.
+
+NVML may be missing (no driver, a container without the library), may fail per GPU (fell off
+the bus, or a handle lookup answering GPU_IS_LOST, UNKNOWN or NO_PERMISSION) or per call, and
+may hang for good. None of that is fatal: the snapshot says what is unknown, and the engine
+keeps working from device files. Every NVML call runs on the session's one worker thread
+(nvmlworker.py) with a deadline, so a hung driver costs a caller at most that deadline, and
+nothing once the worker is known to be stuck.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+try:
+    import pynvml
+except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
+    pynvml = None
+
+from gpuguardd.engine import nvmlprocs
+from gpuguardd.engine.driverinfo import DRIVER_GPUS_DIR, DriverGpu, fill_from_driver, read_driver_gpus
+from gpuguardd.engine.models import GpuInfo, MigInstance, NvmlSnapshot
+from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
+
+PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
+# How long one snapshot (all NVML calls for every GPU, normally milliseconds) may take before
+# the driver counts as hung; [Daemon] NvmlTimeoutSec.
+DEFAULT_TIMEOUT_SEC = 5.0
+
+_SHUTDOWN_TIMEOUT_SEC = 1.0
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, pynvml.NVMLError):
+        return f"NVML: {exc}"
+    return f"NVML: {exc.__class__.__name__}: {exc}"
+
+
+class _Progress:
+    """How far a snapshot job got, read by the caller when the job does not return in time."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+        self.driver = ""
+        self.done: list[GpuInfo] = []
+        self.gpu: int | None = None
+        self.call = "nvmlInit"
+
+    def __str__(self) -> str:
+        # What NvmlHung names: the pynvml function entered last, and the GPU it was for.
+        return self.call + (f" (GPU {self.gpu})" if self.gpu is not None else "")
+
+    def profile(self, frame: FrameType, event: str, arg: object) -> None:
+        # A profile hook on the worker thread only: it records each NVML entry point as it is
+        # called, so a hang is reported by name whoever added the call (process lists, MIG
+        # instances) without wrapping every call site. pynvml looks every C function up by
+        # name right before calling it, which names the very entry point (..._v2, ..._v3),
+        # raw ctypes calls through pynvml's lookup included.
+        if event != "call" or frame.f_globals.get("__name__") != "pynvml":
+            return
+        name = frame.f_code.co_name
+        if name == "_nvmlGetFunctionPointer":
+            self.call = str(frame.f_locals.get("name", self.call))[:128]
+        elif name.startswith("nvml"):
+            self.call = name
+
+
+class Nvml:
+    """A lazily initialised NVML session, safe to share between threads.
+
+    Initialisation is retried on each snapshot while it fails, so a daemon started before the
+    driver was loaded picks NVML up later without a restart. Every NVML call runs on the
+    session's worker thread (nvmlworker.py); a method that adds NVML calls runs them inside
+    `_snapshot` (or through `self._worker.run`), never on the caller's thread.
+    """
+
+    def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
+                 driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._identity: dict[int, tuple[str, str, int | None, str]] = {}
+        # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
+        self._seen: dict[int, GpuInfo] = {}
+        self.last_error = ""
+        self._timeout = timeout
+        self._worker = NvmlWorker()
+        # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
+        # Read through a worker of its own: the nvidia module answers it under its own locks.
+        self._driver_gpus_dir = driver_gpus_dir
+        self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
+        self._driver_gpus: list[DriverGpu] | None = None
+        # The last GPU count and driver NVML gave: what a hung snapshot still knows.
+        self._last_count: int | None = None
+        self._last_driver = ""
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout() if callable(self._timeout) else self._timeout
+
+    def _ensure_init(self) -> bool:
+        if self._initialized:
+            return True
+        if pynvml is None:
+            self.last_error = PYNVML_MISSING
+            return False
+        try:
+            pynvml.nvmlInit()
+        except (pynvml.NVMLError, OSError) as exc:
+            self.last_error = _error_text(exc)
+            return False
+        self._initialized = True
+        self._identity.clear()
+        self._seen.clear()
+        self.last_error = ""
+        return True
+
+    def shutdown(self) -> None:
+        def job() -> None:
+            with self._lock:
+                if self._initialized and pynvml is not None:
+                    try:
+                        pynvml.nvmlShutdown()
+                    except pynvml.NVMLError:
+                        pass
+                    self._initialized = False
+        try:
+            self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
+        except NvmlHung:
+            pass  # exiting anyway: the process takes the stuck call with it
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        """GPUs, memory and process lists, within `timeout` seconds whatever the driver does.
+
+        A GPU the snapshot could not read in time is in it, `unknown`, with what NVML last said
+        it is; while the driver stays hung, snapshots answer at once."""
+        progress = _Progress()
+        try:
+            snap = self._worker.run(lambda: self._traced(with_processes, progress),
+                                    self.timeout, progress)  # type: ignore[arg-type]
+        except NvmlHung as hung:
+            snap = self._hung_snapshot(progress, hung)
+        if any(gpu.minor is None and (gpu.lost or gpu.unknown) for gpu in snap.gpus):
+            fill_from_driver(snap.gpus, self._read_driver_gpus())
+        return snap
+
+    def _traced(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
+        sys.setprofile(progress.profile)
+        try:
+            return self._snapshot(with_processes, progress)
+        finally:
+            sys.setprofile(None)
+
+    def _hung_snapshot(self, progress: _Progress, hung: NvmlHung) -> NvmlSnapshot:
+        message = hung.describe()
+        self.last_error = message
+        count = progress.count if progress.count is not None else self._last_count
+        if count is None:
+            return NvmlSnapshot(available=False, error=message)
+        done = {gpu.index: gpu for gpu in list(progress.done)}
+        gpus: list[GpuInfo] = []
+        for index in range(count):
+            gpu = done.get(index)
+            if gpu is None:
+                gpu = GpuInfo(index=index, unknown=True, error=message)
+                self._recall(gpu)
+            gpus.append(gpu)
+        return NvmlSnapshot(available=True, error=message,
+                            driver_version=progress.driver or self._last_driver, gpus=gpus)
+
+    def _recall(self, gpu: GpuInfo) -> None:
+        """Give a GPU that cannot be read now what NVML said of it before: its identity (so
+        its device nodes and holders still map to it) and its MIG instances, their figures
+        unknown (so `MIG-` UUIDs still name them and their caps nodes still map)."""
+        identity = self._identity.get(gpu.index)
+        if identity is not None:
+            gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+        seen = self._seen.get(gpu.index)
+        if seen is None or seen.uuid != gpu.uuid:
+            return
+        gpu.mig_mode = seen.mig_mode
+        gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id,
+                               compute_instance_id=m.compute_instance_id, error=gpu.error)
+                   for m in seen.mig]
+
+    def _read_driver_gpus(self) -> list[DriverGpu]:
+        if self._driver_gpus is None:
+            try:
+                found = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
+                                                self.timeout, self._driver_gpus_dir)
+            except NvmlHung:
+                return []
+            if found:
+                self._driver_gpus = found  # fixed while the driver stays loaded
+            return found
+        return self._driver_gpus
+
+    def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
+        with self._lock:
+            if not self._ensure_init():
+                return NvmlSnapshot(available=False, error=self.last_error)
+            try:
+                driver = _text(pynvml.nvmlSystemGetDriverVersion())
+                count = pynvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError as exc:
+                # The driver went away under us (unloaded, reset): start over next time.
+                self._initialized = False
+                try:
+                    pynvml.nvmlShutdown()
+                except pynvml.NVMLError:
+                    pass
+                self.last_error = _error_text(exc)
+                return NvmlSnapshot(available=False, error=self.last_error)
+            progress.driver, progress.count = driver, count
+            self._last_driver, self._last_count = driver, count
+            self.last_error = ""
+            gpus = []
+            for index in range(count):
+                progress.gpu = index
+                gpus.append(self._gpu(index, with_processes))
+                progress.done.append(gpus[-1])
+                if not (gpus[-1].unknown or gpus[-1].lost):
+                    self._seen[index] = gpus[-1]
+            return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
+
+    def _gpu(self, index: int, with_processes: bool) -> GpuInfo:
+        gpu = GpuInfo(index=index)
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as exc:
+            # GPU_IS_LOST, UNKNOWN, NO_PERMISSION (dcgm-exporter issue 604): nothing can be
+            # read, but the GPU is still there, and so are its device nodes and their holders.
+            gpu.error = _error_text(exc)
+            gpu.lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
+            gpu.unknown = not gpu.lost
+            self._recall(gpu)
+            return gpu
+
+        def query(call: Callable[[], Any]) -> Any | None:
+            try:
+                return call()
+            except pynvml.NVMLError as exc:
+                if isinstance(exc, pynvml.NVMLError_GpuIsLost):
+                    gpu.lost = True
+                if not gpu.error:
+                    gpu.error = _error_text(exc)
+                return None
+
+        identity = self._identity.get(index)
+        if identity is None:
+            uuid = query(lambda: pynvml.nvmlDeviceGetUUID(handle))
+            name = query(lambda: pynvml.nvmlDeviceGetName(handle))
+            minor = query(lambda: pynvml.nvmlDeviceGetMinorNumber(handle))
+            pci = query(lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
+            identity = (_text(uuid) if uuid is not None else "",
+                        _text(name) if name is not None else "",
+                        int(minor) if minor is not None else None,
+                        _text(pci.busId) if pci is not None else "")
+            # NVML numbers devices once per initialisation, so what a GPU is does not change
+            # until the next nvmlInit: read it once instead of on every poll.
+            if None not in (uuid, name, minor, pci):
+                self._identity[index] = identity
+        gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
+        memory = query(lambda: self._memory(handle))
+        if memory is not None:
+            gpu.memory_total, gpu.memory_used = memory
+        elif not gpu.lost:
+            gpu.unknown = True  # no memory figure: neither idle nor leaked can be said
+        if with_processes and not gpu.lost:
+            gpu.processes = self._processes(handle, gpu)
+        if not gpu.lost:
+            self._mig(handle, gpu, with_processes)
+        return gpu
+
+    def _mig(self, handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
+        """The MIG devices of a GPU in MIG mode, each with its memory and processes.
+
+        In MIG mode the parent's memory is the aggregate and its process lists are empty for
+        all but privileged callers (nvml.h), so tenants are found on the instances, which are
+        walked by index up to the maximum: an index without an instance is NOT_FOUND, and
+        gaps are normal once instances were destroyed."""
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError as exc:
+            # NOT_SUPPORTED: a GPU that cannot do MIG (or a driver that predates it).
+            if not isinstance(exc, (pynvml.NVMLError_NotSupported,
+                                    pynvml.NVMLError_FunctionNotFound)) and not gpu.error:
+                gpu.error = _error_text(exc)
+            return
+        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+            return
+        gpu.mig_mode = True
+        try:
+            slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+        except pynvml.NVMLError as exc:
+            gpu.error = gpu.error or _error_text(exc)
+            return
+        for slot in range(slots):
+            try:
+                mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except pynvml.NVMLError_NotFound:
+                continue
+            except pynvml.NVMLError as exc:
+                gpu.error = gpu.error or _error_text(exc)
+                continue
+            instance = self._instance(mig_handle, gpu, with_processes)
+            if instance is not None:
+                gpu.mig.append(instance)
+
+    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> MigInstance | None:
+        try:
+            instance = MigInstance(uuid=_text(pynvml.nvmlDeviceGetUUID(mig_handle)),
+                                   gpu_instance_id=int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)),
+                                   compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)))
+        except pynvml.NVMLError as exc:
+            # Without its UUID and ids nobody can name or find the instance.
+            gpu.error = gpu.error or _error_text(exc)
+            return None
+        try:
+            instance.memory_total, instance.memory_used = self._memory(mig_handle)
+        except pynvml.NVMLError as exc:
+            instance.error = _error_text(exc)
+        if with_processes:
+            listed = GpuInfo(index=gpu.index)  # collects the lists' errors for this instance
+            instance.processes = self._processes(mig_handle, listed)
+            instance.error = instance.error or listed.error
+            for pid, used in instance.processes.items():
+                # The parent's aggregate list (privileged callers) has them already: once.
+                gpu.processes.setdefault(pid, used)
+        return instance
+
+    @staticmethod
+    def _memory(handle: Any) -> tuple[int, int]:
+        # v2 excludes the driver's reserved memory from "used", which is what "released" means.
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+        except pynvml.NVMLError_FunctionNotFound:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.total), int(info.used)
+
+    @staticmethod
+    def _processes(handle: Any, gpu: GpuInfo) -> dict[int, int | None]:
+        lists, errors = nvmlprocs.read_lists(handle)
+        failed = [exc for exc in errors if not isinstance(exc, pynvml.NVMLError_NotSupported)]
+        for exc in failed:
+            if not gpu.error:
+                gpu.error = _error_text(exc)
+        if failed and not lists:
+            # Not one list could be read: who uses the GPU is unknown, and so is whether
+            # memory in use there is a leak.
+            gpu.unknown = True
+        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
+        return found

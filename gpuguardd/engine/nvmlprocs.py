@@ -1,0 +1,230 @@
+"""NVML's per-GPU process lists, read so that a driver's ABI slip never names a wrong process.
+
+Which call, and how wide its entries are:
+  1. nvmlDeviceGetRunningProcessDetailList where the driver exports it (535.104 and later):
+     the count and the array travel in a versioned struct the driver checks, so no guessing.
+  2. Otherwise the _v3 lists, with the entry size chosen the way nvitop does (its PR 89, after
+     issues 75 and 88): drivers 535.43 to 535.86 export nvmlDeviceGetConfComputeMemSizeInfo
+     but not the detail list, and they write 32-byte entries (with the confidential-computing
+     field) where pynvml reads 24, which comes back as pids 0 and 4294967295. Every other
+     driver with _v3 writes 24 bytes.
+  3. Otherwise _v2 (24 bytes), otherwise the unversioned call (16 bytes).
+pynvml's own wrappers are not used for the lists: they hard-code 24 bytes, and its detail-list
+wrapper assigns None to a ctypes integer field when memory is "not available".
+
+Whatever the call, what comes back is untrusted: every pid is checked (valid_pids) before
+anything looks it up, and NVML's pids are host pids, which mean nothing to a daemon in
+another PID namespace (pids_are_local).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+from typing import Any
+
+try:
+    import pynvml
+except ImportError:  # nvml.py reports the missing module; nothing here runs without it
+    pynvml = None
+
+from gpuguardd.engine import procfs
+
+# The three lists NVML keeps per GPU, as (name of the old calls, detail-list mode).
+KINDS = (("nvmlDeviceGetComputeRunningProcesses", 0),
+         ("nvmlDeviceGetGraphicsRunningProcesses", 1),
+         ("nvmlDeviceGetMPSComputeRunningProcesses", 2))
+_NOT_AVAILABLE = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE as an unsigned long long
+_SUCCESS = 0
+_INSUFFICIENT_SIZE = 7
+_RETRIES = 3  # the list may grow between the size query and the read
+PID_MAX_LIMIT = 4 * 1024 * 1024  # the kernel's ceiling for pid_max on 64-bit
+# The inode the kernel gives the initial PID namespace (PROC_PID_INIT_INO in
+# include/linux/proc_ns.h, fixed since Linux 3.8).
+PROC_PID_INIT_INO = 0xEFFFFFFC
+
+
+class _Info16(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+
+class _Info24(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+
+class _Info32(ctypes.Structure):
+    """nvmlProcessDetail_v1_t, and what drivers 535.43-535.86 write through the _v3 lists."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint),
+                ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
+
+
+class _DetailList(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("mode", ctypes.c_uint),
+                ("numProcArrayEntries", ctypes.c_uint), ("procArray", ctypes.POINTER(_Info32))]
+
+
+# NVML_STRUCT_VERSION(ProcessDetailList, 1): pynvml's nvmlProcessDetailList_v1, 0x1000018.
+_DETAIL_LIST_V1 = ctypes.sizeof(_DetailList) | (1 << 24)
+
+Entry = tuple[int, int | None]  # (pid as NVML wrote it, bytes or None where not available)
+Reader = Callable[[Any, str, int], list[Entry]]
+
+
+def _function(name: str) -> Any | None:
+    try:
+        return pynvml._nvmlGetFunctionPointer(name)
+    except pynvml.NVMLError_FunctionNotFound:
+        return None
+
+
+def _entries(items: Any, count: int) -> list[Entry]:
+    return [(int(e.pid), None if e.usedGpuMemory == _NOT_AVAILABLE else int(e.usedGpuMemory))
+            for e in items[:count]]
+
+
+def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
+    def read(handle: Any, _name: str, _mode: int) -> list[Entry]:
+        count = ctypes.c_uint(0)
+        ret = function(handle, ctypes.byref(count), None)
+        for _ in range(_RETRIES):
+            if ret == _SUCCESS:
+                return []
+            if ret != _INSUFFICIENT_SIZE:
+                break
+            # Twice what was asked for: room for processes started meanwhile, and never less
+            # than a driver writing wider entries than we think would need.
+            capacity = count.value * 2 + 5
+            buffer = (struct * capacity)()
+            count = ctypes.c_uint(capacity)
+            ret = function(handle, ctypes.byref(count), buffer)
+            if ret == _SUCCESS:
+                return _entries(buffer, min(count.value, capacity))
+        raise pynvml.NVMLError(ret)
+    return read
+
+
+def _detail_list(function: Any) -> Reader:
+    def read(handle: Any, _name: str, mode: int) -> list[Entry]:
+        query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=0)
+        ret = function(handle, ctypes.byref(query))
+        for _ in range(_RETRIES):
+            if ret == _SUCCESS and not query.numProcArrayEntries:
+                return []
+            if ret not in (_SUCCESS, _INSUFFICIENT_SIZE):
+                break
+            capacity = query.numProcArrayEntries * 2 + 5
+            array = (_Info32 * capacity)()
+            query.procArray = ctypes.cast(array, ctypes.POINTER(_Info32))
+            query.numProcArrayEntries = capacity
+            ret = function(handle, ctypes.byref(query))
+            if ret == _SUCCESS:
+                return _entries(array, min(query.numProcArrayEntries, capacity))
+        raise pynvml.NVMLError(ret)
+    return read
+
+
+def choose_reader() -> tuple[str, Callable[[str], Reader | None]]:
+    """(what was chosen, for the logs; a function from a list's name to its reader or None)."""
+    detail = _function("nvmlDeviceGetRunningProcessDetailList")
+    if detail is not None:
+        reader = _detail_list(detail)
+        return "nvmlDeviceGetRunningProcessDetailList", lambda _name: reader
+    if _function("nvmlDeviceGetComputeRunningProcesses_v3") is not None:
+        early_535 = _function("nvmlDeviceGetConfComputeMemSizeInfo") is not None
+        struct: type[ctypes.Structure] = _Info32 if early_535 else _Info24
+        suffix = "_v3"
+    elif _function("nvmlDeviceGetComputeRunningProcesses_v2") is not None:
+        struct, suffix = _Info24, "_v2"
+    else:
+        struct, suffix = _Info16, ""
+
+    def for_list(name: str) -> Reader | None:
+        function = _function(name + suffix)
+        return None if function is None else _old_style(function, struct)
+    return f"the {suffix or 'v1'} lists, {ctypes.sizeof(struct)}-byte entries", for_list
+
+
+def read_lists(handle: Any) -> tuple[list[tuple[str, list[Entry]]], list[BaseException]]:
+    """Every list of one GPU (or MIG instance) handle: [(list name, entries)], and the errors
+    of the lists that could not be read."""
+    _, reader_for = choose_reader()
+    found: list[tuple[str, list[Entry]]] = []
+    errors: list[BaseException] = []
+    for name, mode in KINDS:
+        reader = reader_for(name)
+        if reader is None:
+            continue
+        try:
+            found.append((name, reader(handle, name, mode)))
+        except pynvml.NVMLError as exc:
+            errors.append(exc)
+    return found, errors
+
+
+def pid_max() -> int:
+    try:
+        with open(f"{procfs.PROC}/sys/kernel/pid_max", encoding="ascii") as handle:
+            value = int(handle.read().strip())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+    return value if 0 < value <= PID_MAX_LIMIT else PID_MAX_LIMIT
+
+
+def merge(lists: list[tuple[str, list[Entry]]], index: int, limit: int
+          ) -> tuple[dict[int, int | None], list[str]]:
+    """{pid: bytes} over the lists, each process once, and a warning per entry that is no pid.
+
+    A process in the compute and the graphics list (an OpenGL+CUDA program) is one process with
+    one amount of memory, which NVML reports in both: counted once (the larger), never summed.
+    """
+    found: dict[int, int | None] = {}
+    warnings: list[str] = []
+    for _name, entries in lists:
+        for pid, used in entries:
+            if not 0 < pid <= limit:
+                warnings.append(f"GPU {index}: NVML listed pid {pid}, which is no process id "
+                                f"(pid_max {limit}); ignored (a driver/NVML struct mismatch?)")
+                continue
+            previous = found.get(pid)
+            if used is None:
+                found.setdefault(pid, None)
+            else:
+                found[pid] = max(previous or 0, used)
+    return found, warnings
+
+
+_local: bool | None = None
+
+
+def pids_are_local() -> bool:
+    """Whether NVML's pids are the pids of the /proc this process reads.
+
+    NVML reports a process by the pid the driver recorded, which is its pid in the initial PID
+    namespace (the host's), whatever namespace the caller is in. /proc shows the pids of the
+    namespace that mounted it, which is its PID 1's namespace. So they agree exactly when
+    /proc's PID 1 is in the initial PID namespace, which the kernel marks with a fixed inode
+    (PROC_PID_INIT_INO). When PID 1 may not be inspected (not root), this process's own
+    namespace stands in: a /proc mounted by another namespace than ours is the rare case, and
+    it can only make us distrust NVML's pids, never trust wrong ones. Anything unreadable
+    answers False, for the same reason. A namespace never changes under a running process, so
+    the answer is kept.
+    """
+    global _local
+    if _local is None:
+        inode = None
+        for who in ("1", "self"):
+            try:
+                inode = os.stat(f"{procfs.PROC}/{who}/ns/pid").st_ino
+                break
+            except OSError:
+                continue
+        _local = inode == PROC_PID_INIT_INO
+    return _local
+
+
+NOT_LOCAL = ("NVML reports host PIDs, and gpuguard runs in another PID namespace (a container?): "
+             "NVML's PIDs are not used to find or attribute processes here, only device files")

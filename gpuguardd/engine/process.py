@@ -1,0 +1,172 @@
+"""Handles on processes that can never hit a recycled PID.
+
+A pidfd names one process, not a number: once that process is gone, signalling through the
+pidfd fails with ESRCH even if the PID was handed to someone else. Where the kernel has no
+pidfds (before 5.3), the fallback checks the start time right before each kill; that leaves a
+window of microseconds instead of the seconds between a scan and a signal, and the sweep
+report says the fallback was used.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Iterable
+
+from gpuguardd.engine import procfs
+
+
+def pidfds_supported() -> bool:
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return False
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+class ProcessHandle:
+    """One process as it was when scanned: pid plus start time, and a pidfd where possible."""
+
+    def __init__(self, pid: int, start_time: int, pidfd: int | None) -> None:
+        self.pid = pid
+        self.start_time = start_time
+        self.pidfd = pidfd
+
+    @classmethod
+    def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
+        """A handle on the process now running as `pid`, or None if there is none.
+
+        With a pidfd, the start time read afterwards is known to be this process's because
+        `alive()` is checked again by the caller once it has read everything it needs.
+        """
+        pidfd: int | None = None
+        if use_pidfd:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                return None
+        stat = procfs.read_stat(pid)
+        if stat is None:
+            if pidfd is not None:
+                os.close(pidfd)
+            return None
+        handle = cls(pid, stat.start_time, pidfd)
+        if not handle.alive():
+            handle.close()
+            return None
+        return handle
+
+    def dup(self) -> ProcessHandle:
+        """Another handle on the same process, closed independently of this one."""
+        return ProcessHandle(self.pid, self.start_time,
+                             None if self.pidfd is None else os.dup(self.pidfd))
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+    def _same_process(self) -> bool:
+        stat = procfs.read_stat(self.pid)
+        return stat is not None and stat.start_time == self.start_time
+
+    def alive(self) -> bool:
+        """True while the process exists (a zombie still exists: it keeps its PID)."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return self._same_process()
+
+    def send(self, sig: int) -> bool:
+        """Deliver `sig` to exactly this process. False if it is already gone."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except ProcessLookupError:
+                return False
+            return True
+        if not self._same_process():
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def exited(self) -> bool:
+        """True once the process has exited (zombie or reaped)."""
+        if self.pidfd is not None:
+            ready, _, _ = select.select([self.pidfd], [], [], 0)
+            return bool(ready)
+        stat = procfs.read_stat(self.pid)
+        return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
+
+
+def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
+                  on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
+    """Wait until every handle's process has exited or `timeout` passes.
+
+    Returns {pid: time.monotonic() when its exit was seen}, and calls `on_exit(pid, seen_at)`
+    as each exit is seen.
+
+    pidfds become readable the moment their process exits, so this returns without delay; the
+    fallback has to poll /proc.
+    """
+    pending: dict[int, ProcessHandle] = {h.pid: h for h in handles}
+    done: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    by_fd: dict[int, int] = {}
+    for pid, handle in pending.items():
+        if handle.pidfd is not None:
+            poller.register(handle.pidfd, select.POLLIN)
+            by_fd[handle.pidfd] = pid
+    fallback: list[ProcessHandle] = [h for h in pending.values() if h.pidfd is None]
+    while len(done) < len(pending):
+        for handle in fallback:
+            if handle.pid not in done and handle.exited():
+                done[handle.pid] = time.monotonic()
+                if on_exit is not None:
+                    on_exit(handle.pid, done[handle.pid])
+        if len(done) >= len(pending):
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        waiting_on_fallback = any(h.pid not in done for h in fallback)
+        wait = min(remaining, 0.01) if waiting_on_fallback else remaining
+        try:
+            events = poller.poll(wait * 1000.0) if by_fd else []
+        except InterruptedError:
+            continue
+        if not by_fd:
+            time.sleep(wait)
+        seen = time.monotonic()
+        for fd, _ in events:
+            pid = by_fd.pop(fd)
+            poller.unregister(fd)
+            done[pid] = seen
+            if on_exit is not None:
+                on_exit(pid, seen)
+    return done
+
+
+def is_permission_error(exc: OSError) -> bool:
+    return exc.errno in (errno.EACCES, errno.EPERM)

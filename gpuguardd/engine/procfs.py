@@ -1,0 +1,106 @@
+"""Reading /proc. Every reader may race with the process exiting; callers get None, not errors.
+
+Text comes back through safetext: valid UTF-8 whatever bytes a process chose, and bounded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from gpuguardd import safetext
+
+PROC = "/proc"
+PF_KTHREAD = 0x00200000
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    flags: int
+    start_time: int
+
+    @property
+    def is_kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+def list_pids() -> list[int]:
+    return [int(name) for name in os.listdir(PROC) if name.isdigit()]
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        with open(f"{PROC}/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses; it ends at the last ')'.
+    open_paren = data.find(b"(")
+    close_paren = data.rfind(b")")
+    if open_paren < 0 or close_paren < 0:
+        return None
+    comm = safetext.text(data[open_paren + 1:close_paren], safetext.NAME_MAX)
+    fields = data[close_paren + 2:].split()
+    try:
+        return ProcStat(pid=pid, comm=comm, state=fields[0].decode(), ppid=int(fields[1]),
+                        flags=int(fields[6]), start_time=int(fields[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+# The kernel prints each cgroup path within PATH_MAX (or fails the read), one line per
+# hierarchy: this is far more than any real file, and keeps a hostile one from costing memory.
+CGROUP_READ_MAX = 64 * 1024
+
+
+def _read_bounded(path: str, limit: int) -> tuple[bytes, bool] | None:
+    """Up to `limit` bytes of `path`, and whether there was more."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError:
+        return None
+    return data[:limit], len(data) > limit
+
+
+def read_cgroup(pid: int) -> str | None:
+    read = _read_bounded(f"{PROC}/{pid}/cgroup", CGROUP_READ_MAX)
+    if read is None:
+        return None
+    # Not cut by safetext: a marker inside would make a wrong cgroup path of the last line.
+    return safetext.text(read[0], limit=4 * CGROUP_READ_MAX)
+
+
+def read_cmdline(pid: int) -> str | None:
+    """The command line as one string (arguments joined by spaces, as psutil's would be
+    joined), at most safetext.CMDLINE_MAX bytes: only that much of it is read."""
+    read = _read_bounded(f"{PROC}/{pid}/cmdline", safetext.CMDLINE_MAX)
+    if read is None:
+        return None
+    data, more = read
+    if not more and data.endswith(b"\0"):
+        data = data[:-1]
+    return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
+
+
+def read_wchan(pid: int) -> str | None:
+    """The kernel function a process sleeps in (a symbol name: short, but text all the same)."""
+    read = _read_bounded(f"{PROC}/{pid}/wchan", safetext.NAME_MAX)
+    return None if read is None else safetext.text(read[0], safetext.NAME_MAX, read[1])
+
+
+def ancestors(pid: int) -> list[int]:
+    """pid and its parents up to PID 1, for "never signal the sweeper's own chain"."""
+    chain: list[int] = []
+    current = pid
+    while current > 0 and current not in chain:
+        chain.append(current)
+        stat = read_stat(current)
+        if stat is None:
+            break
+        current = stat.ppid
+    return chain

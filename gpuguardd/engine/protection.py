@@ -1,0 +1,127 @@
+"""Who a sweep must never signal, and why. The answer is on the holder before any signal.
+
+A protected executable is recognised by file identity, never by path text: /proc/PID/exe
+reads whatever path the process sees in its own mount namespace, and any user can make that
+say /usr/bin/nvidia-persistenced (`unshare -Urm`, a bind mount over /usr/bin). stat() through
+the magic link reaches the file the process really runs, so its (st_dev, st_ino) is compared
+with those of the files ProtectedExecutables names, looked up in the daemon's own namespace.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpuguardd.config import Config
+from gpuguardd.engine import procfs
+from gpuguardd.engine.models import Holder
+
+_DELETED = " (deleted)"
+FileId = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ProtectedFiles:
+    """The files ProtectedExecutables names, as they are now in the daemon's namespace.
+
+    Looked up again for every scan, not once per configuration: a package installed or
+    upgraded since start-up changes which inode is nvidia-persistenced.
+    """
+
+    by_id: dict[FileId, str]
+    # Configured paths and globs, for one case only: a process in the daemon's own mount
+    # namespace and root whose executable was deleted or replaced since it started (a package
+    # upgrade). Only root can have put a file at such a path there.
+    patterns: tuple[str, ...]
+
+    @classmethod
+    def resolve(cls, config: Config) -> ProtectedFiles:
+        by_id: dict[FileId, str] = {}
+        for pattern in config.protected_executables:
+            paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            for path in paths:
+                try:
+                    st = os.stat(path)  # follows symlinks: /usr/bin/X -> /usr/lib/x/X
+                except OSError:
+                    continue
+                by_id.setdefault((st.st_dev, st.st_ino), path)
+        return cls(by_id=by_id, patterns=tuple(config.protected_executables))
+
+    def match(self, pid: int) -> str | None:
+        """The protected path whose file `pid` runs, or None."""
+        try:
+            st = os.stat(f"/proc/{pid}/exe")
+        except OSError:
+            # The process is gone, or its file is on a filesystem that refuses us (a user's
+            # FUSE mount): either way not one of the files we stat()ed above. Sparing it
+            # instead would let any user shield a holder by running it from a FUSE mount.
+            return None
+        path = self.by_id.get((st.st_dev, st.st_ino))
+        if path is not None:
+            return path
+        return self._replaced_in_our_namespace(pid)
+
+    def _replaced_in_our_namespace(self, pid: int) -> str | None:
+        try:
+            link = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return None
+        if not link.endswith(_DELETED) or not _same_namespace_and_root(pid):
+            return None
+        original = link.removesuffix(_DELETED)
+        for pattern in self.patterns:
+            if fnmatch.fnmatchcase(original, pattern) or fnmatch.fnmatchcase(
+                    original, os.path.realpath(pattern)):
+                return f"{pattern}, replaced on disk since the process started"
+        return None
+
+
+def _same_namespace_and_root(pid: int) -> bool:
+    try:
+        theirs = (os.stat(f"/proc/{pid}/ns/mnt"), os.stat(f"/proc/{pid}/root"))
+        ours = (os.stat("/proc/self/ns/mnt"), os.stat("/proc/self/root"))
+    except OSError:
+        return False
+    return all((a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) for a, b in zip(theirs, ours, strict=True))
+
+
+def protection_reason(holder: Holder, config: Config, own_chain: Iterable[int],
+                      protected: ProtectedFiles | None = None) -> str | None:
+    if holder.pid == 1:
+        return "PID 1 (init)"
+    # The kernel-thread flag, not PID 2: in a PID namespace PID 2 is an ordinary process.
+    stat = procfs.read_stat(holder.pid)
+    if stat is not None and stat.is_kernel_thread:
+        return "kernel thread"
+    if holder.pid == os.getpid():
+        return "gpuguard itself"
+    if holder.pid in own_chain:
+        return "an ancestor of the sweeping process"
+    if holder.state == "Z":
+        # A zombie runs no code and holds no files; signalling it is harmless and it is
+        # reported as a survivor with its parent named.
+        return None
+    if not holder.exe:
+        # Without the real executable we cannot rule out a protected daemon; comm proves nothing.
+        return f"executable unknown (cannot read /proc/{holder.pid}/exe)"
+    files = protected if protected is not None else ProtectedFiles.resolve(config)
+    # The holder is pinned by a pidfd: if its PID were recycled by now, no signal could reach
+    # the newcomer whatever is decided here.
+    path = files.match(holder.pid)
+    if path is not None:
+        return f"protected executable {holder.exe}" + (f" (same file as {path})" if path != holder.exe else "")
+    if not holder.container:
+        unit_pattern = config.is_protected_unit(holder.unit)
+        if unit_pattern is not None:
+            return f"protected unit {holder.unit}"
+    return None
+
+
+def mark_protection(holder: Holder, config: Config, own_chain: Iterable[int],
+                    protected: ProtectedFiles | None = None) -> None:
+    reason = protection_reason(holder, config, own_chain, protected)
+    holder.protected = reason is not None
+    holder.protected_why = reason or ""

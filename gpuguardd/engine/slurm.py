@@ -1,0 +1,154 @@
+"""Slurm: the epilog's sweep of one finished job, and nothing of any other job.
+
+A Slurm epilog runs as root after the job's processes were signalled (and Slurm waited
+KillWait), outside the job's cgroup. What can still hold the job's GPUs:
+
+1. processes still in the job's cgroup: cgroup v1 `.../slurm/uid_<uid>/job_<id>/...` (any
+   controller: the job is tracked in the freezer/devices/cpuset hierarchies, not name=systemd),
+   cgroup v2 `.../slurmstepd.scope/job_<id>/...`;
+2. processes that escaped it (a launcher's daemonised workers, SGLang's DP workers): owned by
+   the job's user, holding one of the job's GPUs, and in no job's cgroup at all.
+
+A process in another job's cgroup is never in scope, whoever owns it and whatever it holds.
+The job's GPUs come from SLURM_JOB_GPUS (or CUDA_VISIBLE_DEVICES), which in the epilog are
+device minors (/dev/nvidia<minor>), not NVML indices: the caller maps them (gpu_minors()).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuguardd.engine import procfs
+from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.errors import InvalidArgument
+from gpuguardd.escaping import escape_text
+
+# v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line); v2:
+# /system.slice/slurmstepd.scope/job_42/step_0/user/task_0.
+_JOB_CGROUP = re.compile(r"/(?:slurm/uid_\d+|slurmstepd\.scope)/job_(\d+)(?=/|$)")
+_JOB_ID = re.compile(r"^[0-9]{1,20}$")
+REASON_PREFIX = "slurm:"
+# A node's drain reason is shown in sinfo's table: one short line.
+MAX_REASON = 240
+# A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
+EPILOG_GRACE_MS = 2000
+# The whole epilog stays well under PrologEpilogTimeout (the README suggests 120 s).
+EPILOG_DEADLINE_MS = 60_000
+# What SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES hold for a job without GPUs.
+_NO_GPUS = {"", "NoDevFiles"}
+
+
+def job_of_cgroups(cgroup_file: str) -> str:
+    """The Slurm job whose cgroup a /proc/<pid>/cgroup text shows, or ""."""
+    for line in cgroup_file.splitlines():
+        match = _JOB_CGROUP.search(line.split(":", 2)[-1])
+        if match:
+            return match.group(1)
+    return ""
+
+
+def job_of(pid: int) -> str:
+    """The Slurm job of a live process ("" for none, or when it is gone)."""
+    return job_of_cgroups(procfs.read_cgroup(pid) or "")
+
+
+def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], bool]) -> bool:
+    """Rule 1 or rule 2 of the module docstring, for one holder. `on_job_gpus` is the sweep's
+    own rule for "on these GPUs" (sweep.gpu_scope: NVML's lists first)."""
+    owner_job = job_of(holder.pid)
+    if owner_job:
+        return owner_job == job
+    return holder.uid == uid and not holder.container and on_job_gpus()
+
+
+@dataclass(frozen=True)
+class EpilogJob:
+    job_id: str
+    uid: int
+    minors: tuple[int, ...]
+
+    @property
+    def reason(self) -> str:
+        return f"{REASON_PREFIX}{self.job_id}"
+
+
+def _number(name: str, value: str) -> int:
+    if not value.isdigit() or len(value) > 10:
+        raise InvalidArgument(f"{name}={value[:40]!r} is not a number")
+    return int(value)
+
+
+def epilog_job(environ: Mapping[str, str]) -> EpilogJob:
+    """The finished job as slurmd's epilog environment describes it; InvalidArgument names a
+    missing or bad variable."""
+    job_id = environ.get("SLURM_JOB_ID", "")
+    if not job_id:
+        raise InvalidArgument("--slurm-epilog: SLURM_JOB_ID is not set (run it as Slurm's Epilog=)")
+    if not _JOB_ID.match(job_id):
+        raise InvalidArgument(f"SLURM_JOB_ID={job_id[:40]!r} is not a job id")
+    if "SLURM_JOB_UID" not in environ:
+        raise InvalidArgument("--slurm-epilog: SLURM_JOB_UID is not set")
+    uid = _number("SLURM_JOB_UID", environ["SLURM_JOB_UID"])
+    name = "SLURM_JOB_GPUS" if "SLURM_JOB_GPUS" in environ else "CUDA_VISIBLE_DEVICES"
+    text = environ.get(name, "").strip()
+    minors: list[int] = []
+    if text not in _NO_GPUS:
+        for item in text.split(","):
+            minor = _number(name, item.strip())
+            if minor not in minors:
+                minors.append(minor)
+    return EpilogJob(job_id, uid, tuple(minors))
+
+
+def gpu_selectors(minors: Iterable[int], gpus: list[dict[str, object]]) -> tuple[list[str], list[str]]:
+    """NVML indices (as the sweep's `gpus` strings) for device minors, and warnings. Without
+    NVML's list, minor N is taken to be GPU N (what /dev/nvidiaN is on almost every host)."""
+    by_minor = {int(str(g.get("minor", -1))): str(g.get("index")) for g in gpus}
+    selectors: list[str] = []
+    warnings: list[str] = []
+    for minor in minors:
+        if minor in by_minor:
+            selectors.append(by_minor[minor])
+        elif not gpus:
+            selectors.append(str(minor))
+            warnings.append(f"no GPU list (NVML unavailable?): device minor {minor} taken to be GPU {minor}")
+        else:
+            raise InvalidArgument(f"no GPU has device minor {minor} (/dev/nvidia{minor}); "
+                                  f"minors: {', '.join(str(m) for m in sorted(by_minor)) or 'none'}")
+    return selectors, warnings
+
+
+def check_request(request: SweepRequest) -> None:
+    """A request's Slurm fields, validated as every other option: InvalidArgument names them."""
+    if not request.slurm_job:
+        if request.slurm_uid != -1:
+            raise InvalidArgument("slurm_uid given without slurm_job")
+        return
+    if not _JOB_ID.match(request.slurm_job):
+        raise InvalidArgument(f"slurm_job {request.slurm_job[:40]!r} is not a Slurm job id")
+    if not 0 <= request.slurm_uid < 2**32 - 1:
+        raise InvalidArgument("slurm_job needs slurm_uid, the job's user")
+    if request.unit or request.container:
+        raise InvalidArgument("slurm_job cannot be combined with unit or container")
+
+
+def summary(job: str, report: Mapping[str, Any]) -> str:
+    """One line for `scontrol update ... Reason=` (and the journal): what kept the GPUs."""
+    outcome = str(report.get("outcome", "error"))
+    details: list[str] = []
+    if outcome == "survivors":
+        details = [f"pid {s.get('pid')} {s.get('why', '')}".strip() for s in report.get("survived", [])]
+    elif outcome == "memory-not-released":
+        details = [f"GPU {g.get('index')} {int(g.get('memory_used_after', 0)) // (1024 * 1024)} MiB still used"
+                   for g in report.get("gpus", []) if not g.get("released")]
+    elif outcome == "unverified":
+        details = ["NVML unavailable, GPU memory not verified"]
+    elif report.get("error"):
+        details = [str(report["error"])]
+    text = f"gpuguard: job {job}: {outcome}" + (": " + "; ".join(details[:3]) if details else "")
+    if len(details) > 3:
+        text += f"; and {len(details) - 3} more"
+    return escape_text(text)[:MAX_REASON]

@@ -1,0 +1,588 @@
+"""Ending the holders in a scope: SIGTERM, grace, SIGKILL, then proof through NVML.
+
+A process sent SIGKILL that has not gone after KillTimeoutSec is exiting, not a survivor:
+real workloads take tens of seconds to die (a large pinned host cache is unpinned in D state
+after SIGKILL, 16-26 s for SGLang). Verification waits for it and for the memory together,
+for up to VerifyTimeoutSec, and only what is still there then is reported as survived.
+
+The sweep works on a scan whose processes are pinned by pidfds, so everything it signals is
+exactly what it scanned. It never signals a protected holder, and it reports what it could not
+end with the reason, and the memory it could not see come back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, Union
+
+from gpuguardd.engine import procfs
+from gpuguardd.engine.attribution import container_matches
+from gpuguardd.engine.models import (
+    KIND_COMPUTE,
+    OUTCOME_DRY_RUN,
+    OUTCOME_FREED,
+    OUTCOME_NOT_RELEASED,
+    OUTCOME_NOTHING,
+    OUTCOME_SURVIVORS,
+    OUTCOME_UNVERIFIED,
+    GpuInfo,
+    Holder,
+    MigInstance,
+    NvmlSnapshot,
+    Report,
+    Scope,
+)
+from gpuguardd.engine.process import ProcessHandle, wait_for_exit
+from gpuguardd.engine.slurm import in_job_scope
+
+log = logging.getLogger("gpuguard.sweep")
+
+MAX_ROUNDS = 3
+MiB = 1024 * 1024
+
+
+class SweepObserver(Protocol):
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None: ...
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None: ...
+
+
+class NullObserver:
+    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+        pass
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    grace_sec: float
+    kill_timeout_sec: float
+    verify_timeout_sec: float
+    released_below_bytes: int
+    dry_run: bool
+    poll_start_sec: float = 0.005
+    poll_max_sec: float = 0.1
+
+
+Pinned = list[tuple[Holder, ProcessHandle]]
+# What a sweep verifies: a whole GPU (NVML index) or one MIG instance (its MIG UUID).
+MemoryKey = Union[int, str]
+# A GPU, and the instance of it the key names (None: the whole GPU).
+MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
+# Returns the holders (protection already decided) with their handles, and the NVML snapshot.
+Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
+
+
+def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
+    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
+    why it was left out.
+
+    NVML's per-GPU lists say which GPUs a process computes on. A process NVML does not list
+    (NVML unavailable, a process without a context, a PID namespace NVML does not speak for)
+    has only its nodes to show, and every CUDA process holds every GPU's node whichever GPU it
+    uses: it is on the scope's GPUs only if every GPU node it holds is in the scope, since
+    otherwise it may be a tenant of another GPU."""
+    wanted = set(gpus)
+    if holder.nvml_gpus:
+        return bool(wanted & set(holder.nvml_gpus)), ""
+    nodes = set(holder.node_gpus)
+    if nodes and nodes <= wanted:
+        return True, ""
+    if nodes & wanted:
+        others = ", ".join(str(g) for g in sorted(nodes - wanted))
+        return False, f"also holds GPU {others}; NVML lists it on no GPU"
+    return False, ""
+
+
+def on_nvml_word_alone(holder: Holder) -> bool:
+    """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
+    namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
+    nothing any more and is never signalled (the sweep reports it with its parent)."""
+    return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
+
+
+def _on_mig_scope(holder: Holder, scope: Scope) -> bool:
+    """In a scope of MIG instances only when every instance it runs in is one of them: a
+    tenant of another instance of the same GPU is never touched, and a holder of the GPU
+    whose instance is unknown (no NVML listing, no caps node) is no instance's tenant."""
+    return bool(holder.mig) and set(holder.mig) <= set(scope.mig)
+
+
+def _mig_scope_why(holder: Holder, scope: Scope) -> str:
+    """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
+    others = sorted(set(holder.mig) - set(scope.mig))
+    if others and set(holder.mig) & set(scope.mig):
+        return f"also in MIG instance {', '.join(others)}"
+    return ""
+
+
+def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
+    """On the scope's whole GPUs (gpu_scope's rule) or inside its MIG instances."""
+    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or _on_mig_scope(holder, scope)
+
+
+def in_scope(holder: Holder, scope: Scope) -> bool:
+    if scope.slurm_job:
+        # A Slurm epilog's sweep: its own rule, whatever else the scope says (slurm.py).
+        return in_job_scope(holder, scope.slurm_job, scope.slurm_uid,
+                            lambda: _on_scope_gpus(holder, scope))
+    if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
+        # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
+        # the unit watch chose (unitwatch.py), never a recycled PID.
+        return (not scope.gpus and not scope.mig) or _on_scope_gpus(holder, scope)
+    if scope.container:
+        if not container_matches(holder.container, scope.container):
+            return False
+    elif scope.unit and holder.container:
+        # A unit name without a container means the host's unit, never a container's namesake.
+        return False
+    if scope.unit and holder.unit != scope.unit:
+        return False
+    if scope.gpus or scope.mig:
+        return _on_scope_gpus(holder, scope)
+    return True
+
+
+def is_target(holder: Holder, scope: Scope) -> bool:
+    return (in_scope(holder, scope) and not holder.protected and not on_nvml_word_alone(holder)
+            and (holder.kind == KIND_COMPUTE or scope.include_management))
+
+
+def _brief(holder: Holder) -> dict[str, object]:
+    brief: dict[str, object] = {
+        "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+        "container": holder.container, "kind": holder.kind, "gpus": list(holder.gpus),
+        "gpu_memory": holder.gpu_memory, "exe": holder.exe}
+    if holder.mig:
+        brief["mig"] = list(holder.mig)
+    return brief
+
+
+def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
+    if isinstance(key, str):
+        return snap.mig_instance(key)
+    gpu = snap.by_index(key)
+    return None if gpu is None else (gpu, None)
+
+
+def _survivor_reason(pid: int) -> tuple[str, str]:
+    stat = procfs.read_stat(pid)
+    if stat is None:
+        return "", "exited"
+    if stat.state == "Z":
+        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
+    if stat.state == "D":
+        wchan = (procfs.read_wchan(pid) or "").strip()
+        where = f" in {wchan}" if wchan and wchan != "0" else ""
+        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
+    return stat.state, f"still running after SIGKILL (state {stat.state})"
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
+    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            fields = dict(line.split(b":", 1) for line in handle.read().splitlines() if b":" in line)
+        ignored = int(fields.get(b"SigIgn", b"0").strip(), 16)
+        caught = int(fields.get(b"SigCgt", b"0").strip(), 16)
+        nspids = fields.get(b"NSpid", b"").split()
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(ignored & bit) or (len(nspids) > 1 and nspids[-1] == b"1" and not caught & bit)
+
+
+def _exit_status(pid: int, start_time: int) -> str:
+    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+        fields = data[data.rfind(b")") + 2:].split()
+        # Fields 3 (state), 22 (start time) and 52 (exit code, as waitpid() reports it).
+        if fields[0] != b"Z" or int(fields[19]) != start_time:
+            return ""
+        code = int(fields[49])
+    except (OSError, IndexError, ValueError):
+        return ""
+    if not os.WIFSIGNALED(code):
+        return f"exited with status {os.WEXITSTATUS(code)}"
+    try:
+        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
+    except ValueError:
+        return f"killed by signal {os.WTERMSIG(code)}"
+
+
+def _ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
+    """The signal of ours that ended a process, as far as is known; "" for none.
+
+    `last_sent`: the last signal sent before its exit was seen ("" if none yet), `status`:
+    _exit_status(), `sigterm_ignored`: SIGTERM could not end it when it was sent.
+    """
+    sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
+    if status.startswith("killed by "):
+        killer = status.removeprefix("killed by ")
+        return killer if killer in sent else ""
+    if status:
+        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
+        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
+    return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent
+
+
+class Sweep:
+    def __init__(self, scope: Scope, settings: SweepSettings, scanner: Scanner,
+                 snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
+                 observer: SweepObserver | None = None) -> None:
+        self.scope = scope
+        self.settings = settings
+        self.scanner = scanner
+        self.snapshot = snapshot
+        self.observer = observer or NullObserver()
+        scope_dict: dict[str, object] = dict(scope.to_dict())
+        scope_dict["grace_ms"] = int(settings.grace_sec * 1000)
+        self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=requested_by, reason=reason, scope=scope_dict,
+                             dry_run=settings.dry_run)
+        self._t0 = time.monotonic()
+        # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
+        self._handled: set[tuple[int, int]] = set()
+        self._terminated_pids: set[int] = set()
+        # Sent SIGKILL and not gone after KillTimeoutSec: exiting, not yet survivors (module
+        # docstring). pid -> (holder, a handle of our own, when the first signal went out).
+        self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
+        # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
+        # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
+        self._sigterm_ignored: set[int] = set()
+
+    # -- the whole run -------------------------------------------------------------------
+
+    def run(self) -> Report:
+        report = self.report
+        self.observer.sweep_started(report.id, dict(report.scope))
+        pinned, nvml, warnings = self.scanner()
+        report.warnings.extend(warnings)
+        targets = self._plan(pinned)
+        gpus_in_scope = self._gpus_in_scope(targets, nvml)
+        before = {key: view for key in self._all_keys(nvml)
+                  if (view := memory_view(nvml, key)) is not None}
+        if not nvml.available:
+            report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
+        if self.settings.dry_run:
+            report.outcome = OUTCOME_DRY_RUN
+            report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
+            self._close(pinned)
+            return self._finish()
+        rounds = 0
+        while targets and rounds < MAX_ROUNDS:
+            rounds += 1
+            self._terminate(targets)
+            self._close(pinned)
+            pinned, _, _ = self.scanner()
+            targets = [(h, p) for h, p in pinned
+                       if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
+            for holder, _ in targets:
+                report.targets.append(_brief(holder))
+            gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
+        for holder, _ in targets:
+            report.survived.append({"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                                    "state": holder.state,
+                                    "why": f"appeared again after {MAX_ROUNDS} rounds: "
+                                           "something keeps starting new holders"})
+        self._close(pinned)
+        after = self._verify(gpus_in_scope, nvml.available)
+        self._report_exiting()
+        report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
+        self._decide_outcome(gpus_in_scope, before, after, nvml.available)
+        return self._finish()
+
+    def _finish(self) -> Report:
+        self.report.duration_ms = int((time.monotonic() - self._t0) * 1000)
+        return self.report
+
+    @staticmethod
+    def _close(pinned: Pinned) -> None:
+        for _, handle in pinned:
+            handle.close()
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _plan(self, pinned: Pinned) -> Pinned:
+        targets: Pinned = []
+        for holder, handle in pinned:
+            if not in_scope(holder, self.scope):
+                _, why = gpu_scope(holder, self.scope.gpus)
+                why = why or _mig_scope_why(holder, self.scope)
+                # Worth a line for what the scope would otherwise have taken; protected processes
+                # (gpuguard itself among them) are never in question.
+                if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
+                    self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
+                                               "unit": holder.unit, "why": why})
+                continue
+            if holder.protected:
+                self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
+                                           "unit": holder.unit, "why": holder.protected_why})
+            elif on_nvml_word_alone(holder):
+                self.report.spared.append({
+                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                    "why": "NVML lists it, but it holds no NVIDIA device here "
+                           "(another PID namespace's pid, or a reused one?)"})
+            elif holder.kind != KIND_COMPUTE and not self.scope.include_management:
+                self.report.spared.append({
+                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+                    "why": "management client (no CUDA context); include_management ends it"})
+            else:
+                targets.append((holder, handle))
+                self.report.targets.append(_brief(holder))
+        return targets
+
+    @staticmethod
+    def _all_keys(nvml: NvmlSnapshot) -> list[MemoryKey]:
+        return [*(g.index for g in nvml.gpus), *(i.uuid for g in nvml.gpus for i in g.mig)]
+
+    def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
+        """What to verify: whole GPUs by index, and MIG instances by UUID where the scope
+        (or, for a unit or container, its holders) is an instance: that instance's memory is
+        what the sweep freed, and the GPU's aggregate also holds its other tenants'."""
+        gpus: list[MemoryKey] = []
+        if self.scope.gpus or self.scope.mig:
+            gpus.extend(sorted(self.scope.gpus))
+            gpus.extend(sorted(self.scope.mig))
+            return gpus
+        if self.scope.whole_host:
+            return [g.index for g in nvml.gpus]
+        gpus.extend(sorted({g for holder, _ in targets if not holder.mig for g in holder.gpus}))
+        gpus.extend(sorted({m for holder, _ in targets for m in holder.mig}))
+        return gpus
+
+    # -- termination ---------------------------------------------------------------------
+
+    def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> str:
+        """"sent", "gone" (exited before the signal) or "denied" (not ours to signal)."""
+        if sig == signal.SIGTERM and _ignores_sigterm(holder.pid):
+            self._sigterm_ignored.add(holder.pid)
+        try:
+            sent = handle.send(sig)
+        except PermissionError:
+            log.warning("sweep %s: not permitted to send %s to pid %d (%s)", self.report.id[:8],
+                        sig.name, holder.pid, holder.comm)
+            return "denied"
+        if not sent:
+            return "gone"
+        log.info("sweep %s: sent %s to pid %d (%s, unit %s%s), requested by %s",
+                 self.report.id[:8], sig.name, holder.pid, holder.comm, holder.unit or "-",
+                 f", container {holder.container}" if holder.container else "",
+                 self.report.requested_by or "unknown")
+        return "sent"
+
+    def _terminate(self, targets: Pinned) -> None:
+        report = self.report
+        live: dict[int, tuple[Holder, ProcessHandle]] = {}
+        for holder, handle in targets:
+            self._handled.add((holder.pid, holder.start_time))
+            if holder.state == "Z":
+                # Nothing to signal: a zombie has exited. Only its parent can release it.
+                report.survived.append({"pid": holder.pid, "comm": holder.comm,
+                                        "unit": holder.unit, "state": "Z",
+                                        "why": f"zombie: parent {holder.ppid} has not reaped it"})
+                continue
+            live[holder.pid] = (holder, handle)
+        sent_at: dict[int, float] = {}
+
+        def send_all(sig: signal.Signals, gone_as: str) -> None:
+            for pid, (holder, handle) in list(live.items()):
+                sent_at.setdefault(pid, time.monotonic())
+                result = self._signal(holder, handle, sig)
+                if result == "gone":
+                    self._record_exit(holder, handle, gone_as, sent_at[pid])
+                    del live[pid]
+                elif result == "denied":
+                    report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
+                                            "state": holder.state,
+                                            "why": f"permission denied sending {sig.name} (run as root)"})
+                    del live[pid]
+
+        def wait(sig: signal.Signals, timeout: float) -> None:
+            def exited(pid: int, seen_at: float) -> None:
+                # Recorded (and announced on the bus) the moment it happens, not when the
+                # slowest target is done.
+                holder, handle = live.pop(pid)
+                self._record_exit(holder, handle, sig.name, sent_at[pid], seen_at)
+            wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
+
+        send_all(signal.SIGTERM, "")
+        wait(signal.SIGTERM, self.settings.grace_sec)
+        if live:
+            send_all(signal.SIGKILL, signal.SIGTERM.name)
+            wait(signal.SIGKILL, self.settings.kill_timeout_sec)
+        for pid, (holder, handle) in live.items():
+            # SIGKILL is pending: it is exiting, however slowly (a process tearing down a large
+            # pinned host cache sits in D state 16-26 s, sglang issue 31746). Verification
+            # keeps waiting for it; only what is left when VerifyTimeoutSec ends survived.
+            self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
+
+    def _wait_exiting(self, timeout: float) -> None:
+        """Sleep up to `timeout`, recording exits of exiting processes the moment they happen;
+        returns early once none is left."""
+        if not self._exiting:
+            time.sleep(timeout)
+            return
+
+        def exited(pid: int, seen_at: float) -> None:
+            holder, handle, sent_at = self._exiting.pop(pid)
+            self._record_exit(holder, handle, signal.SIGKILL.name, sent_at, seen_at)
+            handle.close()
+        wait_for_exit([handle for _, handle, _ in self._exiting.values()], timeout, on_exit=exited)
+
+    def _report_exiting(self) -> None:
+        for pid, (holder, handle, _) in sorted(self._exiting.items()):
+            state, why = _survivor_reason(pid)
+            waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
+            self.report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
+                                         "state": state, "why": f"{why} ({waited:g} s after SIGKILL)"})
+            handle.close()
+        self._exiting.clear()
+
+    def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
+                     sent_at: float, seen_at: float | None = None) -> None:
+        seen = time.monotonic() if seen_at is None else seen_at
+        # What is known, not what was hoped: the kernel's exit status while it still has it;
+        # otherwise SIGTERM is credited only if it could have ended the process.
+        status = _exit_status(holder.pid, handle.start_time) if handle.alive() else ""
+        signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
+        entry: dict[str, object] = {
+            "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
+            "signal": signal_name,
+            "exited_after_ms": max(0, int((seen - sent_at) * 1000)),
+        }
+        if status:
+            entry["exit_status"] = status
+        if handle.alive():
+            # Exited but not reaped: harmless unless NVML still charges memory to it (checked
+            # at verification), but worth naming the parent that should reap it.
+            stat = procfs.read_stat(holder.pid)
+            if stat is not None and stat.start_time == handle.start_time:
+                entry["zombie_parent"] = stat.ppid
+        self.report.terminated.append(entry)
+        self._terminated_pids.add(holder.pid)
+        self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
+                                         signal_name)
+
+    # -- verification --------------------------------------------------------------------
+
+    def _released(self, view: MemoryView) -> bool:
+        gpu, instance = view
+        memory: GpuInfo | MigInstance = gpu if instance is None else instance
+        if gpu.lost or gpu.unknown or (memory.error and not memory.memory_total):
+            return False
+        if any(pid in self._terminated_pids or pid in self._exiting for pid in memory.processes):
+            return False
+        others = sum(mem or 0 for pid, mem in memory.processes.items() if os.path.exists(f"/proc/{pid}"))
+        return memory.memory_used <= self.settings.released_below_bytes + others
+
+    def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
+        """Poll NVML until the memory is back and no target is still exiting, or until
+        VerifyTimeoutSec; the last readings."""
+        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        if not gpus or not nvml_available:
+            self._wait_exiting(max(0.0, deadline - time.monotonic()))
+            return {}
+        delay = self.settings.poll_start_sec
+        while True:
+            snap = self.snapshot()
+            current = {key: view for key in gpus if (view := memory_view(snap, key)) is not None}
+            if not self._exiting and snap.available \
+                    and all(k in current and self._released(current[k]) for k in gpus):
+                return current
+            if time.monotonic() >= deadline:
+                return current if snap.available else {}
+            # NVML has no "memory released" event; poll fast first, since release is usually
+            # quick once the process is gone, then back off.
+            self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, self.settings.poll_max_sec)
+
+    def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
+                   after: MemoryView | None) -> dict[str, object]:
+        was = _memory_of(before)
+        entry: dict[str, object] = {"index": before[0].index if before else key,
+                                    "uuid": before[0].uuid if before else "",
+                                    "memory_used_before": was.memory_used if was else 0,
+                                    "memory_total": was.memory_total if was else 0}
+        if isinstance(key, str):
+            entry["mig_uuid"] = key
+            if before is None:
+                entry["index"] = 0
+        if after is not None:
+            now = _memory_of(after)
+            entry["memory_used_after"] = now.memory_used if now else 0
+            entry["released"] = self._released(after)
+        else:
+            entry["memory_used_after"] = was.memory_used if was and self.settings.dry_run else 0
+            entry["released"] = False
+        return entry
+
+    def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],
+                        after: dict[MemoryKey, MemoryView], nvml_available: bool) -> None:
+        report = self.report
+        readable = {k: v for k, v in after.items() if not (v[0].unknown or v[0].lost)}
+        verified = nvml_available and bool(gpus) and all(k in readable for k in gpus)
+        not_released: list[MemoryKey] = []
+        for key in gpus:
+            view = after.get(key)
+            name = f"MIG {key}" if isinstance(key, str) else f"GPU {key}"
+            if view is not None and key not in readable:
+                # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
+                gpu = view[0]
+                report.warnings.append(f"{name}: memory could not be read ("
+                                       f"{gpu.error or ('lost' if gpu.lost else 'unknown')})")
+                continue
+            if view is None:
+                if nvml_available:
+                    was = _memory_of(before.get(key))
+                    report.warnings.append(
+                        f"{name}: memory could not be read"
+                        + (f" ({was.error})" if was and was.error else ""))
+                continue
+            if not self._released(view):
+                not_released.append(key)
+                memory = _memory_of(view)
+                assert memory is not None
+                if not memory.processes:
+                    leak: dict[str, object] = {"gpu": view[0].index, "uuid": view[0].uuid,
+                                               "bytes": memory.memory_used}
+                    if view[1] is not None:
+                        leak["mig_uuid"] = view[1].uuid
+                    report.leaks.append(leak)
+        report.verified = verified and not not_released
+        if report.survived:
+            report.outcome = OUTCOME_SURVIVORS
+        elif not_released:
+            report.outcome = OUTCOME_NOT_RELEASED
+        elif not report.terminated:
+            report.outcome = OUTCOME_NOTHING
+        elif not verified:
+            report.outcome = OUTCOME_UNVERIFIED
+        else:
+            report.outcome = OUTCOME_FREED
+
+
+def _memory_of(view: MemoryView | None) -> GpuInfo | MigInstance | None:
+    """Whose memory a view is about: the instance's, or the whole GPU's."""
+    if view is None:
+        return None
+    return view[0] if view[1] is None else view[1]
+
+
+def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:
+    """first, then what `more` adds, without repeats (keys mix ints and strings: no sort)."""
+    return list(dict.fromkeys([*first, *more]))

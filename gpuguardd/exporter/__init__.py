@@ -1,0 +1,1 @@
+"""gpuguard-exporter: serves the daemon's GetMetrics over HTTP, unprivileged and socket-activated."""

@@ -1,0 +1,421 @@
+"""ExecStopPost drop-ins: `gpuguardctl hook install|remove|list PATTERN`.
+
+A drop-in `<name>.service.d/gpuguard.conf` makes systemd run `gpuguardctl sweep --unit %n`
+after every stop of the unit. systemd (239+) also applies `foo-.service.d/` to every unit
+whose name starts with `foo-` (the name is cut at each dash), so one drop-in covers a whole
+family such as `sglang-qwen.service`, `sglang-llama.service`.
+
+Our files carry HEADER as their first line; that is how `list` tells ours from an admin's and
+why `install` refuses to overwrite a file that lacks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from gpuguardd.escaping import escape_text
+
+DROPIN_FILE = "gpuguard.conf"
+HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
+ETC_UNIT_DIR = "/etc/systemd/system"
+# Where systemd looks for units and drop-ins, most to least important (systemd.unit(5)).
+UNIT_SEARCH_PATH = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
+                    "/usr/lib/systemd/system", "/lib/systemd/system")
+GPUGUARDCTL = "/usr/bin/gpuguardctl"
+# The sweep may take GraceSec (10 s) + KillTimeoutSec (5 s) + VerifyTimeoutSec (45 s) plus the
+# scans: 80 s fits under systemd's default TimeoutStopSec=90s, which also bounds ExecStopPost
+# (README, "Real hosts", reviews these against real workloads' exit times).
+# A unit with a shorter TimeoutStopSec cuts the hook short; the daemon finishes the sweep anyway.
+HOOK_TIMEOUT = "80s"
+HOOK_KILL_AFTER = "5s"
+
+# systemd's unit name alphabet (unit-name.c: VALID_CHARS plus '@' between prefix and instance).
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9:_.\\-]+$")
+_INSTANCE_CHARS = re.compile(r"^[A-Za-z0-9:_.\\-]*$")
+_MAX_NAME = 255
+
+
+class HookError(ValueError):
+    """A pattern that cannot name a service (usage), or a file that is not ours to change."""
+
+    def __init__(self, message: str, usage: bool = True) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass(frozen=True)
+class HookTarget:
+    """What a pattern resolves to: the drop-in directory's unit name and what it matches."""
+
+    name: str  # e.g. "sglang-.service", "vllm-qwen.service", "foo@.service"
+    kind: str  # "prefix", "unit", "template"
+
+    def dropin_dir(self, root: str = "/") -> str:
+        return os.path.join(root, ETC_UNIT_DIR.lstrip("/"), f"{self.name}.d")
+
+    def dropin_path(self, root: str = "/") -> str:
+        return os.path.join(self.dropin_dir(root), DROPIN_FILE)
+
+    def applies_to(self, unit: str) -> bool:
+        """Would systemd apply this drop-in to `unit` (a full unit name)?"""
+        stem = self.name.removesuffix(".service")
+        if self.kind == "prefix":
+            # systemd tries every dash-truncation of the unit name: "a-b-c.service" gets
+            # "a-b-.service.d" and "a-.service.d"; "a-.service" itself gets neither.
+            unit_stem = unit.removesuffix(".service")
+            return (unit.endswith(".service") and unit_stem.startswith(stem)
+                    and len(unit_stem) > len(stem))
+        if self.kind == "template":
+            return unit.endswith(".service") and unit.startswith(stem) and unit != self.name
+        return unit == self.name
+
+
+def parse_pattern(pattern: str) -> HookTarget:
+    """A HookTarget for what an admin typed, or HookError saying what is wrong with it.
+
+    Accepted: `sglang-` or `sglang-.service` (prefix), `vllm-qwen` or `vllm-qwen.service`,
+    `foo@.service` (every instance of a template), `foo@bar.service` (one instance).
+    """
+    text = pattern.strip()
+    if not text:
+        raise HookError("empty pattern: give a unit name or a prefix ending in '-'")
+    if text != pattern or any(c.isspace() for c in text):
+        raise HookError(f"invalid pattern {pattern!r}: unit names contain no whitespace")
+    if "/" in text or text in (".", "..") or text.startswith("."):
+        raise HookError(f"invalid pattern {pattern!r}: a unit name, not a path")
+    if glob_chars(text):
+        raise HookError(f"invalid pattern {pattern!r}: globs are not unit names; "
+                        "use a prefix ending in '-' (e.g. sglang-) to cover a family of units")
+    if "." in text and not text.endswith(".service"):
+        raise HookError(f"invalid pattern {pattern!r}: ExecStopPost= hooks only apply to "
+                        ".service units")
+    name = text if text.endswith(".service") else text + ".service"
+    stem = name.removesuffix(".service")
+    if len(name) > _MAX_NAME:
+        raise HookError(f"invalid pattern: unit names are at most {_MAX_NAME} characters")
+    if not stem.strip("-"):
+        raise HookError(f"invalid pattern {pattern!r}: a prefix must name a family, e.g. sglang-")
+    if "@" in stem:
+        prefix, _, instance = stem.partition("@")
+        if not prefix or "@" in instance or not _NAME_CHARS.match(prefix) \
+                or not _INSTANCE_CHARS.match(instance):
+            raise HookError(f"invalid pattern {pattern!r}: not a valid template or instance name")
+        return HookTarget(name, "unit" if instance else "template")
+    if not _NAME_CHARS.match(stem):
+        raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits "
+                        "and :_.\\-")
+    return HookTarget(name, "prefix" if stem.endswith("-") else "unit")
+
+
+def glob_chars(text: str) -> bool:
+    return any(c in text for c in "*?[]")
+
+
+def render_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
+    """The drop-in text; the packaged files in systemd/dropins/ are this, byte for byte."""
+    remove = target.name.removesuffix(".service") if target.kind == "prefix" else target.name
+    return "\n".join((
+        HEADER,
+        f"# Remove with: gpuguardctl hook remove {remove}",
+        "#",
+        "# After every stop of the unit (clean, failed, or before an automatic restart), end the",
+        "# processes it left holding NVIDIA GPUs and verify through NVML that the memory came",
+        "# back. '+' runs the hook with full privileges whatever User= and sandboxing the unit",
+        "# has; '-' means a sweep that finds survivors never marks the unit failed. timeout(1)",
+        "# bounds the hook below the default TimeoutStopSec=90s, which also covers ExecStopPost=,",
+        "# so it can never hang a stop; the daemon finishes and records a sweep cut short.",
+        "# ${SERVICE_RESULT}, ${EXIT_CODE} and ${EXIT_STATUS} end up in the report's reason.",
+        "[Service]",
+        f"ExecStopPost=+-/usr/bin/timeout --kill-after={HOOK_KILL_AFTER} {HOOK_TIMEOUT} {ctl} "
+        "sweep --unit %n --reason \"hook:%n result=${SERVICE_RESULT} code=${EXIT_CODE} "
+        "status=${EXIT_STATUS}\"",
+        "",
+    ))
+
+
+def requested_by_for_reason(reason: str) -> str:
+    """`hook:<unit>` for a reason the drop-in wrote ("hook:x.service result=..."), else "".
+
+    Shared by `gpuguardctl --local` and the daemon so both record the hook the same way.
+    """
+    if not reason.startswith("hook:"):
+        return ""
+    unit = reason[len("hook:"):].split(None, 1)[0] if reason[len("hook:"):].strip() else ""
+    try:
+        parse_pattern(unit)
+    except HookError:
+        return ""
+    return f"hook:{unit}"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{DROPIN_FILE}.", dir=directory)
+    try:
+        # mkstemp makes 0600; systemd reads units as root anyway, but `systemctl cat` as a
+        # user and packaging tools expect the usual 0644.
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def is_ours(text: str) -> bool:
+    return text.startswith(HEADER)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Result:
+    """What a hook command did, for text or --json output."""
+
+    action: str  # installed, updated, unchanged, removed, absent
+    target: str
+    path: str
+    reload: str = ""  # what happened about daemon-reload
+    messages: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"action": self.action, "target": self.target, "path": self.path,
+                "daemon_reload": self.reload, "messages": list(self.messages)}
+
+
+def systemd_running(root: str = "/") -> bool:
+    """sd_booted(): systemd is PID 1 when /run/systemd/system exists (root "/" only)."""
+    return root in ("/", "") and os.path.isdir("/run/systemd/system")
+
+
+def daemon_reload(root: str) -> str:
+    if root not in ("/", ""):
+        return "skipped (--root given: the running systemd does not read that tree)"
+    if not systemd_running(root):
+        return "skipped (systemd is not PID 1 here)"
+    done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True,
+                          text=True, timeout=120)
+    if done.returncode != 0:
+        raise HookError(f"systemctl daemon-reload failed: {done.stderr.strip() or done.returncode}",
+                        usage=False)
+    return "done"
+
+
+def running_gpuguardctl() -> str:
+    """The gpuguardctl the hook should run: this one, when it was started as an installed
+    program (make install PREFIX=/usr/local puts it in /usr/local/bin), else the packaged path."""
+    program = sys.argv[0] if sys.argv else ""
+    if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl":
+        return program
+    return GPUGUARDCTL
+
+
+def install(pattern: str, root: str = "/", reload: bool = True) -> Result:
+    target = parse_pattern(pattern)
+    path = target.dropin_path(root)
+    wanted = render_dropin(target, running_gpuguardctl())
+    current = _read(path)
+    if current is not None and not is_ours(current):
+        raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",
+                        usage=False)
+    if current == wanted:
+        return Result("unchanged", target.name, path, "not needed (nothing changed)")
+    _write_atomic(path, wanted)
+    action = "installed" if current is None else "updated"
+    result = Result(action, target.name, path)
+    result.reload = daemon_reload(root) if reload else "skipped (--no-reload)"
+    return result
+
+
+def remove(pattern: str, root: str = "/", reload: bool = True) -> Result:
+    target = parse_pattern(pattern)
+    path = target.dropin_path(root)
+    current = _read(path)
+    if current is None:
+        return Result("absent", target.name, path, "not needed (nothing changed)",
+                      [f"no gpuguard hook for {target.name} (nothing at {path})"])
+    if not is_ours(current):
+        raise HookError(f"{path} was not written by gpuguard; not removing it", usage=False)
+    os.unlink(path)
+    try:
+        os.rmdir(os.path.dirname(path))  # only if we left it empty; an admin's files stay
+    except OSError:
+        pass
+    result = Result("removed", target.name, path)
+    result.reload = daemon_reload(root) if reload else "skipped (--no-reload)"
+    return result
+
+
+@dataclass
+class InstalledHook:
+    path: str
+    target: HookTarget
+    ours: bool
+    applies_to: list[str]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "target": self.target.name, "kind": self.target.kind,
+                "ours": self.ours, "units": list(self.applies_to)}
+
+
+def _dropin_files(root: str) -> Iterable[tuple[str, str]]:
+    """(unit name of the .d directory, file path) of every drop-in that calls gpuguardctl."""
+    for base in UNIT_SEARCH_PATH:
+        directory = os.path.join(root, base.lstrip("/"))
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".service.d"):
+                continue
+            dropin_dir = os.path.join(directory, name)
+            try:
+                files = sorted(f for f in os.listdir(dropin_dir) if f.endswith(".conf"))
+            except OSError:
+                continue
+            for file in files:
+                path = os.path.join(dropin_dir, file)
+                text = _read(path) or ""
+                if file == DROPIN_FILE or "gpuguardctl" in text:
+                    yield name.removesuffix(".d"), path
+
+
+def known_units(root: str = "/") -> list[str]:
+    """Service names systemd knows: unit files under `root`, plus loaded ones when it runs."""
+    names: set[str] = set()
+    for base in UNIT_SEARCH_PATH:
+        try:
+            names.update(n for n in os.listdir(os.path.join(root, base.lstrip("/")))
+                         if n.endswith(".service"))
+        except OSError:
+            continue
+    if systemd_running(root):
+        done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain",
+                               "--no-legend", "--no-pager"], check=False, capture_output=True,
+                              text=True, timeout=60)
+        for line in done.stdout.splitlines():
+            fields = line.split()
+            if fields and fields[0].endswith(".service"):
+                names.add(fields[0])
+    return sorted(names)
+
+
+def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
+    """Installed drop-ins that call gpuguardctl, optionally only those matching `pattern`.
+
+    `pattern` may be anything `parse_pattern` takes, or a glob over drop-in names.
+    """
+    wanted: HookTarget | None = None
+    if pattern and not glob_chars(pattern):
+        wanted = parse_pattern(pattern)
+    units = known_units(root)
+    found: list[InstalledHook] = []
+    for name, path in _dropin_files(root):
+        try:
+            target = parse_pattern(name)
+        except HookError:
+            continue
+        if wanted is not None and target.name != wanted.name:
+            continue
+        if pattern and wanted is None and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        text = _read(path) or ""
+        found.append(InstalledHook(path, target, is_ours(text),
+                                   [u for u in units if target.applies_to(u)]))
+    return found
+
+
+def format_list(hooks: Sequence[InstalledHook]) -> str:
+    if not hooks:
+        return "no gpuguard hooks installed\n"
+    lines: list[str] = []
+    for hook in hooks:
+        mark = "gpuguard" if hook.ours else "foreign (calls gpuguardctl, not written by gpuguard)"
+        lines.append(f"{hook.target.name} ({hook.target.kind}) {hook.path} [{mark}]")
+        if hook.applies_to:
+            lines.extend(f"    applies to {unit}" for unit in hook.applies_to)
+        else:
+            lines.append("    applies to no unit known yet")
+    # Unit and file names come from directories on the host: shown escaped (escaping.py).
+    return "\n".join(escape_text(line) for line in lines) + "\n"
+
+
+# -- gpuguardctl hook ... (the CLI wiring lives here so cli.py only has to call it) ----------
+
+def add_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser],
+               common: argparse.ArgumentParser) -> None:
+    hook = verbs.add_parser(
+        "hook", parents=[common],
+        help="install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
+    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
+    actions.required = True
+    for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
+                         ("remove", "delete the drop-in and reload systemd"),
+                         ("list", "show installed hooks and the units they apply to")):
+        sub = actions.add_parser(action, parents=[common], help=text)
+        sub.add_argument("pattern", nargs="?" if action == "list" else None, default="",
+                         metavar="PATTERN",
+                         help="a unit (vllm-qwen.service), a prefix ending in '-' (sglang-) "
+                              "or a template (foo@.service)")
+        sub.add_argument("--root", default="/", metavar="DIR",
+                         help="operate on the tree under DIR (packaging, tests); no daemon-reload")
+        if action != "list":
+            sub.add_argument("--no-reload", action="store_true",
+                             help="do not run systemctl daemon-reload")
+
+
+def run_command(args: argparse.Namespace, out: TextIO) -> int:
+    """Exit status: 0 done (also: already installed, nothing to remove), 1 error, 2 bad pattern."""
+    import json
+
+    root = os.path.abspath(args.root)
+    try:
+        if args.hook_action == "list":
+            hooks = list_hooks(args.pattern, root)
+            if args.json:
+                json.dump([h.to_dict() for h in hooks], out, indent=2, sort_keys=True)
+                out.write("\n")
+            else:
+                out.write(format_list(hooks))
+            return 0
+        act = install if args.hook_action == "install" else remove
+        result = act(args.pattern, root, reload=not args.no_reload)
+    except HookError as exc:
+        sys.stderr.write(f"gpuguardctl: error: {escape_text(exc)}\n")
+        return 2 if exc.usage else 1
+    except OSError as exc:
+        where = exc.filename or ""
+        sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
+        return 1
+    if args.json:
+        json.dump(result.to_dict(), out, indent=2, sort_keys=True)
+        out.write("\n")
+        return 0
+    for message in result.messages:
+        out.write(escape_text(message) + "\n")
+    verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
+            "removed": "removed", "absent": "nothing to remove"}[result.action]
+    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
+                          f"{result.reload}") + "\n")
+    return 0
