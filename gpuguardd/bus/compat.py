@@ -1,0 +1,260 @@
+"""Every dbus-fast workaround of gpuguardd, in one place (and the only module that touches
+dbus-fast's private internals).
+
+Supported: dbus-fast SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to, not
+including, SUPPORTED_BELOW; tested on 1.84.2 and 5.2.0 (tests/bus/test_dbus_compat.py runs
+every check below on both, the second through /usr/bin/python3). setup.cfg, the packages and
+the README state the same range.
+
+Each workaround says which versions need it and what fixed it upstream, and is applied only
+there (the gates below). The regression test checks, on each installed version, that the bug
+is there exactly where its gate says so, and that the workaround makes the behaviour right.
+
+1. Strings' lengths in characters (< 2.11.1, fixed by dbus-fast#261): the marshaller writes a
+   string's length in characters, not bytes, so one non-ASCII character anywhere (a process
+   named "café", a reason, an error text quoting a caller's value) corrupts the message and
+   the bus daemon drops the connection: any local user could cut the daemon off the bus.
+   There every outgoing string is made ASCII (backslash escapes) before it is marshalled.
+2. The writer's queue (< 1.91.3, fixed by dbus-fast#225): queued messages are taken from the
+   wrong end, so under backpressure signals (SweepStarted, SweepFinished) arrive reversed.
+   There the queue is replaced by one whose pop() takes the oldest.
+3. A full socket (every version so far: python-dbus-next#153, still so in 5.2): the writer
+   treats EAGAIN from send() as fatal and drops the connection, so a burst of clients with
+   large replies, faster than the bus daemon reads, would cut gpuguardd off the bus. The
+   writer's socket is wrapped so that a send that would block sends nothing; the writer then
+   waits for the socket to become writable, as it does after a partial send.
+4. org.freedesktop.DBus.Peer (every version): the library forwards GetMachineId to the bus
+   daemon, which the system bus's policy refuses (AccessDenied: it allows callers only the
+   org.freedesktop.DBus interface of the bus daemon). Before 2.36.0 (fixed by dbus-fast#400) it
+   also fails on an error reply (a machine without a machine-id) and, once it has the id, on
+   every later call (a string given as the reply's body), without answering. gpuguardd answers
+   Peer itself from /etc/machine-id.
+5. ObjectManager signals (every version so far): InterfacesAdded/Removed are sent from the
+   exported object's own path; the D-Bus specification (and GDBusObjectManagerClient,
+   cockpit) expect them from the object manager's path, with the object in the arguments.
+   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced;
+   the properties come from `ServiceInterface._get_all_property_values`.
+6. The incoming call, for the method that handles it (every version; relies on dispatch
+   order): dbus-fast passes a method only its arguments, but authorization needs the sender
+   and the interactive-authorization flag. dbus-fast runs message handlers (in the order
+   added) before it dispatches a method call, synchronously, and creates an async method's
+   task right then: a handler that sets a context variable therefore gives each call's task
+   its own message (CURRENT_CALL).
+
+Private names used, all here: Message._marshall (tests only), the bus's `_writer` (its `sock`
+and `messages`), `_disconnected`, `_emit_interface_added/_removed`,
+`ServiceInterface._get_all_property_values`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import socket
+from typing import Any
+
+from dbus_fast import Message, MessageFlag, MessageType, Variant
+from dbus_fast.__version__ import __version__ as DBUS_FAST_VERSION_TEXT
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import ServiceInterface
+
+SUPPORTED_MIN = (1, 84)
+SUPPORTED_BELOW = (6,)
+
+OBJECT_MANAGER_INTERFACE = "org.freedesktop.DBus.ObjectManager"
+PEER_INTERFACE = "org.freedesktop.DBus.Peer"
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """"1.84.2" -> (1, 84, 2); a suffix after the numbers ("5.2.0rc1", "1.84.2+ds") is ignored."""
+    numbers: list[int] = []
+    for part in text.split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(numbers)
+
+
+VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
+SUPPORTED = SUPPORTED_MIN <= VERSION < SUPPORTED_BELOW
+
+# The gates: True where the installed dbus-fast needs the workaround.
+STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1
+WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)  # 2
+WRITER_DIES_ON_EAGAIN = True  # 3: not fixed upstream yet
+PEER_FORWARDED_TO_BUS = True  # 4: what a system bus refuses, in every version
+PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)  # 4: and its replies, before 2.36.0
+OBJECT_MANAGER_SIGNALS_FROM_OBJECT = True  # 5: not fixed upstream yet
+
+
+def supported_range() -> str:
+    return (f">={'.'.join(map(str, SUPPORTED_MIN))},"
+            f"<{'.'.join(map(str, SUPPORTED_BELOW))}")
+
+
+# -- 1. strings ------------------------------------------------------------------------------
+
+def ascii_only(value: Any) -> Any:
+    """The value with every string in it made ASCII (backslash escapes), at any depth."""
+    if isinstance(value, str):
+        return value if value.isascii() else value.encode("ascii", "backslashreplace").decode("ascii")
+    if isinstance(value, Variant):
+        return Variant(value.signature, ascii_only(value.value))
+    if isinstance(value, list):
+        return [ascii_only(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(ascii_only(item) for item in value)
+    if isinstance(value, dict):
+        return {ascii_only(k): ascii_only(v) for k, v in value.items()}
+    return value
+
+
+def outgoing(msg: Message) -> Message:
+    """`msg` made safe to marshal with the installed dbus-fast (in place)."""
+    if STRING_LENGTHS_IN_CHARACTERS and msg.body:
+        msg.body = ascii_only(msg.body)
+    return msg
+
+
+# -- 2. and 3. the writer ----------------------------------------------------------------------
+
+class SendWithoutEagain:
+    """A socket whose send() returns 0 where it would raise BlockingIOError."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        try:
+            return self._sock.send(data, flags)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class FifoQueue(collections.deque):  # type: ignore[type-arg]
+    """A deque whose pop() takes the oldest item (what a writer's queue must do)."""
+
+    def pop(self, index: int = -1) -> Any:  # index only to match MutableSequence; never passed
+        return self.popleft()
+
+
+def repair_writer(bus: MessageBus, eagain: bool = WRITER_DIES_ON_EAGAIN,
+                  order: bool = WRITER_TAKES_NEWEST) -> None:
+    """Fix the connected bus's writer where the installed version needs it (see 2 and 3).
+
+    The writer exists once connected (dbus-fast 5) or from the constructor (1.84): call this
+    after connect(). `eagain`/`order` are for the regression tests, which show each bug."""
+    writer = getattr(bus, "_writer", None)
+    if writer is None:
+        return
+    if eagain and isinstance(getattr(writer, "sock", None), socket.socket):
+        writer.sock = SendWithoutEagain(writer.sock)
+    if order and type(getattr(writer, "messages", None)) is collections.deque:
+        writer.messages = FifoQueue(writer.messages)
+
+
+# -- 4. Peer -----------------------------------------------------------------------------------
+
+def machine_id() -> str:
+    for path in MACHINE_ID_FILES:
+        try:
+            with open(path, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+            return text
+    return ""
+
+
+def peer_reply(msg: Message) -> Message | bool | None:
+    """For a message handler: our answer to a Peer call where dbus-fast's would fail (True:
+    handled, no reply wanted), None where the library's own answer is right."""
+    if not (PEER_FORWARDED_TO_BUS or PEER_REPLIES_BROKEN) or msg.interface != PEER_INTERFACE or msg.signature != "":
+        return None
+    reply: Message | None = None
+    if msg.member == "Ping":
+        reply = Message.new_method_return(msg)
+    elif msg.member == "GetMachineId":
+        found = machine_id()
+        reply = (Message.new_method_return(msg, "s", [found]) if found else
+                 Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound",
+                                   "this machine has no machine-id"))
+    if reply is not None and msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+        return True
+    return reply
+
+
+# -- 6. the current call ---------------------------------------------------------------------
+
+CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
+    "gpuguard_current_call", default=None)
+
+
+def note_call(msg: Message) -> None:
+    """From the bus's first message handler: `msg` is what current_call() returns in the
+    method call it dispatches next (see 6)."""
+    if msg.message_type == MessageType.METHOD_CALL:
+        CURRENT_CALL.set(msg)
+
+
+def current_call() -> Message | None:
+    return CURRENT_CALL.get()
+
+
+# -- the bus ---------------------------------------------------------------------------------
+
+class CompatBus(MessageBus):
+    """dbus-fast's MessageBus with the workarounds 1 and 5 built in; `repair_writer` (2, 3),
+    `peer_reply` (4) and `note_call` (6) are for the daemon's connection to apply.
+
+    `object_manager_path`: where InterfacesAdded/Removed come from (5), for objects below it;
+    "" keeps dbus-fast's own signals."""
+
+    object_manager_path = ""
+
+    def send(self, msg: Message) -> Any:
+        return super().send(outgoing(msg))
+
+    def _manages(self, path: str) -> bool:
+        manager = self.object_manager_path
+        return bool(manager) and path.startswith(manager + "/")
+
+    # dbus-fast calls these from export()/unexport().
+    def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
+        if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
+            super()._emit_interface_added(path, interface)
+            return
+        if self._disconnected or not self._manages(path):
+            return
+        values: dict[str, Any] = {}
+
+        def got(iface: ServiceInterface, result: Any, _user: Any, error: Exception | None) -> None:
+            values.update(result or {})
+            self.send(Message.new_signal(
+                path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
+                member="InterfacesAdded", signature="oa{sa{sv}}", body=[path, {iface.name: values}]))
+
+        # Our property getters are plain attributes, so this calls back synchronously.
+        ServiceInterface._get_all_property_values(interface, got)
+
+    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
+        if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
+            super()._emit_interface_removed(path, removed_interfaces)
+            return
+        if self._disconnected or not self._manages(path):
+            return
+        self.send(Message.new_signal(
+            path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
+            member="InterfacesRemoved", signature="oas", body=[path, list(removed_interfaces)]))
