@@ -266,6 +266,12 @@ class FakeProc:
     while its memory is still held.  A ``raw`` one is listed as written,
     any 32-bit value and never checked for liveness: the garbage a driver
     can return (pid 0, 4294967295, a pid of another PID namespace).
+    ``host_pid`` is the foreign-PID mode, for a caller in its own PID
+    namespace (a daemon in a container): ``pid`` is the process as that
+    caller sees it, which liveness follows, and the lists show ``host_pid``,
+    as a real driver shows the host's pid to every caller.  Records of one
+    listed pid on one GPU (or instance), e.g. compute and graphics, are one
+    process: its memory counts once (the largest record), as on a driver.
     """
 
     gpu: int
@@ -276,6 +282,7 @@ class FakeProc:
     listed_ms: int | None = None
     raw: bool = False
     mig_slot: int | None = None  # the MIG instance (slot on ``gpu``) it runs in
+    host_pid: int | None = None
 
     def _line(self) -> str:
         if self.kind not in _PROC_KINDS:
@@ -293,6 +300,10 @@ class FakeProc:
             line += f" listed_ms={self.listed_ms}"
         if self.mig_slot is not None:
             line += f" mig={self.mig_slot}"
+        if self.host_pid is not None:
+            if self.raw or not 0 < self.host_pid <= 2**31 - 1:
+                raise ValueError(f"pid {self.pid}: bad host_pid {self.host_pid} (or a raw record)")
+            line += f" host_pid={self.host_pid}"
         return line + " raw" if self.raw else line
 
 
@@ -376,6 +387,7 @@ class FakeNvmlState:
         listed_ms: int | None = None,
         raw: bool = False,
         mig: str | None = None,
+        host_pid: int | None = None,
     ) -> FakeProc:
         """Add a process holding ``used`` bytes on GPU ``gpu`` (in its MIG device ``mig``, by
         UUID, on a GPU in MIG mode)."""
@@ -388,7 +400,7 @@ class FakeNvmlState:
                 raise ValueError(f"GPU {gpu} has no MIG device {mig}")
             slot = found[0]
         proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms,
-                        listed_ms=listed_ms, raw=raw, mig_slot=slot)
+                        listed_ms=listed_ms, raw=raw, mig_slot=slot, host_pid=host_pid)
         self.procs.append(proc)
         return proc
 

@@ -17,7 +17,7 @@
  *   fail nvmlDeviceGetComputeRunningProcesses_v3 999
  *   hang nvmlDeviceGetMemoryInfo_v2 60000 [GPU]
  *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost] [handle_error=15]
- *   proc 0 12345 4294967296 compute release_delay_ms=0 [listed_ms=N]
+ *   proc 0 12345 4294967296 compute release_delay_ms=0 [listed_ms=N] [host_pid=H]
  *   gpu 1 uuid=GPU-... name=... pci=... total=85899345920 mig=on mig_parent_lists=empty
  *   mig 1 0 uuid=MIG-... gi=1 ci=0 total=10737418240 used=0
  *   proc 1 23456 1073741824 compute mig=0
@@ -31,6 +31,15 @@
  * proc records give the gpu index, pid, bytes used and one of compute /
  * graphics / mps; a trailing "raw" lists the pid as written, any 32-bit
  * value, with no liveness check: the garbage real drivers hand out.
+ * host_pid=H is the foreign-PID mode: NVML reports the pid the driver
+ * recorded, the process's pid in the host's PID namespace, whatever
+ * namespace the caller is in; for a caller in a container (its own PID
+ * namespace and /proc) that pid names nothing, or someone else.  The
+ * record's pid is the process as the caller sees it, which liveness follows;
+ * the lists show H.  A process on several lists of one GPU (or instance) is
+ * one process with one amount of memory: a driver reports the same figure
+ * in each list and counts it once in the memory used, and so does this
+ * library (the largest of its records').
  * "node PATH" lines name device nodes the library opens at nvmlInit and
  * keeps open until the last nvmlShutdown, as libnvidia-ml holds
  * /dev/nvidiactl and every /dev/nvidiaN: the caller is a holder too.
@@ -297,6 +306,7 @@ struct fake_proc {
     unsigned long long listed_ms; /* ULLONG_MAX: listed for the whole release delay */
     int raw; /* listed as written, never checked for liveness */
     unsigned int raw_pid;
+    unsigned int host_pid; /* 0: the lists show pid; else what they show (host_pid=) */
     unsigned int mig_slot; /* NO_MIG, or the slot of the instance it runs in */
 };
 
@@ -651,6 +661,15 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
             proc->mig_slot = (unsigned int)slot;
             continue;
         }
+        if (strncmp(tok, "host_pid=", 9) == 0) {
+            unsigned long long host;
+            if (!parse_ull(tok + 9, &host) || host == 0 || host > INT_MAX) {
+                parse_error(ctx, "bad host_pid", tok);
+                return 0;
+            }
+            proc->host_pid = (unsigned int)host;
+            continue;
+        }
         if (strncmp(tok, "release_delay_ms=", 17) == 0) {
             field = &proc->release_delay_ms;
             value = tok + 17;
@@ -674,6 +693,10 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
         return 0;
     }
     proc->pid = proc->raw ? 0 : (pid_t)pid;
+    if (proc->raw && proc->host_pid) {
+        parse_error(ctx, "a raw record is listed as written; host_pid= makes no sense there", NULL);
+        return 0;
+    }
     if (proc->mig_slot == NO_MIG && st->gpus[proc->gpu].mig_mode == MIG_ENABLE) {
         /* A GPU in MIG mode runs nothing outside its instances. */
         parse_error(ctx, "a proc on a GPU in MIG mode needs mig=SLOT", NULL);
@@ -1394,6 +1417,20 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
     return leave(rc);
 }
 
+/* The pid NVML's lists show for a proc: as written (raw), the host's
+ * (host_pid=), or the pid itself. */
+static unsigned int listed_pid(const struct fake_proc *p)
+{
+    return p->raw ? p->raw_pid : p->host_pid ? p->host_pid : (unsigned int)p->pid;
+}
+
+/* Records of one process in one place: same GPU, same instance (or none),
+ * same listed pid; only their kinds (lists) differ. */
+static int same_process(const struct fake_proc *a, const struct fake_proc *b)
+{
+    return a->gpu == b->gpu && a->mig_slot == b->mig_slot && listed_pid(a) == listed_pid(b);
+}
+
 /* A MIG instance's memory is its own; the parent's is the aggregate over
  * the whole GPU (nvml.h: "In MIG mode, if device handle is provided, the
  * API returns aggregate information"), so it counts every instance. */
@@ -1410,8 +1447,24 @@ static void memory_of(const struct fake_gpu *gpu, const struct fake_mig *mig,
             *used += g_state.migs[i].base_used;
     for (i = 0; i < g_state.proc_count; ++i) {
         const struct fake_proc *p = &g_state.procs[i];
-        if (p->gpu == index && (mig == NULL || p->mig_slot == mig->slot) && proc_counted(p, now))
-            *used += p->used;
+        unsigned long long most;
+        unsigned int j;
+        int counted_before = 0;
+        if (p->gpu != index || (mig != NULL && p->mig_slot != mig->slot) || !proc_counted(p, now))
+            continue;
+        /* Each process once (compute + graphics is one process, one
+         * figure): the first of its counted records stands for all. */
+        for (j = 0; j < i && !counted_before; ++j)
+            counted_before = same_process(&g_state.procs[j], p) && proc_counted(&g_state.procs[j], now);
+        if (counted_before)
+            continue;
+        most = p->used;
+        for (j = i + 1; j < g_state.proc_count; ++j) {
+            const struct fake_proc *q = &g_state.procs[j];
+            if (same_process(q, p) && q->used > most && proc_counted(q, now))
+                most = q->used;
+        }
+        *used += most;
     }
     /* A test may over-commit a GPU; report it full rather than wrap. */
     *free_ = *used < *total ? *total - *used : 0;
@@ -1518,15 +1571,15 @@ static nvmlReturn_t list_procs(const char *function, nvmlDevice_t device, proc_k
             continue;
         if (details != NULL) {
             memset(&details[n], 0, sizeof details[n]);
-            details[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
+            details[n].pid = listed_pid(p);
             details[n].usedGpuMemory = p->used;
             proc_instance(p, &details[n].gpuInstanceId, &details[n].computeInstanceId);
         } else if (infos != NULL) {
-            infos[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
+            infos[n].pid = listed_pid(p);
             infos[n].usedGpuMemory = p->used;
             proc_instance(p, &infos[n].gpuInstanceId, &infos[n].computeInstanceId);
         } else {
-            infos_v1[n].pid = p->raw ? p->raw_pid : (unsigned int)p->pid;
+            infos_v1[n].pid = listed_pid(p);
             infos_v1[n].usedGpuMemory = p->used;
         }
         ++n;

@@ -157,6 +157,14 @@ def test_process_in_compute_and_graphics_lists_is_counted_once(gpu_host: GpuHost
     host.publish()
     _, holders, _ = cli_json(host, "holders")
     assert {h["pid"]: h["gpu_memory"] for h in holders}[proc.pid] == 3 * GiB
+    # The driver counts it once too (the fake summed the two lists until issue 8 (c)).
+    _, gpus, _ = cli_json(host, "gpus")
+    assert [(g["state"], g["memory_used"]) for g in gpus] == [("in-use", 3 * GiB), ("idle", 0)]
+    code, report, stderr = cli_json(host, "sweep", "--gpu", "0")
+    assert code == 0, stderr
+    assert report["outcome"] == "freed", report
+    assert [(g["memory_used_before"], g["memory_used_after"]) for g in report["gpus"]] == [
+        (3 * GiB, 0)]
 
 
 def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:

@@ -781,6 +781,54 @@ def test_memory_released_when_process_dies(start: StartSession, state_path: Path
     assert nvml.call("mem(0)")["used"] == 1 * GIB
 
 
+def test_a_process_on_two_lists_counts_once_in_memory(start: StartSession, state_path: Path,
+                                                     spawn: Spawn) -> None:
+    """An OpenGL+CUDA process is on the compute and the graphics list, each with its one figure;
+    a driver counts its memory once, so the GPU's used memory is not the sum of the lists."""
+    both, other = spawn(), spawn()
+    state = one_gpu(base_used=1 * GIB)
+    state.add_proc(0, both.pid, 3 * GIB)
+    state.add_proc(0, both.pid, 3 * GIB, kind="graphics")
+    state.add_proc(0, other.pid, 2 * GIB, kind="graphics")
+    state.write(state_path)
+    nvml = start()
+    nvml.call("init()")
+    assert nvml.call("pids(0)") == [both.pid]
+    assert nvml.call("pids(0, 'graphics')") == [both.pid, other.pid]
+    assert nvml.call("mem(0)")["used"] == 6 * GIB
+    assert nvml.call("mem2(0)")["used"] == 6 * GIB
+    kill_and_reap(both)
+    assert nvml.call("mem2(0)")["used"] == 3 * GIB
+
+
+def test_host_pid_lists_the_host_pid_while_the_local_process_lives(
+        start: StartSession, state_path: Path, spawn: Spawn) -> None:
+    """Foreign-PID mode: a caller in a container sees its process as `pid`, NVML lists the
+    host's pid; the entry and its memory go when the process does."""
+    local = spawn()
+    host_pid = 4_000_000  # past this machine's pids: names nothing here
+    state = one_gpu()
+    state.add_proc(0, local.pid, 2 * GIB, host_pid=host_pid)
+    state.add_proc(0, local.pid, 2 * GIB, kind="graphics", host_pid=host_pid)
+    assert f"proc 0 {local.pid} {2 * GIB} compute release_delay_ms=0 host_pid={host_pid}" \
+        in state.render().splitlines()
+    state.write(state_path)
+    nvml = start()
+    nvml.call("init()")
+    assert nvml.call("pids(0)") == [host_pid]
+    assert nvml.call("pids(0, 'graphics')") == [host_pid]
+    assert nvml.call("mem2(0)")["used"] == 2 * GIB
+    kill_and_reap(local)
+    assert nvml.call("pids(0)") == []
+    assert nvml.call("mem2(0)")["used"] == 0
+
+
+def test_host_pid_is_no_raw_record() -> None:
+    with pytest.raises(ValueError, match="host_pid"):
+        FakeNvmlState(gpus=[FakeGpu(0, "GPU-x")],
+                      procs=[fakenvml.FakeProc(0, 7, 1, raw=True, host_pid=8)]).render()
+
+
 def test_release_delay_counts_from_the_kill(start: StartSession, state_path: Path, spawn: Spawn) -> None:
     holder = spawn()
     state = one_gpu()
