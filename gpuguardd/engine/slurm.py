@@ -33,6 +33,8 @@ _JOB_ID = re.compile(r"^[0-9]{1,20}$")
 REASON_PREFIX = "slurm:"
 # A node's drain reason is shown in sinfo's table: one short line.
 MAX_REASON = 240
+# The warnings of a sweep that say why its memory could not be verified (engine/sweep.py).
+UNVERIFIED_WORDS = ("memory cannot be verified", "memory could not be read", "memory not verified")
 # A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
 EPILOG_GRACE_MS = 2000
 # The whole epilog stays well under PrologEpilogTimeout (the README suggests 120 s).
@@ -145,7 +147,10 @@ def summary(job: str, report: Mapping[str, Any]) -> str:
         details = [f"GPU {g.get('index')} {int(g.get('memory_used_after', 0)) // (1024 * 1024)} MiB still used"
                    for g in report.get("gpus", []) if not g.get("released")]
     elif outcome == "unverified":
-        details = ["NVML unavailable, GPU memory not verified"]
+        # Why the memory could not be verified: NVML unavailable, a GPU unreadable, or NVML's
+        # pids not this namespace's (sweep.py words each as a warning).
+        details = [str(w) for w in report.get("warnings", [])
+                   if any(why in str(w) for why in UNVERIFIED_WORDS)] or ["GPU memory not verified"]
     elif report.get("error"):
         details = [str(report["error"])]
     text = f"gpuguard: job {job}: {outcome}" + (": " + "; ".join(details[:3]) if details else "")

@@ -45,6 +45,11 @@ log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
 MiB = 1024 * 1024
+# Where NVML's pids are not this /proc's (gpuguardd in a container), a process NVML still lists
+# may be the sweep's, not yet released, or another tenant's, and nothing here tells which. Once
+# none of the sweep's processes is left, verification waits for such lists only while they keep
+# changing, and this long after the last change calls them settled: unverified, never freed.
+FOREIGN_SETTLE_SEC = 2.0
 
 
 class SweepObserver(Protocol):
@@ -264,6 +269,8 @@ class Sweep:
         # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
         # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
         self._sigterm_ignored: set[int] = set()
+        # Whether NVML's pids are this /proc's (NvmlSnapshot.pids_local), as last read.
+        self._pids_local = True
 
     # -- the whole run -------------------------------------------------------------------
 
@@ -271,6 +278,7 @@ class Sweep:
         report = self.report
         self.observer.sweep_started(report.id, dict(report.scope))
         pinned, nvml, warnings = self.scanner()
+        self._pids_local = nvml.pids_local
         report.warnings.extend(warnings)
         targets = self._plan(pinned)
         gpus_in_scope = self._gpus_in_scope(targets, nvml)
@@ -485,24 +493,57 @@ class Sweep:
         memory: GpuInfo | MigInstance = gpu if instance is None else instance
         if gpu.lost or gpu.unknown or (memory.error and not memory.memory_total):
             return False
+        if self._foreign_pids(view):
+            return False
         if any(pid in self._terminated_pids or pid in self._exiting for pid in memory.processes):
             return False
         others = sum(mem or 0 for pid, mem in memory.processes.items() if os.path.exists(f"/proc/{pid}"))
         return memory.memory_used <= self.settings.released_below_bytes + others
 
+    def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
+        """The pids NVML lists there when they are not this /proc's: whether they are the
+        sweep's (not yet released) or another tenant's cannot be read, so while there are any,
+        neither "freed" nor "not released" can be said."""
+        memory = _memory_of(view)
+        return frozenset() if self._pids_local or memory is None else frozenset(memory.processes)
+
+    def _unreadable(self, view: MemoryView) -> str:
+        """Why a view's memory proves nothing either way ("" when it does)."""
+        gpu = view[0]
+        if gpu.unknown or gpu.lost:
+            # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
+            return f"memory could not be read ({gpu.error or ('lost' if gpu.lost else 'unknown')})"
+        listed = len(self._foreign_pids(view))
+        if listed:
+            return (f"memory not verified: NVML still lists {listed} process(es) by host PIDs, "
+                    "which this PID namespace cannot tell apart (the sweep's, not yet released, "
+                    "or another tenant's)")
+        return ""
+
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
         """Poll NVML until the memory is back and no target is still exiting, or until
-        VerifyTimeoutSec; the last readings."""
+        VerifyTimeoutSec; the last readings. Lists of foreign pids (_foreign_pids) are waited
+        for only until they settle (FOREIGN_SETTLE_SEC)."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
         if not gpus or not nvml_available:
             self._wait_exiting(max(0.0, deadline - time.monotonic()))
             return {}
         delay = self.settings.poll_start_sec
+        foreign: dict[MemoryKey, frozenset[int]] = {}
+        quiet_since = time.monotonic()
         while True:
             snap = self.snapshot()
+            self._pids_local = snap.pids_local
             current = {key: view for key in gpus if (view := memory_view(snap, key)) is not None}
+            lists = {k: pids for k, v in current.items() if (pids := self._foreign_pids(v))}
+            if self._exiting or lists != foreign:
+                foreign, quiet_since = lists, time.monotonic()
+            # Having ended nothing, the sweep has nothing of its own in those lists to wait for.
+            settled = not self._terminated_pids \
+                or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
             if not self._exiting and snap.available \
-                    and all(k in current and self._released(current[k]) for k in gpus):
+                    and all(k in current and (self._released(current[k]) or (k in lists and settled))
+                            for k in gpus):
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.available else {}
@@ -534,17 +575,14 @@ class Sweep:
     def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],
                         after: dict[MemoryKey, MemoryView], nvml_available: bool) -> None:
         report = self.report
-        readable = {k: v for k, v in after.items() if not (v[0].unknown or v[0].lost)}
+        readable = {k: v for k, v in after.items() if not self._unreadable(v)}
         verified = nvml_available and bool(gpus) and all(k in readable for k in gpus)
         not_released: list[MemoryKey] = []
         for key in gpus:
             view = after.get(key)
             name = f"MIG {key}" if isinstance(key, str) else f"GPU {key}"
             if view is not None and key not in readable:
-                # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
-                gpu = view[0]
-                report.warnings.append(f"{name}: memory could not be read ("
-                                       f"{gpu.error or ('lost' if gpu.lost else 'unknown')})")
+                report.warnings.append(f"{name}: {self._unreadable(view)}")
                 continue
             if view is None:
                 if nvml_available:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.engine import procfs
-from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups
+from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups, summary
 from gpuguardd.errors import InvalidArgument
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
 
@@ -39,6 +39,15 @@ def test_job_of_cgroups_v1_v2_and_others() -> None:
     # A job's id is a whole path component, and only under Slurm's own directories.
     assert job_of_cgroups("0::/system.slice/slurmstepd.scope/job_71x/step_0\n") == ""
     assert job_of_cgroups("0::/system.slice/evil/job_42\n") == ""
+
+
+def test_unverified_summary_says_why() -> None:
+    report = {"outcome": "unverified", "warnings": [
+        "could not read the open files of 1 process(es) (1): permission denied",
+        "NVML Shared Library Not Found: GPU memory cannot be verified"]}
+    assert summary("9", report) == ("gpuguard: job 9: unverified: "
+                                    "NVML Shared Library Not Found: GPU memory cannot be verified")
+    assert summary("9", {"outcome": "unverified"}) == "gpuguard: job 9: unverified: GPU memory not verified"
 
 
 def test_epilog_environment() -> None:
