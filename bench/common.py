@@ -493,16 +493,17 @@ class ToolRun:
     returncode: int
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
+    """User + system time of this process's reaped children so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
 def _run(argv: list[str]) -> tuple[float, float, subprocess.CompletedProcess[str]]:
-    cpu = _children_cpu()
+    cpu = children_cpu()
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    return time.perf_counter() - started, _children_cpu() - cpu, proc
+    return time.perf_counter() - started, children_cpu() - cpu, proc
 
 
 def parse_fuser(stdout: str) -> set[int]:

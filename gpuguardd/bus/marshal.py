@@ -16,6 +16,7 @@ from typing import Any, Union
 from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
+from gpuguardd.bus import names
 from gpuguardd.errors import InvalidArgument
 
 log = logging.getLogger("gpuguard.marshal")
@@ -181,7 +182,7 @@ def _nested(key: str, value: Any, field: Nested) -> Variant | None:
 
 # A holder whose uid could not be read (it exited, or /proc hid it) has uid -1 in the engine;
 # on the bus `uid` is a `u`, so it is sent as (uid_t)-1, which Linux never gives a process.
-UID_UNKNOWN = 2**32 - 1
+UID_UNKNOWN = names.UID_UNKNOWN
 
 
 def holder(data: Mapping[str, Any]) -> VarDict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 BUS_NAME = "org.gpuguard.GpuGuard1"
 MANAGER_PATH = "/org/gpuguard/GpuGuard1"
 GPU_PATH_PREFIX = MANAGER_PATH + "/gpu/"
@@ -16,6 +18,12 @@ ACTION_RELOAD = BUS_NAME + ".reload"
 # Lets tests and admins point gpuguardctl at a bus other than the system bus.
 ENV_BUS_ADDRESS = "GPUGUARD_BUS_ADDRESS"
 
+# Values of the contract that the CLI prints without needing dbus-fast (cli/output.py):
+# a holder whose uid could not be read is sent as (uid_t)-1, which Linux never gives a process
+# (marshal.holder); the last entry of a cut reply says how many were left out (replysize.py).
+UID_UNKNOWN = 2**32 - 1
+OMITTED_KEY = "omitted_after"
+
 PROPERTIES_INTERFACE = "org.freedesktop.DBus.Properties"
 OBJECT_MANAGER_INTERFACE = "org.freedesktop.DBus.ObjectManager"
 
@@ -26,3 +34,9 @@ def gpu_path(index: int) -> str:
 
 def error_name(suffix: str) -> str:
     return ERROR_PREFIX + suffix
+
+
+def default_address(explicit: str | None) -> str | None:
+    """The bus gpuguardctl talks on: `explicit`, else $GPUGUARD_BUS_ADDRESS, else None (the
+    system bus). Here, not in cli/client.py, so that --local needs no dbus-fast to ask."""
+    return explicit or os.environ.get(ENV_BUS_ADDRESS) or None

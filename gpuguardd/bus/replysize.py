@@ -24,6 +24,7 @@ from typing import Any
 from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
+from gpuguardd.bus import names
 
 log = logging.getLogger("gpuguard.replysize")
 
@@ -32,7 +33,7 @@ BUS_MESSAGE_MAX = 32 * MiB  # dbus-daemon's default max_message_size
 REPLY_BUDGET = 8 * MiB  # a quarter of it: headers, and a bus configured lower, have room
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
-OMITTED_KEY = "omitted_after"
+OMITTED_KEY = names.OMITTED_KEY
 
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings")
 

@@ -7,7 +7,6 @@ and a fresh loop per call keeps this module free of threads and shared state.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import sys
 from collections.abc import Awaitable, Callable
@@ -20,12 +19,12 @@ from gpuguardd.bus import marshal
 from gpuguardd.bus.connection import SafeBus, name_owner, name_owner_change
 from gpuguardd.bus.names import (
     BUS_NAME,
-    ENV_BUS_ADDRESS,
     ERROR_PREFIX,
     GPU_INTERFACE,
     MANAGER_INTERFACE,
     MANAGER_PATH,
     PROPERTIES_INTERFACE,
+    default_address,
 )
 from gpuguardd.engine.models import SweepRequest
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
@@ -54,10 +53,6 @@ _STATUS_KEYS = {"Version": "version", "NvmlAvailable": "nvml_available", "NvmlEr
                 "ConfigFiles": "config_files"}
 
 T = TypeVar("T")
-
-
-def default_address(explicit: str | None) -> str | None:
-    return explicit or os.environ.get(ENV_BUS_ADDRESS) or None
 
 
 def error_from_reply(reply: Message) -> Exception:

@@ -1,21 +1,22 @@
-"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process."""
+"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process.
+
+Start-up matters (a hook runs it at every unit stop, an admin at a prompt, a script in a loop):
+a verb imports only what it uses. The engine (NVML, /proc scanning) is imported by --local only,
+dbus-fast by the verbs that ask the daemon, asyncio by the verbs that need an event loop.
+bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import pwd
 import sys
-import threading
 from collections.abc import Sequence
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from gpuguardd import __version__
-from gpuguardd.cli import output
-from gpuguardd.config import MAX_GRACE_SEC, load_config, parse_timespan
-from gpuguardd.engine.facade import Engine, HolderFilter, gpu_summaries, node_gpu_summaries
 from gpuguardd.engine.models import (
     OUTCOME_DRY_RUN,
     OUTCOME_ERROR,
@@ -24,14 +25,14 @@ from gpuguardd.engine.models import (
     OUTCOME_NOTHING,
     OUTCOME_SURVIVORS,
     OUTCOME_UNVERIFIED,
-    Report,
-    ScanResult,
     SweepRequest,
 )
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
 from gpuguardd.systemd import hooks
-from gpuguardd.systemd.unitsweep import UnitSweeps
+
+if TYPE_CHECKING:
+    from gpuguardd.engine.models import Report
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -81,6 +82,9 @@ class LocalBackend:
     """The engine in this process: for root, when no daemon runs (or --local is given)."""
 
     def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
+        from gpuguardd.config import load_config
+        from gpuguardd.engine.facade import Engine
+
         self.engine = Engine(load_config(config_files))
         self.bus_address = bus_address  # where to ask systemd about units (None: system bus)
 
@@ -94,6 +98,8 @@ class LocalBackend:
                 "config_files": list(config.sources)}
 
     def gpus(self) -> list[dict[str, Any]]:
+        from gpuguardd.engine.facade import gpu_summaries, node_gpu_summaries
+
         scan = self.engine.scan()
         if not scan.nvml.available:
             return node_gpu_summaries(scan, self.engine.device_map())
@@ -101,6 +107,8 @@ class LocalBackend:
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[dict[str, Any]]:
+        from gpuguardd.engine.facade import HolderFilter
+
         scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
                                                                container=container))
         found, scan = self.engine.list_holders(HolderFilter(
@@ -117,11 +125,15 @@ class LocalBackend:
                                 or requester_description())
         if request.unit:
             self.engine.resolve_request(request)  # a bad unit name is refused before anything
+            import asyncio
+
             return asyncio.run(self._sweep_unit(request)).to_dict()
         return self.engine.sweep(request).to_dict()
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
+        from gpuguardd.engine.models import ScanResult
+        from gpuguardd.systemd.unitsweep import UnitSweeps
         from gpuguardd.systemd.unitwatch import local_systemd  # dbus-fast only where a unit is swept
 
         async def scan() -> ScanResult:
@@ -165,11 +177,13 @@ def connect(args: argparse.Namespace) -> Backend:
 def _local(args: argparse.Namespace) -> Backend:
     if os.geteuid() != 0:
         log.warning("running --local as a non-root user: processes of other users are invisible")
-    from gpuguardd.cli.client import default_address
+    from gpuguardd.bus.names import default_address
     return LocalBackend(args.config, default_address(args.bus_address))
 
 
 def _grace(text: str) -> int:
+    from gpuguardd.config import MAX_GRACE_SEC, parse_timespan
+
     try:
         seconds = parse_timespan(text, MAX_GRACE_SEC)
     except ValueError as exc:
@@ -266,6 +280,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     out = sys.stdout
+    from gpuguardd.cli import output
+
     if args.verb == "hook":
         return hooks.run_command(args, out)
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
@@ -331,6 +347,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO) -> int:
     """`gpuguardctl check`: read-only; one line per problem, EXIT_NOT_FREE when there is one."""
+    from gpuguardd.cli import output
     from gpuguardd.cli.check import check
 
     result = check(backend.status(), backend.gpus(), backend.holders(selectors, "", "", True),
@@ -347,6 +364,9 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
     """`sweep --slurm-epilog`: the finished job's sweep, bounded by --deadline. stdout is the
     drain reason (one line, only when the exit status is not 0) or, with --json, the report;
     the human report goes to stderr, which slurmd logs."""
+    import threading
+
+    from gpuguardd.cli import output
     from gpuguardd.engine import slurm
 
     named = os.environ.get("SLURM_JOB_ID", "")

@@ -11,8 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from gpuguardd.bus.marshal import UID_UNKNOWN
-from gpuguardd.bus.replysize import OMITTED_KEY
+from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
 from gpuguardd.escaping import escape_text, escaped
 
 
@@ -39,8 +38,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) ->
 
 
 def print_json(data: Any, out: TextIO) -> None:
-    json.dump(data, out, indent=2, sort_keys=True, default=str)
-    out.write("\n")
+    # One write: json.dump() writes each token on its own, ~100 ms for 200 holders.
+    out.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import psutil
 
 from gpuguardd import safetext
 from gpuguardd.engine import procfs
@@ -113,57 +112,110 @@ def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
     return node
 
 
-def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
-             ) -> tuple[dict[int, RawHolding], list[int]]:
+# The scan is kernel work (a stat() per open fd, a read of each maps file) that releases the GIL,
+# so a few threads over the PIDs use every core: half the wall time on two. More threads than
+# cores only queue on the same locks (the pidfd table, /proc's dentries).
+SCAN_THREADS_MAX = 4
+# PIDs a thread takes at a time: big enough that handing out work is cheap against ~50 fds a
+# process, small enough that one thread never ends up with the last second of work alone.
+SCAN_CHUNK = 32
+
+
+def scan_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except OSError:
+        cores = os.cpu_count() or 1
+    return max(1, min(SCAN_THREADS_MAX, cores))
+
+
+def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:
+    """What `pid` holds (a RawHolding, its pidfd open when use_pidfd), -pid when its fds
+    could not be read, or None (it holds nothing, or exited)."""
+    raw = RawHolding(pid)
+    if use_pidfd:
+        try:
+            raw.pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None  # exited
+        except OSError:
+            pass  # e.g. EMFILE: describe() pins it later and reads it again
+    try:
+        _scan_fds(pid, device_map, raw)
+    except OSError as exc:
+        raw.close()
+        # ENOENT: exited; ESRCH: exiting
+        return -pid if exc.errno in (errno.EACCES, errno.EPERM) else None
+    _scan_maps(pid, device_map, raw)
+    if raw.nodes:
+        return raw
+    raw.close()
+    return None
+
+
+def _scan_chunk(pids: list[int], device_map: DeviceMap, use_pidfd: bool
+                ) -> list[RawHolding | int]:
+    found: list[RawHolding | int] = []
+    try:
+        for pid in pids:
+            result = _scan_one(pid, device_map, use_pidfd)
+            if result is not None:
+                found.append(result)
+    except BaseException:
+        for item in found:  # a bug, not a race (those are OSError, handled): leak no pidfd
+            if isinstance(item, RawHolding):
+                item.close()
+        raise
+    return found
+
+
+def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False,
+             threads: int | None = None) -> tuple[dict[int, RawHolding], list[int]]:
     """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
 
     With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
-    RawHolding.pidfd for describe() (or the caller's RawHolding.close())."""
-    found: dict[int, RawHolding] = {}
-    unreadable: list[int] = []
-    for pid in procfs.list_pids() if pids is None else pids:
-        raw = RawHolding(pid)
-        if use_pidfd:
-            try:
-                raw.pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue  # exited
-            except OSError:
-                pass  # e.g. EMFILE: describe() pins it later and reads it again
-        try:
-            _scan_fds(pid, device_map, raw)
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                unreadable.append(pid)
-            raw.close()
-            continue  # ENOENT: exited; ESRCH: exiting
-        _scan_maps(pid, device_map, raw)
-        if raw.nodes:
-            found[pid] = raw
-        else:
-            raw.close()
+    RawHolding.pidfd for describe() (or the caller's RawHolding.close()). `threads`: how many
+    read /proc at once (default scan_threads()); the answer does not depend on it."""
+    todo = procfs.list_pids() if pids is None else list(pids)
+    workers = min(scan_threads() if threads is None else max(1, threads),
+                  -(-len(todo) // SCAN_CHUNK))
+    chunks = [todo[i:i + SCAN_CHUNK] for i in range(0, len(todo), SCAN_CHUNK)]
+    results: list[RawHolding | int] = []
+    if workers <= 1:
+        results = _scan_chunk(todo, device_map, use_pidfd)
+    else:
+        # Threads that exist for this scan only: nothing is left running between scans.
+        failure: BaseException | None = None
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuguard-scan") as pool:
+            futures = [pool.submit(_scan_chunk, chunk, device_map, use_pidfd) for chunk in chunks]
+            for future in futures:  # every chunk's result, so that no pidfd is left unowned
+                try:
+                    results.extend(future.result())
+                except BaseException as exc:
+                    failure = failure or exc
+        if failure is not None:
+            for item in results:
+                if isinstance(item, RawHolding):
+                    item.close()
+            raise failure
+    found = {item.pid: item for item in results if isinstance(item, RawHolding)}
+    unreadable = sorted(-item for item in results if isinstance(item, int))
     return found, unreadable
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
     """exe, cmdline and user; each may be denied or vanish independently. Text is made valid
-    UTF-8 and bounded (safetext): a process chooses these bytes."""
-    try:
-        proc = psutil.Process(holder.pid)
-    except psutil.Error:
+    UTF-8 and bounded (safetext): a process chooses these bytes. Read from /proc directly:
+    three small reads, where psutil would add its import and a stat() per process."""
+    exe = procfs.read_exe(holder.pid)
+    if exe is not None:
+        # A binary replaced on disk while running reads "path (deleted)"; the path decides.
+        holder.exe = safetext.clean(exe.removesuffix(" (deleted)"), safetext.PATH_MAX)
+    holder.cmdline = procfs.read_cmdline(holder.pid) or ""
+    uid = procfs.read_uid(holder.pid)
+    if uid is None:
         return
-    with proc.oneshot():
-        try:
-            exe = proc.exe()
-            # A binary replaced on disk while running reads "path (deleted)"; the path decides.
-            holder.exe = safetext.clean(exe.removesuffix(" (deleted)"), safetext.PATH_MAX)
-        except psutil.Error:
-            pass
-        holder.cmdline = procfs.read_cmdline(holder.pid) or ""
-        try:
-            holder.uid = proc.uids().real
-        except psutil.Error:
-            return
+    holder.uid = uid
     if holder.uid not in user_cache:
         try:
             user_cache[holder.uid] = safetext.clean(pwd.getpwuid(holder.uid).pw_name,

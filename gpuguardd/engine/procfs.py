@@ -87,6 +87,35 @@ def read_cmdline(pid: int) -> str | None:
     return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
 
 
+def read_exe(pid: int) -> str | None:
+    """The executable's path as the kernel prints it (a replaced binary ends in " (deleted)");
+    None for a kernel thread, a zombie, an exited process or one we may not look at."""
+    try:
+        return os.readlink(f"{PROC}/{pid}/exe")
+    except OSError:
+        return None
+
+
+# The real uid is the first of four on the status file's Uid: line; the line comes early (after
+# Name, Umask, State, Tgid, Ngid, Pid, PPid, TracerPid), and Name is at most 64 bytes escaped.
+STATUS_HEAD_MAX = 4096
+
+
+def read_uid(pid: int) -> int | None:
+    """The process's real uid (what psutil's uids().real reads), or None."""
+    read = _read_bounded(f"{PROC}/{pid}/status", STATUS_HEAD_MAX)
+    if read is None:
+        return None
+    start = read[0].find(b"\nUid:")
+    if start < 0:
+        return None
+    fields = read[0][start + 5:].split(None, 1)
+    try:
+        return int(fields[0])
+    except (IndexError, ValueError):
+        return None
+
+
 def read_wchan(pid: int) -> str | None:
     """The kernel function a process sleeps in (a symbol name: short, but text all the same)."""
     read = _read_bounded(f"{PROC}/{pid}/wchan", safetext.NAME_MAX)
