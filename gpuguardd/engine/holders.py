@@ -142,11 +142,14 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
             pass  # e.g. EMFILE: describe() pins it later and reads it again
     try:
         _scan_fds(pid, device_map, raw)
+        _scan_maps(pid, device_map, raw)
     except OSError as exc:
         raw.close()
         # ENOENT: exited; ESRCH: exiting
         return -pid if exc.errno in (errno.EACCES, errno.EPERM) else None
-    _scan_maps(pid, device_map, raw)
+    except BaseException:
+        raw.close()
+        raise
     if raw.nodes:
         return raw
     raw.close()
