@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gpuguardd.engine import holders, procfs
-from gpuguardd.engine.devices import build_device_map
+from gpuguardd.engine.devices import DeviceMap, build_device_map
 from tests.conftest import GpuHost
 
 
@@ -71,7 +71,7 @@ def test_a_failing_chunk_leaks_no_pidfd(gpu_host: GpuHost, monkeypatch: pytest.M
     real_scan_maps = holders._scan_maps
     broken = pids[len(pids) // 2]
 
-    def scan_maps(pid: int, device_map: holders.DeviceMap, raw: holders.RawHolding) -> None:
+    def scan_maps(pid: int, device_map: DeviceMap, raw: holders.RawHolding) -> None:
         if pid == broken:
             raise RuntimeError("a bug in one chunk")
         real_scan_maps(pid, device_map, raw)
