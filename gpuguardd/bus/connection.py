@@ -11,6 +11,7 @@ order current_call relies on) and the supported versions: compat.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from dbus_fast import Message, MessageFlag, MessageType
@@ -20,8 +21,8 @@ from dbus_fast.service import ServiceInterface
 from gpuguardd.bus.compat import CompatBus, current_call, note_call, peer_reply, repair_writer
 from gpuguardd.bus.names import MANAGER_PATH, error_name
 
-__all__ = ["BUS_DAEMON", "BUS_DAEMON_PATH", "GuardBus", "SafeBus", "current_call", "name_owner",
-           "name_owner_change"]
+__all__ = ["BUS_DAEMON", "BUS_DAEMON_PATH", "GuardBus", "SafeBus", "add_match", "bus_daemon_call",
+           "current_call", "name_owner", "name_owner_change"]
 
 BUS_DAEMON = "org.freedesktop.DBus"
 BUS_DAEMON_PATH = "/org/freedesktop/DBus"
@@ -43,12 +44,24 @@ def name_owner_change(msg: Message, name: str) -> str | None:
     return str(msg.body[2])
 
 
+async def bus_daemon_call(bus: MessageBus, member: str, signature: str = "",
+                          body: Sequence[Any] = ()) -> Message:
+    """Call `member` of the bus daemon itself (org.freedesktop.DBus); its reply, which may be
+    an error reply: each caller knows what a refusal means to it."""
+    return await bus.call(Message(destination=BUS_DAEMON, path=BUS_DAEMON_PATH,
+                                  interface=BUS_DAEMON, member=member, signature=signature,
+                                  body=list(body)))
+
+
+async def add_match(bus: MessageBus, rule: str) -> Message:
+    """AddMatch `rule` (a broadcast filter; never proof of a signal's sender: name_owner_change)."""
+    return await bus_daemon_call(bus, "AddMatch", "s", [rule])
+
+
 async def name_owner(bus: MessageBus, name: str) -> str:
     """The unique name that owns `name` now, "" when none does (or the bus would not say):
     what a signal claiming to come from `name` must carry as its sender."""
-    reply = await bus.call(Message(
-        destination=BUS_DAEMON, path=BUS_DAEMON_PATH, interface=BUS_DAEMON,
-        member="GetNameOwner", signature="s", body=[name]))
+    reply = await bus_daemon_call(bus, "GetNameOwner", "s", [name])
     if reply is None or reply.message_type != MessageType.METHOD_RETURN or not reply.body:
         return ""
     return str(reply.body[0])

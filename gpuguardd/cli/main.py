@@ -133,8 +133,8 @@ class LocalBackend:
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
         from gpuguardd.engine.models import ScanResult
+        from gpuguardd.systemd.client import local_systemd  # dbus-fast only where a unit is swept
         from gpuguardd.systemd.unitsweep import UnitSweeps
-        from gpuguardd.systemd.unitwatch import local_systemd  # dbus-fast only where a unit is swept
 
         async def scan() -> ScanResult:
             return self.engine.scan()

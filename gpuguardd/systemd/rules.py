@@ -1,0 +1,52 @@
+"""The unit watch's pure rules: which units are watched, what a unit's object path names, and
+which state change of a watched unit is a stop to sweep. No D-Bus, no I/O: the watcher
+(watcher.py) applies them to what systemd's client (client.py) reads; the escaped-leftover
+rule and one sweep per stop are unitsweep.py's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+
+from gpuguardd.systemd.unitsweep import STOPPED_STATES, UnitState
+
+# systemd's object path of a unit: this prefix, then the name with every byte outside
+# [A-Za-z0-9] written as _xx (sd_bus_path_encode).
+UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
+
+_ESCAPE = re.compile(r"_([0-9a-fA-F]{2})")
+
+
+def unit_name_from_path(path: str) -> str:
+    """systemd's unit object path back to the unit name ("sglang_2ddemo_2eservice")."""
+    if not path.startswith(UNIT_PATH_PREFIX):
+        return ""
+    label = path[len(UNIT_PATH_PREFIX):]
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), label)
+
+
+def matches(unit: str, patterns: Iterable[str]) -> bool:
+    """fnmatch over unit names; a pattern without a suffix means a .service ("sglang-*")."""
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(unit, pattern):
+            return True
+        if "." not in pattern.rsplit("*", 1)[-1] and unit.endswith(".service") \
+                and fnmatch.fnmatchcase(unit, pattern + ".service"):
+            return True
+    return False
+
+
+def became_active(previous: str, state: UnitState) -> bool:
+    """The unit has just started (for its CUDA_VISIBLE_DEVICES hint and first holdings)."""
+    return state.active_state == "active" and previous != "active"
+
+
+def is_stop_to_sweep(previous: str, state: UnitState, job_done: bool) -> bool:
+    """A stop of a unit seen by the watcher: it is stopped (or unloaded), and either a job on
+    it finished or it was seen running before. A daemon-reload re-announcing an inactive unit
+    is neither, and must not sweep every watched unit."""
+    if not state.stopped:
+        return False
+    return job_done or not (previous in STOPPED_STATES or previous == "")
