@@ -13,15 +13,14 @@ cannot be called free). Nothing is signalled and nothing is written.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.cli.output import human_bytes
+from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
 
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 # States of a GPU (or MIG instance) that make it unfit for the next job, and why.
 BAD_STATES = {
     "leaked": "memory in use with no process holding it",
@@ -57,28 +56,30 @@ class CheckResult:
                 "problems": [p.to_dict() for p in self.problems]}
 
 
+def _known(gpu: dict[str, Any]) -> KnownGpu:
+    index = gpu.get("index")
+    return KnownGpu(index if isinstance(index, int) else -1, str(gpu.get("uuid", "")),
+                    tuple(str(m.get("uuid", "")) for m in gpu.get("mig_instances") or []))
+
+
 def _selected(gpus: list[dict[str, Any]], selectors: list[str]
               ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
     """(GPU summary, MIG instance or None) for each selector; every GPU when there is none."""
     if not selectors:
         return [(g, None) for g in gpus]
     chosen: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
-    for selector in selectors:
-        text = selector.strip()
+    for item in selectors:
+        wanted = selector(item)
         found: tuple[dict[str, Any], dict[str, Any] | None] | None = None
-        for gpu in gpus:
-            by_index = text.isdigit() and int(text) == gpu.get("index")
-            if by_index or (_UUID.match(text) and str(gpu.get("uuid", "")).lower() == text.lower()):
-                found = (gpu, None)
-            else:
-                for instance in gpu.get("mig_instances") or []:
-                    if str(instance.get("uuid", "")).lower() == text.lower():
-                        found = (gpu, instance)
-            if found:
-                break
+        matches = wanted.find(_known(g) for g in gpus)
+        if matches:
+            gpu = next(g for g in gpus if _known(g).index == matches[0].index)
+            instance = next((m for m in gpu.get("mig_instances") or []
+                             if matches[0].mig and str(m.get("uuid", "")) == matches[0].mig), None)
+            found = (gpu, instance)
         if found is None:
             known = ", ".join(str(g.get("index")) for g in gpus) or "none"
-            raise InvalidArgument(f"no GPU {printable(text)!r} (GPUs: {known})")
+            raise InvalidArgument(f"no GPU {printable(wanted.text)!r} (GPUs: {known})")
         if found not in chosen:
             chosen.append(found)
     return chosen

@@ -7,7 +7,6 @@ and a fresh loop per call keeps this module free of threads and shared state.
 from __future__ import annotations
 
 import asyncio
-import re
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -27,10 +26,10 @@ from gpuguardd.bus.names import (
     default_address,
 )
 from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 
 CALL_TIMEOUT_SEC = 120.0
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 _UNAVAILABLE = {"org.freedesktop.DBus.Error.ServiceUnknown",
                 "org.freedesktop.DBus.Error.NameHasNoOwner",
                 "org.freedesktop.DBus.Error.NoReply",
@@ -159,25 +158,25 @@ class DBusBackend:
     async def _indices(self, bus: MessageBus, wanted: list[str]) -> list[int]:
         """NVML indices for what the user typed; the daemon checks the indices' range."""
         indices: list[int] = []
-        known: list[dict[str, Any]] | None = None
+        known: list[KnownGpu] | None = None
         for item in wanted:
-            text = str(item).strip()
-            if text.isdigit():
-                indices.append(int(text))
-            elif _UUID.match(text):
-                known = known if known is not None else await self._gpus(bus)
-                found = [g["index"] for g in known if str(g.get("uuid", "")).lower() == text.lower()]
-                if not found:
-                    raise InvalidArgument(f"unknown GPU UUID {text!r}")
-                indices.extend(found)
-            else:
-                raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
+            chosen = selector(item).check()
+            if chosen.kind == INDEX:
+                indices.append(chosen.index)
+                continue
+            if known is None:
+                known = [KnownGpu(int(g.get("index", 0)), str(g.get("uuid", "")))
+                         for g in await self._gpus(bus)]
+            found = [match.index for match in chosen.find(known) if not match.mig]
+            if not found:
+                raise InvalidArgument(f"unknown GPU UUID {chosen.text!r}")
+            indices.extend(found)
         return sorted(set(indices))
 
     async def _gpus_option(self, bus: MessageBus, wanted: list[str]) -> Variant:
         """The `gpus` option: indices (au) as released, unless a MIG instance is named: it has
         no index, so then the text goes as typed (as) and the daemon resolves it."""
-        if any(str(item).strip().upper().startswith("MIG-") for item in wanted):
+        if names_mig(wanted):
             return Variant("as", [str(item).strip() for item in wanted])
         return Variant("au", await self._indices(bus, wanted))
 

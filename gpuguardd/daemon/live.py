@@ -37,10 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from gpuguardd.engine.attribution import container_matches
-from gpuguardd.engine.facade import Engine, HolderFilter, gpu_summaries
-from gpuguardd.engine.models import GPU_LEAKED, Holder, NvmlSnapshot, ScanResult, Scope
-from gpuguardd.engine.sweep import in_scope
+from gpuguardd.engine.facade import Engine, gpu_summaries
+from gpuguardd.engine.models import GPU_LEAKED, Holder, NvmlSnapshot, ScanResult
 
 log = logging.getLogger("gpuguard.live")
 
@@ -59,16 +57,6 @@ class InventoryListener(Protocol):
     def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None: ...
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
-
-
-def filter_holders(holders: list[Holder], holder_filter: HolderFilter) -> list[Holder]:
-    """Engine.list_holders' filter, applied to a scan the daemon already has."""
-    scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
-                  container=holder_filter.container, mig=holder_filter.mig)
-    return [h for h in holders
-            if (holder_filter.include_protected or not h.protected)
-            and (not holder_filter.container or container_matches(h.container, holder_filter.container))
-            and in_scope(h, scope)]
 
 
 def _nvml_key(snapshot: NvmlSnapshot) -> tuple[bool, tuple[GpuKey, ...]]:

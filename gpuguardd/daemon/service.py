@@ -26,10 +26,10 @@ from gpuguardd.bus.names import (
 )
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
 from gpuguardd.daemon.history import History
-from gpuguardd.daemon.live import Inventory, filter_holders
+from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.runner import SweepRunner
-from gpuguardd.engine.facade import Engine, HolderFilter
+from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.models import NvmlSnapshot, Report, ScanResult, SweepRequest
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.systemd import hooks

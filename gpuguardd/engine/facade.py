@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,13 +43,12 @@ from gpuguardd.engine.models import (
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
+from gpuguardd.engine.selectors import INDEX, MIG_UUID, KnownGpu, selector
 from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 from gpuguardd.errors import InvalidArgument
 
 log = logging.getLogger("gpuguard.engine")
 
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
-_MIG_UUID = re.compile(r"^MIG-[0-9A-F-]{8,}$", re.IGNORECASE)
 MAX_GRACE_MS = 3_600_000
 
 
@@ -61,6 +59,22 @@ class HolderFilter:
     container: str = ""
     include_protected: bool = True
     mig: tuple[str, ...] = ()  # MIG UUIDs: only these instances' holders
+
+
+def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> list[Holder]:
+    """The holders `holder_filter` lets through: of a fresh scan (Engine.list_holders) or of
+    one the daemon already has (ListHolders)."""
+    scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
+                  container=holder_filter.container, mig=holder_filter.mig)
+    return [h for h in holders
+            if (holder_filter.include_protected or not h.protected)
+            and (not holder_filter.container or container_matches(h.container, holder_filter.container))
+            and in_scope(h, scope)]
+
+
+def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
+    """NVML's GPUs, for matching selectors (selectors.py)."""
+    return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig)) for g in nvml.gpus]
 
 
 class Engine:
@@ -129,13 +143,7 @@ class Engine:
 
     def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
-        scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
-                      container=holder_filter.container, mig=holder_filter.mig)
-        holders = [h for h in result.holders
-                   if (holder_filter.include_protected or not h.protected)
-                   and (not holder_filter.container or container_matches(h.container, holder_filter.container))
-                   and in_scope(h, scope)]
-        return holders, result
+        return filter_holders(result.holders, holder_filter), result
 
     # -- validation ----------------------------------------------------------------------
 
@@ -152,9 +160,10 @@ class Engine:
         # Without NVML the only GPUs known are those a configured device node names.
         nodes = {} if snap.available else node_gpus(self.device_map())
         for item in items:
-            text = str(item).strip()
-            if isinstance(item, int) or text.isdigit():
-                index = int(text)
+            chosen = selector(item).check()
+            text = chosen.text
+            if chosen.kind == INDEX:
+                index = chosen.index
                 if snap.available and snap.by_index(index) is None:
                     raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
                 if not snap.available:
@@ -165,14 +174,12 @@ class Engine:
                             f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
                     warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
                 indices.add(index)
-            elif _UUID.match(text):
-                matches = [g.index for g in snap.gpus if g.uuid.lower() == text.lower()]
+            else:
+                matches = [found.index for found in chosen.find(known_gpus(snap)) if not found.mig]
                 if not matches:
                     raise InvalidArgument(f"unknown GPU UUID {text!r}" + (
                         "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
                 indices.update(matches)
-            else:
-                raise InvalidArgument(f"invalid GPU {text!r}: expected an index or a GPU-/MIG- UUID")
         return tuple(sorted(indices)), warnings
 
     @staticmethod
@@ -183,16 +190,16 @@ class Engine:
         found: list[str] = []
         rest: list[object] = []
         for item in wanted:
-            text = str(item).strip()
-            if isinstance(item, int) or not text.upper().startswith("MIG-"):
+            chosen = selector(item)
+            if chosen.kind != MIG_UUID:
                 rest.append(item)
                 continue
-            match = nvml.mig_instance(text) if _MIG_UUID.match(text) else None
-            if match is None:
+            match = chosen.find(known_gpus(nvml)) if chosen.well_formed else []
+            if not match:
                 why = "" if nvml.available else f" ({nvml.error or 'NVML unavailable'})"
-                raise InvalidArgument(f"unknown MIG UUID {text!r}{why}: gpuguardctl gpus lists "
+                raise InvalidArgument(f"unknown MIG UUID {chosen.text!r}{why}: gpuguardctl gpus lists "
                                       "the instances")
-            found.append(match[1].uuid)
+            found.append(match[0].mig)
         return tuple(sorted(set(found))), rest
 
     def resolve_request(self, request: SweepRequest) -> tuple[Scope, SweepSettings, list[str]]:

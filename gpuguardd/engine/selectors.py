@@ -1,0 +1,90 @@
+"""GPU selectors: how a caller names a GPU (an NVML index, a GPU UUID, a MIG instance's UUID),
+read and matched in one place for the engine's scopes, gpuguardctl's D-Bus client and
+`gpuguardctl check`. Each caller says what an index out of range or an unknown UUID means
+to it (the engine may fall back to device nodes; the client leaves ranges to the daemon).
+
+UUIDs match whatever their case: NVML spells them "GPU-4e1f…" and "MIG-…", users copy them
+from nvidia-smi or lower-case them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpuguardd.errors import InvalidArgument
+
+INDEX = "index"
+GPU_UUID = "gpu-uuid"
+MIG_UUID = "mig-uuid"
+
+_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
+_MIG_UUID = re.compile(r"^MIG-[0-9A-F-]{8,}$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class KnownGpu:
+    """A GPU as the caller knows it: its index, UUID and its MIG instances' UUIDs."""
+
+    index: int
+    uuid: str = ""
+    mig: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Selected:
+    index: int
+    mig: str = ""  # the MIG instance's UUID as the GPU list spells it, when one is named
+
+
+@dataclass(frozen=True)
+class Selector:
+    kind: str  # INDEX, GPU_UUID or MIG_UUID; "" for text that names no GPU
+    text: str  # as given, stripped
+
+    @property
+    def index(self) -> int:
+        return int(self.text) if self.kind == INDEX else -1
+
+    def find(self, gpus: Iterable[KnownGpu]) -> list[Selected]:
+        """Every GPU (or MIG instance) of `gpus` this names; [] when none does."""
+        if self.kind == INDEX:
+            return [Selected(g.index) for g in gpus if g.index == self.index]
+        if self.kind == MIG_UUID:
+            return [Selected(g.index, m) for g in gpus for m in g.mig if same_uuid(m, self.text)]
+        if self.kind == GPU_UUID:
+            return [Selected(g.index) for g in gpus if g.uuid and same_uuid(g.uuid, self.text)]
+        return []
+
+    @property
+    def well_formed(self) -> bool:
+        """A MIG UUID as current drivers spell them (MIG- and hex), not the pre-R470 form."""
+        return self.kind != MIG_UUID or bool(_MIG_UUID.match(self.text))
+
+    def check(self) -> Selector:
+        """Itself, or InvalidArgument naming the text when it names no GPU at all."""
+        if not self.kind:
+            raise InvalidArgument(f"invalid GPU {self.text!r}: expected an index or a GPU-/MIG- UUID")
+        return self
+
+
+def selector(item: object) -> Selector:
+    """What `item` (an int, or text as typed) names; kind "" when nothing."""
+    text = str(item).strip()
+    if isinstance(item, int) or text.isdigit():
+        return Selector(INDEX, text)
+    if text.upper().startswith("MIG-"):
+        return Selector(MIG_UUID, text)
+    if _UUID.match(text):
+        return Selector(GPU_UUID, text)
+    return Selector("", text)
+
+
+def names_mig(items: Iterable[object]) -> bool:
+    """Whether any item names a MIG instance (which has no index of its own)."""
+    return any(selector(item).kind == MIG_UUID for item in items)
+
+
+def same_uuid(a: str, b: str) -> bool:
+    return a.lower() == b.lower()

@@ -1,0 +1,57 @@
+"""GPU selectors (gpuguardd/engine/selectors.py): the one reading of an index, a GPU UUID and a
+MIG UUID that the engine, gpuguardctl's client and `gpuguardctl check` share."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuguardd.engine.selectors import (
+    GPU_UUID,
+    INDEX,
+    MIG_UUID,
+    KnownGpu,
+    Selected,
+    names_mig,
+    selector,
+)
+from gpuguardd.errors import InvalidArgument
+
+G0 = "GPU-00000000-0000-4000-8000-000000000000"
+G1 = "GPU-00000000-0000-4000-8000-000000000001"
+M1 = "MIG-1a2b3c4d-0000-4000-8000-00000000000a"
+OLD_MIG = "MIG-GPU-00000000-0000-4000-8000-000000000001/1/0"  # before driver R470
+GPUS = [KnownGpu(0, G0), KnownGpu(1, G1, (M1, OLD_MIG)), KnownGpu(3, "")]
+
+
+@pytest.mark.parametrize(("item", "kind"), [
+    (0, INDEX), ("2", INDEX), (" 3 ", INDEX), (G0, GPU_UUID), (G0.lower().replace("gpu", "GPU"), GPU_UUID),
+    (M1, MIG_UUID), (M1.lower(), MIG_UUID), (OLD_MIG, MIG_UUID), ("gpu-0000abcd", ""), ("GPU-xyz", ""),
+    ("-1", ""), ("", ""), ("nvidia0", ""), ("1,2", "")])
+def test_kinds(item: object, kind: str) -> None:
+    assert selector(item).kind == kind
+
+
+def test_find_by_index_uuid_and_mig_uuid_in_any_case() -> None:
+    assert selector(1).find(GPUS) == [Selected(1)]
+    assert selector("3").find(GPUS) == [Selected(3)]
+    assert selector("2").find(GPUS) == []
+    assert selector(G1.lower().replace("gpu", "GPU")).find(GPUS) == [Selected(1)]
+    assert selector(M1.upper().replace("MIG", "mig")).find(GPUS) == [Selected(1, M1)]  # NVML's spelling
+    assert selector("GPU-00000000-0000-4000-8000-00000000000f").find(GPUS) == []
+    assert selector("nvidia0").find(GPUS) == []
+
+
+def test_old_mig_form_is_found_but_not_well_formed() -> None:
+    chosen = selector(OLD_MIG)
+    assert chosen.find(GPUS) == [Selected(1, OLD_MIG)]
+    assert not chosen.well_formed and selector(M1).well_formed and selector(G0).well_formed
+
+
+def test_check_names_the_bad_value() -> None:
+    with pytest.raises(InvalidArgument, match=r"invalid GPU 'nvidia\\\\n0': expected an index or a GPU-/MIG- UUID"):
+        selector("nvidia\\n0").check()
+    assert selector(" 2 ").check().index == 2
+
+
+def test_names_mig() -> None:
+    assert names_mig(["0", M1.lower()]) and not names_mig([0, "1", G0])
