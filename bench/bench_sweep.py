@@ -48,8 +48,10 @@ from common import BenchError, Population
 
 from gpuguardd.config import Config
 from gpuguardd.engine.devices import driver_majors
+from gpuguardd.engine.enums import Outcome
 from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import OUTCOME_FREED, OUTCOME_UNVERIFIED, Report, SweepRequest
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report
 from tests.fakenvml import (
     STATE_ENV,
     FakeNvmlBuildError,
@@ -165,12 +167,12 @@ def gpuguard_sweep(population: Population, engine: Engine, nvml: bool,
     seconds = time.perf_counter() - started
     if profiler is not None:
         profiler.disable()
-    expected = OUTCOME_FREED if nvml else OUTCOME_UNVERIFIED
+    expected = Outcome.FREED if nvml else Outcome.UNVERIFIED
     if report.outcome != expected:
         raise BenchError(f"gpuguard's sweep ended {report.outcome!r}, expected {expected!r}: "
                          f"survived={report.survived} spared={report.spared} gpus={report.gpus} "
                          f"warnings={report.warnings}")
-    terminated = {int(str(entry["pid"])) for entry in report.terminated}
+    terminated = {entry.pid for entry in report.terminated}
     return seconds, terminated, report
 
 

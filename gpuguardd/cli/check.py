@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.cli.output import human_bytes
+from gpuguardd.engine.enums import GpuState, HolderKind
 from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
 
 # States of a GPU (or MIG instance) that make it unfit for the next job, and why.
 BAD_STATES = {
-    "leaked": "memory in use with no process holding it",
-    "lost": "fell off the bus (NVML reports it lost)",
-    "unknown": "its state cannot be read",
+    GpuState.LEAKED: "memory in use with no process holding it",
+    GpuState.LOST: "fell off the bus (NVML reports it lost)",
+    GpuState.UNKNOWN: "its state cannot be read",
 }
 
 
@@ -100,19 +101,20 @@ def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[dict
     for gpu, instance in chosen:
         index, uuid = int(gpu["index"]), str(instance["uuid"] if instance else gpu.get("uuid", ""))
         name = f"GPU {index} ({printable(uuid)})" if uuid else f"GPU {index}"
-        state = str((instance or gpu).get("state", "unknown"))
+        state = str((instance or gpu).get("state", GpuState.UNKNOWN))
         result.checked.append({"index": index, "uuid": uuid, "state": state,
                                "memory_used": int((instance or gpu).get("memory_used", 0))})
-        if state in BAD_STATES:
-            detail = BAD_STATES[state]
-            if state == "leaked":
+        known = next((s for s in GpuState if s.value == state), None)  # the daemon may be newer
+        if known is not None and known in BAD_STATES:
+            detail = BAD_STATES[known]
+            if known == GpuState.LEAKED:
                 detail = f"{human_bytes(int((instance or gpu).get('memory_used', 0)))} {detail}"
             error = gpu.get("error")
-            if error and state != "leaked":
+            if error and known != GpuState.LEAKED:
                 detail += f": {printable(error)}"
             result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
     for holder in holders:
-        if holder.get("kind") != "compute":
+        if holder.get("kind") != HolderKind.COMPUTE:
             continue
         on = [int(g) for g in holder.get("gpus", [])]
         # A holder whose GPU is unknown may be on any of them: not free.

@@ -26,6 +26,7 @@ from gpuguardd.bus.names import (
     default_address,
 )
 from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report
 from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 
@@ -196,8 +197,8 @@ class DBusBackend:
             return [marshal.unwrap(h) for h in holders]
         return self._run(get)
 
-    def sweep(self, request: SweepRequest) -> dict[str, Any]:
-        async def run(bus: MessageBus) -> dict[str, Any]:
+    def sweep(self, request: SweepRequest) -> Report:
+        async def run(bus: MessageBus) -> Report:
             options: dict[str, Variant] = {}
             if request.gpus:
                 options["gpus"] = await self._gpus_option(bus, request.gpus)
@@ -222,14 +223,15 @@ class DBusBackend:
             else:
                 (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "Sweep",
                                              "a{sv}", [options], interactive=True, timeout=None)
-            return marshal.unwrap(report)  # type: ignore[no-any-return]
+            return Report.from_dict(marshal.unwrap(report))
         return self._run(run)
 
-    def history(self, count: int) -> list[dict[str, Any]]:
-        async def get(bus: MessageBus) -> list[dict[str, Any]]:
+    def history(self, count: int) -> list[Report]:
+        async def get(bus: MessageBus) -> list[Report]:
             (reports,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "GetHistory", "u",
                                           [count])
-            return [marshal.unwrap(r) for r in reports]
+            # Records of any shape: a history may hold what an older version wrote (wire.py).
+            return [Report.from_dict(marshal.unwrap(r)) for r in reports]
         return self._run(get)
 
     def reload(self) -> None:

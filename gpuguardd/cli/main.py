@@ -14,25 +14,15 @@ import os
 import pwd
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from gpuguardd import __version__
-from gpuguardd.engine.models import (
-    OUTCOME_DRY_RUN,
-    OUTCOME_ERROR,
-    OUTCOME_FREED,
-    OUTCOME_NOT_RELEASED,
-    OUTCOME_NOTHING,
-    OUTCOME_SURVIVORS,
-    OUTCOME_UNVERIFIED,
-    SweepRequest,
-)
+from gpuguardd.engine.enums import Outcome
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
 from gpuguardd.systemd import hooks
-
-if TYPE_CHECKING:
-    from gpuguardd.engine.models import Report
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -44,13 +34,13 @@ EXIT_UNVERIFIED = 6
 EXIT_NOT_FREE = 7
 
 OUTCOME_EXIT = {
-    OUTCOME_FREED: EXIT_OK,
-    OUTCOME_NOTHING: EXIT_OK,
-    OUTCOME_DRY_RUN: EXIT_OK,
-    OUTCOME_SURVIVORS: EXIT_SURVIVORS,
-    OUTCOME_NOT_RELEASED: EXIT_NOT_RELEASED,
-    OUTCOME_UNVERIFIED: EXIT_UNVERIFIED,
-    OUTCOME_ERROR: EXIT_ERROR,
+    Outcome.FREED: EXIT_OK,
+    Outcome.NOTHING: EXIT_OK,
+    Outcome.DRY_RUN: EXIT_OK,
+    Outcome.SURVIVORS: EXIT_SURVIVORS,
+    Outcome.NOT_RELEASED: EXIT_NOT_RELEASED,
+    Outcome.UNVERIFIED: EXIT_UNVERIFIED,
+    Outcome.ERROR: EXIT_ERROR,
 }
 
 log = logging.getLogger("gpuguard.cli")
@@ -64,9 +54,9 @@ class Backend(Protocol):
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[dict[str, Any]]: ...
 
-    def sweep(self, request: SweepRequest) -> dict[str, Any]: ...
+    def sweep(self, request: SweepRequest) -> Report: ...
 
-    def history(self, count: int) -> list[dict[str, Any]]: ...
+    def history(self, count: int) -> list[Report]: ...
 
 
 def requester_description() -> str:
@@ -118,7 +108,7 @@ class LocalBackend:
             log.warning("%s", warning)
         return [h.to_dict() for h in found]
 
-    def sweep(self, request: SweepRequest) -> dict[str, Any]:
+    def sweep(self, request: SweepRequest) -> Report:
         # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
         # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
         request.requested_by = (request.requested_by or hooks.requested_by_for_reason(request.reason)
@@ -127,8 +117,8 @@ class LocalBackend:
             self.engine.resolve_request(request)  # a bad unit name is refused before anything
             import asyncio
 
-            return asyncio.run(self._sweep_unit(request)).to_dict()
-        return self.engine.sweep(request).to_dict()
+            return asyncio.run(self._sweep_unit(request))
+        return self.engine.sweep(request)
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
@@ -152,7 +142,7 @@ class LocalBackend:
         assert report is not None  # None only for the daemon's watcher's own requests
         return report
 
-    def history(self, count: int) -> list[dict[str, Any]]:
+    def history(self, count: int) -> list[Report]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")
 
 
@@ -310,18 +300,18 @@ def run(argv: Sequence[str] | None = None) -> int:
                                    include_management=args.include_management,
                                    reason=args.reason)
             report = backend.sweep(request)
-            output.print_json(report, out) if args.json else output.print_report(report, out)
-            return OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+            output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
+            return OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
         if args.verb == "check":
             return run_check(backend, args.gpu, args.json, out)
         if args.verb == "history":
             reports = backend.history(args.count)
             if args.json:
-                output.print_json(reports, out)
+                output.print_json([report.to_dict() for report in reports], out)
             else:
                 for report in reports:
                     output.print_report(report, out)
-                output.print_omitted(reports, "reports", out)
+                output.print_omitted_reports(reports, out)
             return EXIT_OK
         if args.verb == "watch":
             from gpuguardd.cli.client import DBusBackend
@@ -388,7 +378,7 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
                                include_management=args.include_management, reason=reason,
                                slurm_job=job.job_id, slurm_uid=job.uid)
         deadline = (args.deadline if args.deadline is not None else slurm.EPILOG_DEADLINE_MS) / 1000
-        result: list[Any] = []
+        result: list[Report | BaseException] = []
 
         def work() -> None:
             try:
@@ -405,18 +395,18 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
             return EXIT_ERROR
         if isinstance(result[0], BaseException):
             raise result[0]
-        report: dict[str, Any] = result[0]
+        report = result[0]
     except (GpuGuardError, DaemonUnavailable) as exc:
         code = EXIT_USAGE if isinstance(exc, InvalidArgument) else \
             EXIT_NOT_AUTHORIZED if isinstance(exc, NotAuthorized) else EXIT_ERROR
-        line = slurm.summary(job_id, {"outcome": "error", "error": str(exc)})
+        line = slurm.summary(job_id, Report(outcome=Outcome.ERROR, error=str(exc)))
         log.error("%s", line)
         out.write(line + "\n")
         return code
     output.print_report(report, sys.stderr)
-    code = OUTCOME_EXIT.get(report.get("outcome", OUTCOME_ERROR), EXIT_ERROR)
+    code = OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
     if args.json:
-        output.print_json(report, out)
+        output.print_json(report.to_dict(), out)
     elif code != EXIT_OK:
         out.write(slurm.summary(job_id, report) + "\n")
     return code

@@ -1,8 +1,8 @@
 """Human-readable output for gpuguardctl: aligned tables and sizes an admin reads at a glance.
 
 Everything a printer here formats comes from processes, callers or files nobody vetted: each
-printer escapes its whole input first (escaping.escaped), and table() its cells, so no field
-can reach the terminal raw. JSON output (print_json) stays JSON: json escapes on its own.
+printer escapes its whole input first (escaping.escaped), or each line it writes whole, and
+table() its cells, so no field can reach the terminal raw. JSON output (print_json) stays JSON: json escapes on its own.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
+from gpuguardd.engine.report import Report, ReportScope, Spared, Survivor, Target, Terminated
+from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
 
 
@@ -78,24 +80,26 @@ def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
 
 def print_omitted(entries: list[dict[str, Any]], what: str, out: TextIO) -> None:
     """The daemon cut the reply to stay under the bus's message size (replysize.py): say so."""
-    omitted = entries[-1].get(OMITTED_KEY, 0) if entries else 0
-    if omitted:
+    _say_omitted(entries[-1].get(OMITTED_KEY, 0) if entries else 0, what, out)
+
+
+def _say_omitted(omitted: object, what: str, out: TextIO) -> None:
+    if isinstance(omitted, int) and omitted:
         out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
                   f"bus's message size)\n")
 
 
-def describe_scope(scope: Any) -> str:
-    scope = _fields(escaped(scope))
+def describe_scope(scope: ReportScope) -> str:
     parts = []
-    if scope.get("gpus"):
-        parts.append("GPU " + _joined(scope["gpus"]))
-    if scope.get("mig"):
-        parts.append("MIG " + _joined(scope["mig"]))
-    if scope.get("unit"):
-        parts.append(f"unit {scope['unit']}")
-    if scope.get("container"):
-        parts.append(f"container {scope['container']}")
-    return ", ".join(parts) or "whole host"
+    if scope.gpus:
+        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
+    if scope.mig:
+        parts.append("MIG " + ",".join(scope.mig))
+    if scope.unit:
+        parts.append(f"unit {scope.unit}")
+    if scope.container:
+        parts.append(f"container {scope.container}")
+    return escape_text(", ".join(parts) or "whole host")
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
@@ -103,59 +107,57 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"{key}: {value}\n")
 
 
-# A report may come from history.jsonl, which an older version wrote or someone edited: the
-# printer takes any shape (a key missing, a string where a list was, a list of numbers) and
-# shows "?" for what it cannot read, rather than losing the admin the rest of the history.
+# A report may come from history.jsonl, which an older version wrote or someone edited: it is
+# read leniently (engine/wire.py), and what could not be read (a key missing, a string where a
+# list was) shows as "?" rather than losing the admin the rest of the history.
 
-def _fields(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _entries(value: Any) -> list[dict[str, Any]]:
-    """The records in a report's list; anything else in it is shown as text in a record."""
-    if not isinstance(value, list):
-        return []
-    return [item if isinstance(item, dict) else {"comm": str(item)} for item in value]
+def _line(out: TextIO, text: str) -> None:
+    """One line, escaped whole: every field in it is, and gpuguard's own words need none."""
+    out.write(escape_text(text) + "\n")
 
 
-def _joined(value: Any) -> str:
-    return ",".join(str(item) for item in value) if isinstance(value, list) else str(value)
+def _shown(record: WireRecord, name: str) -> str:
+    return "?" if name in record.unread else str(getattr(record, name))
 
 
-def _size(value: Any) -> str:
-    return human_bytes(value) if isinstance(value, int) and not isinstance(value, bool) else "?"
+def _size(record: WireRecord, name: str) -> str:
+    return "?" if name in record.unread else human_bytes(getattr(record, name))
 
 
-def _row(entry: dict[str, Any]) -> str:
-    return f"{entry.get('pid', '?')!s:>7}  {entry.get('comm', '?')!s:<16} {entry.get('unit') or '-'}"
+def _row(entry: Terminated | Survivor | Spared | Target) -> str:
+    unit = "-" if "unit" in entry.unread else entry.unit or "-"
+    return f"{_shown(entry, 'pid'):>7}  {_shown(entry, 'comm'):<16} {unit}"
 
 
-def print_report(report: Any, out: TextIO) -> None:
-    report = _fields(escaped(report))
-    what = describe_scope(report.get("scope"))
-    dry = " (dry run)" if report.get("dry_run") else ""
-    out.write(f"Sweep {str(report.get('id', '?'))[:8]} of {what}{dry}, "
-              f"requested by {report.get('requested_by', '?')}\n")
-    if report.get("dry_run"):
-        for t in _entries(report.get("targets")):
-            out.write(f"  would end   {_row(t)}\n")
-    for t in _entries(report.get("terminated")):
-        note = f", zombie of {t['zombie_parent']}" if t.get("zombie_parent") else ""
-        out.write(f"  terminated  {_row(t)}  "
-                  f"{t.get('signal') or 'gone'} after {t.get('exited_after_ms', '?')} ms{note}\n")
-    for s in _entries(report.get("survived")):
-        out.write(f"  SURVIVED    {_row(s)}  {s.get('why', '?')}\n")
-    for s in _entries(report.get("spared")):
-        out.write(f"  spared      {_row(s)}  {s.get('why', '?')}\n")
-    for g in _entries(report.get("gpus")):
-        after = _size(g.get("memory_used_after")) if not report.get("dry_run") else "-"
-        flag = "" if g.get("released") or report.get("dry_run") else " (not released)"
-        what = f"GPU {g.get('index', '?')}" + (f" MIG {g['mig_uuid']}" if g.get("mig_uuid") else "")
-        out.write(f"  {what}: {_size(g.get('memory_used_before'))} used before, {after} after{flag}\n")
-    for leak in _entries(report.get("leaks")):
-        out.write(f"  LEAK: GPU {leak.get('gpu', '?')} keeps {_size(leak.get('bytes'))} "
-                  f"with no process holding it\n")
-    warnings = report.get("warnings")
-    for warning in warnings if isinstance(warnings, list) else [warnings] if warnings else []:
-        out.write(f"  warning: {warning}\n")
-    out.write(f"Outcome: {report.get('outcome', '?')} in {report.get('duration_ms', '?')} ms\n")
+def print_report(report: Report, out: TextIO) -> None:
+    what = describe_scope(report.scope)
+    dry = " (dry run)" if report.dry_run else ""
+    _line(out, f"Sweep {_shown(report, 'id')[:8]} of {what}{dry}, "
+               f"requested by {_shown(report, 'requested_by')}")
+    if report.dry_run:
+        for target in report.targets:
+            _line(out, f"  would end   {_row(target)}")
+    for ended in report.terminated:
+        note = f", zombie of {ended.zombie_parent}" if ended.zombie_parent else ""
+        _line(out, f"  terminated  {_row(ended)}  "
+                   f"{ended.signal or 'gone'} after {_shown(ended, 'exited_after_ms')} ms{note}")
+    for survivor in report.survived:
+        _line(out, f"  SURVIVED    {_row(survivor)}  {_shown(survivor, 'why')}")
+    for spared in report.spared:
+        _line(out, f"  spared      {_row(spared)}  {_shown(spared, 'why')}")
+    for gpu in report.gpus:
+        after = _size(gpu, "memory_used_after") if not report.dry_run else "-"
+        flag = "" if gpu.released or report.dry_run else " (not released)"
+        what = f"GPU {_shown(gpu, 'index')}" + (f" MIG {gpu.mig_uuid}" if gpu.mig_uuid else "")
+        _line(out, f"  {what}: {_size(gpu, 'memory_used_before')} used before, {after} after{flag}")
+    for leak in report.leaks:
+        _line(out, f"  LEAK: GPU {_shown(leak, 'gpu')} keeps {_size(leak, 'bytes')} "
+                   "with no process holding it")
+    for warning in report.warnings:
+        _line(out, f"  warning: {warning}")
+    _line(out, f"Outcome: {_shown(report, 'outcome')} in {_shown(report, 'duration_ms')} ms")
+
+
+def print_omitted_reports(reports: list[Report], out: TextIO) -> None:
+    """GetHistory cut its reply to stay under the bus's message size (replysize.py): say so."""
+    _say_omitted(reports[-1].unknown.get(OMITTED_KEY, 0) if reports else 0, "reports", out)

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import describe_scope, human_bytes
+from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.escaping import escaped
 
 # Argument names of each signal, as in dbus/org.gpuguard.GpuGuard1.xml.
@@ -23,15 +24,15 @@ SIGNAL_ARGS = {
 def describe(member: str, fields: dict[str, Any]) -> str:
     fields = escaped(fields)
     if member == "SweepStarted":
-        return f"sweep {fields['id'][:8]} started: {describe_scope(fields['scope'])}"
+        return f"sweep {fields['id'][:8]} started: {describe_scope(ReportScope.from_dict(fields['scope']))}"
     if member == "ProcessTerminated":
         return (f"sweep {fields['id'][:8]}: pid {fields['pid']} ({fields['comm']}, "
                 f"unit {fields['unit'] or '-'}) ended by {fields['signal'] or 'itself'}")
     if member == "SweepFinished":
-        report = fields["report"]
+        report = Report.from_dict(fields["report"])
         return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "
-                f"({len(report.get('terminated', []))} terminated, "
-                f"{len(report.get('survived', []))} survived) in {report.get('duration_ms', 0)} ms")
+                f"({len(report.terminated)} terminated, "
+                f"{len(report.survived)} survived) in {report.duration_ms} ms")
     if member == "LeakSuspected":
         return (f"GPU {fields['gpu']} ({fields['uuid']}): {human_bytes(int(fields['bytes']))} "
                 "in use with no process holding it")

@@ -29,9 +29,11 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from gpuguardd import safetext
+from gpuguardd.engine.report import Report
+from gpuguardd.engine.wire import Wire
 from gpuguardd.safefiles import create_temporary, open_nofollow
 
 log = logging.getLogger("gpuguard.history")
@@ -71,7 +73,7 @@ def _read_line(handle: BinaryIO) -> bytes | None:
 class _Scan:
     """What one pass over the history file found."""
 
-    entries: collections.deque[dict[str, Any]]
+    entries: collections.deque[Wire]
     good: int = 0  # readable reports in the file (entries keeps only the newest)
     garbled: list[int] = field(default_factory=list)  # the first unreadable line numbers
     garbled_count: int = 0
@@ -102,7 +104,7 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def _encode(report: dict[str, Any]) -> bytes:
+def _encode(report: Wire) -> bytes:
     # ensure_ascii keeps each record a single line whatever a process called itself.
     return (json.dumps(report, sort_keys=True, ensure_ascii=True, default=str) + "\n").encode("ascii")
 
@@ -115,7 +117,8 @@ class History:
         self.path = os.path.join(directory, FILE_NAME)
         self.max_entries = max(1, max_entries)
         self._lock = threading.Lock()
-        self._entries: collections.deque[dict[str, Any]] = collections.deque()
+        # Records as stored (their wire form): a record of any shape is served as it was read.
+        self._entries: collections.deque[Wire] = collections.deque()
         self._lines_in_file = 0
         # False after a failed write: the file may end mid-line, so the next write rewrites it.
         self._file_clean = True
@@ -215,7 +218,7 @@ class History:
         return scan
 
     @staticmethod
-    def _decode(line: bytes) -> dict[str, Any] | None:
+    def _decode(line: bytes) -> Wire | None:
         try:
             # surrogateescape: a raw bad byte is repaired with the rest, not a lost record.
             entry = json.loads(line.decode("utf-8", "surrogateescape"))
@@ -243,9 +246,9 @@ class History:
 
     # -- writing -------------------------------------------------------------------------
 
-    def append(self, report: dict[str, Any]) -> None:
+    def append(self, record: Report) -> None:
         """Store one report durably (blocks on fsync: call from an executor)."""
-        report, _ = safetext.repair(report)  # what is read back must be sendable as it is
+        report, _ = safetext.repair(record.to_dict())  # what is read back must be sendable as it is
         with self._lock:
             self._entries.append(report)
             while len(self._entries) > self.max_entries:
@@ -311,16 +314,17 @@ class History:
 
     # -- reading -------------------------------------------------------------------------
 
-    def newest(self, count: int) -> list[dict[str, Any]]:
-        """Up to `count` reports, newest first (0: all that are kept)."""
+    def newest(self, count: int) -> list[Wire]:
+        """Up to `count` reports as stored, newest first (0: all that are kept)."""
         with self._lock:
             if count <= 0 or count >= len(self._entries):
                 return list(reversed(self._entries))
             return list(itertools.islice(reversed(self._entries), count))
 
-    def last(self) -> dict[str, Any] | None:
+    def last(self) -> Report | None:
+        """The newest report, read as leniently as the file may need (wire.py)."""
         with self._lock:
-            return self._entries[-1] if self._entries else None
+            return Report.from_dict(self._entries[-1]) if self._entries else None
 
     def __len__(self) -> int:
         with self._lock:

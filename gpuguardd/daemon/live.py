@@ -37,8 +37,9 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
+from gpuguardd.engine.enums import GpuState
 from gpuguardd.engine.facade import Engine, gpu_summaries
-from gpuguardd.engine.models import GPU_LEAKED, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult
 
 log = logging.getLogger("gpuguard.live")
 
@@ -214,10 +215,10 @@ class Inventory:
         # instance is busy, so each instance is announced by its MIG UUID.
         leaked: dict[tuple[int, str], tuple[str, int]] = {}
         for summary in self.summaries:
-            if summary["state"] == GPU_LEAKED:
+            if summary["state"] == GpuState.LEAKED:
                 leaked[(summary["index"], "")] = (summary["uuid"], summary["memory_used"])
             for mig in summary.get("mig_instances") or []:
-                if mig["state"] == GPU_LEAKED:
+                if mig["state"] == GpuState.LEAKED:
                     leaked[(summary["index"], mig["uuid"])] = (mig["uuid"], mig["memory_used"])
         for key, (uuid, used) in leaked.items():
             if key not in self._leaked:

@@ -29,22 +29,12 @@ from prometheus_client.metrics_core import (
 )
 
 from gpuguardd import __version__
-from gpuguardd.engine.models import (
-    KIND_COMPUTE,
-    KIND_MANAGEMENT,
-    OUTCOME_DRY_RUN,
-    OUTCOME_ERROR,
-    OUTCOME_FREED,
-    OUTCOME_NOT_RELEASED,
-    OUTCOME_NOTHING,
-    OUTCOME_SURVIVORS,
-    OUTCOME_UNVERIFIED,
-)
+from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
+from gpuguardd.engine.report import Report
 
 TEXTFILE_NAME = "gpuguard.prom"
-GPU_STATES = ("idle", "in-use", "leaked", "lost", "unknown")
-OUTCOMES = (OUTCOME_FREED, OUTCOME_NOTHING, OUTCOME_SURVIVORS, OUTCOME_NOT_RELEASED,
-            OUTCOME_DRY_RUN, OUTCOME_ERROR, OUTCOME_UNVERIFIED)
+GPU_STATES = tuple(state.value for state in GpuState)
+KINDS = tuple(kind.value for kind in HolderKind)
 SIGNALS = ("SIGTERM", "SIGKILL")
 PROCESS_STATES = ("R", "S", "D", "Z", "T", "t", "X", "I")
 # Sweeps finish in milliseconds (nothing to do) to minutes (grace + kill + verify timeouts).
@@ -52,11 +42,11 @@ SWEEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 RELEASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def trigger_of(report: dict[str, Any]) -> str:
+def trigger_of(report: Report) -> str:
     """Who started a sweep, as a label: the ExecStopPost hook, the unit watch, a Slurm epilog,
     or anyone else (an admin, a script)."""
-    requested_by = str(report.get("requested_by", ""))
-    if str(report.get("reason", "")).startswith("slurm:"):
+    requested_by = report.requested_by
+    if report.reason.startswith("slurm:"):
         return "slurm"
     if requested_by.startswith("hook:"):
         return "hook"
@@ -128,38 +118,41 @@ class Metrics:
 
     # -- input ---------------------------------------------------------------------------
 
-    def observe_report(self, report: dict[str, Any]) -> None:
+    def observe_report(self, report: Report) -> None:
         with self._lock:
-            outcome = _one_of(report.get("outcome", ""), OUTCOMES)
+            # A report read back without a readable outcome counts as "other", as any value
+            # outside the fixed set would.
+            outcome = "other" if "outcome" in report.unread else report.outcome.value
             key = (outcome, trigger_of(report))
             self._sweeps[key] = self._sweeps.get(key, 0) + 1
-            for entry in report.get("terminated", []):
-                sig = _one_of(entry.get("signal") or "none", (*SIGNALS, "none"))
+            for ended in report.terminated:
+                sig = _one_of(ended.signal or "none", (*SIGNALS, "none"))
                 self._terminated[sig] = self._terminated.get(sig, 0) + 1
-            for entry in report.get("survived", []):
-                state = _one_of(entry.get("state", ""), PROCESS_STATES)
+            for survivor in report.survived:
+                state = _one_of(survivor.state, PROCESS_STATES)
                 self._survived[state] = self._survived.get(state, 0) + 1
-            for entry in report.get("spared", []):
-                why = spared_why(str(entry.get("why", "")))
+            for spared in report.spared:
+                why = spared_why(spared.why)
                 self._spared[why] = self._spared.get(why, 0) + 1
-            duration = max(0, int(report.get("duration_ms", 0))) / 1000.0
+            duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
-            if not report.get("dry_run"):
-                for gpu in report.get("gpus", []):
-                    before = int(gpu.get("memory_used_before", 0))
-                    after = int(gpu.get("memory_used_after", before))
-                    self._reclaimed += max(0, before - after)
+            if not report.dry_run:
+                for gpu in report.gpus:
+                    # Not read back: nothing is known to have come back.
+                    after = gpu.memory_used_before if "memory_used_after" in gpu.unread \
+                        else gpu.memory_used_after
+                    self._reclaimed += max(0, gpu.memory_used_before - after)
             # A freed sweep ends the moment NVML shows the memory back: its duration is the
             # time from the request to the memory being usable again.
-            if outcome == OUTCOME_FREED:
+            if outcome == Outcome.FREED:
                 self._release.observe(duration)
             self._note_finished(report)
 
-    def _note_finished(self, report: dict[str, Any]) -> None:
-        finished = int(report.get("started_usec", 0)) / 1e6 + int(report.get("duration_ms", 0)) / 1e3
+    def _note_finished(self, report: Report) -> None:
+        finished = report.started_usec / 1e6 + report.duration_ms / 1e3
         self._last_sweep = max(self._last_sweep, finished)
 
-    def note_history(self, last: dict[str, Any] | None) -> None:
+    def note_history(self, last: Report | None) -> None:
         """The newest report kept from before a restart: its time, not its counts (counters
         restart at zero with the daemon, which Prometheus's rate() expects)."""
         if last:
@@ -172,7 +165,7 @@ class Metrics:
         for holder in holders:
             for index in getattr(holder, "gpus", ()):
                 per_gpu = kinds.setdefault(int(index), {})
-                kind = _one_of(getattr(holder, "kind", ""), (KIND_COMPUTE, KIND_MANAGEMENT))
+                kind = _one_of(getattr(holder, "kind", ""), KINDS)
                 per_gpu[kind] = per_gpu.get(kind, 0) + 1
         gpus = []
         for summary in summaries:
@@ -222,8 +215,8 @@ class Metrics:
                                   labels=["gpu", "UUID", "state"])
         for gpu in self._gpus:
             ids = [gpu["gpu"], gpu["UUID"]]
-            leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == "leaked" else 0)
-            for kind in (KIND_COMPUTE, KIND_MANAGEMENT):
+            leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
+            for kind in KINDS:
                 holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
             for name in GPU_STATES:
                 state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)

@@ -21,12 +21,14 @@ import time
 import uuid
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
+from gpuguardd.engine.enums import Outcome
 from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import OUTCOME_ERROR, Report, SweepRequest
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report, ReportScope, Terminated
 from gpuguardd.errors import GpuGuardError
 
 log = logging.getLogger("gpuguard.runner")
@@ -35,7 +37,7 @@ log = logging.getLogger("gpuguard.runner")
 class SweepEvents(Protocol):
     """What the service publishes; called on the event loop."""
 
-    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None: ...
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None: ...
@@ -64,8 +66,8 @@ class InFlight:
     budget_sec: float
     started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
     report_id: str = ""
-    scope: dict[str, Any] = field(default_factory=dict)
-    terminated: list[dict[str, Any]] = field(default_factory=list)
+    scope: ReportScope | None = None
+    terminated: list[Terminated] = field(default_factory=list)
 
 
 class LoopObserver:
@@ -77,22 +79,22 @@ class LoopObserver:
         self.events = events
         self.flight = flight
 
-    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
-        self.loop.call_soon_threadsafe(self._started, report_id, dict(scope))
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.loop.call_soon_threadsafe(self._started, report_id, scope)
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None:
         self.loop.call_soon_threadsafe(self._terminated, report_id, pid, comm, unit, signal_name)
 
-    def _started(self, report_id: str, scope: dict[str, object]) -> None:
+    def _started(self, report_id: str, scope: ReportScope) -> None:
         if self.flight is not None:
-            self.flight.report_id, self.flight.scope = report_id, dict(scope)
+            self.flight.report_id, self.flight.scope = report_id, scope
         self.events.sweep_started(report_id, scope)
 
     def _terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
         if self.flight is not None:
-            self.flight.terminated.append({"pid": pid, "comm": comm, "unit": unit,
-                                           "signal": signal_name})
+            self.flight.terminated.append(Terminated(pid=pid, comm=comm, unit=unit,
+                                                     signal=signal_name))
         self.events.process_terminated(report_id, pid, comm, unit, signal_name)
 
 
@@ -168,12 +170,14 @@ class SweepRunner:
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             request = flight.request
+            # Without the sweep's own word on its scope, only the unit asked for is known.
+            scope = flight.scope or ReportScope.from_dict({"unit": request.unit})
             report = Report(
                 id=flight.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
-                requested_by=request.requested_by, scope=flight.scope or {"unit": request.unit},
-                dry_run=bool(request.dry_run), reason=request.reason, outcome=OUTCOME_ERROR,
+                requested_by=request.requested_by, scope=scope,
+                dry_run=bool(request.dry_run), reason=request.reason, outcome=Outcome.ERROR,
                 duration_ms=(time.time_ns() // 1000 - flight.started_usec) // 1000,
-                terminated=[{**t, "exited_after_ms": 0} for t in flight.terminated],
+                terminated=list(flight.terminated),
                 error="gpuguardd stopped while this sweep was still running; what it had "
                       "ended by then is listed, the rest is unknown")
             log.warning("sweep %s still running at shutdown: recorded as interrupted (%d "
@@ -187,7 +191,7 @@ class SweepRunner:
                      request.requested_by)
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io_executor, self.history.append, report.to_dict())
+        await loop.run_in_executor(self.io_executor, self.history.append, report)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""

@@ -30,7 +30,9 @@ from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
-from gpuguardd.engine.models import NvmlSnapshot, Report, ScanResult, SweepRequest
+from gpuguardd.engine.models import NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.report import Report, ReportScope
+from gpuguardd.engine.wire import Wire
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.systemd import hooks
 from gpuguardd.systemd.unitwatch import UnitWatch
@@ -62,19 +64,18 @@ class Service:
         self.fresh_scans = PerKey(FRESH_SCAN_INTERVAL_SEC)
         self.inventory = Inventory(engine, scan_executor, self)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self)
-        last = history.last()
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
             "GpuCount": 0, "Busy": False,
             "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
-        if last:
+        for stored in history.newest(1):
             # Typed once, through the cache GetHistory and SweepFinished share (not exported
             # yet: no PropertiesChanged).
-            self.manager.update(LastSweep=self.manager.typed_report(last))
+            self.manager.update(LastSweep=self.manager.typed_report(stored))
         self.metrics = Metrics()
-        self.metrics.note_history(last)
+        self.metrics.note_history(history.last())
         self.gpus: dict[int, GpuInterface] = {}
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
@@ -111,7 +112,8 @@ class Service:
             text += f", {self.runner.active} sweep(s) running"
         last = self.store.last()
         if last:
-            text += f", last sweep {str(last.get('id', ''))[:8]}: {last.get('outcome', '?')}"
+            outcome = "?" if "outcome" in last.unread else last.outcome.value
+            text += f", last sweep {last.id[:8]}: {outcome}"
         return text
 
     # -- ManagerBackend ------------------------------------------------------------------
@@ -171,7 +173,7 @@ class Service:
             self._typed_for = result
         return self._typed
 
-    async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]:
+    async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
         request = SweepRequest(
             gpus=marshal.gpu_list(options.get("gpus", [])), unit=options.get("unit", ""),
             container=options.get("container", ""), grace_ms=options.get("grace_ms"),
@@ -194,7 +196,7 @@ class Service:
         report = await self.runner.run(request)
         return report.to_dict()
 
-    def history(self, count: int) -> list[dict[str, Any]]:
+    def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
@@ -249,8 +251,8 @@ class Service:
 
     # -- SweepEvents ---------------------------------------------------------------------
 
-    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
-        self.manager.SweepStarted(report_id, marshal.scope(scope))
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None:
@@ -258,15 +260,14 @@ class Service:
 
     def sweep_finished(self, report: Report) -> None:
         data = self.manager.typed_report(report.to_dict())
-        self.manager.SweepFinished(report.id, report.outcome, data)
+        self.manager.SweepFinished(report.id, report.outcome.value, data)
         self.manager.update(LastSweep=data)
-        self.metrics.observe_report(report.to_dict())
+        self.metrics.observe_report(report)
         self._publish_metrics()
         for leak in report.leaks:
-            index = int(leak.get("gpu", 0))
-            mig_uuid = str(leak.get("mig_uuid", ""))  # a MIG instance is named by its own UUID
-            self.leak_suspected(index, mig_uuid or str(leak.get("uuid", "")), int(leak.get("bytes", 0)))
-            self.inventory.note_leak_reported(index, mig_uuid)
+            # A MIG instance is named by its own UUID.
+            self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
+            self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
         self.inventory.request_rescan()
         self.on_change()
 

@@ -22,27 +22,15 @@ from gpuguardd.engine.attribution import (
     validate_container_label,
 )
 from gpuguardd.engine.devices import DeviceMap, build_device_map
+from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
-from gpuguardd.engine.models import (
-    GPU_IDLE,
-    GPU_IN_USE,
-    GPU_LEAKED,
-    GPU_LOST,
-    GPU_UNKNOWN,
-    KIND_COMPUTE,
-    GpuInfo,
-    Holder,
-    NvmlSnapshot,
-    Report,
-    ScanResult,
-    Scope,
-    SweepRequest,
-)
+from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, Scope, SweepRequest
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
+from gpuguardd.engine.report import Report
 from gpuguardd.engine.selectors import INDEX, MIG_UUID, KnownGpu, selector
 from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 from gpuguardd.errors import InvalidArgument
@@ -287,7 +275,8 @@ class Engine:
             report = sweep.run()
         finally:
             locks.release()
-        level = logging.INFO if report.outcome in ("freed", "nothing-to-do", "dry-run") else logging.WARNING
+        level = logging.INFO if report.outcome in (Outcome.FREED, Outcome.NOTHING, Outcome.DRY_RUN) \
+            else logging.WARNING
         log.log(level, "sweep %s finished: %s (%d terminated, %d survived, %d spared) in %d ms",
                 report.id[:8], report.outcome, len(report.terminated), len(report.survived),
                 len(report.spared), report.duration_ms)
@@ -313,7 +302,8 @@ def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  
             "index": index, "uuid": "", "name": "", "pci_bus_id": "", "minor": index,
             "device_path": path, "memory_total": 0, "memory_used": 0,
             "holder_count": len(holders),
-            "state": "in-use" if any(_makes_in_use(h, index) for h in holders) else GPU_UNKNOWN,
+            "state": (GpuState.IN_USE if any(_makes_in_use(h, index) for h in holders)
+                      else GpuState.UNKNOWN).value,
             "error": scan.nvml.error or "NVML unavailable",
         })
     return summaries
@@ -381,7 +371,7 @@ def _makes_in_use(holder: Holder, index: int) -> bool:
     dcgm-exporter, gpuguardd's own NVML handles) and protected processes hold every GPU's node
     on a real host: counting them would make every GPU in-use forever and hide every leak.
     NVML's own lists (GpuInfo.processes) count whoever is on them."""
-    return index in holder.gpus and holder.kind == KIND_COMPUTE and not holder.protected
+    return index in holder.gpus and holder.kind == HolderKind.COMPUTE and not holder.protected
 
 
 def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  # type: ignore[type-arg]
@@ -390,20 +380,20 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  #
     for gpu in scan.nvml.gpus:
         holders = [h for h in scan.holders if gpu.index in h.gpus]
         if gpu.lost:
-            state = "lost"
+            state = GpuState.LOST
         elif gpu.unknown:
-            state = GPU_UNKNOWN
+            state = GpuState.UNKNOWN
         elif gpu.processes or any(_makes_in_use(h, gpu.index) for h in holders):
-            state = "in-use"
+            state = GpuState.IN_USE
         elif gpu.memory_used > released_below_bytes:
-            state = "leaked"
+            state = GpuState.LEAKED
         else:
-            state = "idle"
+            state = GpuState.IDLE
         summaries.append({
             "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
             "pci_bus_id": gpu.pci_bus_id, "minor": gpu.minor if gpu.minor is not None else 0,
             "device_path": gpu.device_path, "memory_total": gpu.memory_total,
-            "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state,
+            "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state.value,
             "error": gpu.error, "mig_mode": gpu.mig_mode,
             "mig_instances": mig_summaries(gpu, scan.holders, released_below_bytes),
         })
@@ -418,18 +408,18 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
     for instance in gpu.mig:
         tenants = [h for h in holders if instance.uuid in h.mig]
         if gpu.lost:
-            state = GPU_LOST
+            state = GpuState.LOST
         elif gpu.unknown or (instance.error and not instance.memory_total):
-            state = GPU_UNKNOWN  # never idle on a figure that could not be read
-        elif instance.processes or any(h.kind == KIND_COMPUTE and not h.protected for h in tenants):
-            state = GPU_IN_USE  # as _makes_in_use: management holders never make it busy
+            state = GpuState.UNKNOWN  # never idle on a figure that could not be read
+        elif instance.processes or any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants):
+            state = GpuState.IN_USE  # as _makes_in_use: management holders never make it busy
         elif instance.memory_used > released_below_bytes:
-            state = GPU_LEAKED
+            state = GpuState.LEAKED
         else:
-            state = GPU_IDLE
+            state = GpuState.IDLE
         out.append({"uuid": instance.uuid, "gpu_instance_id": instance.gpu_instance_id,
                     "compute_instance_id": instance.compute_instance_id,
                     "device_path": instance.device_path, "memory_total": instance.memory_total,
                     "memory_used": instance.memory_used, "holder_count": len(tenants),
-                    "state": state})
+                    "state": state.value})
     return out

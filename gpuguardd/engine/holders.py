@@ -20,16 +20,9 @@ from gpuguardd import safetext
 from gpuguardd.engine import procfs
 from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap
+from gpuguardd.engine.enums import GpusFrom, HolderKind
 from gpuguardd.engine.mig import instances_for_caps
-from gpuguardd.engine.models import (
-    GPUS_FROM_NODES,
-    GPUS_FROM_NVML,
-    KIND_COMPUTE,
-    KIND_MANAGEMENT,
-    DeviceNode,
-    Holder,
-    NvmlSnapshot,
-)
+from gpuguardd.engine.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.engine.process import ProcessHandle
 
 PROC = procfs.PROC
@@ -313,11 +306,11 @@ def describe(pid: int, nvml: NvmlSnapshot,
     # node. The nodes stand in, for display, for a process NVML does not list; the sweep's
     # scope rule (sweep.gpu_scope) treats the two sources differently.
     if holder.nvml_gpus:
-        holder.gpus, holder.gpus_from = holder.nvml_gpus, GPUS_FROM_NVML
+        holder.gpus, holder.gpus_from = holder.nvml_gpus, GpusFrom.NVML
     elif holder.node_gpus:
-        holder.gpus, holder.gpus_from = list(holder.node_gpus), GPUS_FROM_NODES
+        holder.gpus, holder.gpus_from = list(holder.node_gpus), GpusFrom.NODES
     holder.gpu_memory = memory
-    holder.kind = KIND_COMPUTE if ("uvm" in holder.roles or "nvml" in how) else KIND_MANAGEMENT
+    holder.kind = HolderKind.COMPUTE if ("uvm" in holder.roles or "nvml" in how) else HolderKind.MANAGEMENT
     if not holder.how or not handle.alive():
         handle.close()
         return None

@@ -1,7 +1,8 @@
 """Plain data passed between the engine's modules, the service and the CLI.
 
 `to_dict()` gives the contract's field names with plain Python values; the service turns those
-into D-Bus variants and the CLI into JSON, so both speak the same vocabulary.
+into D-Bus variants and the CLI into JSON, so both speak the same vocabulary. A sweep's report
+and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds) in enums.py.
 """
 
 from __future__ import annotations
@@ -9,30 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KIND_COMPUTE = "compute"
-KIND_MANAGEMENT = "management"
-
-# Where a holder's `gpus` come from: NVML's per-GPU process lists, or (for a process NVML does
-# not list) the GPU nodes it holds, which say only that it uses the driver: a CUDA process
-# opens every GPU's node whichever GPU it computes on.
-GPUS_FROM_NVML = "nvml"
-GPUS_FROM_NODES = "nodes"
-
-OUTCOME_FREED = "freed"
-OUTCOME_NOTHING = "nothing-to-do"
-OUTCOME_SURVIVORS = "survivors"
-OUTCOME_NOT_RELEASED = "memory-not-released"
-OUTCOME_DRY_RUN = "dry-run"
-OUTCOME_ERROR = "error"
-# Processes ended, but without NVML nobody can say the memory came back: never call that "freed".
-OUTCOME_UNVERIFIED = "unverified"
-
-GPU_IDLE = "idle"
-GPU_IN_USE = "in-use"
-GPU_LEAKED = "leaked"
-GPU_LOST = "lost"
-# NVML could not say how the GPU is (hung, or its handle or memory query failed): never "idle".
-GPU_UNKNOWN = "unknown"
+from gpuguardd.engine.enums import GpusFrom, HolderKind
 
 
 @dataclass(frozen=True)
@@ -72,7 +50,7 @@ class GpuInfo:
     memory_total: int = 0
     memory_used: int = 0
     lost: bool = False
-    unknown: bool = False  # state unreadable (see GPU_UNKNOWN); memory_used means nothing then
+    unknown: bool = False  # state unreadable (GpuState.UNKNOWN); memory_used means nothing then
     error: str = ""
     # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS;
     # only entries that are process ids (nvmlprocs.merge), each process once; in MIG mode
@@ -133,11 +111,11 @@ class Holder:
     gpus: list[int] = field(default_factory=list)  # for display: nvml_gpus, else node_gpus
     nvml_gpus: list[int] = field(default_factory=list)  # the GPUs NVML lists it on
     node_gpus: list[int] = field(default_factory=list)  # the GPUs whose nodes it holds
-    gpus_from: str = ""  # GPUS_FROM_NVML, GPUS_FROM_NODES, or "" when it holds no GPU at all
+    gpus_from: GpusFrom = GpusFrom.NONE
     mig: list[str] = field(default_factory=list)  # MIG UUIDs of the instances it runs in
     gpu_memory: int = 0
     state: str = ""
-    kind: str = KIND_MANAGEMENT
+    kind: HolderKind = HolderKind.MANAGEMENT
     protected: bool = False
     protected_why: str = ""
     ppid: int = 0
@@ -160,11 +138,11 @@ class Holder:
             "gpus": list(self.gpus),
             "nvml_gpus": list(self.nvml_gpus),
             "node_gpus": list(self.node_gpus),
-            "gpus_from": self.gpus_from,
+            "gpus_from": self.gpus_from.value,
             "mig": list(self.mig),
             "gpu_memory": self.gpu_memory,
             "state": self.state,
-            "kind": self.kind,
+            "kind": self.kind.value,
             "protected": self.protected,
             "protected_why": self.protected_why,
             "ppid": self.ppid,
@@ -221,58 +199,3 @@ class Scope:
     def whole_host(self) -> bool:
         return (not self.gpus and not self.mig and not self.unit and not self.container
                 and not self.slurm_job)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"gpus": list(self.gpus), "unit": self.unit,
-                               "container": self.container,
-                               "include_management": self.include_management}
-        if self.mig:
-            out["mig"] = list(self.mig)
-        if self.adopted:
-            out["adopted_pids"] = [pid for pid, _ in self.adopted]
-        if self.slurm_job:
-            out["slurm_job"] = self.slurm_job
-            out["slurm_uid"] = self.slurm_uid
-        return out
-
-
-@dataclass
-class Report:
-    id: str
-    started_usec: int
-    requested_by: str
-    scope: dict[str, Any]
-    dry_run: bool
-    reason: str = ""
-    duration_ms: int = 0
-    outcome: str = OUTCOME_NOTHING
-    verified: bool = False
-    targets: list[dict[str, Any]] = field(default_factory=list)
-    terminated: list[dict[str, Any]] = field(default_factory=list)
-    survived: list[dict[str, Any]] = field(default_factory=list)
-    spared: list[dict[str, Any]] = field(default_factory=list)
-    gpus: list[dict[str, Any]] = field(default_factory=list)
-    leaks: list[dict[str, Any]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    error: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "started_usec": self.started_usec,
-            "duration_ms": self.duration_ms,
-            "requested_by": self.requested_by,
-            "reason": self.reason,
-            "scope": dict(self.scope),
-            "dry_run": self.dry_run,
-            "outcome": self.outcome,
-            "verified": self.verified,
-            "targets": [dict(t) for t in self.targets],
-            "terminated": [dict(t) for t in self.terminated],
-            "survived": [dict(t) for t in self.survived],
-            "spared": [dict(t) for t in self.spared],
-            "gpus": [dict(g) for g in self.gpus],
-            "leaks": [dict(g) for g in self.leaks],
-            "warnings": list(self.warnings),
-            "error": self.error,
-        }

@@ -19,10 +19,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gpuguardd.engine import procfs
+from gpuguardd.engine.enums import Outcome
 from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.engine.report import Report
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
 
@@ -137,22 +138,22 @@ def check_request(request: SweepRequest) -> None:
         raise InvalidArgument("slurm_job cannot be combined with unit or container")
 
 
-def summary(job: str, report: Mapping[str, Any]) -> str:
+def summary(job: str, report: Report) -> str:
     """One line for `scontrol update ... Reason=` (and the journal): what kept the GPUs."""
-    outcome = str(report.get("outcome", "error"))
+    outcome = report.outcome
     details: list[str] = []
-    if outcome == "survivors":
-        details = [f"pid {s.get('pid')} {s.get('why', '')}".strip() for s in report.get("survived", [])]
-    elif outcome == "memory-not-released":
-        details = [f"GPU {g.get('index')} {int(g.get('memory_used_after', 0)) // (1024 * 1024)} MiB still used"
-                   for g in report.get("gpus", []) if not g.get("released")]
-    elif outcome == "unverified":
+    if outcome == Outcome.SURVIVORS:
+        details = [f"pid {s.pid} {s.why}".strip() for s in report.survived]
+    elif outcome == Outcome.NOT_RELEASED:
+        details = [f"GPU {g.index} {g.memory_used_after // (1024 * 1024)} MiB still used"
+                   for g in report.gpus if not g.released]
+    elif outcome == Outcome.UNVERIFIED:
         # Why the memory could not be verified: NVML unavailable, a GPU unreadable, or NVML's
         # pids not this namespace's (sweep.py words each as a warning).
-        details = [str(w) for w in report.get("warnings", [])
-                   if any(why in str(w) for why in UNVERIFIED_WORDS)] or ["GPU memory not verified"]
-    elif report.get("error"):
-        details = [str(report["error"])]
+        details = [w for w in report.warnings
+                   if any(why in w for why in UNVERIFIED_WORDS)] or ["GPU memory not verified"]
+    elif report.error:
+        details = [report.error]
     text = f"gpuguard: job {job}: {outcome}" + (": " + "; ".join(details[:3]) if details else "")
     if len(details) > 3:
         text += f"; and {len(details) - 3} more"

@@ -23,22 +23,19 @@ from typing import Protocol, Union
 
 from gpuguardd.engine import procfs
 from gpuguardd.engine.attribution import container_matches
-from gpuguardd.engine.models import (
-    KIND_COMPUTE,
-    OUTCOME_DRY_RUN,
-    OUTCOME_FREED,
-    OUTCOME_NOT_RELEASED,
-    OUTCOME_NOTHING,
-    OUTCOME_SURVIVORS,
-    OUTCOME_UNVERIFIED,
-    GpuInfo,
-    Holder,
-    MigInstance,
-    NvmlSnapshot,
-    Report,
-    Scope,
-)
+from gpuguardd.engine.enums import HolderKind, Outcome
+from gpuguardd.engine.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
+from gpuguardd.engine.report import (
+    GpuResult,
+    Leak,
+    Report,
+    ReportScope,
+    Spared,
+    Survivor,
+    Target,
+    Terminated,
+)
 from gpuguardd.engine.slurm import in_job_scope
 
 log = logging.getLogger("gpuguard.sweep")
@@ -53,14 +50,14 @@ FOREIGN_SETTLE_SEC = 2.0
 
 
 class SweepObserver(Protocol):
-    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None: ...
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None: ...
 
 
 class NullObserver:
-    def sweep_started(self, report_id: str, scope: dict[str, object]) -> None:
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         pass
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
@@ -160,17 +157,7 @@ def in_scope(holder: Holder, scope: Scope) -> bool:
 
 def is_target(holder: Holder, scope: Scope) -> bool:
     return (in_scope(holder, scope) and not holder.protected and not on_nvml_word_alone(holder)
-            and (holder.kind == KIND_COMPUTE or scope.include_management))
-
-
-def _brief(holder: Holder) -> dict[str, object]:
-    brief: dict[str, object] = {
-        "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-        "container": holder.container, "kind": holder.kind, "gpus": list(holder.gpus),
-        "gpu_memory": holder.gpu_memory, "exe": holder.exe}
-    if holder.mig:
-        brief["mig"] = list(holder.mig)
-    return brief
+            and (holder.kind == HolderKind.COMPUTE or scope.include_management))
 
 
 def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
@@ -254,10 +241,9 @@ class Sweep:
         self.scanner = scanner
         self.snapshot = snapshot
         self.observer = observer or NullObserver()
-        scope_dict: dict[str, object] = dict(scope.to_dict())
-        scope_dict["grace_ms"] = int(settings.grace_sec * 1000)
         self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
-                             requested_by=requested_by, reason=reason, scope=scope_dict,
+                             requested_by=requested_by, reason=reason,
+                             scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
                              dry_run=settings.dry_run)
         self._t0 = time.monotonic()
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
@@ -276,7 +262,7 @@ class Sweep:
 
     def run(self) -> Report:
         report = self.report
-        self.observer.sweep_started(report.id, dict(report.scope))
+        self.observer.sweep_started(report.id, report.scope)
         pinned, nvml, warnings = self.scanner()
         self._pids_local = nvml.pids_local
         report.warnings.extend(warnings)
@@ -287,7 +273,7 @@ class Sweep:
         if not nvml.available:
             report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
         if self.settings.dry_run:
-            report.outcome = OUTCOME_DRY_RUN
+            report.outcome = Outcome.DRY_RUN
             report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
             self._close(pinned)
             return self._finish()
@@ -299,14 +285,11 @@ class Sweep:
             pinned, _, _ = self.scanner()
             targets = [(h, p) for h, p in pinned
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
-            for holder, _ in targets:
-                report.targets.append(_brief(holder))
+            report.targets.extend(Target.of(holder) for holder, _ in targets)
             gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
-        for holder, _ in targets:
-            report.survived.append({"pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-                                    "state": holder.state,
-                                    "why": f"appeared again after {MAX_ROUNDS} rounds: "
-                                           "something keeps starting new holders"})
+        report.survived.extend(Survivor.of(holder, f"appeared again after {MAX_ROUNDS} rounds: "
+                                                   "something keeps starting new holders")
+                               for holder, _ in targets)
         self._close(pinned)
         after = self._verify(gpus_in_scope, nvml.available)
         self._report_exiting()
@@ -334,24 +317,20 @@ class Sweep:
                 # Worth a line for what the scope would otherwise have taken; protected processes
                 # (gpuguard itself among them) are never in question.
                 if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
-                    self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
-                                               "unit": holder.unit, "why": why})
+                    self.report.spared.append(Spared.of(holder, why))
                 continue
             if holder.protected:
-                self.report.spared.append({"pid": holder.pid, "comm": holder.comm,
-                                           "unit": holder.unit, "why": holder.protected_why})
+                self.report.spared.append(Spared.of(holder, holder.protected_why))
             elif on_nvml_word_alone(holder):
-                self.report.spared.append({
-                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-                    "why": "NVML lists it, but it holds no NVIDIA device here "
-                           "(another PID namespace's pid, or a reused one?)"})
-            elif holder.kind != KIND_COMPUTE and not self.scope.include_management:
-                self.report.spared.append({
-                    "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-                    "why": "management client (no CUDA context); include_management ends it"})
+                self.report.spared.append(Spared.of(
+                    holder, "NVML lists it, but it holds no NVIDIA device here "
+                            "(another PID namespace's pid, or a reused one?)"))
+            elif holder.kind != HolderKind.COMPUTE and not self.scope.include_management:
+                self.report.spared.append(Spared.of(
+                    holder, "management client (no CUDA context); include_management ends it"))
             else:
                 targets.append((holder, handle))
-                self.report.targets.append(_brief(holder))
+                self.report.targets.append(Target.of(holder))
         return targets
 
     @staticmethod
@@ -400,9 +379,8 @@ class Sweep:
             self._handled.add((holder.pid, holder.start_time))
             if holder.state == "Z":
                 # Nothing to signal: a zombie has exited. Only its parent can release it.
-                report.survived.append({"pid": holder.pid, "comm": holder.comm,
-                                        "unit": holder.unit, "state": "Z",
-                                        "why": f"zombie: parent {holder.ppid} has not reaped it"})
+                report.survived.append(Survivor.of(holder, f"zombie: parent {holder.ppid} has not reaped it",
+                                                   state="Z"))
                 continue
             live[holder.pid] = (holder, handle)
         sent_at: dict[int, float] = {}
@@ -415,9 +393,8 @@ class Sweep:
                     self._record_exit(holder, handle, gone_as, sent_at[pid])
                     del live[pid]
                 elif result == "denied":
-                    report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
-                                            "state": holder.state,
-                                            "why": f"permission denied sending {sig.name} (run as root)"})
+                    report.survived.append(Survivor.of(holder, f"permission denied sending {sig.name} "
+                                                               "(run as root)"))
                     del live[pid]
 
         def wait(sig: signal.Signals, timeout: float) -> None:
@@ -456,8 +433,8 @@ class Sweep:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
             state, why = _survivor_reason(pid)
             waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
-            self.report.survived.append({"pid": pid, "comm": holder.comm, "unit": holder.unit,
-                                         "state": state, "why": f"{why} ({waited:g} s after SIGKILL)"})
+            self.report.survived.append(Survivor.of(holder, f"{why} ({waited:g} s after SIGKILL)",
+                                                    state=state))
             handle.close()
         self._exiting.clear()
 
@@ -468,19 +445,14 @@ class Sweep:
         # otherwise SIGTERM is credited only if it could have ended the process.
         status = _exit_status(holder.pid, handle.start_time) if handle.alive() else ""
         signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
-        entry: dict[str, object] = {
-            "pid": holder.pid, "comm": holder.comm, "unit": holder.unit,
-            "signal": signal_name,
-            "exited_after_ms": max(0, int((seen - sent_at) * 1000)),
-        }
-        if status:
-            entry["exit_status"] = status
+        entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit, signal=signal_name,
+                           exited_after_ms=max(0, int((seen - sent_at) * 1000)), exit_status=status)
         if handle.alive():
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked
             # at verification), but worth naming the parent that should reap it.
             stat = procfs.read_stat(holder.pid)
             if stat is not None and stat.start_time == handle.start_time:
-                entry["zombie_parent"] = stat.ppid
+                entry.zombie_parent = stat.ppid
         self.report.terminated.append(entry)
         self._terminated_pids.add(holder.pid)
         self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
@@ -553,23 +525,19 @@ class Sweep:
             delay = min(delay * 2, self.settings.poll_max_sec)
 
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
-                   after: MemoryView | None) -> dict[str, object]:
+                   after: MemoryView | None) -> GpuResult:
         was = _memory_of(before)
-        entry: dict[str, object] = {"index": before[0].index if before else key,
-                                    "uuid": before[0].uuid if before else "",
-                                    "memory_used_before": was.memory_used if was else 0,
-                                    "memory_total": was.memory_total if was else 0}
-        if isinstance(key, str):
-            entry["mig_uuid"] = key
-            if before is None:
-                entry["index"] = 0
+        entry = GpuResult(index=before[0].index if before else key if isinstance(key, int) else 0,
+                          uuid=before[0].uuid if before else "",
+                          memory_used_before=was.memory_used if was else 0,
+                          memory_total=was.memory_total if was else 0,
+                          mig_uuid=key if isinstance(key, str) else "")
         if after is not None:
             now = _memory_of(after)
-            entry["memory_used_after"] = now.memory_used if now else 0
-            entry["released"] = self._released(after)
+            entry.memory_used_after = now.memory_used if now else 0
+            entry.released = self._released(after)
         else:
-            entry["memory_used_after"] = was.memory_used if was and self.settings.dry_run else 0
-            entry["released"] = False
+            entry.memory_used_after = was.memory_used if was and self.settings.dry_run else 0
         return entry
 
     def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],
@@ -596,22 +564,20 @@ class Sweep:
                 memory = _memory_of(view)
                 assert memory is not None
                 if not memory.processes:
-                    leak: dict[str, object] = {"gpu": view[0].index, "uuid": view[0].uuid,
-                                               "bytes": memory.memory_used}
-                    if view[1] is not None:
-                        leak["mig_uuid"] = view[1].uuid
-                    report.leaks.append(leak)
+                    report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
+                                             bytes=memory.memory_used,
+                                             mig_uuid=view[1].uuid if view[1] is not None else ""))
         report.verified = verified and not not_released
         if report.survived:
-            report.outcome = OUTCOME_SURVIVORS
+            report.outcome = Outcome.SURVIVORS
         elif not_released:
-            report.outcome = OUTCOME_NOT_RELEASED
+            report.outcome = Outcome.NOT_RELEASED
         elif not report.terminated:
-            report.outcome = OUTCOME_NOTHING
+            report.outcome = Outcome.NOTHING
         elif not verified:
-            report.outcome = OUTCOME_UNVERIFIED
+            report.outcome = Outcome.UNVERIFIED
         else:
-            report.outcome = OUTCOME_FREED
+            report.outcome = Outcome.FREED
 
 
 def _memory_of(view: MemoryView | None) -> GpuInfo | MigInstance | None:

@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuguardd.engine.attribution import container_scope_label, normalize_unit_name
-from gpuguardd.engine.models import KIND_COMPUTE, Holder, NvmlSnapshot, Report, ScanResult, SweepRequest
+from gpuguardd.engine.enums import HolderKind, Outcome
+from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.report import Report
 from gpuguardd.engine.sweep import gpu_scope
 
 log = logging.getLogger("gpuguard.unitwatch")
@@ -171,7 +173,7 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
     for holder in holders:
         if holder.unit == unit or holder.container or holder.protected:
             continue
-        if holder.kind != KIND_COMPUTE and not include_management:
+        if holder.kind != HolderKind.COMPUTE and not include_management:
             continue
         if (holder.pid, holder.start_time) in record.processes:
             found.append((holder, f"was a process of {unit}"))
@@ -297,7 +299,7 @@ class UnitSweeps:
         if not request.container and self.systemd.available:
             request.adopted = await self._adopt(unit, request.include_management)
         report = await self.run(request)
-        if not report.dry_run and report.outcome in ("freed", "nothing-to-do") \
+        if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):
             # Everything the unit left is gone: start afresh with its next instance.
             self.records.forget(unit)

@@ -15,7 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
+from gpuguardd.engine.enums import HolderKind
 from gpuguardd.engine.models import Holder
+from gpuguardd.engine.report import Report
 from tests.conftest import GiB
 from tests.dbus_harness import FAST_POLL, GuardDaemon, private_gpu, private_holder, wait_until
 
@@ -39,13 +41,13 @@ def promtool_check(text: str) -> None:
     assert done.returncode == 0 and done.stdout + done.stderr == "", done.stdout + done.stderr
 
 
-def report(**extra: object) -> dict[str, object]:
+def report(**extra: object) -> Report:
     base: dict[str, object] = {"id": "x", "outcome": "freed", "requested_by": "hook:vllm.service",
                                "reason": "", "started_usec": 1_700_000_000_000_000, "duration_ms": 1500,
                                "dry_run": False, "terminated": [], "survived": [], "spared": [],
                                "gpus": []}
     base.update(extra)
-    return base
+    return Report.from_dict(base)
 
 
 def test_a_report_feeds_every_counter_with_bounded_labels() -> None:
@@ -91,9 +93,9 @@ def test_dry_runs_reclaim_nothing() -> None:
 
 def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
     metrics = Metrics()
-    holders = [Holder(pid=10, comm="python3", gpus=[0], kind="compute", user="alice"),
-               Holder(pid=11, comm="nvidia-smi", gpus=[0, 1], kind="management"),
-               Holder(pid=12, comm="x", gpus=[0], kind="compute")]
+    holders = [Holder(pid=10, comm="python3", gpus=[0], kind=HolderKind.COMPUTE, user="alice"),
+               Holder(pid=11, comm="nvidia-smi", gpus=[0, 1], kind=HolderKind.MANAGEMENT),
+               Holder(pid=12, comm="x", gpus=[0], kind=HolderKind.COMPUTE)]
     metrics.observe_inventory(True, [
         {"index": 0, "uuid": "GPU-aaaa", "state": "in-use", "memory_used": 9 * GiB},
         {"index": 1, "uuid": "GPU-bbbb", "state": "leaked", "memory_used": 3 * GiB},

@@ -362,7 +362,7 @@ def test_sweep_times_exit_list_and_release(gpu: Gpu, children: Children, tmp_pat
     ours = {child.pid, child.forked}
     engine = engine_for(tmp_path)
     plan = engine.sweep(SweepRequest(gpus=[str(gpu.index)], dry_run=True, requested_by="tests/gpu"))
-    planned = {int(t["pid"]) for t in plan.targets}
+    planned = {t.pid for t in plan.targets}
     assert child.pid in planned
     assert planned <= ours, f"the plan would end processes this test did not start: {plan.targets}"
 
@@ -375,8 +375,8 @@ def test_sweep_times_exit_list_and_release(gpu: Gpu, children: Children, tmp_pat
         watcher.join(timeout=30)
     finally:
         stop.set()
-    ended = {int(t["pid"]): t for t in report.terminated}
-    spared = [f"{s['pid']} ({s['why']})" for s in report.spared if int(s["pid"]) in ours]
+    ended = {t.pid: t.to_dict() for t in report.terminated}
+    spared = [f"{s.pid} ({s.why})" for s in report.spared if s.pid in ours]
     key = f"sweep, {f'{pinned / GiB:g} GiB pinned host memory' if pinned else 'no pinned memory'}"
     SUMMARY[key] = (
         f"outcome {report.outcome} in {report.duration_ms} ms; holder {child.pid} "
@@ -388,7 +388,7 @@ def test_sweep_times_exit_list_and_release(gpu: Gpu, children: Children, tmp_pat
         f"{timeline.since(timeline.exited.get(child.forked))} -> NVML list empty "
         f"{timeline.since(timeline.nvml_empty)} -> memory freed {timeline.since(timeline.freed)}")
     print(SUMMARY[key])
-    assert report.targets and {int(t["pid"]) for t in report.targets} <= ours
+    assert report.targets and {t.pid for t in report.targets} <= ours
     assert ended.get(child.pid, {}).get("signal") == "SIGKILL", "SIGTERM was ignored: SIGKILL must end it"
     assert report.outcome == "freed", report.to_dict()
     assert timeline.freed is not None

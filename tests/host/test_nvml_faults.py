@@ -158,7 +158,7 @@ def test_a_lost_gpus_holders_still_map_to_it(inproc_nvml: GpuHost, sessions: lis
     summary = gpu_summaries(scan, 64 * MiB)[1]
     assert summary["state"] == "lost" and summary["device_path"] == "/dev/nvidia1"
     report = engine.sweep(SweepRequest(gpus=["1"]))
-    assert [t["pid"] for t in report.terminated] == [holder.pid]
+    assert [t.pid for t in report.terminated] == [holder.pid]
     assert report.outcome == "unverified"  # a lost GPU's memory cannot be read: never "freed"
     assert any("GPU 1: memory could not be read" in w for w in report.warnings)
 

@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
+from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import summary
 from tests.conftest import HOLDER, GiB, GpuHost
 from tests.fakenvml import build_library
@@ -256,7 +257,7 @@ def test_sweep_in_another_pid_namespace_never_claims_freed_on_foreign_pids(
                    in w for w in report["warnings"]), report["warnings"]
         assert seconds < 12, f"waited {seconds:.1f} s for another tenant's entry to go"
         # What a Slurm epilog's drain reason says about it.
-        assert "unverified: GPU 0: memory not verified: NVML still lists" in summary("7", report)
+        assert "unverified: GPU 0: memory not verified: NVML still lists" in summary("7", Report.from_dict(report))
 
         # The tenant's host pid is, by chance, a local process's pid here.
         bystander = int(namespace.ask("bystander", tenant)["pid"])

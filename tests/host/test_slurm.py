@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.engine import procfs
+from gpuguardd.engine.enums import Outcome
+from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups, summary
 from gpuguardd.errors import InvalidArgument
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
@@ -45,9 +47,10 @@ def test_unverified_summary_says_why() -> None:
     report = {"outcome": "unverified", "warnings": [
         "could not read the open files of 1 process(es) (1): permission denied",
         "NVML Shared Library Not Found: GPU memory cannot be verified"]}
-    assert summary("9", report) == ("gpuguard: job 9: unverified: "
+    assert summary("9", Report.from_dict(report)) == ("gpuguard: job 9: unverified: "
                                     "NVML Shared Library Not Found: GPU memory cannot be verified")
-    assert summary("9", {"outcome": "unverified"}) == "gpuguard: job 9: unverified: GPU memory not verified"
+    assert summary("9", Report(outcome=Outcome.UNVERIFIED)) == \
+        "gpuguard: job 9: unverified: GPU memory not verified"
 
 
 def test_epilog_environment() -> None:

@@ -296,8 +296,8 @@ def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool
         report = engine.sweep(SweepRequest())
         assert impostor and impostor[0].pid == pid
         assert impostor[0].poll() is None, "the recycled PID was signalled"
-        assert [t["pid"] for t in report.terminated] == [pid]
-        assert report.terminated[0]["signal"] == ""  # gone before any signal reached it
+        assert [t.pid for t in report.terminated] == [pid]
+        assert report.terminated[0].signal == ""  # gone before any signal reached it
     finally:
         for proc in impostor:
             proc.kill()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 
 from gpuguardd.cli.output import describe_scope, human_bytes, print_holders
+from gpuguardd.engine.enums import HolderKind
 from gpuguardd.engine.models import Holder
+from gpuguardd.engine.report import ReportScope
 
 
 def test_sizes() -> None:
@@ -15,15 +17,17 @@ def test_sizes() -> None:
 
 
 def test_scope_description() -> None:
-    assert describe_scope({}) == "whole host"
-    assert describe_scope({"gpus": [0, 1], "unit": "a.service"}) == "GPU 0,1, unit a.service"
+    assert describe_scope(ReportScope()) == "whole host"
+    assert describe_scope(ReportScope(gpus=[0, 1], unit="a.service")) == "GPU 0,1, unit a.service"
+    # As read back from a history: what cannot be read is left out, never an error.
+    assert describe_scope(ReportScope.from_dict({"gpus": 3, "unit": "b.service"})) == "unit b.service"
 
 
 def test_hostile_command_line_stays_on_its_row() -> None:
     evil = Holder(pid=4242, comm="x", cmdline="python3 -c 'x'\nFAKE ROW\x1b[2J", user="eve", gpus=[0],
-                  how=["fd"], kind="compute", state="S")
+                  how=["fd"], kind=HolderKind.COMPUTE, state="S")
     calm = Holder(pid=7, comm="y", cmdline="sleep 1", user="bob", gpus=[1], how=["nvml"],
-                  kind="compute", state="S", gpu_memory=2 * 1024 ** 3)
+                  kind=HolderKind.COMPUTE, state="S", gpu_memory=2 * 1024 ** 3)
     out = io.StringIO()
     print_holders([evil.to_dict(), calm.to_dict()], out)
     lines = out.getvalue().splitlines()

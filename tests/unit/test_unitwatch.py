@@ -12,16 +12,9 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.engine.models import (
-    KIND_COMPUTE,
-    KIND_MANAGEMENT,
-    GpuInfo,
-    Holder,
-    NvmlSnapshot,
-    Report,
-    ScanResult,
-    SweepRequest,
-)
+from gpuguardd.engine.enums import GpusFrom, HolderKind, Outcome
+from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.report import Report
 from gpuguardd.systemd.unitwatch import (
     UnitGpuRecords,
     UnitState,
@@ -40,9 +33,9 @@ NVML = NvmlSnapshot(available=True, gpus=[
 
 
 def holder(pid: int, unit: str, gpus: Sequence[int], *, start: int = 100, container: str = "",
-           kind: str = KIND_COMPUTE, protected: bool = False) -> Holder:
+           kind: HolderKind = HolderKind.COMPUTE, protected: bool = False) -> Holder:
     return Holder(pid=pid, comm=f"p{pid}", unit=unit, gpus=list(gpus), nvml_gpus=list(gpus),
-                  gpus_from="nvml" if gpus else "", start_time=start,
+                  gpus_from=GpusFrom.NVML if gpus else GpusFrom.NONE, start_time=start,
                   container=container, kind=kind, protected=protected,
                   cgroup=f"/system.slice/{unit}" if unit else "/escaped")
 
@@ -106,7 +99,7 @@ def test_adoption_rule() -> None:
         holder(13, "", [3]),  # another GPU: not the unit's business
         holder(14, "", [0], container="docker/abc"),  # containers are never adopted
         holder(15, "", [0], protected=True),
-        holder(16, "", [0], kind=KIND_MANAGEMENT),  # nvidia-smi, an exporter
+        holder(16, "", [0], kind=HolderKind.MANAGEMENT),  # nvidia-smi, an exporter
         holder(17, "sglang.service", [0]),  # still in the unit: the unit scope has it
         holder(18, "session-3.scope", [0]),  # rule 4 (running?) is the caller's to check
     ]
@@ -150,9 +143,8 @@ class Harness:
     async def run(self, request: SweepRequest) -> Report:
         self.requests.append(request)
         await self.release.wait()
-        return Report(id=f"r{len(self.requests)}", started_usec=0,
-                      requested_by=request.requested_by, scope={}, dry_run=False,
-                      outcome="freed")
+        return Report(id=f"r{len(self.requests)}", requested_by=request.requested_by,
+                      outcome=Outcome.FREED)
 
 
 def hook(unit: str) -> SweepRequest:

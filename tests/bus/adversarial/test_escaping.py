@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpuguardd.cli.output import print_holders, print_report, print_status
 from gpuguardd.cli.watch import describe
+from gpuguardd.engine.report import Report
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.log import PlainFormatter, SdDaemonFormatter
 from tests.conftest import GiB
@@ -85,7 +86,7 @@ def _report() -> dict[str, object]:
 
 def test_human_output_escapes_every_field() -> None:
     out = io.StringIO()
-    print_report(_report(), out)
+    print_report(Report.from_dict(_report()), out)
     assert_clean(out.getvalue(), lines=7)
     assert "\\x1b[2J\\x1b]0;pwned\\x07" in out.getvalue()
     holder: dict[str, object] = {"pid": 7, "user": FORGED, "uid": 0, "unit": SCREEN, "container": BIDI,

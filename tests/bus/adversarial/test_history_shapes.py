@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuguardd.cli import output
 from gpuguardd.daemon.history import FILE_NAME
+from gpuguardd.engine.report import Report
 from tests.dbus_harness import GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]
@@ -33,7 +34,7 @@ def test_the_printer_takes_any_record_shape() -> None:
     out = io.StringIO()
     not_records: list[Any] = [5, None, "text", []]
     for record in [*ODD_RECORDS, *not_records]:
-        output.print_report(record, out)
+        output.print_report(Report.from_dict(record), out)
     printed = out.getvalue()
     assert printed.count("Sweep ") == len(ODD_RECORDS) + 4
     assert "\x1b" not in printed and "requested by \\x1b[2Jroot" in printed

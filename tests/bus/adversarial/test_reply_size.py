@@ -19,6 +19,7 @@ from dbus_fast.aio import MessageBus
 from gpuguardd import safetext
 from gpuguardd.bus import replysize
 from gpuguardd.daemon.history import FILE_NAME
+from gpuguardd.engine.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE, spawn
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
 
@@ -209,7 +210,8 @@ def test_the_cli_says_when_a_reply_was_cut() -> None:
     output.print_holders(holders, out)
     assert f"({100 - len(holders)} more holders not shown" in out.getvalue()
     out = io.StringIO()
-    output.print_omitted([{"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7}], "reports", out)
+    output.print_omitted_reports([Report.from_dict(r) for r in ({"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7})],
+                                 out)
     assert out.getvalue().startswith("(7 more reports not shown")
 
 

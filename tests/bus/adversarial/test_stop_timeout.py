@@ -24,7 +24,9 @@ import pytest
 from gpuguardd.config import Config, parse_timespan
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_sec
-from gpuguardd.engine.models import Report, SweepRequest
+from gpuguardd.engine.enums import Outcome
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report, ReportScope
 from tests.conftest import GiB
 from tests.dbus_harness import PYTHON, ROOT, GuardDaemon, private_gpu, private_holder, wait_until
 
@@ -101,11 +103,10 @@ class _HungEngine:
         self.release = threading.Event()
 
     def sweep(self, request: SweepRequest, observer: Any) -> Report:
-        observer.sweep_started("feedface" * 4, {"gpus": [3], "unit": ""})
+        observer.sweep_started("feedface" * 4, ReportScope(gpus=[3]))
         observer.process_terminated("feedface" * 4, 4242, "vllm", "vllm.service", "SIGTERM")
         self.release.wait(30)
-        return Report(id="feedface" * 4, started_usec=0, requested_by="x", scope={},
-                      dry_run=False, outcome="freed")
+        return Report(id="feedface" * 4, requested_by="x", outcome=Outcome.FREED)
 
 
 def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path,

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuguardd import safetext
 from gpuguardd.daemon.history import FILE_NAME, History
+from gpuguardd.engine.report import Report
 from tests.bus.adversarial.hostile_holder import odd_interpreter, spawn
 from tests.dbus_harness import (
     MANAGER,
@@ -123,8 +124,8 @@ def test_history_records_with_bad_text_are_repaired_on_load(daemon: GuardDaemon)
 def test_history_append_never_stores_bad_text(tmp_path: Path) -> None:
     history = History(str(tmp_path), 10)
     history.load()
-    history.append({"id": "c" * 32, "targets": [{"exe": "/x/\udcff"}]})
-    assert history.last() == {"id": "c" * 32, "targets": [{"exe": "/x/\\xff"}]}
+    history.append(Report.from_dict({"id": "c" * 32, "targets": [{"exe": "/x/\udcff"}]}))
+    assert history.newest(1) == [{"id": "c" * 32, "targets": [{"exe": "/x/\\xff"}]}]
     assert b"\\udc" not in (tmp_path / FILE_NAME).read_bytes()
 
 

@@ -9,19 +9,20 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpuguardd.daemon.history import FILE_NAME, History
 from gpuguardd.engine.locks import GpuLocks
+from gpuguardd.engine.report import Report
 from tests.conftest import GiB, GpuHost
 
 VICTIM_TEXT = "root:x:0:0:precious, not the daemon's:/root:/bin/bash\n"
 
 
-def report(n: int) -> dict[str, Any]:
-    return {"id": f"{n:032x}", "started_usec": 1_700_000_000_000_000 + n, "outcome": "freed"}
+def report(n: int) -> Report:
+    return Report.from_dict({"id": f"{n:032x}", "started_usec": 1_700_000_000_000_000 + n,
+                             "outcome": "freed"})
 
 
 def loaded(directory: Path, max_entries: int) -> History:
@@ -53,8 +54,8 @@ def test_history_file_symlink_is_not_followed(tmp_path: Path, victim: Path,
     # The link itself was replaced by a real history file holding both reports.
     assert not (state / FILE_NAME).is_symlink()
     lines = (state / FILE_NAME).read_text().splitlines()
-    assert [json.loads(line)["id"] for line in lines] == [report(1)["id"], report(2)["id"]]
-    assert loaded(state, 1000).newest(0)[0]["id"] == report(2)["id"]
+    assert [json.loads(line)["id"] for line in lines] == [report(1).id, report(2).id]
+    assert loaded(state, 1000).newest(0)[0]["id"] == report(2).id
 
 
 def test_an_empty_victim_behind_the_link_is_not_appended_to(tmp_path: Path) -> None:
@@ -68,7 +69,7 @@ def test_an_empty_victim_behind_the_link_is_not_appended_to(tmp_path: Path) -> N
     history.load()
     history.append(report(1))
     assert victim.read_text() == ""
-    assert json.loads((state / FILE_NAME).read_text())["id"] == report(1)["id"]
+    assert json.loads((state / FILE_NAME).read_text())["id"] == report(1).id
 
 
 def test_predictable_temporary_names_are_gone(tmp_path: Path, victim: Path) -> None:
@@ -84,7 +85,7 @@ def test_predictable_temporary_names_are_gone(tmp_path: Path, victim: Path) -> N
     assert victim.read_text() == VICTIM_TEXT
     left = sorted(p.name for p in state.iterdir())
     assert left == [FILE_NAME, f"{FILE_NAME}.tmp-{os.getpid()}"], left  # no temporary left over
-    assert [e["id"] for e in loaded(state, 2).newest(0)] == [report(39)["id"], report(38)["id"]]
+    assert [e["id"] for e in loaded(state, 2).newest(0)] == [report(39).id, report(38).id]
 
 
 def test_lock_file_symlink_is_not_followed(tmp_path: Path) -> None:

@@ -1,0 +1,52 @@
+"""The closed vocabularies of gpuguard's records: sweep outcomes, GPU states, holder kinds.
+
+Each is a `str` enum whose values are the contract's words (../shared/API.md), so a member
+compares, hashes, formats and serialises (json, D-Bus `s`) as its value: the wire does not
+change, and code names members instead of repeating strings. `enum.StrEnum` would do the
+same but needs Python 3.11; the explicit __str__ gives that behaviour on 3.9 and 3.10 too
+(without it, 3.11's format() of a `(str, Enum)` member would print "Outcome.FREED").
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class WireEnum(str, Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Outcome(WireEnum):
+    FREED = "freed"
+    NOTHING = "nothing-to-do"
+    SURVIVORS = "survivors"
+    NOT_RELEASED = "memory-not-released"
+    DRY_RUN = "dry-run"
+    ERROR = "error"
+    # Processes ended, but without NVML nobody can say the memory came back: never "freed".
+    UNVERIFIED = "unverified"
+
+
+class GpuState(WireEnum):
+    IDLE = "idle"
+    IN_USE = "in-use"
+    LEAKED = "leaked"
+    LOST = "lost"
+    # NVML could not say how the GPU is (hung, or its handle or memory query failed): never "idle".
+    UNKNOWN = "unknown"
+
+
+class HolderKind(WireEnum):
+    COMPUTE = "compute"  # has a CUDA context: holds /dev/nvidia-uvm, or NVML lists it
+    MANAGEMENT = "management"  # NVML-style handles only: nvidia-smi, exporters, gpuguardd
+
+
+class GpusFrom(WireEnum):
+    """Where a holder's `gpus` come from: NVML's per-GPU process lists, or (for a process NVML
+    does not list) the GPU nodes it holds, which say only that it uses the driver: a CUDA
+    process opens every GPU's node whichever GPU it computes on."""
+
+    NVML = "nvml"
+    NODES = "nodes"
+    NONE = ""  # it holds no GPU at all

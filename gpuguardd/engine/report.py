@@ -1,0 +1,163 @@
+"""A sweep's report and its entries, as typed records (wire.py: to_dict / from_dict).
+
+The fields are the contract's keys (../shared/API.md, "A report dict"), declared in the order
+the wire has always carried them. Each entry that describes a process is built from the
+holder it is about by one builder here (Survivor.of, Spared.of, Target.of), so every list
+names a process the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from gpuguardd.engine.enums import HolderKind, Outcome
+from gpuguardd.engine.wire import WireRecord
+
+if TYPE_CHECKING:
+    from gpuguardd.engine.models import Holder, Scope
+
+
+@dataclass
+class ReportScope(WireRecord):
+    """What a sweep covered, resolved (GPU indices, not what the caller typed)."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig", "adopted_pids", "slurm_job", "slurm_uid",
+                                                     "grace_ms"})
+
+    gpus: list[int] = field(default_factory=list)
+    unit: str = ""
+    container: str = ""
+    include_management: bool = False
+    mig: list[str] = field(default_factory=list)
+    adopted_pids: list[int] = field(default_factory=list)
+    slurm_job: str = ""
+    slurm_uid: int | None = None  # with slurm_job only
+    grace_ms: int | None = None
+
+    @classmethod
+    def of(cls, scope: Scope, grace_ms: int | None = None) -> ReportScope:
+        return cls(gpus=list(scope.gpus), unit=scope.unit, container=scope.container,
+                   include_management=scope.include_management, mig=list(scope.mig),
+                   adopted_pids=[pid for pid, _ in scope.adopted], slurm_job=scope.slurm_job,
+                   slurm_uid=scope.slurm_uid if scope.slurm_job else None, grace_ms=grace_ms)
+
+
+@dataclass
+class Target(WireRecord):
+    """A process the sweep set out to end (the plan; also in dry runs)."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig"})
+
+    pid: int
+    comm: str = ""
+    unit: str = ""
+    container: str = ""
+    kind: HolderKind = HolderKind.MANAGEMENT
+    gpus: list[int] = field(default_factory=list)
+    gpu_memory: int = 0
+    exe: str = ""
+    mig: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, holder: Holder) -> Target:
+        return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit, container=holder.container,
+                   kind=holder.kind, gpus=list(holder.gpus), gpu_memory=holder.gpu_memory,
+                   exe=holder.exe, mig=list(holder.mig))
+
+
+@dataclass
+class Terminated(WireRecord):
+    """A process that ended during the sweep, and the signal of ours that ended it ("" for
+    none: it exited on its own)."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"exit_status", "zombie_parent"})
+
+    pid: int
+    comm: str = ""
+    unit: str = ""
+    signal: str = ""
+    exited_after_ms: int = 0
+    exit_status: str = ""  # as the kernel still had it: "killed by SIGTERM", "exited with status 0"
+    zombie_parent: int | None = None  # exited, not reaped: the parent that should reap it
+
+
+@dataclass
+class Survivor(WireRecord):
+    """A process the sweep could not end, and why."""
+
+    pid: int
+    comm: str = ""
+    unit: str = ""
+    state: str = ""  # /proc state: "D", "Z", "R"...; "" once it has gone
+    why: str = ""
+
+    @classmethod
+    def of(cls, holder: Holder, why: str, state: str | None = None) -> Survivor:
+        """The one way a survivor is named; `state` when it was read after the scan."""
+        return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit,
+                   state=holder.state if state is None else state, why=why)
+
+
+@dataclass
+class Spared(WireRecord):
+    """A process in (or touching) the scope that the sweep left alone on purpose, and why."""
+
+    pid: int
+    comm: str = ""
+    unit: str = ""
+    why: str = ""
+
+    @classmethod
+    def of(cls, holder: Holder, why: str) -> Spared:
+        return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit, why=why)
+
+
+@dataclass
+class GpuResult(WireRecord):
+    """One GPU (or MIG instance, by mig_uuid) the sweep verified: its memory before and after."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_uuid"})
+
+    index: int
+    uuid: str = ""
+    memory_used_before: int = 0
+    memory_total: int = 0
+    mig_uuid: str = ""
+    memory_used_after: int = 0
+    released: bool = False
+
+
+@dataclass
+class Leak(WireRecord):
+    """Memory still in use on a GPU (or MIG instance) with no process holding it."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_uuid"})
+
+    gpu: int
+    uuid: str = ""
+    bytes: int = 0
+    mig_uuid: str = ""
+
+
+@dataclass
+class Report(WireRecord):
+    # Every field has a value from the start, so that the declaration order can be the wire's.
+    id: str = ""
+    started_usec: int = 0
+    duration_ms: int = 0
+    requested_by: str = ""
+    reason: str = ""
+    scope: ReportScope = field(default_factory=ReportScope)
+    dry_run: bool = False
+    # A record read back without a readable outcome claims nothing: never "freed".
+    outcome: Outcome = field(default=Outcome.NOTHING, metadata={"unread": Outcome.ERROR})
+    verified: bool = False
+    targets: list[Target] = field(default_factory=list)
+    terminated: list[Terminated] = field(default_factory=list)
+    survived: list[Survivor] = field(default_factory=list)
+    spared: list[Spared] = field(default_factory=list)
+    gpus: list[GpuResult] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    error: str = ""
