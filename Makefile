@@ -152,7 +152,8 @@ endef
 
 install-python:
 	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBEXECDIR)/gpuguard
-	find gpuguardd -name '*.py' -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
+	@# The modules, and the D-Bus interface they are built from (package data; a link to dbus/).
+	find gpuguardd \( -name '*.py' -o -name '*.xml' \) -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
 	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
 	$(call entry_point,gpuguardd.cli.main,$(DESTDIR)$(BINDIR)/gpuguardctl)
 	$(call entry_point,gpuguardd.daemon.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)

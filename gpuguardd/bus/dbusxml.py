@@ -1,19 +1,22 @@
 """Canonical form of D-Bus introspection XML, to hold the running daemon to dbus/*.xml.
 
 Two documents are equal in canonical form when they declare the same interfaces with the
-same members, argument names, types and directions, and property access. Documentation
-(comments, org.gtk.GDBus.DocString* annotations), whitespace, member order and the standard
-org.freedesktop.DBus.* interfaces (which the bus library adds to every object) do not count.
-Argument order does: it is part of a signature.
+same members, argument names, types and directions, property access, and annotations (on
+interfaces, members and arguments: the contract's keys and authorization rules are
+annotations). Documentation (comments, org.gtk.GDBus.DocString* annotations), whitespace
+(also inside annotation values), member order and the standard org.freedesktop.DBus.*
+interfaces (which the bus library adds to every object) do not count. Argument order does:
+it is part of a signature.
 """
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from pathlib import Path
 
-INTERFACE_XML = Path(__file__).resolve().parents[2] / "dbus" / "org.gpuguard.GpuGuard1.xml"
+from gpuguardd.bus.contract import XML_PATH
+
+INTERFACE_XML = XML_PATH
 STANDARD_PREFIX = "org.freedesktop.DBus."
 _DOC_ANNOTATION = "org.gtk.GDBus.DocString"
 
@@ -22,7 +25,7 @@ Member = tuple[str, str, tuple[tuple[str, ...], ...]]
 
 def _annotations(element: ET.Element) -> tuple[tuple[str, ...], ...]:
     return tuple(sorted(
-        ("annotation", a.get("name", ""), a.get("value", ""))
+        ("annotation", a.get("name", ""), " ".join(a.get("value", "").split()))
         for a in element.findall("annotation")
         if not a.get("name", "").startswith(_DOC_ANNOTATION)))
 
@@ -32,7 +35,8 @@ def _args(element: ET.Element, kind: str) -> tuple[tuple[str, ...], ...]:
     for arg in element.findall("arg"):
         # Signal arguments have no direction (some libraries write "out"); methods default "in".
         direction = "" if kind == "signal" else arg.get("direction", "in")
-        args.append(("arg", arg.get("name", ""), arg.get("type", ""), direction))
+        args.append(("arg", arg.get("name", ""), arg.get("type", ""), direction,
+                     *("=".join(a) for a in _annotations(arg))))
     return tuple(args)
 
 

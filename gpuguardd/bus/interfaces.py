@@ -1,105 +1,225 @@
-"""The D-Bus face of the daemon: the Manager and Gpu interfaces of dbus/org.gpuguard.GpuGuard1.xml.
+"""The D-Bus face of the daemon: the Manager and Gpu interfaces, built from the contract XML.
 
-Only D-Bus concerns live here: signatures, argument names, typed variants, properties with
-PropertiesChanged, and turning the engine's exceptions into the contract's error names. What
-a call means (authorization, sweeping, history) is the ManagerBackend's business.
+ContractInterface turns dbus/org.gpuguard.GpuGuard1.xml (contract.py) into dbus-fast members
+when a subclass is created, and refuses a subclass that does not match it:
+
+* methods: each XML method is a Python coroutine of the same name whose parameters are the
+  XML's in-arguments, in order, by name (a trailing "_" allowed, as in `id_`). Its signature
+  is the XML's. Before the body runs, the call passes through one gate: a method whose XML
+  member declares no org.gpuguard.GpuGuard1.Authorization is refused (NotAuthorized); each
+  a{sv} argument is checked against its Keys (unknown key or wrong type: InvalidArgument
+  naming it) and arrives as a plain dict, each string argument as checked text; then the
+  declared rule is applied (see `_authorize`). Engine exceptions become the contract's errors.
+* signals: each XML signal is a typed Python stub of the same name (arguments by name, as
+  for methods); calling it emits the signal with its arguments in the XML's order.
+* properties: served from one table (`update`, `value`), with PropertiesChanged for real
+  changes only; their names and types are the XML's, so no Python getter exists per property.
+* Introspect returns the file's interface element (annotations included), not what dbus-fast
+  would rebuild from Python, on every dbus-fast version.
+
+What a call means (holders, sweeping, history) is the ManagerBackend's business.
 """
 
 from __future__ import annotations
 
-import functools
+import contextvars
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, TypeVar
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from dbus_fast import DBusError, PropertyAccess, Variant
 from dbus_fast import introspection as intr
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
+from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
 from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
-from gpuguardd.errors import GpuGuardError, NotAuthorized
+from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
 
-READ = PropertyAccess.READ
 VarDict = dict[str, Variant]
+Options = dict[str, Any]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_REFUSALS = PerKey(DENIAL_LOG_INTERVAL_SEC)
+# The caller of the call being handled, once asked for (each call runs in its own task).
+_CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguard_caller", default=None)
+_ACCESS = {"read": PropertyAccess.READ, "write": PropertyAccess.WRITE,
+           "readwrite": PropertyAccess.READWRITE}
 
 
-def dbus_types(*args: str, returns: str = "") -> Callable[[_F], _F]:
-    """Declare a member's D-Bus signature, leaving its Python annotations to mypy.
+class Gate(Protocol):
+    """What authorization needs from the daemon."""
 
-    dbus-fast reads the signature from the annotations; every version (Debian 12 ships 1.84)
-    understands plain signature strings there, so they replace the Python types at import.
-    """
+    async def caller(self) -> Caller:
+        """Who sent the call being handled (bus credentials)."""
+
+    async def require(self, caller: Caller, action: str) -> None:
+        """Return if `caller` is root or polkit grants `action`, else raise NotAuthorized."""
+
+    def dry_run_default(self) -> bool:
+        """Whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
+
+
+def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
+    """Run `check(*arguments)` on a method's parsed arguments before authorization, and call
+    the method with what it returns: malformed arguments are InvalidArgument for everyone,
+    as the a{sv} options are."""
     def apply(fn: _F) -> _F:
-        names = list(inspect.signature(fn).parameters)[1:]  # after self
-        if len(names) != len(args):
-            raise TypeError(f"{fn.__name__}: {len(args)} signatures for {len(names)} arguments")
-        fn.__annotations__ = {**dict(zip(names, args)), "return": returns}
+        fn.__contract_check__ = check  # type: ignore[attr-defined]
         return fn
     return apply
 
 
-class ManagerBackend(Protocol):
-    async def caller(self) -> Caller: ...
-
-    async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[VarDict]:
-        """Typed holders (marshal.holder), filtered and redacted for `caller`, bounded in
-        size (replysize.bound_holders)."""
-
-    async def sweep(self, caller: Caller, options: dict[str, Any]) -> dict[str, Any]: ...
-
-    def history(self, count: int) -> list[dict[str, Any]]: ...
-
-    async def reload(self, caller: Caller) -> None: ...
-
-    def get_metrics(self) -> str:
-        """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
+def _python_names(fn: Callable[..., Any]) -> list[str]:
+    return [p.rstrip("_") for p in list(inspect.signature(fn).parameters)[1:]]
 
 
-_A = TypeVar("_A", bound=Callable[..., Awaitable[Any]])
+def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signature:
+    """What dbus-fast reads a member's D-Bus types from: signature strings as annotations."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", kind)]
+    params += [inspect.Parameter(a.name, kind, annotation=a.signature) for a in args]
+    return inspect.Signature(params, return_annotation=returns)
 
 
-_REFUSALS = PerKey(DENIAL_LOG_INTERVAL_SEC)
+class _ServedInterface(intr.Interface):
+    """Introspection data whose XML is the contract file's element, annotations and all."""
+
+    def __init__(self, definition: xml.Contract, name: str) -> None:
+        parsed = intr.Interface.from_xml(definition.introspection(name))
+        super().__init__(name, parsed.methods, parsed.signals, parsed.properties)
+        self._definition = definition
+
+    def to_xml(self) -> ET.Element:
+        return self._definition.introspection(self.name)
 
 
-def contract_errors(fn: _A) -> _A:
-    """Engine exceptions become the contract's D-Bus errors; bugs become a logged Failed."""
-    @functools.wraps(fn)
-    async def wrapper(*args: Any) -> Any:
-        try:
-            return await fn(*args)
-        except DBusError:
-            raise
-        except NotAuthorized as exc:
-            count = _REFUSALS.admit((fn.__name__, exc.uid))
-            if count is not None:  # once per method and uid: any user may ask again and again
-                log.info("%s refused: %s%s", fn.__name__, exc, held_back(count))
-            raise DBusError(error_name(exc.dbus_name), str(exc)) from None
-        except GpuGuardError as exc:
-            raise DBusError(error_name(exc.dbus_name), str(exc)) from None
-        except Exception as exc:
-            log.exception("internal error in %s", fn.__name__)
-            raise DBusError(error_name("Failed"), f"internal error: {type(exc).__name__}") from None
-    return wrapper  # type: ignore[return-value]
+class ContractInterface(ServiceInterface):
+    """A ServiceInterface whose members are those of one interface of the contract XML.
 
+    Subclass with `class X(ContractInterface, interface="org...")`; `definition` selects
+    another document than the installed one (tests)."""
 
-def _name_args(args: list[intr.Arg], names: list[str]) -> None:
-    for arg, name in zip(args, names):
-        arg.name = name
+    DEFINITION: ClassVar[xml.Contract]
+    INTERFACE: ClassVar[xml.Interface]
+    _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
+    _HANDLERS: ClassVar[dict[str, Callable[..., Coroutine[Any, Any, Any]]]]
 
+    def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not interface:
+            return
+        cls.DEFINITION = definition or xml.contract()
+        cls.INTERFACE = iface = cls.DEFINITION.interfaces[interface]
+        where = f"{cls.__name__} ({interface})"
+        members = {**iface.methods, **iface.signals, **iface.properties}
+        for name, value in vars(cls).items():
+            if name[:1].isupper() and callable(value) and name not in members:
+                raise TypeError(f"{where}: {name} is not a member of the XML")
+        cls._PYTHON_MEMBERS = {**getattr(cls, "_PYTHON_MEMBERS", {}),
+                               **{n: f for n, f in vars(cls).items() if n in members and callable(f)}}
+        cls._HANDLERS = {}
+        for name, member in iface.methods.items():
+            cls._HANDLERS[name] = cls._method_handler(member, where)
+            setattr(cls, name, method(name)(cls._HANDLERS[name]))
+        for name, sig in iface.signals.items():
+            setattr(cls, name, signal(name)(cls._signal_emitter(sig, where)))
+        for name, prop in iface.properties.items():
+            if name in vars(cls):
+                raise TypeError(f"{where}: property {name} is served from the table, not a getter")
+            setattr(cls, name, dbus_property(access=_ACCESS[prop.access], name=name)(
+                _property_getter(prop)))
 
-class PropertyHolder(ServiceInterface):
-    """Read-only properties served from a dict, with PropertiesChanged for real changes only."""
+    @classmethod
+    def handler(cls, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+        """What dbus-fast calls for method `name`: the gate, then the Python method."""
+        return cls._HANDLERS[name]
 
-    def __init__(self, name: str, values: Mapping[str, Any]) -> None:
-        super().__init__(name)
+    @classmethod
+    def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
+        # The class's own definition, else the one a base class was built from (a subclass
+        # may be built again from another document).
+        fn = vars(cls).get(name) or getattr(cls, "_PYTHON_MEMBERS", {}).get(name)
+        if not callable(fn):
+            raise TypeError(f"{where}: {name} is in the XML but not implemented")
+        wanted = [a.name for a in args]
+        if _python_names(fn) != wanted:
+            raise TypeError(f"{where}: {name} takes ({', '.join(_python_names(fn))}), the XML "
+                            f"({', '.join(wanted)})")
+        return fn  # type: ignore[no-any-return]
+
+    @classmethod
+    def _method_handler(cls, member: xml.Method, where: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+        fn = cls._python_member(member.name, member.in_args, where)
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"{where}: method {member.name} must be a coroutine")
+        check: Callable[..., tuple[Any, ...]] | None = getattr(fn, "__contract_check__", None)
+        dry_run_arg = -1
+        if member.rule is not None and member.rule.dry_run_public:
+            found = [i for i, a in enumerate(member.in_args)
+                     if "dry_run" in cls.DEFINITION.dictionaries.get(a.keys, {})]
+            if len(found) != 1:
+                raise TypeError(f"{where}: {member.name} has dry runs public but no dry_run option")
+            dry_run_arg = found[0]
+
+        async def handler(self: ContractInterface, *args: Any) -> Any:
+            token = _CALLER.set(None)
+            try:
+                if member.rule is None:
+                    raise NotAuthorized(f"{member.name} declares no authorization: refused to everyone")
+                values = _arguments(member, args)
+                if check is not None:
+                    values = list(check(*values))
+                await self._authorize(member.rule, values[dry_run_arg] if dry_run_arg >= 0 else None)
+                return await fn(self, *values)
+            except DBusError:
+                raise
+            except NotAuthorized as exc:
+                count = _REFUSALS.admit((member.name, exc.uid))
+                if count is not None:  # once per method and uid: any user may ask again and again
+                    log.info("%s refused: %s%s", member.name, exc, held_back(count))
+                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
+            except GpuGuardError as exc:
+                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
+            except Exception as exc:
+                log.exception("internal error in %s", member.name)
+                raise DBusError(error_name("Failed"), f"internal error: {type(exc).__name__}") from None
+            finally:
+                _CALLER.reset(token)
+
+        handler.__name__ = handler.__qualname__ = member.name
+        handler.__signature__ = _dbus_signature(member.in_args, member.out_signature)  # type: ignore[attr-defined]
+        return handler
+
+    @classmethod
+    def _signal_emitter(cls, sig: xml.Signal, where: str) -> Callable[..., Any]:
+        cls._python_member(sig.name, sig.args, where)
+        count = len(sig.args)
+
+        def emit(self: ContractInterface, *args: Any) -> Any:
+            if len(args) != count:
+                raise TypeError(f"{sig.name} takes {count} arguments, got {len(args)}")
+            # dbus-fast's shape for a signal body: nothing, the one value, or a list.
+            return None if count == 0 else args[0] if count == 1 else list(args)
+
+        emit.__name__ = emit.__qualname__ = sig.name
+        emit.__signature__ = _dbus_signature(sig.args, sig.signature)  # type: ignore[attr-defined]
+        return emit
+
+    # -- one table of properties ---------------------------------------------------------
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        missing = set(self.INTERFACE.properties) - set(values)
+        if missing:
+            raise ValueError(f"{self.INTERFACE.name}: no value for {', '.join(sorted(missing))}")
+        super().__init__(self.INTERFACE.name)
         self._values: dict[str, Any] = dict(values)
 
     def update(self, **values: Any) -> None:
@@ -111,26 +231,98 @@ class PropertyHolder(ServiceInterface):
     def value(self, name: str) -> Any:
         return self._values[name]
 
+    def introspect(self) -> intr.Interface:
+        return _ServedInterface(self.DEFINITION, self.INTERFACE.name)
 
-class ManagerInterface(PropertyHolder):
-    # Out-argument and signal-argument names: dbus-fast only knows the in-arguments' names.
-    OUT_NAMES: Mapping[str, list[str]] = {
-        "ListHolders": ["holders"], "Sweep": ["report"], "SweepUnit": ["report"],
-        "GetHistory": ["reports"], "GetMetrics": ["text"]}
-    SIGNAL_ARGS: Mapping[str, list[str]] = {
-        "SweepStarted": ["id", "scope"],
-        "ProcessTerminated": ["id", "pid", "comm", "unit", "signal"],
-        "SweepFinished": ["id", "outcome", "report"],
-        "LeakSuspected": ["gpu", "uuid", "bytes"]}
+    # -- authorization -------------------------------------------------------------------
 
+    def gate(self) -> Gate:
+        raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
+
+    async def caller(self) -> Caller:
+        """Who sent the call being handled (asked of the bus once per call)."""
+        known = _CALLER.get()
+        if known is None:
+            known = await self.gate().caller()
+            _CALLER.set(known)
+        return known
+
+    async def _authorize(self, rule: xml.Rule, options: Options | None) -> None:
+        """Apply the method's rule. A dry run is what the options say, or else the configured
+        default, which is written into them: what was authorized is what runs."""
+        dry_run = False
+        if options is not None:
+            if options.get("dry_run") is None:
+                options["dry_run"] = self.gate().dry_run_default()
+            dry_run = bool(options["dry_run"])
+        action = rule.needs(dry_run)
+        if action:
+            await self.gate().require(await self.caller(), action)
+
+
+def _arguments(member: xml.Method, args: tuple[Any, ...]) -> list[Any]:
+    """The arguments as the method body takes them: a{sv} options checked against their Keys
+    and made plain; then strings checked as text (options first, as released)."""
+    values = list(args)
+    for i, arg in enumerate(member.in_args):
+        if arg.signature == "a{sv}":
+            values[i] = marshal.parse_options(args[i], arg.keys)
+    for i, arg in enumerate(member.in_args):
+        if arg.signature == "s":
+            marshal.check_text(arg.name, args[i])
+    return values
+
+
+def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
+    def get(self: ContractInterface) -> Any:
+        return self._values[prop.name]
+    # dbus-fast finds the value by the getter's name and reads the type from its annotation.
+    get.__name__ = get.__qualname__ = prop.name
+    get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)],
+        return_annotation=prop.signature)
+    return get
+
+
+# -- the Manager ---------------------------------------------------------------------------
+
+class ManagerBackend(Gate, Protocol):
+    async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
+        """Typed holders (marshal.holder), filtered and redacted for `caller`, bounded in
+        size (replysize.bound_holders)."""
+
+    async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]:
+        """A sweep the caller is authorized for (options["dry_run"] is set)."""
+
+    def history(self, count: int) -> list[dict[str, Any]]: ...
+
+    async def reload(self, caller: Caller) -> None: ...
+
+    def get_metrics(self) -> str:
+        """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
+
+
+def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
+    """SweepUnit's unit joins its options (where a `unit` option may only repeat it)."""
+    if not unit.strip():
+        raise InvalidArgument("empty unit name")
+    if options.get("unit", unit) != unit:
+        raise InvalidArgument(f"unit given twice: {unit!r} and option unit={options['unit']!r}")
+    return unit, {**options, "unit": unit}
+
+
+class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     REPORT_CACHE = 4096
 
     def __init__(self, backend: ManagerBackend, values: Mapping[str, Any]) -> None:
-        super().__init__(MANAGER_INTERFACE, values)
+        super().__init__(values)
         self.backend = backend
         # Stored reports never change, and typing them costs more than sending them: GetHistory
         # under load is mostly this, so each report is typed once (by id), with its size.
         self._typed_reports: dict[str, tuple[VarDict, int]] = {}
+
+    def gate(self) -> Gate:
+        return self.backend
 
     def typed_report(self, report: Mapping[str, Any]) -> VarDict:
         return self._sized_report(report)[0]
@@ -147,217 +339,50 @@ class ManagerInterface(PropertyHolder):
                 self._typed_reports[key] = sized
         return sized
 
-    def introspect(self) -> intr.Interface:
-        interface = super().introspect()
-        for member in interface.methods:
-            _name_args(member.out_args, list(self.OUT_NAMES.get(member.name, [])))
-        for sig in interface.signals:
-            _name_args(sig.args, list(self.SIGNAL_ARGS.get(sig.name, [])))
-        return interface
+    # -- methods (rules: the XML's Authorization annotations) ----------------------------
 
-    # -- methods -------------------------------------------------------------------------
+    async def ListHolders(self, filter: Options) -> list[VarDict]:
+        return await self.backend.list_holders(await self.caller(), filter)
 
-    @method()
-    @contract_errors
-    @dbus_types("a{sv}", returns="aa{sv}")
-    async def ListHolders(self, filter: VarDict) -> list[VarDict]:
-        options = marshal.parse_options(filter, marshal.FILTER_OPTIONS, "filter")
-        caller = await self.backend.caller()
-        return await self.backend.list_holders(caller, options)
+    async def Sweep(self, options: Options) -> VarDict:
+        return self.typed_report(await self.backend.sweep(await self.caller(), options))
 
-    @method()
-    @contract_errors
-    @dbus_types("a{sv}", returns="a{sv}")
-    async def Sweep(self, options: VarDict) -> VarDict:
-        values = marshal.parse_options(options, marshal.SWEEP_OPTIONS, "sweep")
-        caller = await self.backend.caller()
-        return self.typed_report(await self.backend.sweep(caller, values))
+    @checked_by(_unit_option)
+    async def SweepUnit(self, unit: str, options: Options) -> VarDict:
+        return self.typed_report(await self.backend.sweep(await self.caller(), options))
 
-    @method()
-    @contract_errors
-    @dbus_types("s", "a{sv}", returns="a{sv}")
-    async def SweepUnit(self, unit: str, options: VarDict) -> VarDict:
-        values = marshal.parse_options(options, marshal.SWEEP_OPTIONS, "sweep")
-        marshal.check_text("unit", unit)
-        if not unit.strip():
-            raise DBusError(error_name("InvalidArgument"), "empty unit name")
-        if values.get("unit", unit) != unit:
-            raise DBusError(error_name("InvalidArgument"),
-                            f"unit given twice: {unit!r} and option unit={values['unit']!r}")
-        values["unit"] = unit
-        caller = await self.backend.caller()
-        return self.typed_report(await self.backend.sweep(caller, values))
-
-    @method()
-    @contract_errors
-    @dbus_types("u", returns="aa{sv}")
     async def GetHistory(self, count: int) -> list[VarDict]:
         sized = [self._sized_report(r) for r in self.backend.history(count)]
         return replysize.bound_reports([r for r, _ in sized], sizes=[n for _, n in sized])
 
-    @method()
-    @contract_errors
-    @dbus_types(returns="s")
     async def GetMetrics(self) -> str:
         return self.backend.get_metrics()
 
-    @method()
-    @contract_errors
-    @dbus_types()
     async def Reload(self) -> None:
-        caller = await self.backend.caller()
-        await self.backend.reload(caller)
-
-    # -- properties ----------------------------------------------------------------------
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def Version(self) -> str:
-        return self.value("Version")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="b")
-    def NvmlAvailable(self) -> bool:
-        return self.value("NvmlAvailable")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def NvmlError(self) -> str:
-        return self.value("NvmlError")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def DriverVersion(self) -> str:
-        return self.value("DriverVersion")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="u")
-    def GpuCount(self) -> int:
-        return self.value("GpuCount")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="b")
-    def Busy(self) -> bool:
-        return self.value("Busy")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="a{sv}")
-    def LastSweep(self) -> VarDict:
-        return self.value("LastSweep")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="as")
-    def WatchedUnits(self) -> list[str]:
-        return self.value("WatchedUnits")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="as")
-    def ConfigFiles(self) -> list[str]:
-        return self.value("ConfigFiles")  # type: ignore[no-any-return]
+        await self.backend.reload(await self.caller())
 
     # -- signals (calling one emits it) --------------------------------------------------
 
-    @signal()
-    @dbus_types("s", "a{sv}", returns="sa{sv}")
-    def SweepStarted(self, report_id: str, scope: VarDict) -> list[Any]:
-        return [report_id, scope]
+    def SweepStarted(self, id_: str, scope: VarDict) -> None: ...
 
-    @signal()
-    @dbus_types("s", "u", "s", "s", "s", returns="susss")
-    def ProcessTerminated(self, report_id: str, pid: int, comm: str, unit: str,
-                          signal_name: str) -> list[Any]:
-        return [report_id, pid, comm, unit, signal_name]
+    def ProcessTerminated(self, id_: str, pid: int, comm: str, unit: str, signal_: str) -> None: ...
 
-    @signal()
-    @dbus_types("s", "s", "a{sv}", returns="ssa{sv}")
-    def SweepFinished(self, report_id: str, outcome: str, report: VarDict) -> list[Any]:
-        return [report_id, outcome, report]
+    def SweepFinished(self, id_: str, outcome: str, report: VarDict) -> None: ...
 
-    @signal()
-    @dbus_types("u", "s", "t", returns="ust")
-    def LeakSuspected(self, gpu: int, uuid: str, used: int) -> list[Any]:
-        return [gpu, uuid, used]
+    def LeakSuspected(self, gpu: int, uuid: str, bytes_: int) -> None: ...
 
+
+# -- one Gpu -------------------------------------------------------------------------------
 
 def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
-    values = {prop: summary.get(key) for prop, key in marshal.GPU_PROPERTIES.items()}
-    for prop in ("Uuid", "Name", "PciBusId", "DevicePath", "State", "Error"):
-        values[prop] = str(values[prop] or "")
-    for prop in ("Index", "Minor", "MemoryTotal", "MemoryUsed", "HolderCount"):
-        values[prop] = max(0, int(values[prop] or 0))
-    values["MigMode"] = bool(values["MigMode"])
-    values["MigInstances"] = marshal.mig_instances(values["MigInstances"] or [])
-    return values
+    """The Gpu properties from an engine GPU summary (property MemoryTotal: key memory_total)."""
+    return {name: marshal.property_value(prop, summary.get(marshal.snake_case(name)))
+            for name, prop in xml.interface(GPU_INTERFACE).properties.items()}
 
 
-class GpuInterface(PropertyHolder):
+class GpuInterface(ContractInterface, interface=GPU_INTERFACE):
     def __init__(self, summary: Mapping[str, Any]) -> None:
-        super().__init__(GPU_INTERFACE, gpu_values(summary))
+        super().__init__(gpu_values(summary))
 
     def refresh(self, summary: Mapping[str, Any]) -> None:
         self.update(**gpu_values(summary))
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="u")
-    def Index(self) -> int:
-        return self.value("Index")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def Uuid(self) -> str:
-        return self.value("Uuid")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def Name(self) -> str:
-        return self.value("Name")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def PciBusId(self) -> str:
-        return self.value("PciBusId")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="u")
-    def Minor(self) -> int:
-        return self.value("Minor")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def DevicePath(self) -> str:
-        return self.value("DevicePath")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="t")
-    def MemoryTotal(self) -> int:
-        return self.value("MemoryTotal")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="t")
-    def MemoryUsed(self) -> int:
-        return self.value("MemoryUsed")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="u")
-    def HolderCount(self) -> int:
-        return self.value("HolderCount")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def State(self) -> str:
-        return self.value("State")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="s")
-    def Error(self) -> str:
-        return self.value("Error")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="b")
-    def MigMode(self) -> bool:
-        return self.value("MigMode")  # type: ignore[no-any-return]
-
-    @dbus_property(access=READ)
-    @dbus_types(returns="aa{sv}")
-    def MigInstances(self) -> list[VarDict]:
-        return self.value("MigInstances")  # type: ignore[no-any-return]

@@ -1,82 +1,48 @@
 """Plain engine dicts to typed D-Bus variants and back, and caller options to engine requests.
 
-Each key the contract names has a fixed signature here, so `gpu_memory` is always `t` and a
-PID always `u` whatever Python type the engine happened to use. Keys the engine adds later get
-a signature inferred from the value rather than breaking the call; the contract's keys never
-depend on inference.
+The types come from the contract XML (contract.py): each key its org.gpuguard.GpuGuard1.Keys
+annotation lists has a fixed signature, so `gpu_memory` is always `t` and a PID always `u`
+whatever Python type the engine happened to use. Keys the engine adds later get a signature
+inferred from the value rather than breaking the call; the contract's keys never depend on
+inference. Options callers send are checked against the same annotations.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import names
+from gpuguardd.bus.contract import Field, Nested, Property, Schema, contract
 from gpuguardd.errors import InvalidArgument
+
+__all__ = ["Field", "Nested", "Schema"]
 
 log = logging.getLogger("gpuguard.marshal")
 
 VarDict = dict[str, Variant]
 
+# The dictionaries of the contract that the daemon types or checks (names as in the XML).
+FILTER = "Filter"
+SWEEP = "SweepOptions"
+HOLDER: Schema = contract().schema("Holder")
+REPORT: Schema = contract().schema("Report")
+SCOPE: Schema = contract().schema("Scope")
+# Options as they are usually sent (the first type the XML lists for each key).
+FILTER_OPTIONS: Mapping[str, str] = {k: v[0] for k, v in contract().options(FILTER).items()}
+SWEEP_OPTIONS: Mapping[str, str] = {k: v[0] for k, v in contract().options(SWEEP).items()}
 
-@dataclass(frozen=True)
-class Nested:
-    """A key whose value is a dict (`a{sv}`) or a list of dicts (`aa{sv}`) with its own schema."""
 
-    signature: str
-    schema: Mapping[str, Field]
+def snake_case(name: str) -> str:
+    """A property's name as the engine's and gpuguardctl's dicts spell it (MemoryTotal ->
+    memory_total): one rule instead of a table per interface."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
-
-Field = Union[str, Nested]
-Schema = Mapping[str, Field]
-
-HOLDER: Schema = {
-    "pid": "u", "comm": "s", "exe": "s", "cmdline": "s", "uid": "u", "user": "s", "unit": "s",
-    "cgroup": "s", "container": "s", "devices": "as", "how": "as", "gpus": "au",
-    "nvml_gpus": "au", "node_gpus": "au", "gpus_from": "s",
-    "gpu_memory": "t", "state": "s", "kind": "s", "protected": "b", "protected_why": "s",
-    "ppid": "u", "mig": "as",
-}
-
-SCOPE: Schema = {"gpus": "au", "unit": "s", "container": "s", "include_management": "b",
-                 "grace_ms": "u", "slurm_job": "s", "slurm_uid": "u", "mig": "as"}
-
-_TARGET: Schema = {"pid": "u", "comm": "s", "unit": "s", "container": "s", "kind": "s",
-                   "gpus": "au", "gpu_memory": "t", "exe": "s", "mig": "as"}
-_TERMINATED: Schema = {"pid": "u", "comm": "s", "unit": "s", "signal": "s",
-                       "exited_after_ms": "u", "zombie_parent": "u"}
-_SURVIVED: Schema = {"pid": "u", "comm": "s", "unit": "s", "state": "s", "why": "s"}
-_SPARED: Schema = {"pid": "u", "comm": "s", "unit": "s", "why": "s"}
-_REPORT_GPU: Schema = {"index": "u", "uuid": "s", "memory_used_before": "t",
-                       "memory_used_after": "t", "memory_total": "t", "released": "b",
-                       "mig_uuid": "s"}
-_LEAK: Schema = {"gpu": "u", "uuid": "s", "bytes": "t", "mig_uuid": "s"}
-
-REPORT: Schema = {
-    "id": "s", "started_usec": "t", "duration_ms": "u", "requested_by": "s", "reason": "s",
-    "scope": Nested("a{sv}", SCOPE), "dry_run": "b", "outcome": "s", "verified": "b",
-    "targets": Nested("aa{sv}", _TARGET), "terminated": Nested("aa{sv}", _TERMINATED),
-    "survived": Nested("aa{sv}", _SURVIVED), "spared": Nested("aa{sv}", _SPARED),
-    "gpus": Nested("aa{sv}", _REPORT_GPU), "leaks": Nested("aa{sv}", _LEAK),
-    "warnings": "as", "error": "s",
-}
-
-# Gpu object property -> key of engine.gpu_summaries()
-GPU_PROPERTIES: Mapping[str, str] = {
-    "Index": "index", "Uuid": "uuid", "Name": "name", "PciBusId": "pci_bus_id", "Minor": "minor",
-    "DevicePath": "device_path", "MemoryTotal": "memory_total", "MemoryUsed": "memory_used",
-    "HolderCount": "holder_count", "State": "state", "Error": "error",
-    "MigMode": "mig_mode", "MigInstances": "mig_instances"}
-
-# One entry of a Gpu object's MigInstances (engine.mig_summaries).
-MIG_INSTANCE: Schema = {
-    "uuid": "s", "gpu_instance_id": "u", "compute_instance_id": "u", "device_path": "s",
-    "memory_total": "t", "memory_used": "t", "holder_count": "u", "state": "s"}
 
 _RANGES = {"y": (0, 2**8 - 1), "n": (-(2**15), 2**15 - 1), "q": (0, 2**16 - 1),
            "i": (-(2**31), 2**31 - 1), "u": (0, 2**32 - 1), "x": (-(2**63), 2**63 - 1),
@@ -213,25 +179,24 @@ def unwrap(value: Any) -> Any:
 
 # -- options callers send ---------------------------------------------------------------------
 
-FILTER_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s",
-                                     "include_protected": "b", "fresh": "b"}
-SWEEP_OPTIONS: Mapping[str, str] = {"gpus": "au", "unit": "s", "container": "s", "grace_ms": "u",
-                                    "dry_run": "b", "include_management": "b", "reason": "s",
-                                    "slurm_job": "s", "slurm_uid": "u"}
-# Other signatures an option also takes: `gpus` as `as` carries indices, GPU- or MIG- UUIDs as
-# text (a MIG instance has no index of its own); `au` stays as released.
-ALSO_ACCEPTED: Mapping[str, tuple[str, ...]] = {"gpus": ("as",)}
-
 MAX_TEXT = 1024
 
 
-def parse_options(options: Mapping[str, Any], spec: Mapping[str, str], what: str) -> dict[str, Any]:
-    """Validated plain values of an `a{sv}` argument; InvalidArgument names the bad key."""
+def option_label(dictionary: str) -> str:
+    """How errors name a dictionary of options: "sweep" for SweepOptions, "filter" for Filter."""
+    return dictionary.removesuffix("Options").lower()
+
+
+def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]:
+    """Validated plain values of an `a{sv}` argument typed as the contract's `dictionary`;
+    InvalidArgument names the bad key."""
+    spec = contract().options(dictionary)
+    what = option_label(dictionary)
     values: dict[str, Any] = {}
     for key, variant in options.items():
         if key not in spec:
             raise InvalidArgument(f"unknown {what} option {key!r} (known: {', '.join(sorted(spec))})")
-        accepted = [spec[key], *ALSO_ACCEPTED.get(key, ())]
+        accepted = spec[key]
         signature = variant.signature if isinstance(variant, Variant) else "?"
         if signature not in accepted:
             raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
@@ -244,6 +209,15 @@ def parse_options(options: Mapping[str, Any], spec: Mapping[str, str], what: str
                 check_text(key, item)
         values[key] = list(value) if signature.startswith("a") else value
     return values
+
+
+def option(dictionary: str, key: str, value: Any, signature: str = "") -> Variant:
+    """An option as a caller sends it: of the type the contract gives `key` (or `signature`,
+    which must be one it accepts)."""
+    accepted = contract().options(dictionary)[key]
+    if signature and signature not in accepted:
+        raise ValueError(f"{dictionary} option {key} is {' or '.join(accepted)}, not {signature}")
+    return Variant(signature or accepted[0], value)
 
 
 def check_text(key: str, value: str) -> None:
@@ -260,5 +234,17 @@ def gpu_list(values: Iterable[int | str]) -> list[str]:
     return [str(v) if isinstance(v, str) else str(int(v)) for v in values]
 
 
-def mig_instances(values: Iterable[Mapping[str, Any]]) -> list[VarDict]:
-    return [to_vardict(v, MIG_INSTANCE) for v in values]
+def property_value(prop: Property, value: Any) -> Any:
+    """An engine value as property `prop` carries it: text for s, a non-negative integer for
+    u and t, a boolean for b, typed dictionaries for a{sv} and aa{sv} (None: empty)."""
+    if prop.signature == "s":
+        return str(value or "")
+    if prop.signature in ("u", "t"):
+        return max(0, int(value or 0))
+    if prop.signature == "b":
+        return bool(value)
+    if prop.keys and prop.signature == "a{sv}":
+        return to_vardict(value or {}, contract().schema(prop.keys))
+    if prop.keys and prop.signature == "aa{sv}":
+        return [to_vardict(v, contract().schema(prop.keys)) for v in value or []]
+    return value

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.bus import marshal
+from gpuguardd.bus import contract, marshal
 from gpuguardd.bus.connection import SafeBus, name_owner, name_owner_change
 from gpuguardd.bus.names import (
     BUS_NAME,
@@ -46,11 +46,6 @@ _ERRORS: dict[str, type[GpuGuardError]] = {
     "org.freedesktop.DBus.Error.AccessDenied": NotAuthorized,
     "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired": NotAuthorized,
 }
-# Manager property -> key of LocalBackend.status()
-_STATUS_KEYS = {"Version": "version", "NvmlAvailable": "nvml_available", "NvmlError": "nvml_error",
-                "DriverVersion": "driver_version", "GpuCount": "gpu_count", "Busy": "busy",
-                "LastSweep": "last_sweep", "WatchedUnits": "watched_units",
-                "ConfigFiles": "config_files"}
 
 T = TypeVar("T")
 
@@ -116,6 +111,13 @@ class DBusBackend:
             raise error_from_reply(reply)
         return list(reply.body)
 
+    async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool = False,
+                       timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
+        """Call a Manager method with the signature the contract gives it."""
+        signature = contract.interface(MANAGER_INTERFACE).methods[member].in_signature
+        return await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
+                                interactive=interactive, timeout=timeout)
+
     async def _probe(self, bus: MessageBus) -> None:
         for member in ("NameHasOwner", "ListActivatableNames"):
             reply = await bus.call(Message(
@@ -136,7 +138,8 @@ class DBusBackend:
         async def get(bus: MessageBus) -> dict[str, Any]:
             (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
                                         [MANAGER_INTERFACE])
-            return {_STATUS_KEYS.get(k, k): marshal.unwrap(v) for k, v in props.items()}
+            # LocalBackend.status()'s keys: the properties' names in snake_case.
+            return {marshal.snake_case(k): marshal.unwrap(v) for k, v in props.items()}
         status = self._run(get)
         status["mode"] = "daemon"
         return status
@@ -145,12 +148,13 @@ class DBusBackend:
         (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
                                       "GetManagedObjects")
         gpus = []
+        gpu_properties = contract.interface(GPU_INTERFACE).properties
         for interfaces in objects.values():
             props = interfaces.get(GPU_INTERFACE)
             if props is None:
                 continue
-            gpus.append({key: marshal.unwrap(props[prop]) for prop, key in marshal.GPU_PROPERTIES.items()
-                         if prop in props})
+            gpus.append({marshal.snake_case(prop): marshal.unwrap(value) for prop, value in props.items()
+                         if prop in gpu_properties})
         return sorted(gpus, key=lambda g: int(g.get("index", 0)))
 
     def gpus(self) -> list[dict[str, Any]]:
@@ -178,72 +182,74 @@ class DBusBackend:
         """The `gpus` option: indices (au) as released, unless a MIG instance is named: it has
         no index, so then the text goes as typed (as) and the daemon resolves it."""
         if names_mig(wanted):
-            return Variant("as", [str(item).strip() for item in wanted])
-        return Variant("au", await self._indices(bus, wanted))
+            return marshal.option(marshal.SWEEP, "gpus", [str(item).strip() for item in wanted], "as")
+        return marshal.option(marshal.SWEEP, "gpus", await self._indices(bus, wanted), "au")
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[dict[str, Any]]:
         async def get(bus: MessageBus) -> list[dict[str, Any]]:
-            options: dict[str, Variant] = {"include_protected": Variant("b", include_protected),
-                                       "fresh": Variant("b", True)}
+            def option(key: str, value: Any) -> Variant:
+                return marshal.option(marshal.FILTER, key, value)
+            options = {"include_protected": option("include_protected", include_protected),
+                       "fresh": option("fresh", True)}
             if gpus:
                 options["gpus"] = await self._gpus_option(bus, gpus)
             if unit:
-                options["unit"] = Variant("s", unit)
+                options["unit"] = option("unit", unit)
             if container:
-                options["container"] = Variant("s", container)
-            (holders,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "ListHolders",
-                                          "a{sv}", [options], interactive=True)
+                options["container"] = option("container", container)
+            (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
             return [marshal.unwrap(h) for h in holders]
         return self._run(get)
 
     def sweep(self, request: SweepRequest) -> Report:
         async def run(bus: MessageBus) -> Report:
+            def option(key: str, value: Any) -> Variant:
+                return marshal.option(marshal.SWEEP, key, value)
             options: dict[str, Variant] = {}
             if request.gpus:
                 options["gpus"] = await self._gpus_option(bus, request.gpus)
             if request.container:
-                options["container"] = Variant("s", request.container)
+                options["container"] = option("container", request.container)
             if request.grace_ms is not None:
-                options["grace_ms"] = Variant("u", request.grace_ms)
+                options["grace_ms"] = option("grace_ms", request.grace_ms)
             if request.dry_run is not None:
-                options["dry_run"] = Variant("b", request.dry_run)
+                options["dry_run"] = option("dry_run", request.dry_run)
             if request.include_management:
-                options["include_management"] = Variant("b", True)
+                options["include_management"] = option("include_management", True)
             if request.reason:
-                options["reason"] = Variant("s", request.reason)
+                options["reason"] = option("reason", request.reason)
             if request.slurm_job:
-                options["slurm_job"] = Variant("s", request.slurm_job)
-                options["slurm_uid"] = Variant("u", request.slurm_uid)
+                options["slurm_job"] = option("slurm_job", request.slurm_job)
+                options["slurm_uid"] = option("slurm_uid", request.slurm_uid)
             # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
             if request.unit:
-                (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "SweepUnit",
-                                             "sa{sv}", [request.unit, options], interactive=True,
-                                             timeout=None)
+                (report,) = await self._manager(bus, "SweepUnit", request.unit, options,
+                                                interactive=True, timeout=None)
             else:
-                (report,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "Sweep",
-                                             "a{sv}", [options], interactive=True, timeout=None)
+                (report,) = await self._manager(bus, "Sweep", options, interactive=True, timeout=None)
             return Report.from_dict(marshal.unwrap(report))
         return self._run(run)
 
     def history(self, count: int) -> list[Report]:
         async def get(bus: MessageBus) -> list[Report]:
-            (reports,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "GetHistory", "u",
-                                          [count])
+            (reports,) = await self._manager(bus, "GetHistory", count)
             # Records of any shape: a history may hold what an older version wrote (wire.py).
             return [Report.from_dict(marshal.unwrap(r)) for r in reports]
         return self._run(get)
 
     def reload(self) -> None:
         async def call(bus: MessageBus) -> None:
-            await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, "Reload", interactive=True)
+            await self._manager(bus, "Reload", interactive=True)
         self._run(call)
 
     # -- watch ---------------------------------------------------------------------------
 
     def watch(self, on_signal: Callable[[str, list[Any]], None],
               on_owner: Callable[[str], None] | None = None) -> None:
-        """Call on_signal(member, plain args) for each Manager signal until interrupted."""
+        """Call on_signal(member, plain args) for each Manager signal the contract defines, as
+        it defines it (another member or signature: a later version's, not ours to guess at),
+        until interrupted."""
         async def listen(bus: MessageBus) -> None:
             rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
                     f"interface='{MANAGER_INTERFACE}'")
@@ -263,9 +269,12 @@ class DBusBackend:
                     if on_owner is not None:
                         on_owner(new_owner)
                 elif msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH \
-                        and owner[0] and msg.sender == owner[0]:
+                        and owner[0] and msg.sender == owner[0] \
+                        and (defined := signals.get(msg.member or "")) is not None \
+                        and msg.signature == defined.signature:
                     on_signal(msg.member or "", [marshal.unwrap(v) for v in msg.body])
 
+            signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)
             for match in (owner_rule, rule):
                 reply = await bus.call(Message(

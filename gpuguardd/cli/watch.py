@@ -7,18 +7,12 @@ import sys
 import time
 from typing import Any, TextIO
 
+from gpuguardd.bus import contract
+from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import describe_scope, human_bytes
 from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.escaping import escaped
-
-# Argument names of each signal, as in dbus/org.gpuguard.GpuGuard1.xml.
-SIGNAL_ARGS = {
-    "SweepStarted": ("id", "scope"),
-    "ProcessTerminated": ("id", "pid", "comm", "unit", "signal"),
-    "SweepFinished": ("id", "outcome", "report"),
-    "LeakSuspected": ("gpu", "uuid", "bytes"),
-}
 
 
 def describe(member: str, fields: dict[str, Any]) -> str:
@@ -41,11 +35,11 @@ def describe(member: str, fields: dict[str, Any]) -> str:
 
 def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
+    signals = contract.interface(MANAGER_INTERFACE).signals
+
     def on_signal(member: str, args: list[Any]) -> None:
-        names = SIGNAL_ARGS.get(member)
-        if names is None or len(names) != len(args):
-            return  # a signal added to the contract later: not ours to guess at
-        fields = dict(zip(names, args))
+        # The backend passes only the contract's signals, with their signatures.
+        fields = dict(zip(signals[member].arg_names, args))
         stamp = time.time()
         try:
             if as_json:

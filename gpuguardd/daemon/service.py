@@ -17,13 +17,7 @@ from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
 from gpuguardd.bus.connection import GuardBus, current_call
 from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
-from gpuguardd.bus.names import (
-    ACTION_RELOAD,
-    ACTION_SWEEP,
-    ACTION_VIEW_DETAILS,
-    MANAGER_PATH,
-    gpu_path,
-)
+from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.live import Inventory
@@ -124,6 +118,12 @@ class Service:
             raise NotAuthorized("cannot tell who is calling")
         return await self.auth.caller(msg)
 
+    async def require(self, caller: Caller, action: str) -> None:
+        await self.auth.require(caller, action)
+
+    def dry_run_default(self) -> bool:
+        return self.engine.config.dry_run
+
     async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
         holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
         if options.get("gpus") or options.get("unit") or options.get("container"):
@@ -181,10 +181,10 @@ class Service:
             include_management=options.get("include_management", False),
             reason=options.get("reason", ""), slurm_job=options.get("slurm_job", ""),
             slurm_uid=options.get("slurm_uid", -1))
+        # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
+        # to what it authorized: that is what runs (and what the watch sees).
         dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
-        if not dry_run:
-            await self.auth.require(caller, ACTION_SWEEP)
-        request.dry_run = dry_run  # what was authorised is what runs (and what the watch sees)
+        request.dry_run = dry_run
         request.requested_by = requested_by(caller, request.reason)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
         await self.runner.validate(request)
@@ -219,7 +219,7 @@ class Service:
         future.add_done_callback(done)
 
     async def reload(self, caller: Caller) -> None:
-        await self.auth.require(caller, ACTION_RELOAD)
+        # Authorized by the interface (the XML's rule for Reload).
         log.info("reload requested by %s", caller.describe())
         await self.reloader()
 

@@ -23,7 +23,9 @@ from tests.packages import ROOT, build, build_dir, make, require_tools
 
 COMPLETION = ROOT / "completion" / "gpuguardctl"
 DBUS_NAME = "org.gpuguard.GpuGuard1"
-MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*.py"))
+# The Python modules and their package data (the D-Bus interface XML the daemon serves).
+MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*")
+                 if p.suffix in (".py", ".xml"))
 DROPIN_DIRS = sorted(p.name for p in (ROOT / "systemd" / "dropins").glob("*.service.d"))
 if TYPE_CHECKING:
     from tests.conftest import GpuHost
