@@ -97,30 +97,7 @@ def test_a_method_without_a_rule_is_refused_to_everyone_before_anything_runs() -
     # The same class with the installed rules gets past the gate (and then has no backend).
     error = call_error(ManagerInterface(None, manager_values()), "Reload")  # type: ignore[arg-type]
     assert error.type == ERROR_PREFIX + "Failed"
-
-
-def test_an_undeclared_method_of_a_new_interface_is_refused() -> None:
-    definition = Contract("""<node><interface name="org.gpuguard.GpuGuard1.Test">
-      <method name="Open">
-        <annotation name="org.gpuguard.GpuGuard1.Authorization" value="public"/>
-        <arg name="n" type="u" direction="in"/><arg name="m" type="u" direction="out"/>
-      </method>
-      <method name="Forgotten"><arg name="n" type="u" direction="in"/></method>
-    </interface></node>""")
-    ran: list[str] = []
-
-    class Test(ContractInterface, interface="org.gpuguard.GpuGuard1.Test", definition=definition):
-        async def Open(self, n: int) -> int:
-            ran.append("Open")
-            return n + 1
-
-        async def Forgotten(self, n: int) -> None:
-            ran.append("Forgotten")
-
-    test = Test({})
-    assert dispatch(test, "Open", 41) == 42
-    assert call_error(test, "Forgotten", 1).type == NOT_AUTHORIZED
-    assert ran == ["Open"]
+    # A new interface's method without a rule, called over a bus: tests/bus/test_contract_gate.py.
 
 
 @pytest.mark.parametrize(("text", "rule"), [
