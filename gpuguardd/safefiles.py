@@ -5,12 +5,16 @@ Should anyone be able to put a symbolic link there (a world-writable RuntimeDire
 mistake in permissions), following it would let them truncate or append to any file on the
 host. So the last component is never followed (O_NOFOLLOW), and temporary files get a fresh
 unpredictable name created exclusively (O_EXCL), as mkstemp() does.
+
+write_atomic is the one way a file is replaced (the history, the metrics textfile, the hooks'
+drop-ins): readers see the old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterable
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -29,3 +33,47 @@ def create_temporary(directory: str, prefix: str, mode: int = 0o600) -> tuple[in
         except FileExistsError:
             continue
     raise FileExistsError(f"no unused temporary name in {directory}")
+
+
+def fsync_directory(path: str) -> None:
+    """Make a rename in `path` durable (best effort: some file systems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
+                 fsync: bool = True, fsync_dir: bool = False) -> None:
+    """Replace `path` with the bytes of `chunks` all at once: a temporary file named `prefix`
+    and a random suffix beside it (create_temporary: never an existing file or link), written,
+    given exactly `mode` (not the umask's), synced to disk with `fsync`, then renamed over
+    `path` (with `fsync_dir`, durably). A failure leaves `path` as it was and no temporary."""
+    directory = os.path.dirname(path) or "."
+    fd, temporary = create_temporary(directory, prefix, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            with os.fdopen(fd, "wb", closefd=False) as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                handle.flush()
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    if fsync_dir:
+        fsync_directory(directory)

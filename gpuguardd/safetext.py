@@ -13,6 +13,7 @@ budget with a marker that says how much was left out, so no single field can blo
 
 from __future__ import annotations
 
+import pwd
 from typing import Any
 
 # Caps, in bytes of UTF-8 after escaping (README "Safety guarantees", gpuguard-dbus(7)).
@@ -95,3 +96,12 @@ def repair(value: Any) -> tuple[Any, bool]:
             return [item for item, _ in items], True
         return value, False
     return value, False
+
+
+def user_name(uid: int) -> str:
+    """The name of `uid` (from NSS, which may be LDAP: untrusted text, made safe and bounded
+    like /proc's), or the number when it has none."""
+    try:
+        return clean(pwd.getpwuid(uid).pw_name, NAME_MAX)
+    except KeyError:
+        return str(uid)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import pwd
 import time
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
 from gpuguardd.errors import NotAuthorized
+from gpuguardd.safetext import user_name
 
 log = logging.getLogger("gpuguard.auth")
 
@@ -55,13 +55,6 @@ class Caller:
 
     def describe(self) -> str:
         return f"uid {self.uid} ({self.user}) {self.sender}"
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 class Authorizer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pwd
 import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, TextIO
@@ -22,6 +21,7 @@ from gpuguardd.engine.models import SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
+from gpuguardd.safetext import user_name
 from gpuguardd.systemd import hooks
 
 EXIT_OK = 0
@@ -61,11 +61,7 @@ class Backend(Protocol):
 
 def requester_description() -> str:
     uid = os.getuid()
-    try:
-        name = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        name = str(uid)
-    return f"uid {uid} ({name}) via gpuguardctl --local"
+    return f"uid {uid} ({user_name(uid)}) via gpuguardctl --local"
 
 
 class LocalBackend:

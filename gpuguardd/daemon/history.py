@@ -34,7 +34,7 @@ from typing import BinaryIO
 from gpuguardd import safetext
 from gpuguardd.engine.report import Report
 from gpuguardd.engine.wire import Wire
-from gpuguardd.safefiles import create_temporary, open_nofollow
+from gpuguardd.safefiles import fsync_directory, open_nofollow, write_atomic
 
 log = logging.getLogger("gpuguard.history")
 
@@ -89,19 +89,6 @@ class _Scan:
 
 def _valid(entry: object) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("id"), str) and bool(entry["id"])
-
-
-def _fsync_directory(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _encode(report: Wire) -> bytes:
@@ -235,7 +222,7 @@ class History:
             target = f"{self.path}.corrupt-{stamp}.{suffix}"
         try:
             os.rename(self.path, target)
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
             log.error("sweep history %s is damaged (%s) and could not be set aside: %s; new "
                       "reports are kept in memory only", self.path, why, exc.strerror or exc)
@@ -272,7 +259,7 @@ class History:
                 os.fsync(fd)
                 self._lines_in_file += 1
                 if created:
-                    _fsync_directory(self.directory)
+                    fsync_directory(self.directory)
             except OSError as exc:
                 self._write_failed(exc)
             finally:
@@ -287,26 +274,11 @@ class History:
                   self.path, exc.strerror or exc)
 
     def _rewrite_locked(self) -> None:
-        tmp = ""
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            fd, tmp = create_temporary(self.directory, f"{FILE_NAME}.tmp-", FILE_MODE)
-            try:
-                with os.fdopen(fd, "wb", closefd=False) as handle:
-                    for entry in self._entries:
-                        handle.write(_encode(entry))
-                    handle.flush()
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self.path)
-            _fsync_directory(self.directory)
+            write_atomic(self.path, (_encode(entry) for entry in self._entries),
+                         prefix=f"{FILE_NAME}.tmp-", mode=FILE_MODE, fsync_dir=True)
         except OSError as exc:
-            try:
-                if tmp:
-                    os.unlink(tmp)
-            except OSError:
-                pass
             self._write_failed(exc)
             return
         self._lines_in_file = len(self._entries)

@@ -15,7 +15,6 @@ report can never grow the number of series.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,6 +30,8 @@ from prometheus_client.metrics_core import (
 from gpuguardd import __version__
 from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.report import Report
+from gpuguardd.safefiles import write_atomic
+from gpuguardd.systemd.rules import HOOK_PREFIX, WATCH_PREFIX
 
 TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
@@ -48,9 +49,9 @@ def trigger_of(report: Report) -> str:
     requested_by = report.requested_by
     if report.reason.startswith("slurm:"):
         return "slurm"
-    if requested_by.startswith("hook:"):
+    if requested_by.startswith(HOOK_PREFIX):
         return "hook"
-    if requested_by.startswith("watch:"):
+    if requested_by.startswith(WATCH_PREFIX):
         return "watch"
     return "manual"
 
@@ -241,19 +242,6 @@ def write_textfile(directory: str, data: bytes) -> str:
     """Write `data` as DIRECTORY/gpuguard.prom atomically (a temporary file renamed over it),
     so node_exporter never reads half a file; readable by node_exporter's user. The temporary
     name does not end in .prom, which the collector ignores."""
-    fd, temporary = tempfile.mkstemp(prefix=".gpuguard.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            os.fchmod(handle.fileno(), 0o644)
-            handle.flush()
-            os.fsync(handle.fileno())
-        target = os.path.join(directory, TEXTFILE_NAME)
-        os.replace(temporary, target)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+    target = os.path.join(directory, TEXTFILE_NAME)
+    write_atomic(target, [data], prefix=".gpuguard.tmp-")
     return target

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap", ".slice", ".target",
                  ".timer", ".path", ".device", ".automount")
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+$")
+# systemd's unit name alphabet (unit-name.c: VALID_CHARS), as the body of a regular
+# expression's character class; '@' separates a template's prefix from its instance.
+UNIT_NAME_CHARS = r"A-Za-z0-9:_.\\-"
+_UNIT_NAME = re.compile(rf"^[@{UNIT_NAME_CHARS}]+$")
 _CONTAINER_LABEL = re.compile(r"^[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+$")
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pwd
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -213,11 +212,7 @@ def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
         return
     holder.uid = uid
     if holder.uid not in user_cache:
-        try:
-            user_cache[holder.uid] = safetext.clean(pwd.getpwuid(holder.uid).pw_name,
-                                                    safetext.NAME_MAX)
-        except KeyError:
-            user_cache[holder.uid] = str(holder.uid)
+        user_cache[holder.uid] = safetext.user_name(holder.uid)
     holder.user = user_cache[holder.uid]
 
 

@@ -17,12 +17,14 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from gpuguardd.engine.attribution import UNIT_NAME_CHARS
 from gpuguardd.escaping import escape_text
+from gpuguardd.safefiles import write_atomic
+from gpuguardd.systemd.rules import HOOK_PREFIX
 
 DROPIN_FILE = "gpuguard.conf"
 HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
@@ -38,9 +40,9 @@ GPUGUARDCTL = "/usr/bin/gpuguardctl"
 HOOK_TIMEOUT = "80s"
 HOOK_KILL_AFTER = "5s"
 
-# systemd's unit name alphabet (unit-name.c: VALID_CHARS plus '@' between prefix and instance).
-_NAME_CHARS = re.compile(r"^[A-Za-z0-9:_.\\-]+$")
-_INSTANCE_CHARS = re.compile(r"^[A-Za-z0-9:_.\\-]*$")
+# A template's prefix and instance, each in systemd's unit name alphabet; '@' between them.
+_NAME_CHARS = re.compile(rf"^[{UNIT_NAME_CHARS}]+$")
+_INSTANCE_CHARS = re.compile(rf"^[{UNIT_NAME_CHARS}]*$")
 _MAX_NAME = 255
 
 
@@ -136,7 +138,7 @@ def render_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
         "# ${SERVICE_RESULT}, ${EXIT_CODE} and ${EXIT_STATUS} end up in the report's reason.",
         "[Service]",
         f"ExecStopPost=+-/usr/bin/timeout --kill-after={HOOK_KILL_AFTER} {HOOK_TIMEOUT} {ctl} "
-        "sweep --unit %n --reason \"hook:%n result=${SERVICE_RESULT} code=${EXIT_CODE} "
+        f"sweep --unit %n --reason \"{HOOK_PREFIX}%n result=${{SERVICE_RESULT}} code=${{EXIT_CODE}} "
         "status=${EXIT_STATUS}\"",
         "",
     ))
@@ -147,33 +149,22 @@ def requested_by_for_reason(reason: str) -> str:
 
     Shared by `gpuguardctl --local` and the daemon so both record the hook the same way.
     """
-    if not reason.startswith("hook:"):
+    if not reason.startswith(HOOK_PREFIX):
         return ""
-    unit = reason[len("hook:"):].split(None, 1)[0] if reason[len("hook:"):].strip() else ""
+    rest = reason[len(HOOK_PREFIX):]
+    unit = rest.split(None, 1)[0] if rest.strip() else ""
     try:
         parse_pattern(unit)
     except HookError:
         return ""
-    return f"hook:{unit}"
+    return f"{HOOK_PREFIX}{unit}"
 
 
 def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{DROPIN_FILE}.", dir=directory)
-    try:
-        # mkstemp makes 0600; systemd reads units as root anyway, but `systemctl cat` as a
-        # user and packaging tools expect the usual 0644.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    # 0644 as systemd's own units: systemd reads them as root anyway, but `systemctl cat` as a
+    # user and packaging tools expect it. Not synced: systemd re-reads on daemon-reload.
+    write_atomic(path, [text.encode("utf-8")], prefix=f".{DROPIN_FILE}.", fsync=False)
 
 
 def is_ours(text: str) -> bool:

@@ -1,7 +1,8 @@
-"""The unit watch's pure rules: which units are watched, what a unit's object path names, and
-which state change of a watched unit is a stop to sweep. No D-Bus, no I/O: the watcher
-(watcher.py) applies them to what systemd's client (client.py) reads; the escaped-leftover
-rule and one sweep per stop are unitsweep.py's.
+"""The unit watch's pure rules: which units are watched, what a unit's object path names, a
+unit's state, which state change of a watched unit is a stop to sweep, and how automatic
+sweeps name who asked ("hook:<unit>", "watch:<unit>"). No D-Bus, no I/O, nothing heavy (the
+CLI's hook verbs import it): the watcher (watcher.py) applies them to what systemd's client
+(client.py) reads; the escaped-leftover rule and one sweep per stop are unitsweep.py's.
 """
 
 from __future__ import annotations
@@ -9,14 +10,39 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from gpuguardd.systemd.unitsweep import STOPPED_STATES, UnitState
+STOPPED_STATES = frozenset({"inactive", "failed"})
+# A unit in these states runs (or is about to): its GPUs are its own.
+RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})
+
+# requested_by of automatic sweeps: the ExecStopPost drop-in's (hooks.py; only root may be
+# recorded as it, service.py) and the watcher's. One stop's automatic sweeps share one sweep.
+HOOK_PREFIX = "hook:"
+WATCH_PREFIX = "watch:"
 
 # systemd's object path of a unit: this prefix, then the name with every byte outside
 # [A-Za-z0-9] written as _xx (sd_bus_path_encode).
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
 
 _ESCAPE = re.compile(r"_([0-9a-fA-F]{2})")
+
+
+@dataclass(frozen=True)
+class UnitState:
+    unit: str
+    active_state: str  # "" when systemd does not know the unit (not loaded)
+    sub_state: str = ""
+    invocation_id: str = ""
+    result: str = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.active_state in STOPPED_STATES or not self.active_state
+
+    @property
+    def running(self) -> bool:
+        return self.active_state in RUNNING_STATES
 
 
 def unit_name_from_path(path: str) -> str:

@@ -50,14 +50,14 @@ from gpuguardd.engine.enums import HolderKind, Outcome
 from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.engine.sweep import gpu_scope
+from gpuguardd.systemd.rules import HOOK_PREFIX, RUNNING_STATES, STOPPED_STATES, WATCH_PREFIX, UnitState
+
+__all__ = ["HOOK_PREFIX", "RUNNING_STATES", "STOPPED_STATES", "WATCH_PREFIX", "NoSystemd", "SystemdView",
+           "UnitGpuRecord", "UnitGpuRecords", "UnitState", "UnitSweeps", "adoption_candidates",
+           "cuda_visible_gpus"]
 
 log = logging.getLogger("gpuguard.unitwatch")
 
-STOPPED_STATES = frozenset({"inactive", "failed"})
-# A unit in these states runs (or is about to): its GPUs are its own.
-RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})
-HOOK_PREFIX = "hook:"
-WATCH_PREFIX = "watch:"
 # Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
 DEDUPE_WINDOW_SEC = 10.0
 # Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
@@ -183,23 +183,6 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
             shared = ",".join(str(g) for g in sorted(gpus & set(holder.gpus)))
             found.append((holder, f"holds GPU {shared}, which {unit} held"))
     return found
-
-
-@dataclass(frozen=True)
-class UnitState:
-    unit: str
-    active_state: str  # "" when systemd does not know the unit (not loaded)
-    sub_state: str = ""
-    invocation_id: str = ""
-    result: str = ""
-
-    @property
-    def stopped(self) -> bool:
-        return self.active_state in STOPPED_STATES or not self.active_state
-
-    @property
-    def running(self) -> bool:
-        return self.active_state in RUNNING_STATES
 
 
 class SystemdView(Protocol):
