@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from gpuguardd.bus.connection import bus_daemon_call
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.safetext import user_name
@@ -91,10 +92,7 @@ class Authorizer:
         if cached is not None:
             self._uids.move_to_end(sender)
             return cached
-        reply = await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="GetConnectionCredentials",
-            signature="s", body=[sender]))
+        reply = await bus_daemon_call(self.bus, "GetConnectionCredentials", "s", [sender])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             why = reply.body[0] if reply is not None and reply.body else "no reply"
             raise NotAuthorized(f"cannot identify the caller {sender}: {why}")

@@ -15,7 +15,7 @@ from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus import contract, marshal
-from gpuguardd.bus.connection import SafeBus, name_owner, name_owner_change
+from gpuguardd.bus.connection import SafeBus, add_match, bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import (
     BUS_NAME,
     ERROR_PREFIX,
@@ -119,12 +119,10 @@ class DBusBackend:
                                 interactive=interactive, timeout=timeout)
 
     async def _probe(self, bus: MessageBus) -> None:
-        for member in ("NameHasOwner", "ListActivatableNames"):
-            reply = await bus.call(Message(
-                destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                interface="org.freedesktop.DBus", member=member,
-                signature="s" if member == "NameHasOwner" else "",
-                body=[BUS_NAME] if member == "NameHasOwner" else []))
+        asks: tuple[tuple[str, str, list[Any]], ...] = (("NameHasOwner", "s", [BUS_NAME]),
+                                                       ("ListActivatableNames", "", []))
+        for member, signature, body in asks:
+            reply = await bus_daemon_call(bus, member, signature, body)
             if reply.message_type == MessageType.ERROR:
                 raise DaemonUnavailable(f"{self._where()}: {reply.error_name}")
             value = reply.body[0]
@@ -277,10 +275,7 @@ class DBusBackend:
             signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)
             for match in (owner_rule, rule):
-                reply = await bus.call(Message(
-                    destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                    interface="org.freedesktop.DBus", member="AddMatch", signature="s",
-                    body=[match]))
+                reply = await add_match(bus, match)
                 if reply.message_type == MessageType.ERROR:
                     raise error_from_reply(reply)
             # After the owner match is in place: a change from here on reaches the handler.

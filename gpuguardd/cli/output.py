@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
+from gpuguardd.engine import models
 from gpuguardd.engine.report import Report, ReportScope, Spared, Survivor, Target, Terminated
 from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
@@ -90,16 +91,7 @@ def _say_omitted(omitted: object, what: str, out: TextIO) -> None:
 
 
 def describe_scope(scope: ReportScope) -> str:
-    parts = []
-    if scope.gpus:
-        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
-    if scope.mig:
-        parts.append("MIG " + ",".join(scope.mig))
-    if scope.unit:
-        parts.append(f"unit {scope.unit}")
-    if scope.container:
-        parts.append(f"container {scope.container}")
-    return escape_text(", ".join(parts) or "whole host")
+    return escape_text(models.describe_scope(scope, whole="whole host", with_management=False))
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:

@@ -26,7 +26,7 @@ from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
-from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, Scope, SweepRequest
+from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, Scope, SweepRequest, describe_scope
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
@@ -329,21 +329,6 @@ def _checked(validate: Callable[[str], str], value: str) -> str:
         return validate(value)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-
-
-def describe_scope(scope: Scope) -> str:
-    parts: list[str] = []
-    if scope.gpus:
-        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
-    if scope.mig:
-        parts.append("MIG " + ",".join(scope.mig))
-    if scope.unit:
-        parts.append(f"unit {scope.unit}")
-    if scope.container:
-        parts.append(f"container {scope.container}")
-    text = ", ".join(parts) if parts else "the whole host"
-    return text + (" including management clients" if scope.include_management else "")
-
 
 
 def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:

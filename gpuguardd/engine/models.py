@@ -7,8 +7,9 @@ and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpuguardd.engine.enums import GpusFrom, HolderKind
 
@@ -199,3 +200,39 @@ class Scope:
     def whole_host(self) -> bool:
         return (not self.gpus and not self.mig and not self.unit and not self.container
                 and not self.slurm_job)
+
+
+class ScopeFields(Protocol):
+    """What a scope description reads: a resolved Scope, or a report's (report.ReportScope)."""
+
+    @property
+    def gpus(self) -> Sequence[int]: ...
+
+    @property
+    def mig(self) -> Sequence[str]: ...
+
+    @property
+    def unit(self) -> str: ...
+
+    @property
+    def container(self) -> str: ...
+
+    @property
+    def include_management(self) -> bool: ...
+
+
+def describe_scope(scope: ScopeFields, whole: str = "the whole host",
+                   with_management: bool = True) -> str:
+    """A scope in words, one way for the journal and gpuguardctl ("GPU 0,1, unit x.service");
+    `whole` when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
+    parts: list[str] = []
+    if scope.gpus:
+        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
+    if scope.mig:
+        parts.append("MIG " + ",".join(scope.mig))
+    if scope.unit:
+        parts.append(f"unit {scope.unit}")
+    if scope.container:
+        parts.append(f"container {scope.container}")
+    text = ", ".join(parts) if parts else whole
+    return text + (" including management clients" if with_management and scope.include_management else "")
