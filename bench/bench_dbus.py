@@ -1,15 +1,27 @@
-"""gpuguardd over D-Bus: call latency under concurrency, startup time, idle cost.
+"""gpuguardd over D-Bus: latency as dashboards load it, throughput beside a minimal dbus-fast
+service on the same bus, startup time, idle cost.
 
 Runs the real daemon on the fake NVML against its own dbus-daemon (with the project's system
 bus policy), with a few real holder processes on fake device nodes of this run's own numbers
-(bench/common.py), and measures:
+(bench/common.py) and `--history` dry-run reports in its history, and measures:
 
-* latency (p50, p99) of ListHolders and GetHistory with 1, 10 and 100 concurrent clients, each
-  on its own connection calling back to back;
+* open loop (how dashboards load it): `--clients` connections together making `--rate` calls
+  a second, arrivals a Poisson process, each call ListHolders or GetHistory(10) at random, for
+  `--seconds`; latency from each call's scheduled time (so a stalled daemon cannot hide the
+  calls it delayed), p50/p99/max per method. The target: p99 under 10 ms for both;
+* closed loop: the same clients calling back to back; calls/s and p99, for gpuguardd and for
+  the peer, a minimal dbus-fast service on the same bus that answers each method with the very
+  reply gpuguardd gave (same size, same types), and does nothing else: the ceiling of a Python
+  D-Bus service on this machine. The ratio gpuguardd/peer is printed;
 * the time from starting gpuguardd to READY=1 (sd_notify);
 * idle RSS and CPU over --idle-sec seconds (default 60) at the default PollIntervalSec.
 
-    sudo .venv/bin/python bench/bench_dbus.py [--idle-sec 60] [--json bench/results/dbus.json]
+The clients run in `--client-procs` processes of their own (asyncio, dbus-fast), so neither
+side shares an interpreter with them. Rounds alternate gpuguardd and the peer, and the
+medians are reported with the load average: the machine is shared.
+
+    sudo .venv/bin/python bench/bench_dbus.py [--seconds 10] [--rounds 3] [--idle-sec 60]
+                                              [--json bench/results/dbus.json]
 """
 
 from __future__ import annotations
@@ -18,6 +30,8 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import select
 import shutil
 import signal
 import socket
@@ -35,27 +49,87 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 import common
-from dbus_fast import Message, MessageType
+from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, BusDaemon
+from gpuguardd.bus.compat import repair_writer
+from tests.dbus_harness import BUS_CONFIG, BUS_NAME, MANAGER, MANAGER_PATH, wait_until
 from tests.fakenvml import GIB, FakeNvmlState, build_library, process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLDER = ROOT / "tests" / "holder.py"
-CONCURRENCY = (1, 10, 100)
+PEER_NAME = "org.gpuguard.BenchPeer"
+# (name shown, member, signature, body): what a dashboard asks for.
+METHODS: tuple[tuple[str, str, str, list[Any]], ...] = (
+    ("ListHolders", "ListHolders", "a{sv}", [{}]),
+    ("GetHistory(10)", "GetHistory", "u", [10]),
+)
+P99_TARGET_MS = 10.0
+
+PEER_POLICY = """<?xml version="1.0"?>
+<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <include>{project_policy}</include>
+  <policy user="root">
+    <allow own="{peer}"/>
+  </policy>
+  <policy context="default">
+    <allow send_destination="{peer}"/>
+  </policy>
+</busconfig>
+"""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--idle-sec", type=float, default=60.0, help="idle measurement (seconds)")
-    parser.add_argument("--calls", type=int, default=1000,
-                        help="calls per method and concurrency level (split among the clients)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each measurement")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds (gpuguardd and the peer alternate; medians reported)")
+    parser.add_argument("--clients", type=int, default=100, help="client connections")
+    parser.add_argument("--rate", type=float, default=200.0, help="open loop: calls a second, all clients")
+    parser.add_argument("--client-procs", type=int, default=2, help="processes the clients run in")
+    parser.add_argument("--idle-sec", type=float, default=60.0, help="idle measurement (0: skip)")
     parser.add_argument("--holders", type=int, default=20, help="holder processes on the fake GPUs")
     parser.add_argument("--history", type=int, default=200, help="reports in the history")
     parser.add_argument("--starts", type=int, default=5, help="daemon starts timed (median)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return parser.parse_args(argv)
+    # Internal: the client and peer processes are this file too.
+    parser.add_argument("--client", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-service", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.seconds, args.rounds, args.clients, args.rate, args.client_procs) <= 0:
+        parser.error("--seconds, --rounds, --clients, --rate and --client-procs must be positive")
+    return args
+
+
+# -- the bus, the host, the daemon -------------------------------------------------------------
+
+
+class BenchBus:
+    """A dbus-daemon with the tests' system-bus policy (tests/dbus_harness.py), the project's
+    policy file included as installed, and the peer's name allowed beside it."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-bus-"))
+        self.socket = self.dir / "system_bus_socket"
+        self.address = f"unix:path={self.socket}"
+        policy = self.dir / "policy.conf"
+        policy.write_text(PEER_POLICY.format(
+            project_policy=ROOT / "dbus" / "org.gpuguard.GpuGuard1.conf", peer=PEER_NAME))
+        config = self.dir / "bus.conf"
+        config.write_text(BUS_CONFIG.format(socket=self.socket, project_policy=policy))
+        self.log = open(self.dir / "dbus-daemon.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            ["setpriv", "--pdeathsig", "TERM", "dbus-daemon", f"--config-file={config}", "--nofork",
+             "--nopidfile"], stdout=self.log, stderr=subprocess.STDOUT)
+        wait_until(self.socket.exists, 10, "dbus-daemon's socket")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Host:
@@ -123,39 +197,226 @@ def daemon(host: Host, address: str) -> Iterator[tuple[subprocess.Popen[bytes], 
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-async def call(bus: MessageBus, member: str, signature: str, body: list[Any]) -> None:
-    reply = await bus.call(Message(destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER,
+@contextmanager
+def peer_service(address: str) -> Iterator[subprocess.Popen[str]]:
+    """The peer (this file with --peer-service), ready once it printed "ready"."""
+    proc = subprocess.Popen([sys.executable, __file__, "--peer-service", address],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        if line != "ready":
+            raise common.BenchError(f"the peer service did not start: {line!r}")
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # EOF: the peer exits
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def connect(address: str) -> MessageBus:
+    """A connection with dbus-fast's writer repaired where the installed version needs it
+    (gpuguardd/bus/compat.py: a full socket must not drop the connection); the peer and the
+    clients need that as much as gpuguardd does under this load."""
+    bus = await MessageBus(bus_address=address).connect()
+    repair_writer(bus)
+    return bus
+
+
+async def call(bus: MessageBus, destination: str, member: str, signature: str,
+               body: list[Any]) -> Message:
+    reply = await bus.call(Message(destination=destination, path=MANAGER_PATH, interface=MANAGER,
                                    member=member, signature=signature, body=body))
     if reply.message_type != MessageType.METHOD_RETURN:
         raise common.BenchError(f"{member}: {reply.error_name} {reply.body}")
-
-
-async def latency(address: str, member: str, signature: str, body: list[Any], clients: int,
-                  calls: int) -> list[float]:
-    buses = [await MessageBus(bus_address=address).connect() for _ in range(clients)]
-    per_client = max(1, calls // clients)
-    samples: list[float] = []
-
-    async def client(bus: MessageBus) -> None:
-        for _ in range(per_client):
-            start = time.perf_counter()
-            await call(bus, member, signature, body)
-            samples.append(time.perf_counter() - start)
-
-    await call(buses[0], member, signature, body)  # warm
-    await asyncio.gather(*(client(bus) for bus in buses))
-    for bus in buses:
-        bus.disconnect()
-    return samples
+    return reply
 
 
 async def fill_history(address: str, count: int) -> None:
-    from dbus_fast import Variant
-    bus = await MessageBus(bus_address=address).connect()
+    bus = await connect(address)
     for n in range(count):
-        await call(bus, "Sweep", "a{sv}", [{"dry_run": Variant("b", True),
-                                            "reason": Variant("s", f"bench {n}")}])
+        await call(bus, BUS_NAME, "Sweep", "a{sv}", [{"dry_run": Variant("b", True),
+                                                      "reason": Variant("s", f"bench {n}")}])
     bus.disconnect()
+
+
+async def reply_sizes(address: str) -> dict[str, int]:
+    """Each method's reply as marshalled on the wire, in bytes."""
+    bus = await connect(address)
+    sizes = {}
+    for name, member, signature, body in METHODS:
+        reply = await call(bus, BUS_NAME, member, signature, body)
+        sizes[name] = len(reply._marshall(False))
+    bus.disconnect()
+    return sizes
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+# -- the peer: a minimal dbus-fast service -----------------------------------------------------
+
+
+def peer_main(address: str) -> None:
+    """Own PEER_NAME and answer ListHolders and GetHistory with gpuguardd's own replies, fetched
+    once: a service that does nothing but answer (no authorization, no filter, no cache), on a
+    connection with the one dbus-fast repair no service under load can do without."""
+    from dbus_fast.service import ServiceInterface, method
+
+    async def run() -> None:
+        bus = await connect(address)
+        replies = {member: (await call(bus, BUS_NAME, member, signature, body)).body[0]
+                   for _, member, signature, body in METHODS}
+
+        class Peer(ServiceInterface):
+            def ListHolders(self, options: Any) -> Any:
+                return replies["ListHolders"]
+
+            def GetHistory(self, count: Any) -> Any:
+                return replies["GetHistory"]
+
+        # dbus-fast takes the signatures from the annotations.
+        Peer.ListHolders.__annotations__ = {"options": "a{sv}", "return": "aa{sv}"}
+        Peer.GetHistory.__annotations__ = {"count": "u", "return": "aa{sv}"}
+        Peer.ListHolders = method()(Peer.ListHolders)  # type: ignore[method-assign]
+        Peer.GetHistory = method()(Peer.GetHistory)  # type: ignore[method-assign]
+        bus.export(MANAGER_PATH, Peer(MANAGER))
+        await bus.request_name(PEER_NAME)
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        loop.add_reader(sys.stdin.fileno(), _resolve, done)
+        await done  # stdin readable: EOF, the benchmark is done with us
+        bus.disconnect()
+
+    asyncio.run(run())
+
+
+# -- the clients -------------------------------------------------------------------------------
+
+
+def client_main(spec_text: str) -> None:
+    """One client process: connect, say "connected", wait for "go", measure, print JSON.
+    Each call is one of spec["methods"] (chosen at random in the open loop, in turn for the
+    closed loop's clients); latencies are kept per method."""
+    spec = json.loads(spec_text)
+
+    async def run() -> dict[str, Any]:
+        buses = [await connect(spec["address"]) for _ in range(spec["clients"])]
+        methods = [tuple(m) for m in spec["methods"]]
+        for bus in buses:
+            for member, signature, body in methods:
+                await call(bus, spec["destination"], member, signature, body)  # warm: caches
+        print("connected", flush=True)
+        loop = asyncio.get_running_loop()
+        go = loop.create_future()
+        loop.add_reader(sys.stdin.fileno(), _resolve, go)
+        await go
+        loop.remove_reader(sys.stdin.fileno())
+        latencies: dict[str, list[float]] = {member: [] for member, _, _ in methods}
+        errors = 0
+        start = loop.time()
+        deadline = start + spec["seconds"]
+
+        async def timed(bus: MessageBus, method: tuple[Any, ...], scheduled: float) -> None:
+            nonlocal errors
+            member, signature, body = method
+            try:
+                await call(bus, spec["destination"], member, signature, body)
+            except Exception:
+                errors += 1
+                return
+            latencies[member].append(loop.time() - scheduled)
+
+        if spec["mode"] == "closed":
+            async def back_to_back(n: int, bus: MessageBus) -> None:
+                while loop.time() < deadline:
+                    await timed(bus, methods[n % len(methods)], loop.time())
+            await asyncio.gather(*(back_to_back(n, bus) for n, bus in enumerate(buses)))
+        else:
+            rng = random.Random(spec["seed"])
+            tasks: list[asyncio.Task[None]] = []
+            at = start
+            while True:
+                at += rng.expovariate(spec["rate"])  # Poisson arrivals
+                if at >= deadline:
+                    break
+                await asyncio.sleep(max(0.0, at - loop.time()))
+                tasks.append(asyncio.ensure_future(timed(rng.choice(buses), rng.choice(methods), at)))
+            await asyncio.gather(*tasks)
+        elapsed = loop.time() - start
+        for bus in buses:
+            bus.disconnect()
+        return {"latencies": latencies, "errors": errors, "elapsed": elapsed}
+
+    print(json.dumps(asyncio.run(run())), flush=True)
+
+
+def measure(address: str, destination: str, methods: list[tuple[str, str, list[Any]]],
+            args: argparse.Namespace, mode: str, seed: int, cpu_of: dict[str, int]
+            ) -> dict[str, dict[str, Any]]:
+    """Run the clients (split over --client-procs processes), started together; with the CPU
+    time each process of `cpu_of` ({"service": pid, "bus": pid}) spent per call meanwhile,
+    which a loaded machine stretches far less than it does latency. A row per method."""
+    procs = []
+    per_proc = [args.clients // args.client_procs + (1 if i < args.clients % args.client_procs else 0)
+                for i in range(args.client_procs)]
+    try:
+        for i, clients in enumerate(c for c in per_proc if c):
+            spec = {"address": address, "destination": destination, "methods": methods,
+                    "clients": clients, "mode": mode,
+                    "seconds": args.seconds, "rate": args.rate * clients / args.clients,
+                    "seed": seed * 1000 + i}
+            procs.append(subprocess.Popen([sys.executable, __file__, "--client", json.dumps(spec)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for proc in procs:
+            assert proc.stdout is not None
+            if not _readline(proc, 120).startswith("connected"):
+                raise common.BenchError(f"a client process failed to connect (exit {proc.poll()})")
+        load = os.getloadavg()[0]
+        cpu_before = {name: proc_cpu_seconds(pid) for name, pid in cpu_of.items()}
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = [json.loads(_readline(proc, args.seconds * 10 + 120)) for proc in procs]
+        cpu = {name: proc_cpu_seconds(pid) - cpu_before[name] for name, pid in cpu_of.items()}
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    elapsed = max(r["elapsed"] for r in results)
+    calls = sum(len(x) for r in results for x in r["latencies"].values())
+    if not calls:
+        raise common.BenchError(f"{destination}: no call succeeded")
+    rows = {}
+    for member, _, _ in methods:
+        latencies = [x for r in results for x in r["latencies"][member]]
+        if not latencies:
+            raise common.BenchError(f"{member}: no call succeeded")
+        rows[member] = {
+            "calls": len(latencies), "errors": sum(r["errors"] for r in results),
+            "calls_per_s": len(latencies) / elapsed, "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000, "max_ms": max(latencies) * 1000,
+            "load": load,
+            # CPU shared by all methods of the run: per call of any.
+            **{f"{name}_cpu_ms_per_call": 1000 * seconds / calls for name, seconds in cpu.items()}}
+    return rows
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise common.BenchError(f"a client process said nothing for {timeout:.0f} s")
+    return proc.stdout.readline()
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -175,10 +436,19 @@ def proc_rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("calls_per_s", "p50_ms", "p99_ms", "max_ms", "load", "service_cpu_ms_per_call",
+            "bus_cpu_ms_per_call")
+    return {**{k: statistics.median(r[k] for r in rows) for k in keys},
+            "calls": sum(r["calls"] for r in rows), "errors": sum(r["errors"] for r in rows),
+            "rounds": len(rows)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"latency": [], "startup_s": [], "idle": {}}
+    results: dict[str, Any] = {"startup_s": [], "idle": {}, "open": {}, "closed": {},
+                               "reply_bytes": {}, "cpus": os.cpu_count()}
     root = Path(tempfile.mkdtemp(prefix="gpuguard-bench-dbus-"))
-    bus = BusDaemon()
+    bus = BenchBus()
     host = Host(root, args.holders)
     try:
         for _ in range(args.starts):
@@ -186,21 +456,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["startup_s"].append(ready)
         with daemon(host, bus.address) as (proc, _):
             asyncio.run(fill_history(bus.address, args.history))
-            for member, signature, body in (("ListHolders", "a{sv}", [{}]), ("GetHistory", "u", [10])):
-                for clients in CONCURRENCY:
-                    samples = asyncio.run(latency(bus.address, member, signature, body, clients,
-                                                  args.calls))
-                    results["latency"].append({
-                        "method": member, "clients": clients, "calls": len(samples),
-                        "p50_ms": percentile(samples, 50) * 1000,
-                        "p99_ms": percentile(samples, 99) * 1000})
-            time.sleep(2)  # let the last rescans settle
-            cpu0, wall0 = proc_cpu_seconds(proc.pid), time.monotonic()
-            time.sleep(args.idle_sec)
-            cpu = proc_cpu_seconds(proc.pid) - cpu0
-            wall = time.monotonic() - wall0
-            results["idle"] = {"seconds": wall, "cpu_s": cpu, "cpu_percent": 100 * cpu / wall,
-                               "rss_mib": proc_rss_mib(proc.pid)}
+            results["reply_bytes"] = asyncio.run(reply_sizes(bus.address))
+            with peer_service(bus.address) as peer:
+                open_rows: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in METHODS}
+                closed_rows: dict[str, dict[str, list[dict[str, Any]]]] = {
+                    name: {"gpuguardd": [], "peer": []} for name, *_ in METHODS}
+                everything = [(member, signature, body) for _, member, signature, body in METHODS]
+                for round_number in range(args.rounds):
+                    # Open loop: the dashboards' mix, each arrival one of the methods.
+                    mixed = measure(bus.address, BUS_NAME, everything, args, "open", round_number,
+                                    {"service": proc.pid, "bus": bus.proc.pid})
+                    for name, member, signature, body in METHODS:
+                        open_rows[name].append(mixed[member])
+                        sides = [("gpuguardd", BUS_NAME, proc.pid), ("peer", PEER_NAME, peer.pid)]
+                        if round_number % 2:
+                            sides.reverse()  # neither side always first
+                        for side, destination, pid in sides:
+                            closed_rows[name][side].append(measure(
+                                bus.address, destination, [(member, signature, body)], args,
+                                "closed", round_number, {"service": pid, "bus": bus.proc.pid})[member])
+                results["open"] = {name: _median_row(rows) for name, rows in open_rows.items()}
+                results["closed"] = {name: {side: _median_row(rows) for side, rows in by_side.items()}
+                                     for name, by_side in closed_rows.items()}
+                results["runs"] = {"open": open_rows, "closed": closed_rows}
+            if args.idle_sec > 0:
+                time.sleep(2)  # let the last rescans settle
+                cpu0, wall0 = proc_cpu_seconds(proc.pid), time.monotonic()
+                time.sleep(args.idle_sec)
+                cpu = proc_cpu_seconds(proc.pid) - cpu0
+                wall = time.monotonic() - wall0
+                results["idle"] = {"seconds": wall, "cpu_s": cpu, "cpu_percent": 100 * cpu / wall,
+                                   "rss_mib": proc_rss_mib(proc.pid)}
     finally:
         host.close()
         bus.close()
@@ -210,26 +496,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"gpuguardd over D-Bus ({args.holders} holders, {args.history} reports in the history, "
-          f"{os.cpu_count()} CPUs)")
-    print(f"{'method':<12} {'clients':>7} {'calls':>6} {'p50 ms':>8} {'p99 ms':>8}")
-    for row in results["latency"]:
-        print(f"{row['method']:<12} {row['clients']:>7} {row['calls']:>6} {row['p50_ms']:>8.2f} "
-              f"{row['p99_ms']:>8.2f}")
+          f"{results['cpus']} CPUs, {args.clients} clients in {args.client_procs} processes, "
+          f"{args.rounds} rounds of {args.seconds:g} s, medians)")
+    sizes = ", ".join(f"{name} {size / 1024:.1f} KiB" for name, size in results["reply_bytes"].items())
+    print(f"reply sizes on the wire: {sizes}")
+    print(f"\nopen loop, {args.rate:g} calls/s (Poisson) from {args.clients} clients, "
+          f"each call one of the methods at random:")
+    print(f"{'method':<15} {'calls':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'cpu/call':>9} "
+          f"{'load':>6}  target p99 < 10 ms")
+    for name, row in results["open"].items():
+        verdict = "met" if row["p99_ms"] < P99_TARGET_MS else "MISSED"
+        print(f"{name:<15} {row['calls']:>6} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+              f"{row['max_ms']:>8.1f} {row['service_cpu_ms_per_call']:>6.2f} ms {row['load']:>6.1f}  "
+              f"{verdict}")
+    print(f"\nclosed loop, {args.clients} clients back to back:")
+    print(f"{'method':<15} {'service':<10} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'cpu/call':>9} {'bus cpu':>9} {'load':>6}")
+    for name, sides in results["closed"].items():
+        for side, row in sides.items():
+            print(f"{name:<15} {side:<10} {row['calls_per_s']:>8.0f} {row['p50_ms']:>8.2f} "
+                  f"{row['p99_ms']:>8.2f} {row['service_cpu_ms_per_call']:>6.2f} ms "
+                  f"{row['bus_cpu_ms_per_call']:>6.2f} ms {row['load']:>6.1f}")
+        ratio = sides["gpuguardd"]["calls_per_s"] / sides["peer"]["calls_per_s"]
+        cpu_ratio = (sides["gpuguardd"]["service_cpu_ms_per_call"]
+                     / max(sides["peer"]["service_cpu_ms_per_call"], 1e-9))
+        print(f"ratio gpuguardd/peer ({name}): {ratio:.2f} x the calls/s, {cpu_ratio:.2f} x the CPU "
+              f"a call")
+    errors = sum(r["errors"] for r in results["open"].values()) + sum(
+        r["errors"] for sides in results["closed"].values() for r in sides.values())
+    if errors:
+        print(f"calls that failed: {errors}")
     starts = results["startup_s"]
-    print(f"startup to READY=1: median {statistics.median(starts) * 1000:.0f} ms "
+    print(f"\nstartup to READY=1: median {statistics.median(starts) * 1000:.0f} ms "
           f"(min {min(starts) * 1000:.0f}, max {max(starts) * 1000:.0f}, {len(starts)} starts)")
     idle = results["idle"]
-    print(f"idle over {idle['seconds']:.0f} s: CPU {idle['cpu_s']:.2f} s ({idle['cpu_percent']:.3f} %), "
-          f"RSS {idle['rss_mib']:.1f} MiB")
+    if idle:
+        print(f"idle over {idle['seconds']:.0f} s: CPU {idle['cpu_s']:.2f} s ({idle['cpu_percent']:.3f} %), "
+              f"RSS {idle['rss_mib']:.1f} MiB")
+    print(f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.client:
+        client_main(args.client)
+        return 0
+    if args.peer_service:
+        peer_main(args.peer_service)
+        return 0
     if os.geteuid() != 0:
         print("bench_dbus.py needs root (device nodes, reading other processes' fds)", file=sys.stderr)
         return 2
-    common.require_environment(["dbus-daemon", "gcc"])
-    results = run(args)
+    common.require_environment(["dbus-daemon", "gcc", "setpriv"])
+    common.exit_on_signals()
+    try:
+        results = run(args)
+    except common.BenchError as exc:
+        print(f"bench_dbus: FAILED: {exc}", file=sys.stderr)
+        return 1
     print_table(results, args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
