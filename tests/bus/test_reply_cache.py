@@ -1,0 +1,47 @@
+"""The daemon's replies sent from bytes marshalled once (bus/replycache.py) are never stale: a
+new report, a new holder, a different count or filter each get their own reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.dbus_harness import GuardDaemon, private_holder, wait_until
+
+pytest_plugins = ["tests.dbus_harness"]
+
+
+def history(guard: GuardDaemon, count: int) -> list[str]:
+    return [r["id"] for r in guard.manager("GetHistory", "u", str(count))[0]]
+
+
+def dry_sweep(guard: GuardDaemon, reason: str) -> str:
+    report_id: str = guard.manager("Sweep", "a{sv}", "2", "dry_run", "b", "true", "reason", "s",
+                                   reason)[0]["id"]
+    return report_id
+
+
+def test_get_history_follows_every_new_report(guard: GuardDaemon) -> None:
+    ids = [dry_sweep(guard, f"cached {n}") for n in range(3)]
+    for _ in range(3):  # kept on the second call, sent from the kept bytes on the third
+        assert history(guard, 10) == ids[::-1]
+    assert history(guard, 2) == ids[:0:-1]
+    newest = dry_sweep(guard, "after the cache")
+    assert history(guard, 10) == [newest, *ids[::-1]]
+    assert history(guard, 2) == [newest, ids[-1]]
+    reports: list[dict[str, Any]] = guard.manager("GetHistory", "u", "1")[0]
+    assert reports[0]["reason"] == "after the cache"
+
+
+def test_list_holders_follows_a_new_holder(guard: GuardDaemon) -> None:
+    def pids(*args: str) -> set[int]:
+        holders = guard.manager("ListHolders", "a{sv}", *(args or ("0",)))[0]
+        return {h["pid"] for h in holders}
+
+    first = pids()
+    for _ in range(3):  # kept, then sent from the kept bytes while the scan is fresh
+        assert pids() == first
+    pid = private_holder(guard.host)
+    # fresh=true waits for a scan that started after the call: a new reply, with the holder.
+    assert pid in pids("1", "fresh", "b", "true")
+    wait_until(lambda: pid in pids(), 15, f"ListHolders to list {pid}")
+    assert pid not in pids("1", "gpus", "au", "1", "0")  # its own filter, its own reply
