@@ -15,7 +15,6 @@ import argparse
 import fnmatch
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -204,6 +203,8 @@ def daemon_reload(root: str) -> str:
         return "skipped (--root given: the running systemd does not read that tree)"
     if not systemd_running(root):
         return "skipped (systemd is not PID 1 here)"
+    import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
+
     done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True,
                           text=True, timeout=120)
     if done.returncode != 0:
@@ -302,6 +303,8 @@ def known_units(root: str = "/") -> list[str]:
         except OSError:
             continue
     if systemd_running(root):
+        import subprocess
+
         done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain",
                                "--no-legend", "--no-pager"], check=False, capture_output=True,
                               text=True, timeout=60)

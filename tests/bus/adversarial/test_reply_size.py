@@ -18,6 +18,7 @@ from dbus_fast.aio import MessageBus
 
 from gpuguardd import safetext
 from gpuguardd.bus import replysize
+from gpuguardd.bus.replycache import Shared
 from gpuguardd.daemon.history import FILE_NAME
 from gpuguardd.engine.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE, spawn
@@ -145,8 +146,9 @@ def test_bound_holders_compacts_then_omits() -> None:
         return {"pid": Variant("u", pid), "cmdline": Variant("s", "c" * 4000),
                 "exe": Variant("s", "/" + "e" * 4000)}
     holders = [holder(pid) for pid in range(100)]
-    # Fits: sent as they are.
-    assert replysize.bound_holders(holders, budget=2 * MiB) is holders
+    # Fits: sent as they are, the very same entries (tagged for the reply cache).
+    fits = replysize.bound_holders(holders, budget=2 * MiB)
+    assert isinstance(fits, Shared) and all(a is b for a, b in zip(fits, holders, strict=True))
     # Over: every holder is kept, its text cut.
     compact = replysize.bound_holders(holders, budget=100 * 1024)
     assert [h["pid"].value for h in compact] == list(range(100))
