@@ -53,7 +53,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.compat import repair_writer
-from tests.dbus_harness import BUS_CONFIG, BUS_NAME, MANAGER, MANAGER_PATH, wait_until
+from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, BusDaemon
 from tests.fakenvml import GIB, FakeNvmlState, build_library, process_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holders", type=int, default=20, help="holder processes on the fake GPUs")
     parser.add_argument("--history", type=int, default=200, help="reports in the history")
     parser.add_argument("--starts", type=int, default=5, help="daemon starts timed (median)")
+    parser.add_argument("--daemon-checkout", type=Path, default=ROOT, metavar="DIR",
+                        help="run gpuguardd from this checkout (e.g. an older one, for before/after)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     # Internal: the client and peer processes are this file too.
     parser.add_argument("--client", metavar="SPEC", help=argparse.SUPPRESS)
@@ -106,37 +108,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- the bus, the host, the daemon -------------------------------------------------------------
 
 
-class BenchBus:
-    """A dbus-daemon with the tests' system-bus policy (tests/dbus_harness.py), the project's
-    policy file included as installed, and the peer's name allowed beside it."""
+class BenchBus(BusDaemon):
+    """tests/dbus_harness.py's system-like bus, the project's policy file included as installed,
+    and the peer's name allowed beside it."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-bus-"))
-        self.socket = self.dir / "system_bus_socket"
-        self.address = f"unix:path={self.socket}"
-        policy = self.dir / "policy.conf"
+        self.policy_dir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-policy-"))
+        policy = self.policy_dir / "policy.conf"
         policy.write_text(PEER_POLICY.format(
             project_policy=ROOT / "dbus" / "org.gpuguard.GpuGuard1.conf", peer=PEER_NAME))
-        config = self.dir / "bus.conf"
-        config.write_text(BUS_CONFIG.format(socket=self.socket, project_policy=policy))
-        self.log = open(self.dir / "dbus-daemon.log", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            ["setpriv", "--pdeathsig", "TERM", "dbus-daemon", f"--config-file={config}", "--nofork",
-             "--nopidfile"], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_until(self.socket.exists, 10, "dbus-daemon's socket")
+        super().__init__(policy)
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().close()
+        shutil.rmtree(self.policy_dir, ignore_errors=True)
 
 
 class Host:
     """Fake GPUs: device nodes of this run's own numbers, the fake NVML, a configuration."""
 
-    def __init__(self, root: Path, holders: int) -> None:
+    def __init__(self, root: Path, holders: int, checkout: Path = ROOT) -> None:
         self.root = root
+        self.checkout = checkout.resolve()
         self.nodes = common.make_nodes(root / "dev")
         self.libdir = build_library(root / "lib")
         self.state_path = root / "nvml.state"
@@ -162,7 +155,7 @@ class Host:
 
     @property
     def env(self) -> dict[str, str]:
-        return process_env(self.libdir, self.state_path, ROOT)
+        return process_env(self.libdir, self.state_path, self.checkout)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -184,7 +177,7 @@ def daemon(host: Host, address: str) -> Iterator[tuple[subprocess.Popen[bytes], 
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.daemon.main", "--bus-address", address,
                              "--config", str(host.config)], env=env, stderr=log,
-                            stdout=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, cwd=host.checkout)
     try:
         while b"READY=1" not in notify.recv(4096).split(b"\n"):
             pass
@@ -449,7 +442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "reply_bytes": {}, "cpus": os.cpu_count()}
     root = Path(tempfile.mkdtemp(prefix="gpuguard-bench-dbus-"))
     bus = BenchBus()
-    host = Host(root, args.holders)
+    host = Host(root, args.holders, args.daemon_checkout)
     try:
         for _ in range(args.starts):
             with daemon(host, bus.address) as (_, ready):
@@ -495,6 +488,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.daemon_checkout.resolve() != ROOT:
+        print(f"gpuguardd from {args.daemon_checkout}")
     print(f"gpuguardd over D-Bus ({args.holders} holders, {args.history} reports in the history, "
           f"{results['cpus']} CPUs, {args.clients} clients in {args.client_procs} processes, "
           f"{args.rounds} rounds of {args.seconds:g} s, medians)")

@@ -133,9 +133,10 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 
 
 class BusDaemon:
-    """A system-like dbus-daemon for the whole test session."""
+    """A system-like dbus-daemon for the whole test session. `policy`: a file included in place
+    of the project's policy (bench/bench_dbus.py's includes it and adds its peer's name)."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Path | None = None) -> None:
         # mkdtemp is 0700; others (the setpriv caller) must reach the socket.
         self.dir = Path(tempfile.mkdtemp(prefix="gpuguard-bus-"))
         os.chmod(self.dir, 0o755)
@@ -143,7 +144,7 @@ class BusDaemon:
         self.address = f"unix:path={self.socket}"
         self.config = self.dir / "bus.conf"
         self.config.write_text(BUS_CONFIG.format(
-            socket=self.socket, project_policy=ROOT / "dbus" / "org.gpuguard.GpuGuard1.conf"))
+            socket=self.socket, project_policy=policy or ROOT / "dbus" / "org.gpuguard.GpuGuard1.conf"))
         self.log = open(self.dir / "dbus-daemon.log", "w")  # noqa: SIM115
         # --pdeathsig: a killed test run does not leave its bus behind (and its gpuguardd
         # exits when the bus goes).
