@@ -18,7 +18,9 @@ from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.connection import name_owner
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
-from gpuguardd.systemd.unitsweep import MAX_UNITS, NoSystemd, UnitState
+from gpuguardd.systemd.adoption import MAX_UNITS
+from gpuguardd.systemd.rules import UnitState
+from gpuguardd.systemd.unitsweep import NoSystemd
 
 log = logging.getLogger("gpuguard.unitwatch")
 

@@ -1,9 +1,10 @@
 """Watch mode for the daemon: sweep a unit when it stops, knowing which GPUs were its own.
 
 The unit watch, in pieces:
-* rules.py      which units are watched, unit object paths, what counts as a stop (pure);
-* unitsweep.py  what each unit held, the escaped-leftover (adoption) rule, one sweep per stop
-                (pure: no D-Bus);
+* rules.py      which units are watched, unit object paths, unit states, what counts as a
+                stop, the hook:/watch: prefixes (pure);
+* adoption.py   what each unit held and the escaped-leftover (adoption) rule (pure);
+* unitsweep.py  a unit's sweep with its leftovers, one sweep per stop (no D-Bus);
 * client.py     systemd's manager on the bus (`Systemd`, `local_systemd`);
 * watcher.py    follows systemd's signals and calls back on stops and starts (`UnitWatcher`);
 * here          `UnitWatch` joins them for the daemon's Service: every unit sweep (from the

@@ -16,9 +16,9 @@ from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.connection import BUS_DAEMON, add_match, name_owner, name_owner_change
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
+from gpuguardd.systemd.adoption import MAX_UNITS
 from gpuguardd.systemd.client import MANAGER_IFACE, SYSTEMD, SYSTEMD_PATH, UNIT_IFACE, Systemd
-from gpuguardd.systemd.rules import became_active, is_stop_to_sweep, matches, unit_name_from_path
-from gpuguardd.systemd.unitsweep import MAX_UNITS, UnitState
+from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep, matches, unit_name_from_path
 
 log = logging.getLogger("gpuguard.unitwatch")
 

@@ -47,6 +47,7 @@ FORBIDDEN: dict[str, frozenset[str]] = {
 # and the D-Bus side (client, watcher) stays thin.
 PURE: dict[str, frozenset[str]] = {
     "gpuguardd.systemd.rules": frozenset({"dbus_fast", "gpuguardd.bus"}),
+    "gpuguardd.systemd.adoption": frozenset({"dbus_fast", "gpuguardd.bus"}),
     "gpuguardd.systemd.unitsweep": frozenset({"dbus_fast", "gpuguardd.bus"}),
 }
 

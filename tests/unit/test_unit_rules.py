@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguardd.systemd.rules import became_active, is_stop_to_sweep
-from gpuguardd.systemd.unitsweep import UnitState
+from gpuguardd.systemd.adoption import owner_lets_go
+from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep
 
 
 def state(active: str) -> UnitState:
@@ -38,3 +38,12 @@ def test_stop_to_sweep(previous: str, now: str, job_done: bool, sweep: bool) -> 
 ])
 def test_became_active(previous: str, now: str, started: bool) -> None:
     assert became_active(previous, state(now)) is started
+
+
+@pytest.mark.parametrize(("owner", "lets_go"), [
+    (None, False),  # systemd could not be asked: the unit may run
+    ("active", False), ("activating", False), ("reloading", False), ("deactivating", False),
+    ("refreshing", False), ("inactive", True), ("failed", True), ("", True),  # "": unloaded
+])
+def test_rule_4_only_a_stopped_owner_lets_its_process_go(owner: str | None, lets_go: bool) -> None:
+    assert owner_lets_go(None if owner is None else state(owner)) is lets_go

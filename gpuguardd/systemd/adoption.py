@@ -1,0 +1,169 @@
+"""The escaped-leftover (adoption) rule, pure: what each host unit held, and which holders
+outside a unit were its own. No D-Bus, no I/O: unitsweep.UnitSweeps applies it with a scan and
+systemd's answers (client.Systemd).
+
+`UnitGpuRecords` remembers, for every host unit whose processes hold GPUs, which GPUs those
+were and which processes (PID + start time) were the unit's. The daemon feeds it every scan
+while the units run; a sweep adds what its own scan sees and the unit's
+`CUDA_VISIBLE_DEVICES` (a hint). After the stop, a unit sweep therefore still knows the
+unit's GPUs, even when its processes left the cgroup.
+
+The escaped-leftover rule. A sweep of unit U also ends a holder H outside U's cgroup when all
+of these hold:
+
+1. H runs on the host: a container's processes are never a host unit's leftovers;
+2. H is a compute holder (a CUDA context) and not protected (the engine checks both again);
+3. H was U's (U may be a container's host scope, docker-<id>.scope, whose processes were the
+   container's): either the same process (PID and start time) was seen in U's cgroup by an
+   earlier scan, or H holds one of U's GPUs (held by U's processes while U ran or now, or
+   named by U's CUDA_VISIBLE_DEVICES);
+4. no running unit owns H now: its cgroup belongs to no unit (a slice, the root, a cgroup made
+   by hand), or to a unit that systemd reports inactive or failed (or no longer knows).
+
+So a process that moved itself into a session, a `systemd-run --scope`, another service or a
+container is left alone: someone running adopted it. And without systemd nothing is adopted,
+because there every process looks like it belongs to no unit.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuguardd.engine.attribution import container_scope_label
+from gpuguardd.engine.enums import HolderKind
+from gpuguardd.engine.models import Holder, NvmlSnapshot
+from gpuguardd.engine.sweep import gpu_scope
+from gpuguardd.systemd.rules import UnitState
+
+MAX_UNITS = 1024
+MAX_PROCESSES_PER_UNIT = 4096
+
+
+def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int]:
+    """NVML indices named by CUDA_VISIBLE_DEVICES in a unit's Environment (a hint only).
+
+    UUIDs (GPU-..., also abbreviated as CUDA allows) are exact. Plain numbers are CUDA
+    ordinals, which equal NVML indices when CUDA_DEVICE_ORDER=PCI_BUS_ID and on the usual
+    machines with identical GPUs; they only widen where escaped leftovers are looked for.
+    """
+    value = None
+    for item in environment:
+        key, _, text = item.partition("=")
+        if key == "CUDA_VISIBLE_DEVICES":
+            value = text
+    if not value:
+        return set()
+    gpus: set[int] = set()
+    for token in (t.strip() for t in value.split(",")):
+        if not token:
+            continue
+        if token.isdigit():
+            if nvml.by_index(int(token)) is not None or not nvml.available:
+                gpus.add(int(token))
+            continue
+        if token.startswith("-"):
+            break  # CUDA stops at the first invalid ordinal ("-1" hides everything after)
+        wanted = token.lower()
+        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(wanted)]
+        if len(found) == 1:
+            gpus.add(found[0])
+    return gpus
+
+
+# -- what each unit held -------------------------------------------------------------------
+
+@dataclass
+class UnitGpuRecord:
+    unit: str
+    gpus: set[int] = field(default_factory=set)  # held by the unit's processes
+    hinted: set[int] = field(default_factory=set)  # from CUDA_VISIBLE_DEVICES
+    processes: dict[tuple[int, int], str] = field(default_factory=dict)  # (pid, start) -> comm
+    updated: float = field(default_factory=time.monotonic)
+
+    @property
+    def all_gpus(self) -> set[int]:
+        return self.gpus | self.hinted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "gpus": sorted(self.gpus), "hinted": sorted(self.hinted),
+                "pids": sorted(pid for pid, _ in self.processes)}
+
+
+class UnitGpuRecords:
+    """Per host unit: the GPUs and processes seen in it. Bounded; oldest units go first."""
+
+    def __init__(self, max_units: int = MAX_UNITS) -> None:
+        self.max_units = max_units
+        self._records: collections.OrderedDict[str, UnitGpuRecord] = collections.OrderedDict()
+
+    def _record(self, unit: str) -> UnitGpuRecord:
+        record = self._records.get(unit)
+        if record is None:
+            record = self._records[unit] = UnitGpuRecord(unit)
+            while len(self._records) > self.max_units:
+                self._records.popitem(last=False)
+        self._records.move_to_end(unit)
+        record.updated = time.monotonic()
+        return record
+
+    def observe(self, holders: Iterable[Holder]) -> None:
+        """Note every host unit's GPU holders from a scan (cheap: holders only)."""
+        for holder in holders:
+            # A container's processes belong to no host unit, except the container's own
+            # host scope (docker-<id>.scope: attribution.container_scope_label).
+            host_unit = not holder.container or container_scope_label(holder.unit) == holder.container
+            if not holder.unit or not host_unit or not holder.gpus:
+                continue
+            record = self._record(holder.unit)
+            record.gpus.update(holder.gpus)
+            if len(record.processes) < MAX_PROCESSES_PER_UNIT:
+                record.processes[(holder.pid, holder.start_time)] = holder.comm
+
+    def hint(self, unit: str, gpus: Iterable[int]) -> None:
+        wanted = set(gpus)
+        if wanted:
+            self._record(unit).hinted = wanted
+
+    def get(self, unit: str) -> UnitGpuRecord | None:
+        return self._records.get(unit)
+
+    def forget(self, unit: str) -> None:
+        self._records.pop(unit, None)
+
+    def units(self) -> list[str]:
+        return list(self._records)
+
+
+def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterable[Holder],
+                        include_management: bool = False) -> list[tuple[Holder, str]]:
+    """Rules 1-3 of the module docstring: holders outside `unit` that were its own, with why.
+
+    Rule 4 (no running unit owns them) needs systemd and is checked by the caller.
+    """
+    if record is None:
+        return []
+    gpus = record.all_gpus
+    found: list[tuple[Holder, str]] = []
+    for holder in holders:
+        if holder.unit == unit or holder.container or holder.protected:
+            continue
+        if holder.kind != HolderKind.COMPUTE and not include_management:
+            continue
+        if (holder.pid, holder.start_time) in record.processes:
+            found.append((holder, f"was a process of {unit}"))
+        elif gpu_scope(holder, tuple(sorted(gpus)))[0]:
+            # The sweep's GPU rule: a CUDA process holds every GPU's node, so one NVML lists
+            # elsewhere, or one holding nodes of GPUs the unit never had, is not its leftover.
+            shared = ",".join(str(g) for g in sorted(gpus & set(holder.gpus)))
+            found.append((holder, f"holds GPU {shared}, which {unit} held"))
+    return found
+
+
+def owner_lets_go(owner_state: UnitState | None) -> bool:
+    """Rule 4 for a holder in another unit's cgroup: only a unit systemd reports stopped (or
+    no longer knows) lets its process go; a running one, or one we cannot ask about, keeps it."""
+    return owner_state is not None and not owner_state.running
