@@ -21,10 +21,19 @@ APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
 # servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
 APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
 
-.PHONY: all deps venv test lint typecheck unit gpu-test bench clean man install install-python \
-	install-data uninstall deb rpm demo e2e cockpit install-cockpit
+.PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
+	install-python install-data uninstall deb rpm demo e2e cockpit install-cockpit
 
 all: test
+
+help:
+	@echo "make check      ruff and the unit tests (tests/unit) as nobody: seconds, for the edit-test loop"
+	@echo "make test       everything CI runs: deps, ruff, mypy, every test but tests/gpu (as root)"
+	@echo "make e2e        the end-to-end tests alone (real systemd in systemd-nspawn; root)"
+	@echo "make gpu-test   the real-GPU checks (tests/gpu; a machine with an NVIDIA GPU)"
+	@echo "make demo       the demo in a throwaway systemd container (root)"
+	@echo "make bench      the benchmarks (bench/)"
+	@echo "make deb rpm    the packages; make install, uninstall; make man; make cockpit"
 
 # Debian packages the suite drives for real (dbus-daemon, busctl, gdbus, fuser, lsof, gcc for
 # the fake NVML library, systemd-nspawn). Installed only where missing, so a developer machine
@@ -59,14 +68,47 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-# tests/gpu needs a real NVIDIA GPU: never part of `make test` (CI has none); see gpu-test.
-unit: deps venv cockpit
+# The tests by kind (README "Development"): tests/unit (no root, no services), tests/host (root
+# on this host), tests/bus (a private dbus-daemon), tests/cockpit (a browser), tests/packaging,
+# tests/e2e (real systemd), tests/gpu (a real GPU: never part of `make test`, CI has none).
+suite: deps venv cockpit
 	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/gpu tests
+
+# `make check`: the edit-test loop. ruff, then tests/unit, which needs neither root nor a
+# service nor a tool beyond gcc: as root it runs as nobody, so a unit test that needs root
+# fails here (tests/unit/conftest.py fails every skip). nobody cannot reach an interpreter
+# under root's home (pyenv): then a venv of the system's Python ($(NOBODY_PYTHON)) serves,
+# made once.
+NOBODY := setpriv --reuid=nobody --regid=nogroup --clear-groups --inh-caps=-all
+NOBODY_PYTHON ?= /usr/bin/python3
+NOBODY_VENV := .venv-nobody
+UNIT_PYTEST = env PYTHONDONTWRITEBYTECODE=1 $(1) -m pytest -q -p no:cacheprovider tests/unit
+
+check: venv
+	$(BIN)/ruff check gpuguardd tests bench packaging demo
+	@start=$$(date +%s%N); \
+	if [ "$$(id -u)" != 0 ]; then \
+		echo '$(call UNIT_PYTEST,$(BIN)/python)'; \
+		$(call UNIT_PYTEST,$(BIN)/python); \
+	elif $(NOBODY) env $(BIN)/python -c 'import pytest' 2>/dev/null; then \
+		echo '$(NOBODY) $(call UNIT_PYTEST,$(BIN)/python)'; \
+		$(NOBODY) env HOME=/nonexistent $(call UNIT_PYTEST,$(BIN)/python); \
+	else \
+		$(MAKE) --no-print-directory $(NOBODY_VENV)/.installed && \
+		echo '$(NOBODY) $(call UNIT_PYTEST,$(NOBODY_VENV)/bin/python)' && \
+		$(NOBODY) env HOME=/nonexistent $(call UNIT_PYTEST,$(NOBODY_VENV)/bin/python); \
+	fi; \
+	code=$$?; echo "make check: tests/unit took $$(( ($$(date +%s%N) - start) / 1000000 )) ms"; exit $$code
+
+$(NOBODY_VENV)/.installed: setup.cfg pyproject.toml
+	$(NOBODY_PYTHON) -m venv $(NOBODY_VENV)
+	$(NOBODY_VENV)/bin/pip install -q -e '.[test]'
+	touch $@
 
 gpu-test: venv
 	$(BIN)/pytest -v -p no:cacheprovider tests/gpu
 
-test: deps venv lint typecheck unit
+test: deps venv lint typecheck suite
 
 bench: deps venv
 	$(BIN)/python bench/bench_scan.py
@@ -82,7 +124,7 @@ e2e: deps venv
 	$(BIN)/pytest -v -p no:cacheprovider tests/e2e
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info tests/fakenvml/build cockpit/node_modules cockpit/dist
+	rm -rf $(VENV) $(NOBODY_VENV) build dist *.egg-info tests/fakenvml/build cockpit/node_modules cockpit/dist
 
 # --- The Cockpit page (cockpit/README.md) ----------------------------------------------------
 # npm ci installs exactly what cockpit/package-lock.json pins; esbuild bundles the page into

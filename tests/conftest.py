@@ -26,6 +26,9 @@ import pytest
 
 from tests.fakenvml import FakeNvmlState, build_library, process_env
 
+# Every run, whatever its selection, is held to leaving nothing behind (tests/leftovers.py).
+from tests.leftovers import pytest_configure, pytest_sessionfinish  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 HOLDER = Path(__file__).resolve().parent / "holder.py"
 MiB = 1024 * 1024

@@ -246,6 +246,9 @@ class GuardDaemon:
     extra_env: dict[str, str] = field(default_factory=dict)
     starts: int = 0
     logs: list[str] = field(default_factory=list)
+    # Every start's listener, closed (and its directory removed) by close(): a test may restart
+    # the daemon, or end it itself (kill -9), without stop().
+    listeners: list[NotifyListener] = field(default_factory=list)
 
     @property
     def env(self) -> dict[str, str]:
@@ -262,6 +265,7 @@ class GuardDaemon:
         # sun_path holds 108 bytes; pytest's tmp_path for a long test name does not fit.
         notify_path = Path(tempfile.mkdtemp(prefix="gg-notify-")) / "n.sock"
         self.notify = NotifyListener(notify_path)
+        self.listeners.append(self.notify)
         run_env = dict(self.env)
         run_env.update(env or {})
         run_env["NOTIFY_SOCKET"] = str(notify_path)
@@ -302,6 +306,11 @@ class GuardDaemon:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def close(self) -> None:
+        """After the daemon is gone: every start's notify socket and its directory."""
+        for listener in self.listeners:
+            listener.close()
 
     # -- admin tools ---------------------------------------------------------------------
 
@@ -444,7 +453,17 @@ def recording(address: str) -> Iterator[SignalRecorder]:
 # -- fake polkit -----------------------------------------------------------------------------
 
 class FakePolkit:
-    """Starts `python -m tests.dbus_harness polkit`; rules: uid -> allowed action ids."""
+    """Starts `python -m tests.dbus_harness polkit`; rules: uid -> allowed action ids.
+
+    Not python-dbusmock's polkitd template, which answers every caller alike from one list of
+    allowed actions (SetAllowed, AllowUnknown), always with is_challenge false, and keeps no
+    record of who asked. The tests need what it cannot say: an answer per caller's uid (looked
+    up from the subject's bus name, as polkitd does), a denial that is a challenge (what polkitd
+    answers a user who could authenticate; the daemon logs it apart), and a log of each request with
+    the subject, its uid, the flags (AllowUserInteraction) and the answer, which
+    test_polkit_decides_for_other_users and test_polkit_is_asked_once_per_connection_and_action
+    assert on. It would also bring dbus-python and PyGObject into the test dependencies.
+    """
 
     def __init__(self, address: str, workdir: Path, rules: dict[int, list[str]],
                  challenge: bool = False) -> None:
@@ -551,9 +570,12 @@ def daemon(gpu_host: Any, system_bus: BusDaemon, tmp_path: Path) -> Iterator[Gua
     try:
         yield guard
     finally:
-        if guard.proc is not None and guard.alive():
-            code = guard.stop()
-            assert code == 0, f"gpuguardd exited with {code} on SIGTERM:\n{guard.stderr()}"
+        try:
+            if guard.proc is not None and guard.alive():
+                code = guard.stop()
+                assert code == 0, f"gpuguardd exited with {code} on SIGTERM:\n{guard.stderr()}"
+        finally:
+            guard.close()
         logs = "\n".join(guard.logs)
         assert "Traceback" not in logs, f"gpuguardd logged a traceback:\n{logs}"
 

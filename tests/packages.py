@@ -1,12 +1,11 @@
 """Build the .deb and the .rpm once per test session, through the Makefile's targets.
 
-tests/test_packaging.py inspects them; tests/e2e/test_package_install.py installs the .deb in
+tests/packaging/test_packaging.py inspects them; tests/e2e/test_package_install.py installs the .deb in
 a throwaway systemd. Both ask here, so each package is built once however many tests use it.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd import __version__
+from tests.leftovers import at_session_end
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tools of `make deb`/`make rpm`/`make man`, installed by `make deps` (APT_PACKAGES).
@@ -37,10 +37,16 @@ def require_tools() -> None:
         pytest.skip(message)
 
 
+def _remove_workdir() -> None:
+    shutil.rmtree(_workdir.pop(), ignore_errors=True)
+    _built.clear()
+
+
 def workdir() -> Path:
     if not _workdir:
         _workdir.append(Path(tempfile.mkdtemp(prefix="gpuguard-packages.")))
-        atexit.register(shutil.rmtree, _workdir[0], True)
+        # Removed when the session ends, before tests/leftovers.py looks (atexit comes later).
+        at_session_end(_remove_workdir)
     return _workdir[0]
 
 
