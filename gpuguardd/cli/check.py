@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuguardd.cli.output import human_bytes
 from gpuguardd.engine.enums import GpuState, HolderKind
+from gpuguardd.engine.models import Holder
 from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -86,7 +87,7 @@ def _selected(gpus: list[dict[str, Any]], selectors: list[str]
     return chosen
 
 
-def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[dict[str, Any]],
+def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[Holder],
           selectors: list[str]) -> CheckResult:
     """The problems on the selected GPUs. `holders` are those the backend found in the same
     selection (it resolves indices, UUIDs and MIG UUIDs the way a sweep does)."""
@@ -114,23 +115,23 @@ def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[dict
                 detail += f": {printable(error)}"
             result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
     for holder in holders:
-        if holder.get("kind") != HolderKind.COMPUTE:
+        if holder.kind != HolderKind.COMPUTE:
             continue
-        on = [int(g) for g in holder.get("gpus", [])]
+        on = holder.gpus
         # A holder whose GPU is unknown may be on any of them: not free.
         if on and indices and not set(on) & indices:
             continue
         where = ",".join(str(g) for g in on) or "?"
         first = min(set(on) & indices) if on and indices else None
         uuid = next((str(g.get("uuid", "")) for g, _ in chosen if g["index"] == first), "")
-        who = printable(holder.get("user") or holder.get("uid", "?"))
-        unit = printable(holder.get("unit") or "-")
-        container = holder.get("container")
+        who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
+        unit = printable(holder.unit or "-")
+        container = holder.container
         result.problems.append(Problem(
             first, uuid, "holder",
-            f"GPU {where}: compute holder pid {holder.get('pid')} "
-            f"({printable(holder.get('comm', ''))}) user {who} unit {unit}"
+            f"GPU {where}: compute holder pid {holder.pid} "
+            f"({printable(holder.comm)}) user {who} unit {unit}"
             + (f" container {printable(container)}" if container else "")
-            + (" [protected]" if holder.get("protected") else ""),
-            pid=int(holder.get("pid", 0))))
+            + (" [protected]" if holder.protected else ""),
+            pid=holder.pid))
     return result

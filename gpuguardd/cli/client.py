@@ -25,7 +25,7 @@ from gpuguardd.bus.names import (
     PROPERTIES_INTERFACE,
     default_address,
 )
-from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.models import Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
@@ -184,8 +184,8 @@ class DBusBackend:
         return marshal.option(marshal.SWEEP, "gpus", await self._indices(bus, wanted), "au")
 
     def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[dict[str, Any]]:
-        async def get(bus: MessageBus) -> list[dict[str, Any]]:
+                include_protected: bool) -> list[Holder]:
+        async def get(bus: MessageBus) -> list[Holder]:
             def option(key: str, value: Any) -> Variant:
                 return marshal.option(marshal.FILTER, key, value)
             options = {"include_protected": option("include_protected", include_protected),
@@ -197,7 +197,7 @@ class DBusBackend:
             if container:
                 options["container"] = option("container", container)
             (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
-            return [marshal.unwrap(h) for h in holders]
+            return [Holder.from_dict(marshal.unwrap(h)) for h in holders]
         return self._run(get)
 
     def sweep(self, request: SweepRequest) -> Report:

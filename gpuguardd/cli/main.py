@@ -17,7 +17,7 @@ from typing import Any, Protocol, TextIO
 
 from gpuguardd import __version__
 from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.models import Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
@@ -52,7 +52,7 @@ class Backend(Protocol):
     def gpus(self) -> list[dict[str, Any]]: ...
 
     def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[dict[str, Any]]: ...
+                include_protected: bool) -> list[Holder]: ...
 
     def sweep(self, request: SweepRequest) -> Report: ...
 
@@ -92,7 +92,7 @@ class LocalBackend:
         return gpu_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024)
 
     def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[dict[str, Any]]:
+                include_protected: bool) -> list[Holder]:
         from gpuguardd.engine.facade import HolderFilter
 
         scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
@@ -102,7 +102,7 @@ class LocalBackend:
             include_protected=include_protected))
         for warning in scan.warnings:
             log.warning("%s", warning)
-        return [h.to_dict() for h in found]
+        return found
 
     def sweep(self, request: SweepRequest) -> Report:
         # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
@@ -286,7 +286,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         if args.verb == "holders":
             found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)
-            output.print_json(found, out) if args.json else output.print_holders(found, out)
+            output.print_json([h.to_dict() for h in found], out) if args.json \
+                else output.print_holders(found, out)
             return EXIT_OK
         if args.verb == "sweep" and args.slurm_epilog:
             return run_slurm_epilog(backend, args, out)
@@ -307,7 +308,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             else:
                 for report in reports:
                     output.print_report(report, out)
-                output.print_omitted_reports(reports, out)
+                output.print_omitted(reports, "reports", out)
             return EXIT_OK
         if args.verb == "watch":
             from gpuguardd.cli.client import DBusBackend

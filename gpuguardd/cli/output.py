@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
 from gpuguardd.engine import models
+from gpuguardd.engine.models import Holder
 from gpuguardd.engine.report import Report, ReportScope, Spared, Survivor, Target, Terminated
 from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
@@ -62,29 +63,26 @@ def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
     table(["GPU", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 
 
-def print_holders(holders: list[dict[str, Any]], out: TextIO) -> None:
-    holders = escaped(holders)
+def print_holders(holders: Sequence[Holder], out: TextIO) -> None:
     rows = []
     for h in holders:
-        gpus = ",".join([str(g) for g in h["gpus"]] + list(h.get("mig") or [])) or "?"
-        memory = human_bytes(h["gpu_memory"]) if h["gpu_memory"] else "-"
-        kind = h["kind"] + (" (protected)" if h["protected"] else "")
-        command = h["cmdline"] or f"[{h['comm']}]"
-        user = h["user"] or ("?" if h.get("uid", UID_UNKNOWN) == UID_UNKNOWN else str(h["uid"]))
-        rows.append([str(h["pid"]), user, h["unit"] or "-",
-                     h["container"] or "-", kind, h["state"], gpus, memory,
-                     ",".join(h["how"]), command[:80]])
+        gpus = ",".join([str(g) for g in h.gpus] + h.mig) or "?"
+        memory = human_bytes(h.gpu_memory) if h.gpu_memory else "-"
+        kind = _shown(h, "kind") + (" (protected)" if h.protected else "")
+        # Cut after escaping, as the table shows it: an escape is never cut in two.
+        command = escape_text(h.cmdline or f"[{h.comm}]")[:80]
+        user = h.user or ("?" if "uid" in h.unread or h.uid == UID_UNKNOWN else str(h.uid))
+        rows.append([_shown(h, "pid"), user, h.unit or "-", h.container or "-", kind, h.state,
+                     gpus, memory, ",".join(h.how), command])
     table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW",
            "COMMAND"], rows, out)
     print_omitted(holders, "holders", out)
 
 
-def print_omitted(entries: list[dict[str, Any]], what: str, out: TextIO) -> None:
-    """The daemon cut the reply to stay under the bus's message size (replysize.py): say so."""
-    _say_omitted(entries[-1].get(OMITTED_KEY, 0) if entries else 0, what, out)
-
-
-def _say_omitted(omitted: object, what: str, out: TextIO) -> None:
+def print_omitted(records: Sequence[WireRecord], what: str, out: TextIO) -> None:
+    """The daemon cut the reply to stay under the bus's message size (replysize.py): the
+    last record sent says how many were left out."""
+    omitted = records[-1].unknown.get(OMITTED_KEY, 0) if records else 0
     if isinstance(omitted, int) and omitted:
         out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
                   f"bus's message size)\n")
@@ -149,7 +147,3 @@ def print_report(report: Report, out: TextIO) -> None:
         _line(out, f"  warning: {warning}")
     _line(out, f"Outcome: {_shown(report, 'outcome')} in {_shown(report, 'duration_ms')} ms")
 
-
-def print_omitted_reports(reports: list[Report], out: TextIO) -> None:
-    """GetHistory cut its reply to stay under the bus's message size (replysize.py): say so."""
-    _say_omitted(reports[-1].unknown.get(OMITTED_KEY, 0) if reports else 0, "reports", out)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuguardd.engine.enums import GpusFrom, HolderKind
+from gpuguardd.engine.wire import WireRecord
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,10 @@ class NvmlSnapshot:
 
 
 @dataclass
-class Holder:
+class Holder(WireRecord):
+    """A process holding an NVIDIA device or listed by NVML; its wire form is a ListHolders
+    entry (../shared/API.md, "A holder dict"), produced and read back by wire.py."""
+
     pid: int
     comm: str = ""
     exe: str = ""
@@ -120,34 +124,9 @@ class Holder:
     protected: bool = False
     protected_why: str = ""
     ppid: int = 0
-    start_time: int = 0  # clock ticks after boot, /proc/<pid>/stat field 22
-    roles: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "comm": self.comm,
-            "exe": self.exe,
-            "cmdline": self.cmdline,
-            "uid": self.uid,
-            "user": self.user,
-            "unit": self.unit,
-            "cgroup": self.cgroup,
-            "container": self.container,
-            "devices": list(self.devices),
-            "how": list(self.how),
-            "gpus": list(self.gpus),
-            "nvml_gpus": list(self.nvml_gpus),
-            "node_gpus": list(self.node_gpus),
-            "gpus_from": self.gpus_from.value,
-            "mig": list(self.mig),
-            "gpu_memory": self.gpu_memory,
-            "state": self.state,
-            "kind": self.kind.value,
-            "protected": self.protected,
-            "protected_why": self.protected_why,
-            "ppid": self.ppid,
-        }
+    # What only this process needs (wire.py): not sent, not stored.
+    start_time: int = field(default=0, metadata={"wire": False})  # ticks after boot, stat field 22
+    roles: list[str] = field(default_factory=list, metadata={"wire": False})
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
@@ -59,22 +59,17 @@ class WireRecord:
 
     def _wire(self) -> object:
         back = self._back
-        if back is not None and back.whole:
-            return back.whole[0]
         out: Wire = {}
-        for name in _specs(type(self)):
-            if back is not None:
-                if name in back.kept:
-                    out[name] = back.kept[name]
-                    continue
-                if name not in back.present:
-                    continue
-            value = getattr(self, name)
-            if back is None and name in self.OPTIONAL and _empty(value):
-                continue
-            out[name] = plain(value)
-        if back is not None:
-            out.update((key, value) for key, value in back.kept.items() if key not in out)
+        if back is None:
+            return _writer(type(self))(self)
+        if back.whole:
+            return back.whole[0]
+        for name, _ in _layout(type(self)):
+            if name in back.kept:
+                out[name] = back.kept[name]
+            elif name in back.present:
+                out[name] = plain(getattr(self, name))
+        out.update((key, value) for key, value in back.kept.items() if key not in out)
         return out
 
     @classmethod
@@ -124,6 +119,8 @@ class WireRecord:
 
 def plain(value: object) -> Any:
     """A field's value as the wire carries it."""
+    if type(value) in _AS_IS:
+        return value
     if isinstance(value, WireRecord):
         return value._wire()
     if isinstance(value, Enum):
@@ -131,6 +128,9 @@ def plain(value: object) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
     return value
+
+
+_AS_IS = frozenset({int, str, bool, float, type(None)})
 
 
 def _empty(value: object) -> bool:
@@ -142,7 +142,59 @@ def _empty(value: object) -> bool:
 # name -> (reader, stand-in for an unread value, whether __init__ takes it)
 _Spec = tuple[Reader, Callable[[], Any], bool]
 _SPECS: dict[type, dict[str, _Spec]] = {}
+_LAYOUTS: dict[type, tuple[tuple[str, bool], ...]] = {}
 _BASE_FIELDS = frozenset({"unread", "_back"})
+
+
+def _wire_fields(cls: type) -> list[Field[Any]]:
+    """The fields that are keys on the wire: not the base's bookkeeping, nor a field
+    declared with metadata {"wire": False} (what only this process needs to know)."""
+    return [f for f in fields(cls) if f.name not in _BASE_FIELDS and f.metadata.get("wire", True)]
+
+
+def _layout(cls: type[WireRecord]) -> tuple[tuple[str, bool], ...]:
+    """(key, optional) for each key of the wire form, in order."""
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        layout = _LAYOUTS[cls] = tuple((f.name, f.name in cls.OPTIONAL) for f in _wire_fields(cls))
+    return layout
+
+
+_WRITERS: dict[type, Callable[[Any], Wire]] = {}
+
+
+def _writer(cls: type[WireRecord]) -> Callable[[Any], Wire]:
+    """The wire form of a record built here, as one function written for its class (as
+    dataclasses writes __init__): every holder of every scan goes through it, and a loop
+    over the fields with a conversion per value took eight times as long."""
+    writer = _WRITERS.get(cls)
+    if writer is None:
+        namespace = vars(sys.modules[cls.__module__])
+        lines = ["def wire(self):", " out = {}"]
+        for f in _wire_fields(cls):
+            value = _conversion(str(f.type), f"self.{f.name}", namespace)
+            if f.name in cls.OPTIONAL:
+                lines.append(f" if not _empty(self.{f.name}): out[{f.name!r}] = {value}")
+            else:
+                lines.append(f" out[{f.name!r}] = {value}")
+        lines.append(" return out")
+        scope: dict[str, Any] = {"_empty": _empty, "plain": plain}
+        exec("\n".join(lines), scope)  # the text is made of this class's field names only
+        writer = _WRITERS[cls] = scope["wire"]
+    return writer
+
+
+def _conversion(annotation: str, expression: str, namespace: Mapping[str, Any]) -> str:
+    """Python text for the wire value of `expression`, a field of type `annotation`."""
+    text = annotation.replace(" ", "")
+    if text in _SCALARS or (text.endswith("|None") and text[: -len("|None")] in _SCALARS):
+        return expression
+    if text in ("list[int]", "list[str]"):
+        return f"list({expression})"
+    kind = namespace.get(text)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return f"{expression}.value"
+    return f"plain({expression})"  # records, lists of records
 
 
 def _specs(cls: type) -> dict[str, _Spec]:
@@ -150,9 +202,7 @@ def _specs(cls: type) -> dict[str, _Spec]:
     if specs is None:
         namespace = vars(sys.modules[cls.__module__])
         specs = {}
-        for f in fields(cls):
-            if f.name in _BASE_FIELDS:
-                continue
+        for f in _wire_fields(cls):
             reader, zero = _reader(str(f.type), namespace)
             if "unread" in f.metadata:
                 stand_in: Callable[[], Any] = _constant(f.metadata["unread"])

@@ -9,6 +9,7 @@ import json
 
 from gpuguardd.cli.check import check
 from gpuguardd.cli.main import EXIT_NOT_FREE, EXIT_OK, EXIT_USAGE
+from gpuguardd.engine.models import Holder
 from tests.conftest import GiB, GpuHost
 
 
@@ -79,8 +80,8 @@ def test_an_unknown_gpu_is_a_usage_error(gpu_host: GpuHost) -> None:
 def test_hostile_names_stay_on_one_line() -> None:
     status = {"nvml_available": True}
     gpus = [{"index": 0, "uuid": "GPU-1", "state": "in-use", "memory_used": 1}]
-    holders = [{"pid": 5, "comm": "x\n\x1b[2Jfake", "user": "u\nGPU 0: ok", "unit": "a\rb",
-                "kind": "compute", "gpus": [0], "container": ""}]
+    holders = [Holder.from_dict({"pid": 5, "comm": "x\n\x1b[2Jfake", "user": "u\nGPU 0: ok",
+                                 "unit": "a\rb", "kind": "compute", "gpus": [0], "container": ""})]
     result = check(status, gpus, holders, [])
     assert len(result.problems) == 1
     message = result.problems[0].message

@@ -29,7 +29,7 @@ def test_hostile_command_line_stays_on_its_row() -> None:
     calm = Holder(pid=7, comm="y", cmdline="sleep 1", user="bob", gpus=[1], how=["nvml"],
                   kind=HolderKind.COMPUTE, state="S", gpu_memory=2 * 1024 ** 3)
     out = io.StringIO()
-    print_holders([evil.to_dict(), calm.to_dict()], out)
+    print_holders([evil, calm], out)
     lines = out.getvalue().splitlines()
     assert len(lines) == 3
     assert "\x1b" not in out.getvalue()

@@ -137,3 +137,23 @@ def test_enums_are_their_values_everywhere() -> None:
     assert type(holder["kind"]) is str and holder["kind"] == "compute"
     assert type(holder["gpus_from"]) is str and holder["gpus_from"] == "nodes"
     assert Holder(pid=1).to_dict()["gpus_from"] == ""
+
+
+def test_a_holder_keeps_its_released_keys_and_comes_back_from_the_bus() -> None:
+    holder = Holder(pid=7, comm="vllm", uid=1000, user="alice", gpus=[1], nvml_gpus=[1],
+                    node_gpus=[0, 1], gpus_from=GpusFrom.NVML, kind=HolderKind.COMPUTE,
+                    how=["fd", "nvml"], mig=["MIG-a"], start_time=123, roles=["uvm"])
+    wire = holder.to_dict()
+    assert list(wire) == [
+        "pid", "comm", "exe", "cmdline", "uid", "user", "unit", "cgroup", "container",
+        "devices", "how", "gpus", "nvml_gpus", "node_gpus", "gpus_from", "mig", "gpu_memory",
+        "state", "kind", "protected", "protected_why", "ppid"]  # start_time, roles stay here
+    back = Holder.from_dict(marshal.unwrap(marshal.holder(wire)))
+    assert back.to_dict() == wire and not back.unread
+    assert (back.kind, back.gpus_from, back.start_time) == (HolderKind.COMPUTE, GpusFrom.NVML, 0)
+    # The last holder of a cut reply says how many more there were; --json keeps it.
+    cut = Holder.from_dict({**wire, "omitted_after": 5})
+    assert cut.to_dict() == {**wire, "omitted_after": 5}
+    out = io.StringIO()
+    output.print_holders([back, cut], out)
+    assert "(5 more holders not shown" in out.getvalue()

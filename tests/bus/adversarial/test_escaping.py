@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpuguardd.cli.output import print_holders, print_report, print_status
 from gpuguardd.cli.watch import describe
+from gpuguardd.engine.models import Holder
 from gpuguardd.engine.report import Report
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.log import PlainFormatter, SdDaemonFormatter
@@ -93,7 +94,7 @@ def test_human_output_escapes_every_field() -> None:
               "kind": "compute", "protected": False, "state": "S", "gpus": [0], "gpu_memory": 0,
               "how": ["fd"], "cmdline": f"python3 {FORGED}", "comm": SCREEN}
     out = io.StringIO()
-    print_holders([holder], out)
+    print_holders([Holder.from_dict(holder)], out)
     assert_clean(out.getvalue(), lines=2)
     out = io.StringIO()
     print_status({"last_sweep": _report(), "version": SCREEN}, out)

@@ -20,6 +20,7 @@ from gpuguardd import safetext
 from gpuguardd.bus import replysize
 from gpuguardd.bus.replycache import Shared
 from gpuguardd.daemon.history import FILE_NAME
+from gpuguardd.engine.models import Holder
 from gpuguardd.engine.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE, spawn
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
@@ -209,11 +210,11 @@ def test_the_cli_says_when_a_reply_was_cut() -> None:
           "gpu_memory": Variant("t", 0), "how": Variant("as", ["fd"])} for pid in range(100)],
         budget=10 * 1024))
     out = io.StringIO()
-    output.print_holders(holders, out)
+    output.print_holders([Holder.from_dict(h) for h in holders], out)
     assert f"({100 - len(holders)} more holders not shown" in out.getvalue()
     out = io.StringIO()
-    output.print_omitted_reports([Report.from_dict(r) for r in ({"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7})],
-                                 out)
+    output.print_omitted([Report.from_dict(r) for r in ({"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7})],
+                         "reports", out)
     assert out.getvalue().startswith("(7 more reports not shown")
 
 

@@ -25,7 +25,7 @@ def test_the_cli_shows_an_unknown_uid_as_a_question_mark() -> None:
     from gpuguardd.bus.marshal import unwrap
     from gpuguardd.cli import output
     out = io.StringIO()
-    output.print_holders([unwrap(marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict()))],
+    output.print_holders([Holder.from_dict(unwrap(marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict())))],
                          out)
     row = out.getvalue().splitlines()[1].split()
     assert row[:2] == ["4242", "?"] and "4294967295" not in out.getvalue()
