@@ -86,7 +86,7 @@ class UnitWatcher:
         if msg.message_type != MessageType.SIGNAL:
             return None
         # Every signal is checked for its sender: the bus daemon's own, or systemd's current
-        # unique name. Anyone may send any signal straight to our connection (bus.py).
+        # unique name. Anyone may send any signal straight to our connection (bus/connection.py).
         new_owner = name_owner_change(msg, SYSTEMD)
         if new_owner is not None:
             # systemd re-executed (daemon-reexec) or came back: subscriptions are per

@@ -26,7 +26,7 @@ pytest_plugins = ["tests.dbus_harness"]
 CLIENTS = 100
 GRACE_MS = 6000
 # Enough reports that 100 GetHistory replies at once overflow the daemon's socket buffer, where
-# dbus-fast alone would drop the connection (see gpuguardd/bus.py).
+# dbus-fast alone would drop the connection (see gpuguardd/bus/compat.py).
 REPORTS = 40
 
 
