@@ -3,7 +3,9 @@
 A Slurm epilog runs as root after the job's processes were signalled (and Slurm waited
 KillWait), outside the job's cgroup. What can still hold the job's GPUs:
 
-1. processes still in the job's cgroup: cgroup v1 `.../slurm/uid_<uid>/job_<id>/...` (any
+1. processes still in the job's cgroup: cgroup v1 `.../slurm/uid_<uid>/job_<id>/...`, or
+   `.../slurm_<node>/uid_<uid>/job_<id>/...` where Slurm is built for several slurmds a host
+   (Debian's 22.05 is: checked with its proctrack/cgroup in tests/e2e/test_slurm.py) (any
    controller: the job is tracked in the freezer/devices/cpuset hierarchies, not name=systemd),
    cgroup v2 `.../slurmstepd.scope/job_<id>/...`;
 2. processes that escaped it (a launcher's daemonised workers, SGLang's DP workers): owned by
@@ -27,9 +29,10 @@ from gpuguardd.engine.report import Report
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
 
-# v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line); v2:
+# v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
+# (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:
 # /system.slice/slurmstepd.scope/job_42/step_0/user/task_0.
-_JOB_CGROUP = re.compile(r"/(?:slurm/uid_\d+|slurmstepd\.scope)/job_(\d+)(?=/|$)")
+_JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_\d+|slurmstepd\.scope)/job_(\d+)(?=/|$)")
 _JOB_ID = re.compile(r"^[0-9]{1,20}$")
 REASON_PREFIX = "slurm:"
 # A node's drain reason is shown in sinfo's table: one short line.

@@ -66,7 +66,11 @@ def require_tools() -> list[str]:
 BOOT_MASKED = ("prometheus.service", "prometheus-node-exporter.service", "slurmctld.service",
                "slurmd.service")
 
-CGROUP_ROOTS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+# The v1 freezer too (where the host has one): each machine's cgroup namespace is then rooted
+# in a freezer cgroup of its own, so the job cgroups the real Slurm makes there
+# (tests/e2e/test_slurm.py, proctrack/cgroup) belong to the machine and go with it.
+CGROUP_ROOTS = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup",
+                "/sys/fs/cgroup/freezer")
 
 
 def make_cgroups(name: str) -> list[Path]:

@@ -3,10 +3,17 @@ imported by the suite). Its worker holds the job's GPUs as CUDA does and is list
 fake NVML (tests/e2e/fake_server.py's helpers):
 
 * escape: the worker double-forks out of the job's process tree (a launcher's daemonised
-  rank, what SGLang's DP workers do), then the job ends; Slurm cannot see it any more.
+  rank, what SGLang's DP workers do), then the job ends. It is still in the job's cgroup,
+  where proctrack/cgroup finds and ends it; only leaving the cgroup takes it out of Slurm's
+  sight (the test moves it, as a root launcher or container runtime would).
 * stay: the worker is the job's own process and runs until the job is cancelled.
+* neighbour N: as stay, for a job without gres, on GPU N (another job's): it holds the GPU's
+  node and is not on NVML's lists. gpuguardd runs in the machine's own PID namespace, where
+  NVML's pids name nobody it can see, so a listed neighbour would leave the other job's sweep
+  `unverified` (tests/host/test_nvml_pids.py); unlisted, only its job cgroup tells it apart.
 * escape-wait: as escape, but the job ends only once /run/fake-server/slurm-<job id>.go
-  exists (the test freezes the worker first: a rank stuck in the driver, which no signal ends).
+  exists (the test first moves the worker out of the job's cgroup, or freezes it: a rank
+  stuck in the driver, which no signal ends).
 
 Each writes "worker=PID gpu=N" to /run/fake-server/slurm-<job id>.pids.
 """
@@ -24,7 +31,8 @@ MiB = 1024 * 1024
 
 
 def gpus() -> list[int]:
-    text = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    # A neighbour is given its GPU (a second argument): it has no gres.
+    text = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return [int(g) for g in text.split(",") if g.strip().isdigit()]
 
 
@@ -36,10 +44,11 @@ def record(**pids: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def hold_forever() -> None:
+def hold_forever(listed: bool = True) -> None:
     fds = [open_node(f"/dev/nvidia{g}") for g in gpus()]
     fds += [open_node("/dev/nvidiactl"), open_node("/dev/nvidia-uvm")]
-    register([(g, os.getpid(), 2048 * MiB) for g in gpus()])
+    if listed:
+        register([(g, os.getpid(), 2048 * MiB) for g in gpus()])
     while fds:
         time.sleep(3600)
 
@@ -56,10 +65,10 @@ def daemonize(ready_w: int) -> None:
 
 def main() -> None:
     mode = sys.argv[1]
-    if mode == "stay":
+    if mode in ("stay", "neighbour"):
         set_comm("job-rank0")
         record(worker=os.getpid(), gpu=gpus()[0])
-        hold_forever()
+        hold_forever(listed=mode == "stay")
         return
     read_end, write_end = os.pipe()
     if os.fork() == 0:

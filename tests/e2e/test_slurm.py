@@ -4,13 +4,34 @@ gpuguard's shipped epilog (/usr/share/gpuguard/slurm/epilog.d/50-gpuguard) as Ep
 glob. slurmctld and slurmd run as transient units (their Debian units are masked at boot:
 harness.BOOT_MASKED) on 127.0.0.1 in the container's own network namespace.
 
-Jobs are tests/e2e/slurm_job.py, run by a user of their own. Slurm tracks a job's processes
-here with proctrack/linuxproc (the container's cgroup v1 controllers are read-only, so
-proctrack/cgroup cannot make job cgroups), so a worker "escapes" the job by leaving its process
-tree, as a daemonised rank does; the job-cgroup half of the scope is covered against real
-cgroups in tests/test_slurm.py. A worker that cannot be ended is one the test freezes from the
-host (cgroup v1 freezer): it sleeps uninterruptibly and ignores SIGKILL, as a rank stuck in
-the driver does. Slurm's tools resolve even 127.0.0.1 with AI_ADDRCONFIG, which needs an IPv4
+Jobs are tests/e2e/slurm_job.py, run by a user of their own, in real job cgroups:
+proctrack/cgroup and task/cgroup. How, on these hosts (cgroup v1 "hybrid": v1 controllers plus
+an empty cgroup2 at /sys/fs/cgroup/unified), checked with Debian 12's Slurm 22.05.8:
+
+* cgroup/v2 cannot work here. The kernel lists every mounted hierarchy in /proc/<pid>/cgroup,
+  the host's v1 controllers included, so slurmd stops with `fatal: Hybrid mode is not
+  supported. Mounted cgroups are: 9:name=systemd:/... 6:freezer:/ ... 0::/system.slice/...`
+  both in the machine as booted and in one booted with SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1
+  (pure cgroup2 at /sys/fs/cgroup); CgroupMountpoint=/sys/fs/cgroup/unified changes nothing.
+  So slurmstepd.scope (made through systemd's D-Bus) is not exercised here. On a host with
+  cgroup2 only, the machine is cgroup2 too, and the fixture configures cgroup/v2 (slurmd with
+  Delegate=yes): jobs in system.slice/slurmstepd.scope/job_<id>.
+* cgroup/v1 works once the freezer (all proctrack/cgroup needs) is writable: nspawn mounts the
+  v1 controllers read-only (`common_cgroup_instantiate: unable to create cgroup
+  '/sys/fs/cgroup/freezer/slurm_vm' : Read-only file system`, then `slurmd initialization
+  failed`); a plain `mount -o remount,rw` is refused (EBUSY), a bind remount
+  (`remount,bind,rw`) of the machine's own mount works. Each machine's freezer root is a
+  cgroup of its own (harness.CGROUP_ROOTS), so the job cgroups are the machine's. Debian's
+  Slurm is built for several slurmds a host: its v1 job cgroups are
+  `/slurm_<node>/uid_<uid>/job_<id>/step_<step>`, not `/slurm/uid_...` (gpuguard reads both).
+  ConstrainCores/RAMSpace/Devices stay off: those controllers stay read-only.
+
+With proctrack/cgroup a worker that only leaves the job's process tree is still in its cgroup,
+and Slurm ends it; the escaped worker here also leaves the cgroup (the test moves it, as a
+root launcher or a container runtime would). A worker that cannot be ended is one the test
+freezes from the host (a v1 freezer cgroup of the host's, which takes it out of the job's
+freezer cgroup too): it sleeps uninterruptibly and ignores SIGKILL, as a rank stuck in the
+driver does. Slurm's tools resolve even 127.0.0.1 with AI_ADDRCONFIG, which needs an IPv4
 address other than 127.0.0.1 in the namespace: 10.254.0.1/32 goes on the container's lo.
 """
 
@@ -24,6 +45,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguardd.engine.slurm import job_of_cgroups
 from tests.conftest import v1_freezer
 from tests.e2e.harness import FAKE_NVML_STATE, REPO, Installed, wait_for
 
@@ -40,8 +62,8 @@ SlurmctldPidFile=/run/gg-slurm/slurmctld.pid
 SlurmdPidFile=/run/gg-slurm/slurmd.pid
 SlurmctldLogFile=/var/log/gg-slurm/slurmctld.log
 SlurmdLogFile=/var/log/gg-slurm/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/cgroup
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
@@ -59,8 +81,17 @@ SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=30
 {node} NodeAddr=127.0.0.1 Gres=gpu:2 State=UNKNOWN
-PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+# OverSubscribe: three jobs at once on a node that may have two CPUs (cores are shared, gres
+# never are).
+CGROUP_CONF = """\
+CgroupPlugin=cgroup/{version}
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+"""
+FREEZER = "/sys/fs/cgroup/freezer"
 
 GRES_CONF = "NodeName={host} Name=gpu File=/dev/nvidia[0-1]\n"
 USER = "ggslurm"
@@ -79,6 +110,11 @@ def slurm(guard: Installed) -> Iterator[Installed]:
     node = re.sub(r"\s*RealMemory=\d+", " RealMemory=500", node)
     m.write("/etc/slurm/slurm.conf", SLURM_CONF.format(host=host, node=node))
     m.write("/etc/slurm/gres.conf", GRES_CONF.format(host=host))
+    version = cgroup_version(guard)
+    m.write("/etc/slurm/cgroup.conf", CGROUP_CONF.format(version=version))
+    if version == "v1":
+        # The machine's own mount of its freezer root (module docstring).
+        m.run(["mount", "-o", "remount,bind,rw", FREEZER])
     # The shipped epilog, where the package puts it, linked into the directory Epilog= globs.
     m.copy(REPO / "slurm" / "epilog.d" / "50-gpuguard",
            "/usr/share/gpuguard/slurm/epilog.d/50-gpuguard", 0o755)
@@ -92,7 +128,9 @@ def slurm(guard: Installed) -> Iterator[Installed]:
     m.run(f"chmod 0666 {FAKE_NVML_STATE} {FAKE_NVML_STATE}.lock")
     m.systemctl("start", "munge.service")
     m.run(["systemd-run", "--collect", "--unit=e2e-slurmctld", "/usr/sbin/slurmctld", "-D", "-i"])
-    m.run(["systemd-run", "--collect", "--unit=e2e-slurmd", "/usr/sbin/slurmd", "-D"])
+    # Delegate=yes: cgroup/v2 asks systemd for slurmstepd.scope and manages the tree below.
+    m.run(["systemd-run", "--collect", "--unit=e2e-slurmd", "-p", "Delegate=yes",
+           "/usr/sbin/slurmd", "-D"])
     try:
         wait_for("the node to be idle", lambda: node_state(guard) == "idle" or None, 60, 0.5)
         yield guard
@@ -100,8 +138,44 @@ def slurm(guard: Installed) -> Iterator[Installed]:
         m.run("scancel --full --user " + USER, check=False)
         for unit in ("e2e-slurmd.service", "e2e-slurmctld.service", "munge.service"):
             m.systemctl("stop", unit, check=False)
-        m.run("rm -rf /etc/slurm/slurm.conf /etc/slurm/gres.conf "
+        m.run("rm -rf /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/cgroup.conf "
               "/etc/slurm/epilog.d /var/lib/gg-slurm /run/gg-slurm /var/log/gg-slurm", check=False)
+        m.run("rmdir /sys/fs/cgroup/gg-escaped 2>/dev/null", check=False)
+        if version == "v1":
+            # What slurmd left of its cgroup tree (slurm_<node>), deepest first; then read-only
+            # again, as nspawn made it.
+            m.run(f"find {FREEZER} -depth -mindepth 1 -type d -path '{FREEZER}/slurm*' "
+                  "-exec rmdir {} +", check=False)
+            m.run(["mount", "-o", "remount,bind,ro", FREEZER], check=False)
+
+
+def cgroup_version(guard: Installed) -> str:
+    """v2 where the machine has cgroup2 alone at /sys/fs/cgroup, else v1 (module docstring)."""
+    kind = guard.machine.run(["stat", "-fc", "%T", "/sys/fs/cgroup"]).stdout.strip()
+    return "v2" if kind == "cgroup2fs" else "v1"
+
+
+def job_cgroup_pattern(guard: Installed, job: str) -> str:
+    """Where real Slurm puts job `job`'s processes, as /proc/<pid>/cgroup shows it inside."""
+    uid = guard.machine.run(["id", "-u", USER]).stdout.strip()
+    if cgroup_version(guard) == "v2":
+        return rf"^0::/system\.slice/slurmstepd\.scope/job_{job}/step_\w+"
+    return rf"^\d+:freezer:/slurm_[^/]+/uid_{uid}/job_{job}/step_\w+"
+
+
+def cgroups_inside(guard: Installed, pid: int) -> str:
+    """/proc/<pid>/cgroup as gpuguardd reads it: relative to the machine's cgroup namespace
+    (read from the host, every path has the machine's own cgroup in front)."""
+    return guard.machine.run(["cat", f"/proc/{pid}/cgroup"]).stdout
+
+
+def leave_job_cgroup(guard: Installed, pid: int) -> None:
+    """Move `pid` out of its job's cgroup (the tracking hierarchy): a worker that escaped."""
+    if cgroup_version(guard) == "v2":
+        guard.machine.run("mkdir -p /sys/fs/cgroup/gg-escaped && "
+                          f"echo {pid} > /sys/fs/cgroup/gg-escaped/cgroup.procs")
+    else:
+        guard.machine.run(f"echo {pid} > {FREEZER}/cgroup.procs")
 
 
 def node_state(guard: Installed) -> str:
@@ -113,8 +187,9 @@ def node_reason(guard: Installed) -> str:
     return guard.machine.run(["sinfo", "-h", "-N", "-o", "%E"]).stdout.strip()
 
 
-def submit(guard: Installed, mode: str) -> str:
-    done = guard.machine.run(["runuser", "-u", USER, "--", "sbatch", "--parsable", "--gres=gpu:1",
+def submit(guard: Installed, mode: str, gres: bool = True) -> str:
+    done = guard.machine.run(["runuser", "-u", USER, "--", "sbatch", "--parsable",
+                              *(["--gres=gpu:1"] if gres else []),
                               "-c", "1", "-o", "/var/log/gg-slurm/jobs/%j.out", "-D", "/",
                               "--wrap", f"exec /usr/bin/python3 {JOB} {mode}"])
     return done.stdout.strip().split(";")[0]
@@ -144,18 +219,32 @@ def job_state(guard: Installed, job: str) -> str:
     return guard.machine.run(["squeue", "-h", "-j", job, "-o", "%T"], check=False).stdout.strip()
 
 
-def test_epilog_ends_the_escaped_worker_and_spares_another_job(slurm: Installed) -> None:
+def test_epilog_ends_the_worker_that_left_its_job_cgroup_and_spares_other_jobs(
+        slurm: Installed) -> None:
+    """Real job cgroups: the epilog ends the job's worker that left the job's cgroup (its
+    user's, on its GPU), and leaves two other jobs of the same user alone: one on the other
+    GPU, and one without gres whose worker holds this job's very GPU from its own job cgroup,
+    which only the cgroup tells apart (slurm_job.py's neighbour)."""
     guard = slurm
+    m = guard.machine
     other = submit(guard, "stay")
     bystander_pids = job_pids(guard, other)
     bystander = bystander_pids["worker"]
     wait_for("the other job to run", lambda: job_state(guard, other) == "RUNNING" or None, 30, 0.3)
-    job = submit(guard, "escape")
+    job = submit(guard, "escape-wait")
     worker_pids = job_pids(guard, job)
-    worker = worker_pids["worker"]
-    # (Recorded by the worker itself: the epilog may have ended it by the time we look.)
-    assert worker_pids["gpu"] != bystander_pids["gpu"], "two jobs, two GPUs"
-    # The job ended (its own process exited); its worker did not: Slurm lost track of it.
+    worker, gpu = worker_pids["worker"], worker_pids["gpu"]
+    assert gpu != bystander_pids["gpu"], "two jobs, two GPUs"
+    neighbour_job = submit(guard, f"neighbour {gpu}", gres=False)
+    neighbour = job_pids(guard, neighbour_job)["worker"]
+    # Each in its job's cgroup, as real Slurm made it, and read so by gpuguard.
+    for pid, its_job in ((worker, job), (bystander, other), (neighbour, neighbour_job)):
+        cgroups = cgroups_inside(guard, pid)
+        assert re.search(job_cgroup_pattern(guard, its_job), cgroups, re.M), cgroups
+        assert job_of_cgroups(cgroups) == its_job
+    leave_job_cgroup(guard, worker)
+    assert job_of_cgroups(cgroups_inside(guard, worker)) == "", cgroups_inside(guard, worker)
+    m.run(["touch", f"/run/fake-server/slurm-{job}.go"])  # now the job ends
     wait_for(f"job {job} to end", lambda: job_state(guard, job) == "" or None, 60, 0.5)
     report = wait_for("the epilog's sweep", lambda: next(
         (r for r in guard.history() if r.get("reason") == f"slurm:{job}"), None), 60, 0.5)
@@ -164,10 +253,11 @@ def test_epilog_ends_the_escaped_worker_and_spares_another_job(slurm: Installed)
     assert report["scope"]["slurm_job"] == job
     assert not guard.alive(worker)
     assert guard.alive(bystander) and job_state(guard, other) == "RUNNING"
-    assert node_state(guard) == "mixed"  # the other job still runs; nothing drained
-    guard.machine.run(["scancel", other])
+    assert guard.alive(neighbour) and job_state(guard, neighbour_job) == "RUNNING"
+    assert node_state(guard) == "mixed"  # the other jobs still run; nothing drained
+    m.run(["scancel", other, neighbour_job])
     wait_for("the node to be idle again", lambda: node_state(guard) == "idle" or None, 60, 0.5)
-    assert not guard.alive(bystander)
+    assert not guard.alive(bystander) and not guard.alive(neighbour)
 
 
 def host_pid(guard: Installed, inner: int) -> int:

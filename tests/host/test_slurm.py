@@ -34,6 +34,9 @@ def test_job_of_cgroups_v1_v2_and_others() -> None:
     v1 = ("12:freezer:/slurm/uid_1000/job_42/step_0/task_0\n"
           "11:devices:/slurm/uid_1000/job_42/step_0\n1:name=systemd:/system.slice/slurmd.service\n")
     assert job_of_cgroups(v1) == "42"
+    # Debian's Slurm (built for several slurmds a host) prefixes the node's name.
+    assert job_of_cgroups("6:freezer:/slurm_node7/uid_1001/job_5/step_batch\n") == "5"
+    assert job_of_cgroups("6:freezer:/slurmx/uid_1001/job_5/step_batch\n") == ""
     v2 = "0::/system.slice/slurmstepd.scope/job_7/step_batch/user/task_0\n"
     assert job_of_cgroups(v2) == "7"
     assert job_of_cgroups("0::/system.slice/slurmstepd.scope/system\n") == ""
