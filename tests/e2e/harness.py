@@ -150,6 +150,11 @@ class Machine:
         # lives on another file system (a CI workspace volume), and the container's own tmpfs
         # on /tmp hides a checkout under /tmp.
         cmd.append(f"--bind-ro={REPO}")
+        # bpf(2), which nspawn's seccomp filter refuses by default: systemd's IPAddressAllow=/
+        # IPAddressDeny= are BPF programs on a unit's cgroup, and without them systemd runs the
+        # unit unfiltered, saying nothing (gpuguard-exporter.socket's allow-list served every
+        # address). CAP_SYS_ADMIN, which nspawn keeps, is enough to load them.
+        cmd.append("--system-call-filter=bpf")
         # Servers that `make deps` installs for tests/e2e/test_fleet.py enable themselves at
         # boot (Debian's packages do): kept from starting in every machine, where they would
         # take the CPU and the ports; the fleet tests run them with configurations of their

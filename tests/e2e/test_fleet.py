@@ -175,6 +175,51 @@ def test_exporter_is_unprivileged_and_the_daemon_keeps_no_network(prometheus: In
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
 
 
+# One request to the exporter from inside, by a plain socket: its status line, or the error
+# (TimeoutError where a BPF filter drops the SYN: the allow-list answers nothing, not even RST).
+PROBE = ("import socket, sys\n"
+         "try:\n"
+         "    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3) as s:\n"
+         "        s.settimeout(10)\n"
+         "        s.sendall(b'GET /metrics HTTP/1.0\\r\\n\\r\\n')\n"
+         "        data = b''\n"
+         "        while chunk := s.recv(65536):\n"
+         "            data += chunk\n"
+         "    print(data.split(b'\\r\\n', 1)[0].decode())\n"
+         "except OSError as exc:\n"
+         "    print(type(exc).__name__)\n")
+OUTSIDER = "10.254.0.7"  # an address of this machine that is not loopback
+
+
+def probe(guard: Installed, address: str) -> str:
+    """`served`, or what the request got instead."""
+    answer = guard.machine.run(["/usr/bin/python3", "-c", PROBE, address, str(EXPORTER_PORT)],
+                               timeout=30).stdout.strip()
+    return "served" if re.fullmatch(r"HTTP/1\.[01] 200 OK", answer) else answer
+
+
+def test_exporter_socket_serves_loopback_only(prometheus: Installed) -> None:
+    """The shipped allow-list (IPAddressDeny=any, IPAddressAllow=localhost) as systemd applies
+    it, with a BPF filter on the socket: a connection from an address outside it gets no answer,
+    loopback is served, and the same outside address is served once a drop-in lets it in (so
+    it was the allow-list that kept it out, and an operator's drop-in does work)."""
+    m = prometheus.machine
+    m.run(f"ip addr add {OUTSIDER}/32 dev lo")
+    try:
+        assert probe(prometheus, "127.0.0.1") == "served"
+        assert probe(prometheus, OUTSIDER) == "TimeoutError"
+        m.systemctl("set-property", "--runtime", "gpuguard-exporter.socket",
+                    f"IPAddressAllow={OUTSIDER}/32")
+        assert probe(prometheus, OUTSIDER) == "served"
+        m.systemctl("revert", "gpuguard-exporter.socket")
+        m.systemctl("daemon-reload")
+        assert probe(prometheus, OUTSIDER) == "TimeoutError"
+        assert probe(prometheus, "127.0.0.1") == "served"
+    finally:
+        m.systemctl("revert", "gpuguard-exporter.socket", check=False)
+        m.run(f"ip addr del {OUTSIDER}/32 dev lo", check=False)
+
+
 def test_idle_exporter_exits_and_the_socket_starts_it_again(prometheus: Installed) -> None:
     m = prometheus.machine
     m.write("/etc/systemd/system/gpuguard-exporter.service.d/idle.conf",
