@@ -45,3 +45,16 @@ def test_list_holders_follows_a_new_holder(guard: GuardDaemon) -> None:
     assert pid in pids("1", "fresh", "b", "true")
     wait_until(lambda: pid in pids(), 15, f"ListHolders to list {pid}")
     assert pid not in pids("1", "gpus", "au", "1", "0")  # its own filter, its own reply
+
+
+def test_redacted_and_full_replies_never_mix(guard: GuardDaemon) -> None:
+    """Root sees command lines, another user (without view-details) does not: each reply from
+    its own kept bytes, asked in turn, from one scan and the next."""
+    pid = private_holder(guard.host)
+    wait_until(lambda: pid in {h["pid"] for h in guard.manager("ListHolders", "a{sv}", "0")[0]},
+               15, f"ListHolders to list {pid}")
+    for _ in range(4):
+        full = guard.manager("ListHolders", "a{sv}", "0")[0]
+        redacted = guard.manager("ListHolders", "a{sv}", "0", as_nobody=True)[0]
+        assert "holder.py" in next(h for h in full if h["pid"] == pid)["cmdline"]
+        assert next(h for h in redacted if h["pid"] == pid)["cmdline"] == ""
