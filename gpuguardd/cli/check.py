@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuguardd.cli.output import human_bytes
 from gpuguardd.engine.enums import GpuState, HolderKind
-from gpuguardd.engine.models import Holder
+from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
 from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -58,36 +58,44 @@ class CheckResult:
                 "problems": [p.to_dict() for p in self.problems]}
 
 
-def _known(gpu: dict[str, Any]) -> KnownGpu:
-    index = gpu.get("index")
-    return KnownGpu(index if isinstance(index, int) else -1, str(gpu.get("uuid", "")),
-                    tuple(str(m.get("uuid", "")) for m in gpu.get("mig_instances") or []))
+def _known(gpu: GpuSummary) -> KnownGpu:
+    return KnownGpu(-1 if "index" in gpu.unread else gpu.index, gpu.uuid,
+                    tuple(m.uuid for m in gpu.mig_instances or []))
 
 
-def _selected(gpus: list[dict[str, Any]], selectors: list[str]
-              ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+def _state(record: GpuSummary | MigSummary) -> tuple[str, GpuState | None]:
+    """Its state as shown, and as known here: None for a state a newer daemon named (not
+    one of BAD_STATES), unknown for none at all."""
+    if "state" not in record.unread:
+        return record.state.value, record.state
+    shown = str(record.to_dict().get("state", GpuState.UNKNOWN.value))
+    return shown, GpuState.UNKNOWN if shown == GpuState.UNKNOWN.value else None
+
+
+def _selected(gpus: list[GpuSummary], selectors: list[str]
+              ) -> list[tuple[GpuSummary, MigSummary | None]]:
     """(GPU summary, MIG instance or None) for each selector; every GPU when there is none."""
     if not selectors:
         return [(g, None) for g in gpus]
-    chosen: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+    chosen: list[tuple[GpuSummary, MigSummary | None]] = []
     for item in selectors:
         wanted = selector(item)
-        found: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        found: tuple[GpuSummary, MigSummary | None] | None = None
         matches = wanted.find(_known(g) for g in gpus)
         if matches:
             gpu = next(g for g in gpus if _known(g).index == matches[0].index)
-            instance = next((m for m in gpu.get("mig_instances") or []
-                             if matches[0].mig and str(m.get("uuid", "")) == matches[0].mig), None)
+            instance = next((m for m in gpu.mig_instances or []
+                             if matches[0].mig and m.uuid == matches[0].mig), None)
             found = (gpu, instance)
         if found is None:
-            known = ", ".join(str(g.get("index")) for g in gpus) or "none"
+            known = ", ".join(str(g.index) for g in gpus) or "none"
             raise InvalidArgument(f"no GPU {printable(wanted.text)!r} (GPUs: {known})")
         if found not in chosen:
             chosen.append(found)
     return chosen
 
 
-def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[Holder],
+def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
           selectors: list[str]) -> CheckResult:
     """The problems on the selected GPUs. `holders` are those the backend found in the same
     selection (it resolves indices, UUIDs and MIG UUIDs the way a sweep does)."""
@@ -98,19 +106,18 @@ def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[Hold
                                        f"NVML unavailable ({why}): GPU memory cannot be checked"))
     # Without NVML there is no GPU list to select from; the holders still count.
     chosen = _selected(gpus, selectors) if gpus else []
-    indices = {int(g["index"]) for g, _ in chosen}
+    indices = {g.index for g, _ in chosen}
     for gpu, instance in chosen:
-        index, uuid = int(gpu["index"]), str(instance["uuid"] if instance else gpu.get("uuid", ""))
+        index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
         name = f"GPU {index} ({printable(uuid)})" if uuid else f"GPU {index}"
-        state = str((instance or gpu).get("state", GpuState.UNKNOWN))
-        result.checked.append({"index": index, "uuid": uuid, "state": state,
-                               "memory_used": int((instance or gpu).get("memory_used", 0))})
-        known = next((s for s in GpuState if s.value == state), None)  # the daemon may be newer
+        state, known = _state(instance or gpu)
+        used = (instance or gpu).memory_used
+        result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used})
         if known is not None and known in BAD_STATES:
             detail = BAD_STATES[known]
             if known == GpuState.LEAKED:
-                detail = f"{human_bytes(int((instance or gpu).get('memory_used', 0)))} {detail}"
-            error = gpu.get("error")
+                detail = f"{human_bytes(used)} {detail}"
+            error = gpu.error
             if error and known != GpuState.LEAKED:
                 detail += f": {printable(error)}"
             result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
@@ -123,7 +130,7 @@ def check(status: dict[str, Any], gpus: list[dict[str, Any]], holders: list[Hold
             continue
         where = ",".join(str(g) for g in on) or "?"
         first = min(set(on) & indices) if on and indices else None
-        uuid = next((str(g.get("uuid", "")) for g, _ in chosen if g["index"] == first), "")
+        uuid = next((g.uuid for g, _ in chosen if g.index == first), "")
         who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
         unit = printable(holder.unit or "-")
         container = holder.container

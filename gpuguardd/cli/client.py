@@ -25,7 +25,7 @@ from gpuguardd.bus.names import (
     PROPERTIES_INTERFACE,
     default_address,
 )
-from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
@@ -142,7 +142,7 @@ class DBusBackend:
         status["mode"] = "daemon"
         return status
 
-    async def _gpus(self, bus: MessageBus) -> list[dict[str, Any]]:
+    async def _gpus(self, bus: MessageBus) -> list[GpuSummary]:
         (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
                                       "GetManagedObjects")
         gpus = []
@@ -151,11 +151,12 @@ class DBusBackend:
             props = interfaces.get(GPU_INTERFACE)
             if props is None:
                 continue
-            gpus.append({marshal.snake_case(prop): marshal.unwrap(value) for prop, value in props.items()
-                         if prop in gpu_properties})
-        return sorted(gpus, key=lambda g: int(g.get("index", 0)))
+            gpus.append(GpuSummary.from_dict({
+                marshal.snake_case(prop): marshal.unwrap(value) for prop, value in props.items()
+                if prop in gpu_properties}))
+        return sorted(gpus, key=lambda g: g.index)
 
-    def gpus(self) -> list[dict[str, Any]]:
+    def gpus(self) -> list[GpuSummary]:
         return self._run(self._gpus)
 
     async def _indices(self, bus: MessageBus, wanted: list[str]) -> list[int]:
@@ -168,8 +169,7 @@ class DBusBackend:
                 indices.append(chosen.index)
                 continue
             if known is None:
-                known = [KnownGpu(int(g.get("index", 0)), str(g.get("uuid", "")))
-                         for g in await self._gpus(bus)]
+                known = [KnownGpu(g.index, g.uuid) for g in await self._gpus(bus)]
             found = [match.index for match in chosen.find(known) if not match.mig]
             if not found:
                 raise InvalidArgument(f"unknown GPU UUID {chosen.text!r}")

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TextIO
 
 from gpuguardd import __version__
 from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
@@ -49,7 +49,7 @@ log = logging.getLogger("gpuguard.cli")
 class Backend(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    def gpus(self) -> list[dict[str, Any]]: ...
+    def gpus(self) -> list[GpuSummary]: ...
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]: ...
@@ -83,7 +83,7 @@ class LocalBackend:
                 "watched_units": list(config.watch_units), "mode": "local",
                 "config_files": list(config.sources)}
 
-    def gpus(self) -> list[dict[str, Any]]:
+    def gpus(self) -> list[GpuSummary]:
         from gpuguardd.engine.facade import gpu_summaries, node_gpu_summaries
 
         scan = self.engine.scan()
@@ -282,7 +282,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         if args.verb == "gpus":
             gpus = backend.gpus()
-            output.print_json(gpus, out) if args.json else output.print_gpus(gpus, out)
+            output.print_json([g.to_dict() for g in gpus], out) if args.json \
+                else output.print_gpus(gpus, out)
             return EXIT_OK
         if args.verb == "holders":
             found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)

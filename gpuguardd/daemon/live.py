@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from gpuguardd.engine.enums import GpuState
 from gpuguardd.engine.facade import Engine, gpu_summaries
-from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult
+from gpuguardd.engine.models import GpuSummary, Holder, NvmlSnapshot, ScanResult
 
 log = logging.getLogger("gpuguard.live")
 
@@ -55,7 +55,7 @@ GpuKey = tuple[str, tuple[int, ...], bool]
 
 
 class InventoryListener(Protocol):
-    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None: ...
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None: ...
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
 
@@ -73,7 +73,7 @@ class Inventory:
         self.listener = listener
         self.snapshot: NvmlSnapshot = NvmlSnapshot(available=False, error="not read yet")
         self.holders: list[Holder] = []
-        self.summaries: list[dict[str, Any]] = []
+        self.summaries: list[GpuSummary] = []
         self.warnings: list[str] = []
         self._scanned_key: tuple[bool, tuple[GpuKey, ...]] | None = None
         self._seen_key: tuple[bool, tuple[GpuKey, ...]] | None = None  # the last one polled
@@ -215,11 +215,11 @@ class Inventory:
         # instance is busy, so each instance is announced by its MIG UUID.
         leaked: dict[tuple[int, str], tuple[str, int]] = {}
         for summary in self.summaries:
-            if summary["state"] == GpuState.LEAKED:
-                leaked[(summary["index"], "")] = (summary["uuid"], summary["memory_used"])
-            for mig in summary.get("mig_instances") or []:
-                if mig["state"] == GpuState.LEAKED:
-                    leaked[(summary["index"], mig["uuid"])] = (mig["uuid"], mig["memory_used"])
+            if summary.state == GpuState.LEAKED:
+                leaked[(summary.index, "")] = (summary.uuid, summary.memory_used)
+            for mig in summary.mig_instances or []:
+                if mig.state == GpuState.LEAKED:
+                    leaked[(summary.index, mig.uuid)] = (mig.uuid, mig.memory_used)
         for key, (uuid, used) in leaked.items():
             if key not in self._leaked:
                 self.listener.leak_suspected(key[0], uuid, used)

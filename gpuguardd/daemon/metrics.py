@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import (
 
 from gpuguardd import __version__
 from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
+from gpuguardd.engine.models import GpuSummary
 from gpuguardd.engine.report import Report
 from gpuguardd.safefiles import write_atomic
 from gpuguardd.systemd.rules import HOOK_PREFIX, WATCH_PREFIX
@@ -160,7 +161,7 @@ class Metrics:
             with self._lock:
                 self._note_finished(last)
 
-    def observe_inventory(self, nvml_available: bool, summaries: list[dict[str, Any]],
+    def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary],
                           holders: Iterable[Any]) -> None:
         kinds: dict[int, dict[str, int]] = {}
         for holder in holders:
@@ -170,10 +171,9 @@ class Metrics:
                 per_gpu[kind] = per_gpu.get(kind, 0) + 1
         gpus = []
         for summary in summaries:
-            index = int(summary.get("index", 0))
-            gpus.append({"gpu": str(index), "UUID": str(summary.get("uuid", "")),
-                         "state": _one_of(summary.get("state", ""), GPU_STATES, "unknown"),
-                         "memory_used": int(summary.get("memory_used", 0)),
+            index = summary.index
+            gpus.append({"gpu": str(index), "UUID": summary.uuid, "state": summary.state.value,
+                         "memory_used": summary.memory_used,
                          "holders": kinds.get(index, {})})
         with self._lock:
             self._nvml_up = nvml_available

@@ -24,7 +24,7 @@ from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
-from gpuguardd.engine.models import NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.engine.wire import Wire
 from gpuguardd.errors import NotAuthorized
@@ -233,11 +233,11 @@ class Service:
 
     # -- InventoryListener ---------------------------------------------------------------
 
-    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None:
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
         self.unit_watch.observe(self.inventory.holders)
         self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
                             DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
-        current = {s["index"]: s for s in summaries}
+        current = {s.index: s.to_dict() for s in summaries}
         for index in sorted(set(self.gpus) - set(current)):
             log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
             self.bus.unexport(gpu_path(index), self.gpus.pop(index))

@@ -11,7 +11,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from gpuguardd.config import Config
 from gpuguardd.engine import nvmlprocs, procfs, slurm
@@ -26,7 +25,17 @@ from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
-from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, Scope, SweepRequest, describe_scope
+from gpuguardd.engine.models import (
+    GpuInfo,
+    GpuSummary,
+    Holder,
+    MigSummary,
+    NvmlSnapshot,
+    ScanResult,
+    Scope,
+    SweepRequest,
+    describe_scope,
+)
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
@@ -293,19 +302,15 @@ def node_gpus(device_map: DeviceMap) -> dict[int, str]:
     return found
 
 
-def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[dict]:  # type: ignore[type-arg]
+def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[GpuSummary]:
     """`gpuguardctl gpus` without NVML: the GPUs the nodes name, memory unknown (0)."""
     summaries = []
     for index, path in sorted(node_gpus(device_map).items()):
         holders = [h for h in scan.holders if index in h.gpus]
-        summaries.append({
-            "index": index, "uuid": "", "name": "", "pci_bus_id": "", "minor": index,
-            "device_path": path, "memory_total": 0, "memory_used": 0,
-            "holder_count": len(holders),
-            "state": (GpuState.IN_USE if any(_makes_in_use(h, index) for h in holders)
-                      else GpuState.UNKNOWN).value,
-            "error": scan.nvml.error or "NVML unavailable",
-        })
+        summaries.append(GpuSummary(
+            index=index, minor=index, device_path=path, holder_count=len(holders),
+            state=GpuState.IN_USE if any(_makes_in_use(h, index) for h in holders) else GpuState.UNKNOWN,
+            error=scan.nvml.error or "NVML unavailable"))
     return summaries
 
 
@@ -359,7 +364,7 @@ def _makes_in_use(holder: Holder, index: int) -> bool:
     return index in holder.gpus and holder.kind == HolderKind.COMPUTE and not holder.protected
 
 
-def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  # type: ignore[type-arg]
+def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummary]:
     """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
     summaries = []
     for gpu in scan.nvml.gpus:
@@ -374,19 +379,17 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[dict]:  #
             state = GpuState.LEAKED
         else:
             state = GpuState.IDLE
-        summaries.append({
-            "index": gpu.index, "uuid": gpu.uuid, "name": gpu.name,
-            "pci_bus_id": gpu.pci_bus_id, "minor": gpu.minor if gpu.minor is not None else 0,
-            "device_path": gpu.device_path, "memory_total": gpu.memory_total,
-            "memory_used": gpu.memory_used, "holder_count": len(holders), "state": state.value,
-            "error": gpu.error, "mig_mode": gpu.mig_mode,
-            "mig_instances": mig_summaries(gpu, scan.holders, released_below_bytes),
-        })
+        summaries.append(GpuSummary(
+            index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
+            minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,
+            memory_total=gpu.memory_total, memory_used=gpu.memory_used,
+            holder_count=len(holders), state=state, error=gpu.error, mig_mode=gpu.mig_mode,
+            mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes)))
     return summaries
 
 
 def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
-                  ) -> list[dict[str, Any]]:
+                  ) -> list[MigSummary]:
     """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
     a GPU of its own, on its own memory and tenants."""
     out = []
@@ -402,9 +405,10 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
             state = GpuState.LEAKED
         else:
             state = GpuState.IDLE
-        out.append({"uuid": instance.uuid, "gpu_instance_id": instance.gpu_instance_id,
-                    "compute_instance_id": instance.compute_instance_id,
-                    "device_path": instance.device_path, "memory_total": instance.memory_total,
-                    "memory_used": instance.memory_used, "holder_count": len(tenants),
-                    "state": state.value})
+        out.append(MigSummary(uuid=instance.uuid, gpu_instance_id=instance.gpu_instance_id,
+                              compute_instance_id=instance.compute_instance_id,
+                              device_path=instance.device_path,
+                              memory_total=instance.memory_total,
+                              memory_used=instance.memory_used, holder_count=len(tenants),
+                              state=state))
     return out

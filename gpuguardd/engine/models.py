@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
-from gpuguardd.engine.enums import GpusFrom, HolderKind
+from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind
 from gpuguardd.engine.wire import WireRecord
 
 
@@ -65,6 +65,44 @@ class GpuInfo:
     @property
     def device_path(self) -> str:
         return f"/dev/nvidia{self.minor}" if self.minor is not None else ""
+
+
+@dataclass
+class MigSummary(WireRecord):
+    """One MIG instance as its GPU object's MigInstances shows it (facade.mig_summaries)."""
+
+    uuid: str = ""
+    gpu_instance_id: int = 0
+    compute_instance_id: int = 0
+    device_path: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    holder_count: int = 0
+    # Read back without a state it could be trusted with: never "idle".
+    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
+
+
+@dataclass
+class GpuSummary(WireRecord):
+    """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
+    gpus` show it (facade.gpu_summaries)."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances"})
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    pci_bus_id: str = ""
+    minor: int = 0
+    device_path: str = ""
+    memory_total: int = 0
+    memory_used: int = 0
+    holder_count: int = 0
+    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
+    error: str = ""
+    # None: not known (no NVML: the GPUs come from device nodes alone).
+    mig_mode: bool | None = None
+    mig_instances: list[MigSummary] | None = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from gpuguardd.engine import procfs
 from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
@@ -109,10 +109,10 @@ def epilog_job(environ: Mapping[str, str]) -> EpilogJob:
     return EpilogJob(job_id, uid, tuple(minors))
 
 
-def gpu_selectors(minors: Iterable[int], gpus: list[dict[str, object]]) -> tuple[list[str], list[str]]:
+def gpu_selectors(minors: Iterable[int], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
     """NVML indices (as the sweep's `gpus` strings) for device minors, and warnings. Without
     NVML's list, minor N is taken to be GPU N (what /dev/nvidiaN is on almost every host)."""
-    by_minor = {int(str(g.get("minor", -1))): str(g.get("index")) for g in gpus}
+    by_minor = {-1 if "minor" in g.unread else g.minor: str(g.index) for g in gpus}
     selectors: list[str] = []
     warnings: list[str] = []
     for minor in minors:

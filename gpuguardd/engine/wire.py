@@ -47,8 +47,9 @@ class _ReadBack:
 class WireRecord:
     """Base of the records that travel as dicts; subclasses are dataclasses."""
 
-    # Keys left out of the wire form while empty ("", [] or None): they appear only when
-    # they say something (a MIG UUID, a zombie's parent).
+    # Keys left out of the wire form while empty: they appear only when they say something
+    # (a MIG UUID, a zombie's parent). A field typed `X | None` is left out while None only
+    # (an empty list then still says "none", where None says "not known here").
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     unread: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -65,7 +66,7 @@ class WireRecord:
             return _writer(type(self))(self)
         if back.whole:
             return back.whole[0]
-        for name, _ in _layout(type(self)):
+        for name in _layout(type(self)):
             if name in back.kept:
                 out[name] = back.kept[name]
             elif name in back.present:
@@ -143,7 +144,7 @@ def _empty(value: object) -> bool:
 # name -> (reader, stand-in for an unread value, whether __init__ takes it)
 _Spec = tuple[Reader, Callable[[], Any], bool]
 _SPECS: dict[type, dict[str, _Spec]] = {}
-_LAYOUTS: dict[type, tuple[tuple[str, bool], ...]] = {}
+_LAYOUTS: dict[type, tuple[str, ...]] = {}
 _BASE_FIELDS = frozenset({"unread", "_back"})
 
 
@@ -153,11 +154,11 @@ def _wire_fields(cls: type) -> list[Field[Any]]:
     return [f for f in fields(cls) if f.name not in _BASE_FIELDS and f.metadata.get("wire", True)]
 
 
-def _layout(cls: type[WireRecord]) -> tuple[tuple[str, bool], ...]:
-    """(key, optional) for each key of the wire form, in order."""
+def _layout(cls: type[WireRecord]) -> tuple[str, ...]:
+    """The keys of the wire form, in order."""
     layout = _LAYOUTS.get(cls)
     if layout is None:
-        layout = _LAYOUTS[cls] = tuple((f.name, f.name in cls.OPTIONAL) for f in _wire_fields(cls))
+        layout = _LAYOUTS[cls] = tuple(f.name for f in _wire_fields(cls))
     return layout
 
 
@@ -174,7 +175,9 @@ def _writer(cls: type[WireRecord]) -> Callable[[Any], Wire]:
         lines = ["def wire(self):", " out = {}"]
         for f in _wire_fields(cls):
             value = _conversion(str(f.type), f"self.{f.name}", namespace)
-            if f.name in cls.OPTIONAL:
+            if f.name in cls.OPTIONAL and str(f.type).replace(" ", "").endswith("|None"):
+                lines.append(f" if self.{f.name} is not None: out[{f.name!r}] = {value}")
+            elif f.name in cls.OPTIONAL:
                 lines.append(f" if not _empty(self.{f.name}): out[{f.name!r}] = {value}")
             else:
                 lines.append(f" out[{f.name!r}] = {value}")
@@ -192,6 +195,8 @@ def _conversion(annotation: str, expression: str, namespace: Mapping[str, Any]) 
         return expression
     if text in ("list[int]", "list[str]"):
         return f"list({expression})"
+    if text.endswith("|None"):
+        return f"plain({expression})"
     kind = namespace.get(text)
     if isinstance(kind, type) and issubclass(kind, Enum):
         return f"{expression}.value"

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
 from gpuguardd.engine.enums import HolderKind
-from gpuguardd.engine.models import Holder
+from gpuguardd.engine.models import GpuSummary, Holder
 from gpuguardd.engine.report import Report
 from tests.conftest import GiB
 from tests.dbus_harness import FAST_POLL, GuardDaemon, private_gpu, private_holder, wait_until
@@ -96,10 +96,10 @@ def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
     holders = [Holder(pid=10, comm="python3", gpus=[0], kind=HolderKind.COMPUTE, user="alice"),
                Holder(pid=11, comm="nvidia-smi", gpus=[0, 1], kind=HolderKind.MANAGEMENT),
                Holder(pid=12, comm="x", gpus=[0], kind=HolderKind.COMPUTE)]
-    metrics.observe_inventory(True, [
+    metrics.observe_inventory(True, [GpuSummary.from_dict(s) for s in (
         {"index": 0, "uuid": "GPU-aaaa", "state": "in-use", "memory_used": 9 * GiB},
         {"index": 1, "uuid": "GPU-bbbb", "state": "leaked", "memory_used": 3 * GiB},
-        {"index": 2, "uuid": "GPU-cccc", "state": "weird", "memory_used": 0}], holders)
+        {"index": 2, "uuid": "GPU-cccc", "state": "weird", "memory_used": 0})], holders)
     text = metrics.render().decode()
     promtool_check(text)
     got = samples(text)

@@ -9,7 +9,7 @@ import json
 
 from gpuguardd.cli.check import check
 from gpuguardd.cli.main import EXIT_NOT_FREE, EXIT_OK, EXIT_USAGE
-from gpuguardd.engine.models import Holder
+from gpuguardd.engine.models import GpuSummary, Holder
 from tests.conftest import GiB, GpuHost
 
 
@@ -79,7 +79,7 @@ def test_an_unknown_gpu_is_a_usage_error(gpu_host: GpuHost) -> None:
 
 def test_hostile_names_stay_on_one_line() -> None:
     status = {"nvml_available": True}
-    gpus = [{"index": 0, "uuid": "GPU-1", "state": "in-use", "memory_used": 1}]
+    gpus = [GpuSummary.from_dict({"index": 0, "uuid": "GPU-1", "state": "in-use", "memory_used": 1})]
     holders = [Holder.from_dict({"pid": 5, "comm": "x\n\x1b[2Jfake", "user": "u\nGPU 0: ok",
                                  "unit": "a\rb", "kind": "compute", "gpus": [0], "container": ""})]
     result = check(status, gpus, holders, [])
@@ -91,8 +91,9 @@ def test_hostile_names_stay_on_one_line() -> None:
 def test_mig_instance_state_is_checked_not_its_parent() -> None:
     status = {"nvml_available": True}
     mig = "MIG-11111111-2222-3333-4444-555555555555"
-    gpus = [{"index": 0, "uuid": "GPU-1", "state": "idle", "memory_used": 0,
-             "mig_instances": [{"uuid": mig, "state": "leaked", "memory_used": 2 * GiB}]}]
+    gpus = [GpuSummary.from_dict({"index": 0, "uuid": "GPU-1", "state": "idle", "memory_used": 0,
+                                  "mig_instances": [{"uuid": mig, "state": "leaked",
+                                                     "memory_used": 2 * GiB}]})]
     result = check(status, gpus, [], [mig])
     assert [(p.kind, p.uuid) for p in result.problems] == [("leaked", mig)]
     assert check(status, gpus, [], ["0"]).ok

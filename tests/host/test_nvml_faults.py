@@ -50,7 +50,7 @@ def timed_snapshot(nvml: Nvml) -> tuple[float, list[GpuInfo], str]:
 
 def states(gpus: list[GpuInfo]) -> list[str]:
     snap = NvmlSnapshot(available=True, gpus=gpus)
-    return [s["state"] for s in gpu_summaries(ScanResult(holders=[], nvml=snap), 64 * MiB)]
+    return [s.state for s in gpu_summaries(ScanResult(holders=[], nvml=snap), 64 * MiB)]
 
 
 def write_driver_info(directory: Path, host: GpuHost) -> None:
@@ -156,7 +156,7 @@ def test_a_lost_gpus_holders_still_map_to_it(inproc_nvml: GpuHost, sessions: lis
     mine = [h for h in scan.holders if h.pid == holder.pid]
     assert mine and mine[0].gpus == [1]
     summary = gpu_summaries(scan, 64 * MiB)[1]
-    assert summary["state"] == "lost" and summary["device_path"] == "/dev/nvidia1"
+    assert summary.state == "lost" and summary.device_path == "/dev/nvidia1"
     report = engine.sweep(SweepRequest(gpus=["1"]))
     assert [t.pid for t in report.terminated] == [holder.pid]
     assert report.outcome == "unverified"  # a lost GPU's memory cannot be read: never "freed"
@@ -232,8 +232,8 @@ def test_an_unreadable_mig_gpu_keeps_its_instances_unknown(
     assert [(m.uuid, m.gpu_instance_id) for m in gpus[1].mig] == [(MIG_A, 1)]
     summary = gpu_summaries(ScanResult(holders=[], nvml=NvmlSnapshot(available=True, gpus=gpus)),
                             64 * MiB)[1]
-    assert summary["state"] == "unknown"
-    assert [(m["uuid"], m["state"]) for m in summary["mig_instances"]] == [(MIG_A, "unknown")]
+    assert summary.state == "unknown"
+    assert [(m.uuid, m.state) for m in summary.mig_instances or []] == [(MIG_A, "unknown")]
     host.state.hang = []
     host.publish()
 

@@ -20,6 +20,7 @@ import pytest
 
 from gpuguardd.engine import procfs
 from gpuguardd.engine.enums import Outcome
+from gpuguardd.engine.models import GpuSummary
 from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups, summary
 from gpuguardd.errors import InvalidArgument
@@ -74,7 +75,7 @@ def test_epilog_environment() -> None:
 
 
 def test_device_minors_become_nvml_indices() -> None:
-    gpus: list[dict[str, object]] = [{"index": 0, "minor": 3}, {"index": 1, "minor": 0}]
+    gpus = [GpuSummary(index=0, minor=3), GpuSummary(index=1, minor=0)]
     assert gpu_selectors([0, 3], gpus) == (["1", "0"], [])
     with pytest.raises(InvalidArgument, match="no GPU has device minor 5"):
         gpu_selectors([5], gpus)

@@ -14,7 +14,7 @@ import pytest
 from gpuguardd.bus import marshal
 from gpuguardd.cli import output
 from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind, Outcome
-from gpuguardd.engine.models import Holder, Scope
+from gpuguardd.engine.models import GpuSummary, Holder, MigSummary, Scope
 from gpuguardd.engine.report import (
     GpuResult,
     Leak,
@@ -157,3 +157,24 @@ def test_a_holder_keeps_its_released_keys_and_comes_back_from_the_bus() -> None:
     out = io.StringIO()
     output.print_holders([back, cut], out)
     assert "(5 more holders not shown" in out.getvalue()
+
+
+def test_gpu_summaries_keep_their_keys_and_unknown_states_never_pass_for_idle() -> None:
+    mig = MigSummary(uuid="MIG-a", gpu_instance_id=1, compute_instance_id=0, holder_count=2,
+                     state=GpuState.LEAKED)
+    gpu = GpuSummary(index=0, uuid="GPU-a", minor=0, state=GpuState.IN_USE, mig_mode=True,
+                     mig_instances=[mig])
+    wire = gpu.to_dict()
+    assert list(wire) == ["index", "uuid", "name", "pci_bus_id", "minor", "device_path",
+                          "memory_total", "memory_used", "holder_count", "state", "error",
+                          "mig_mode", "mig_instances"]
+    assert wire["state"] == "in-use" and wire["mig_instances"][0]["state"] == "leaked"
+    assert list(wire["mig_instances"][0]) == [
+        "uuid", "gpu_instance_id", "compute_instance_id", "device_path", "memory_total",
+        "memory_used", "holder_count", "state"]
+    # A GPU of the device nodes alone (no NVML): nothing said of MIG, as before.
+    assert "mig_mode" not in GpuSummary(index=1).to_dict()
+    assert GpuSummary(index=1, mig_mode=False, mig_instances=[]).to_dict()["mig_instances"] == []
+    assert GpuSummary.from_dict(wire) == gpu and GpuSummary.from_dict(wire).to_dict() == wire
+    newer = GpuSummary.from_dict({**wire, "state": "degraded"})
+    assert newer.state == GpuState.UNKNOWN and newer.to_dict()["state"] == "degraded"
