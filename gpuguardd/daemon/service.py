@@ -10,8 +10,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from dbus_fast import Variant
-
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
@@ -33,7 +31,8 @@ from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
 
-_NO_CMDLINE = Variant("s", "")
+# A redacted holder's cmdline, typed as the contract types it.
+_NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
 def requested_by(caller: Caller, reason: str) -> str:
