@@ -78,11 +78,11 @@ suite: deps venv cockpit
 # service nor a tool beyond gcc: as root it runs as nobody, so a unit test that needs root
 # fails here (tests/unit/conftest.py fails every skip). nobody cannot reach an interpreter
 # under root's home (pyenv): then a venv of the system's Python ($(NOBODY_PYTHON)) serves,
-# made once.
+# made once. -n auto: pytest-xdist, one worker a core.
 NOBODY := setpriv --reuid=nobody --regid=nogroup --clear-groups --inh-caps=-all
 NOBODY_PYTHON ?= /usr/bin/python3
 NOBODY_VENV := .venv-nobody
-UNIT_PYTEST = env PYTHONDONTWRITEBYTECODE=1 $(1) -m pytest -q -p no:cacheprovider tests/unit
+UNIT_PYTEST = env PYTHONDONTWRITEBYTECODE=1 $(1) -m pytest -q -p no:cacheprovider -n auto tests/unit
 
 check: venv
 	$(BIN)/ruff check gpuguardd tests bench packaging demo

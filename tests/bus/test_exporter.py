@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.bus.test_metrics import promtool_check, samples
 from tests.dbus_harness import NOBODY, PYTHON, GuardDaemon, wait_until
+from tests.unit.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
 

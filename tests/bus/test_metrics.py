@@ -6,133 +6,15 @@ node_exporter reads and GetMetrics on the bus, each checked with Debian's `promt
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import subprocess
 from pathlib import Path
 
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
-from gpuguardd.engine.enums import HolderKind
-from gpuguardd.engine.models import GpuSummary, Holder
-from gpuguardd.engine.report import Report
+from gpuguardd.daemon.metrics import TEXTFILE_NAME
 from tests.conftest import GiB
 from tests.dbus_harness import FAST_POLL, GuardDaemon, private_gpu, private_holder, wait_until
+from tests.unit.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of an exposition."""
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return found
-
-
-def promtool_check(text: str) -> None:
-    if shutil.which("promtool") is None:
-        pytest.fail("promtool is required (make deps installs prometheus)")
-    done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 0 and done.stdout + done.stderr == "", done.stdout + done.stderr
-
-
-def report(**extra: object) -> Report:
-    base: dict[str, object] = {"id": "x", "outcome": "freed", "requested_by": "hook:vllm.service",
-                               "reason": "", "started_usec": 1_700_000_000_000_000, "duration_ms": 1500,
-                               "dry_run": False, "terminated": [], "survived": [], "spared": [],
-                               "gpus": []}
-    base.update(extra)
-    return Report.from_dict(base)
-
-
-def test_a_report_feeds_every_counter_with_bounded_labels() -> None:
-    metrics = Metrics()
-    metrics.observe_report(report(
-        terminated=[{"signal": "SIGTERM"}, {"signal": "SIGKILL"}, {"signal": ""}],
-        survived=[{"state": "D"}, {"state": "evil\"label\n"}],
-        spared=[{"why": "management client (no CUDA context)"},
-                {"why": "protected executable /usr/bin/nvidia-persistenced"},
-                {"why": "something new \n{}"}],
-        gpus=[{"memory_used_before": 40 * GiB, "memory_used_after": 0},
-              {"memory_used_before": GiB, "memory_used_after": 2 * GiB}]))
-    metrics.observe_report(report(outcome="survivors", requested_by="watch:x.service", duration_ms=20))
-    metrics.observe_report(report(outcome="made-up", reason="slurm:42", requested_by="uid 0"))
-    text = metrics.render().decode()
-    promtool_check(text)
-    got = samples(text)
-    assert got[("gpuguard_sweeps_total", (("outcome", "freed"), ("trigger", "hook")))] == 1
-    assert got[("gpuguard_sweeps_total", (("outcome", "survivors"), ("trigger", "watch")))] == 1
-    assert got[("gpuguard_sweeps_total", (("outcome", "other"), ("trigger", "slurm")))] == 1
-    assert got[("gpuguard_processes_terminated_total", (("signal", "SIGTERM"),))] == 1
-    assert got[("gpuguard_processes_terminated_total", (("signal", "SIGKILL"),))] == 1
-    assert got[("gpuguard_processes_terminated_total", (("signal", "none"),))] == 1
-    assert got[("gpuguard_processes_survived_total", (("state", "D"),))] == 1
-    assert got[("gpuguard_processes_survived_total", (("state", "other"),))] == 1
-    assert {dict(k[1])["why"] for k in got if k[0] == "gpuguard_processes_spared_total"} == {
-        "management", "protected-executable", "other"}
-    # Only what came back counts, never a GPU whose use grew.
-    assert got[("gpuguard_memory_reclaimed_bytes_total", ())] == 40 * GiB
-    assert got[("gpuguard_sweep_duration_seconds_count", ())] == 3
-    assert got[("gpuguard_sweep_duration_seconds_bucket", (("le", "0.05"),))] == 1
-    assert got[("gpuguard_memory_release_seconds_count", ())] == 1
-    assert got[("gpuguard_memory_release_seconds_sum", ())] == 1.5
-    assert got[("gpuguard_last_sweep_timestamp_seconds", ())] == pytest.approx(1_700_000_001.5)
-
-
-def test_dry_runs_reclaim_nothing() -> None:
-    metrics = Metrics()
-    metrics.observe_report(report(outcome="dry-run", dry_run=True,
-                                  gpus=[{"memory_used_before": GiB, "memory_used_after": 0}]))
-    assert samples(metrics.render().decode())[("gpuguard_memory_reclaimed_bytes_total", ())] == 0
-
-
-def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
-    metrics = Metrics()
-    holders = [Holder(pid=10, comm="python3", gpus=[0], kind=HolderKind.COMPUTE, user="alice"),
-               Holder(pid=11, comm="nvidia-smi", gpus=[0, 1], kind=HolderKind.MANAGEMENT),
-               Holder(pid=12, comm="x", gpus=[0], kind=HolderKind.COMPUTE)]
-    metrics.observe_inventory(True, [GpuSummary.from_dict(s) for s in (
-        {"index": 0, "uuid": "GPU-aaaa", "state": "in-use", "memory_used": 9 * GiB},
-        {"index": 1, "uuid": "GPU-bbbb", "state": "leaked", "memory_used": 3 * GiB},
-        {"index": 2, "uuid": "GPU-cccc", "state": "weird", "memory_used": 0})], holders)
-    text = metrics.render().decode()
-    promtool_check(text)
-    got = samples(text)
-    ids0, ids1 = (("UUID", "GPU-aaaa"), ("gpu", "0")), (("UUID", "GPU-bbbb"), ("gpu", "1"))
-    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "compute")))] == 2
-    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "management")))] == 1
-    assert got[("gpuguard_gpu_holders", (*ids1, ("kind", "compute")))] == 0
-    assert got[("gpuguard_leaked_memory_bytes", ids0)] == 0
-    assert got[("gpuguard_leaked_memory_bytes", ids1)] == 3 * GiB
-    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "in-use")))] == 1
-    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "idle")))] == 0
-    assert got[("gpuguard_gpu_state", (("UUID", "GPU-cccc"), ("gpu", "2"), ("state", "unknown")))] == 1
-    assert got[("gpuguard_nvml_up", ())] == 1
-    assert any(k[0] == "gpuguard_build_info" for k in got)
-    for forbidden in ("pid", "alice", "python3", "nvidia-smi", "memory_total"):
-        assert forbidden not in text
-    metrics.observe_inventory(False, [], [])
-    got = samples(metrics.render().decode())
-    assert got[("gpuguard_nvml_up", ())] == 0
-    assert not any(k[0] == "gpuguard_gpu_state" for k in got), "a GPU that is gone has no series"
-
-
-def test_textfile_is_replaced_atomically_and_readable_by_node_exporter(tmp_path: Path) -> None:
-    target = write_textfile(str(tmp_path), b"gpuguard_nvml_up 1\n")
-    assert target == str(tmp_path / TEXTFILE_NAME)
-    assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
-    old = os.stat(target).st_ino
-    write_textfile(str(tmp_path), b"gpuguard_nvml_up 0\n")
-    assert os.stat(target).st_ino != old, "renamed over, never rewritten in place"
-    assert Path(target).read_text() == "gpuguard_nvml_up 0\n"
-    assert os.listdir(tmp_path) == [TEXTFILE_NAME], "no temporary file left behind"
-    with pytest.raises(OSError):
-        write_textfile(str(tmp_path / "missing"), b"x")
 
 
 def test_daemon_publishes_a_sweep_in_the_textfile_and_on_the_bus(daemon: GuardDaemon,

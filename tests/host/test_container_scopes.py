@@ -10,20 +10,7 @@ import json
 import secrets
 from collections.abc import Callable
 
-from gpuguardd.engine.attribution import container_scope_label
 from tests.conftest import CgroupDir, GiB, GpuHost
-
-
-def test_scope_names_and_their_containers() -> None:
-    cid = "3f2a9c1d5e6f" + "0" * 52
-    assert container_scope_label(f"docker-{cid}.scope") == f"docker/{cid}"
-    assert container_scope_label(f"libpod-{cid}.scope") == f"podman/{cid}"
-    assert container_scope_label(f"libpod-conmon-{cid}.scope") == f"podman/{cid}"
-    assert container_scope_label(f"cri-containerd-{cid}.scope") == f"containerd/{cid}"
-    assert container_scope_label(f"crio-{cid}.scope") == f"crio/{cid}"
-    for other in ("docker.service", "docker-xyz.scope", f"docker-{cid}.service", "session-3.scope",
-                  f"mydocker-{cid}.scope"):
-        assert container_scope_label(other) == "", other
 
 
 def test_unit_sweep_of_a_container_scope_ends_that_container_only(

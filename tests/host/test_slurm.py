@@ -16,35 +16,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from gpuguardd.engine import procfs
 from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import GpuSummary
 from gpuguardd.engine.report import Report
-from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups, summary
-from gpuguardd.errors import InvalidArgument
+from gpuguardd.engine.slurm import summary
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
 
 NOBODY = 65534
 ROOT = Path(__file__).resolve().parents[2]
 EPILOG = ROOT / "slurm" / "epilog.d" / "50-gpuguard"
-
-
-def test_job_of_cgroups_v1_v2_and_others() -> None:
-    v1 = ("12:freezer:/slurm/uid_1000/job_42/step_0/task_0\n"
-          "11:devices:/slurm/uid_1000/job_42/step_0\n1:name=systemd:/system.slice/slurmd.service\n")
-    assert job_of_cgroups(v1) == "42"
-    # Debian's Slurm (built for several slurmds a host) prefixes the node's name.
-    assert job_of_cgroups("6:freezer:/slurm_node7/uid_1001/job_5/step_batch\n") == "5"
-    assert job_of_cgroups("6:freezer:/slurmx/uid_1001/job_5/step_batch\n") == ""
-    v2 = "0::/system.slice/slurmstepd.scope/job_7/step_batch/user/task_0\n"
-    assert job_of_cgroups(v2) == "7"
-    assert job_of_cgroups("0::/system.slice/slurmstepd.scope/system\n") == ""
-    assert job_of_cgroups("0::/user.slice/user-1000.slice/session-3.scope\n") == ""
-    # A job's id is a whole path component, and only under Slurm's own directories.
-    assert job_of_cgroups("0::/system.slice/slurmstepd.scope/job_71x/step_0\n") == ""
-    assert job_of_cgroups("0::/system.slice/evil/job_42\n") == ""
 
 
 def test_unverified_summary_says_why() -> None:
@@ -55,32 +35,6 @@ def test_unverified_summary_says_why() -> None:
                                     "NVML Shared Library Not Found: GPU memory cannot be verified")
     assert summary("9", Report(outcome=Outcome.UNVERIFIED)) == \
         "gpuguard: job 9: unverified: GPU memory not verified"
-
-
-def test_epilog_environment() -> None:
-    job = epilog_job({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "2,0"})
-    assert (job.job_id, job.uid, job.minors, job.reason) == ("42", 1000, (2, 0), "slurm:42")
-    assert epilog_job({"SLURM_JOB_ID": "1", "SLURM_JOB_UID": "0",
-                       "CUDA_VISIBLE_DEVICES": "3"}).minors == (3,)
-    assert epilog_job({"SLURM_JOB_ID": "1", "SLURM_JOB_UID": "0",
-                       "CUDA_VISIBLE_DEVICES": "NoDevFiles"}).minors == ()
-    for env, needle in (({}, "SLURM_JOB_ID is not set"),
-                        ({"SLURM_JOB_ID": "4;rm", "SLURM_JOB_UID": "0"}, "'4;rm'"),
-                        ({"SLURM_JOB_ID": "4"}, "SLURM_JOB_UID is not set"),
-                        ({"SLURM_JOB_ID": "4", "SLURM_JOB_UID": "-1"}, "SLURM_JOB_UID='-1'"),
-                        ({"SLURM_JOB_ID": "4", "SLURM_JOB_UID": "0", "SLURM_JOB_GPUS": "0,GPU-1"},
-                         "SLURM_JOB_GPUS='GPU-1'")):
-        with pytest.raises(InvalidArgument, match=needle.replace("(", r"\(")):
-            epilog_job(env)
-
-
-def test_device_minors_become_nvml_indices() -> None:
-    gpus = [GpuSummary(index=0, minor=3), GpuSummary(index=1, minor=0)]
-    assert gpu_selectors([0, 3], gpus) == (["1", "0"], [])
-    with pytest.raises(InvalidArgument, match="no GPU has device minor 5"):
-        gpu_selectors([5], gpus)
-    selectors, warnings = gpu_selectors([2], [])
-    assert selectors == ["2"] and "taken to be GPU 2" in warnings[0]
 
 
 # -- real processes ---------------------------------------------------------------------------

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd.config import load_config
-from gpuguardd.errors import ConfigError
 from tests.conftest import GpuHost, Proc
 from tests.dbus_harness import GuardDaemon
 
@@ -89,18 +87,6 @@ def test_the_test_nodes_need_their_major_allowed(gpu_host: GpuHost) -> None:
     result = host.cli("holders", "--json")
     assert proc.pid not in {h["pid"] for h in json.loads(result.stdout)}
     assert f"ignored {host.node('nvidia0')}" in result.stderr
-
-
-@pytest.mark.parametrize(("value", "why"), [("abc", "'abc' is not a device major number"),
-                                            ("4096", "too large"), ("-1", "not a device major"),
-                                            ("9" * 400, "too large")])
-def test_bad_allow_majors_name_file_line_and_key(tmp_path: Path, value: str, why: str) -> None:
-    path = tmp_path / "d.conf"
-    path.write_text(f"[Devices]\nAllowMajors=120 {value}\n")
-    with pytest.raises(ConfigError) as info:
-        load_config([str(path)])
-    assert str(info.value).startswith(f"{path}:2: [Devices] AllowMajors: ")
-    assert why in str(info.value)
 
 
 def test_the_daemon_logs_refused_entries_at_start_and_reload(daemon: GuardDaemon,

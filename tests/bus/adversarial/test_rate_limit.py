@@ -15,7 +15,6 @@ from pathlib import Path
 
 from gpuguardd.bus.auth import POLKIT_DECISION_SEC
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS
-from gpuguardd.bus.ratelimit import PerKey, held_back
 from tests.conftest import GiB
 from tests.dbus_harness import (
     FAST_POLL,
@@ -31,19 +30,6 @@ from tests.dbus_harness import (
 pytest_plugins = ["tests.dbus_harness"]
 
 SCAN_LINE = "holder scan took"
-
-
-def test_per_key_bounds_and_counts() -> None:
-    now = [100.0]
-    limit = PerKey(1.0, max_keys=3, clock=lambda: now[0])
-    assert limit.admit("a") == 0
-    assert limit.admit("a") is None and limit.admit("a") is None
-    now[0] += 1.0
-    assert limit.admit("a") == 2  # let through again, with the two held back
-    for key in range(10):
-        limit.admit(key)
-    assert len(limit) == 3  # bounded: the least recently seen went
-    assert held_back(0) == "" and "3 more" in held_back(3)
 
 
 def flood(guard: GuardDaemon, member: str, count: int, connections: int) -> str:
