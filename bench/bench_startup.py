@@ -47,18 +47,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_once(argv: list[str], cwd: Path, env: dict[str, str]) -> float:
+def run_once(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run: a loaded machine stretches the first, hardly
+    the second."""
+    cpu = common.children_cpu()
     started = time.perf_counter()
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
+    cpu = common.children_cpu() - cpu
     if proc.returncode != 0:
         raise common.BenchError(f"{' '.join(argv)} (in {cwd}) exited {proc.returncode}: "
                                 f"{proc.stderr[-400:]}")
-    return seconds
+    return seconds, cpu
 
 
-def import_profile(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float]:
-    """(modules imported, their cumulative import time in seconds), from -X importtime."""
+def import_profile(argv: list[str], cwd: Path, env: dict[str, str], runs: int = 5
+                   ) -> tuple[int, float]:
+    """(modules imported, the median of their cumulative import time in seconds over `runs`),
+    from -X importtime."""
+    results = [_import_profile(argv, cwd, env) for _ in range(runs)]
+    return results[0][0], statistics.median(seconds for _, seconds in results)
+
+
+def _import_profile(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float]:
     proc = subprocess.run([argv[0], "-X", "importtime", *argv[1:]], cwd=cwd, env=env,
                           capture_output=True, text=True, check=False)
     modules = 0
@@ -101,29 +112,34 @@ def main(argv: list[str] | None = None) -> int:
                                  checkout, env))
         with bench_dbus.daemon(host, bus.address):
             times: dict[str, list[float]] = {name: [] for name, *_ in commands}
+            cpu: dict[str, list[float]] = {name: [] for name, *_ in commands}
             for _name, argv_, cwd, env in commands:  # warm-up: page cache, .pyc files
                 run_once(argv_, cwd, env)
             for round_number in range(args.repeat):
                 shift = round_number % len(commands)
                 for name, argv_, cwd, env in commands[shift:] + commands[:shift]:
-                    times[name].append(run_once(argv_, cwd, env))
+                    wall, used = run_once(argv_, cwd, env)
+                    times[name].append(wall)
+                    cpu[name].append(used)
             profiles = {name: import_profile(argv_, cwd, env) for name, argv_, cwd, env in commands}
         load = os.getloadavg()
         print(f"gpuguardctl start-up, {args.repeat} interleaved runs each, medians "
               f"({os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f})")
         floor = statistics.median(times["python -c pass"])
-        print(f"{'command':<40} {'median':>9} {'min':>9} {'over python':>12} {'modules':>8} {'imports':>9}")
+        print(f"{'command':<40} {'median':>9} {'min':>9} {'over python':>12} {'cpu':>9} "
+              f"{'modules':>8} {'imports':>9}")
         for name, *_ in commands:
             values = times[name]
             modules, imports = profiles[name]
             print(f"{name:<40} {statistics.median(values) * 1000:>6.0f} ms {min(values) * 1000:>6.0f} ms "
-                  f"{(statistics.median(values) - floor) * 1000:>9.0f} ms {modules:>8} "
-                  f"{imports * 1000:>6.0f} ms")
+                  f"{(statistics.median(values) - floor) * 1000:>9.0f} ms "
+                  f"{statistics.median(cpu[name]) * 1000:>6.0f} ms {modules:>8} {imports * 1000:>6.0f} ms")
         if args.peer:
             for verb in verbs:
-                now = statistics.median(times[f"gpuguardctl {verb} (now)"])
-                peer = statistics.median(times[f"gpuguardctl {verb} (peer)"])
-                print(f"ratio now/peer, gpuguardctl {verb}: {now / peer:.2f}")
+                now, peer = f"gpuguardctl {verb} (now)", f"gpuguardctl {verb} (peer)"
+                print(f"ratio now/peer, gpuguardctl {verb}: "
+                      f"{statistics.median(times[now]) / statistics.median(times[peer]):.2f} wall, "
+                      f"{statistics.median(cpu[now]) / statistics.median(cpu[peer]):.2f} CPU")
         return 0
     except common.BenchError as exc:
         print(f"bench_startup: FAILED: {exc}", file=sys.stderr)

@@ -59,3 +59,23 @@ def test_bench_sweep_smoke() -> None:
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.
     expected = "gpuguard outcome freed" if shutil.which("gcc") else "gpuguard outcome unverified"
     assert expected in out, out
+
+
+def test_bench_dbus_smoke() -> None:
+    _require("dbus-daemon", "gcc", "setpriv")
+    out = _run("bench_dbus.py", "--seconds", "1", "--rounds", "1", "--idle-sec", "0", "--starts", "1",
+               "--history", "3", "--holders", "2", "--clients", "4", "--client-procs", "2",
+               "--rate", "20")
+    assert "reply sizes on the wire: ListHolders " in out, out
+    for method in ("ListHolders", "GetHistory(10)"):
+        assert f"ratio gpuguardd/peer ({method}): " in out, out
+    assert "calls that failed" not in out, out
+    assert "startup to READY=1: median " in out, out
+
+
+def test_bench_startup_smoke() -> None:
+    _require("dbus-daemon", "gcc", "setpriv")
+    out = _run("bench_startup.py", "--repeat", "1", "--peer", str(ROOT))
+    for command in ("python -c pass", "gpuguardctl --version (now)", "gpuguardctl status (now)",
+                    "gpuguardctl holders --local (peer)", "ratio now/peer, gpuguardctl status: "):
+        assert command in out, out
