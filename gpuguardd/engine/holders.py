@@ -5,14 +5,20 @@ psutil's open_files() reports regular files only, so device fds are found here, 
 gives the node's identity; no readlink is needed because the identity, not the name, decides.
 Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
 substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
-details need no second look. bench/bench_scan.py measures all this against fuser and lsof.
+details need no second look; a big scan is shared with helper processes (scan_raw), whose
+holders describe() pins and reads again. bench/bench_scan.py measures all this against fuser
+and lsof.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gpuguardd import safetext
@@ -25,8 +31,7 @@ from gpuguardd.engine.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.engine.process import ProcessHandle
 
 PROC = procfs.PROC
-_S_IFMT = 0o170000
-_S_IFCHR = 0o020000
+log = logging.getLogger("gpuguard.engine")
 
 
 @dataclass
@@ -47,45 +52,33 @@ class RawHolding:
 
 
 def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        by_inode = device_map.by_inode
-        for name in os.listdir(dir_fd):
-            try:
-                st = os.stat(name, dir_fd=dir_fd)  # follows the link to the open file itself
-            except OSError:
-                continue  # closed meanwhile, or a file we may not stat
-            if st.st_mode & _S_IFMT != _S_IFCHR:
-                continue
-            node = by_inode.get((st.st_dev, st.st_ino)) or device_map.node_for_rdev(st.st_rdev)
-            if node is not None:
-                raw.nodes[node.path] = node
-                raw.how.add("fd")
-    finally:
-        os.close(dir_fd)
+    _match_fds(procfs.char_device_fds(pid), device_map, raw)
+
+
+def _match_fds(stats: Iterable[Sequence[int]], device_map: DeviceMap, raw: RawHolding) -> None:
+    """Note in `raw` the watched nodes among (st_dev, st_ino, st_rdev) of open fds."""
+    by_inode = device_map.by_inode
+    for dev, ino, rdev in stats:
+        node = by_inode.get((dev, ino)) or device_map.node_for_rdev(rdev)
+        if node is not None:
+            raw.nodes[node.path] = node
+            raw.how.add("fd")
+
+
+def _maps_tokens(device_map: DeviceMap) -> tuple[bytes, ...]:
+    return device_map.maps_prefilter or device_map.maps_tokens
 
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    try:
-        with open(f"{PROC}/{pid}/maps", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return
-    seen: set[int] = set()
-    for token in device_map.maps_prefilter or device_map.maps_tokens:
-        found = data.find(token)
-        while found >= 0:
-            start = data.rfind(b"\n", 0, found) + 1
-            end = data.find(b"\n", found)
-            if end < 0:
-                end = len(data)
-            found = data.find(token, end)
-            if start not in seen:
-                seen.add(start)
-                node = _maps_line_node(data[start:end], device_map)
-                if node is not None:
-                    raw.nodes[node.path] = node
-                    raw.how.add("mmap")
+    _match_maps(procfs.maps_lines(pid, _maps_tokens(device_map)), device_map, raw)
+
+
+def _match_maps(lines: Iterable[bytes], device_map: DeviceMap, raw: RawHolding) -> None:
+    for line in lines:
+        node = _maps_line_node(line, device_map)
+        if node is not None:
+            raw.nodes[node.path] = node
+            raw.how.add("mmap")
 
 
 def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
@@ -102,23 +95,6 @@ def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
         except ValueError:
             node = None
     return node
-
-
-# The scan is kernel work (a stat() per open fd, a read of each maps file) that releases the GIL,
-# so a few threads over the PIDs use every core: half the wall time on two. More threads than
-# cores only queue on the same locks (the pidfd table, /proc's dentries).
-SCAN_THREADS_MAX = 4
-# PIDs a thread takes at a time: big enough that handing out work is cheap against ~50 fds a
-# process, small enough that one thread never ends up with the last second of work alone.
-SCAN_CHUNK = 32
-
-
-def scan_threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except OSError:
-        cores = os.cpu_count() or 1
-    return max(1, min(SCAN_THREADS_MAX, cores))
 
 
 def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:
@@ -148,7 +124,7 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
     return None
 
 
-def _scan_chunk(pids: list[int], device_map: DeviceMap, use_pidfd: bool
+def _scan_share(pids: Iterable[int], device_map: DeviceMap, use_pidfd: bool
                 ) -> list[RawHolding | int]:
     found: list[RawHolding | int] = []
     try:
@@ -157,42 +133,148 @@ def _scan_chunk(pids: list[int], device_map: DeviceMap, use_pidfd: bool
             if result is not None:
                 found.append(result)
     except BaseException:
-        for item in found:  # a bug, not a race (those are OSError, handled): leak no pidfd
-            if isinstance(item, RawHolding):
-                item.close()
+        _close_all(found)  # a bug, not a race (those are OSError, handled): leak no pidfd
         raise
     return found
 
 
+def _close_all(results: Iterable[RawHolding | int]) -> None:
+    for item in results:
+        if isinstance(item, RawHolding):
+            item.close()
+
+
+# -- helpers: the scan on every idle core ----------------------------------------------------
+#
+# The scan is kernel work: a stat() per open fd, and the kernel writing out each maps file
+# (half the cost: a path per mapped file). Threads would share the GIL, which every one of
+# those calls drops and takes back, and each hand-over waits for the other thread to be
+# scheduled: two threads measured slower than one. So a big scan is split between this process
+# and helper processes (engine/scanworker.py, the standard library and procfs only), one for
+# each idle core: each reads its share of /proc and reports the char-device fds and maps lines
+# that may concern the watched nodes; this process matches them. A holder a helper found has no
+# pidfd: describe() pins it and reads it again, as any holder found before it was pinned. A
+# helper that cannot start or fails is replaced by this process scanning its share.
+# Cores busy with other work gain nothing from more processes (measured: on a saturated
+# machine two took longer than one, helper start included), so only idle cores count, by the
+# load average: a busy host scans in one process, as before.
+WORKERS_MAX = 4
+# Below this many processes one process is quicker than starting a helper (~20 ms of CPU).
+WORKER_MIN_PIDS = 400
+WORKER_TIMEOUT_SEC = 300.0
+
+
+def scan_workers() -> int:
+    """Processes a big scan is split between: one for each idle core this process may run on
+    (cores minus the 1-minute load average, rounded), at least 1, at most WORKERS_MAX (more
+    only queue on the same /proc locks)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except OSError:
+        cores = os.cpu_count() or 1
+    try:
+        idle = cores - os.getloadavg()[0]
+    except OSError:
+        idle = 1.0
+    return max(1, min(WORKERS_MAX, cores, int(idle + 0.5)))
+
+
+def _worker_spec(pids: list[int], device_map: DeviceMap) -> bytes:
+    """What a helper needs to keep only what may concern the watched nodes."""
+    return json.dumps({
+        "pids": pids,
+        "inodes": sorted(device_map.by_inode),
+        "rdevs": sorted(device_map.by_rdev),
+        "majors": sorted(device_map.majors),
+        "tokens": [t.decode("latin-1") for t in _maps_tokens(device_map)],
+    }).encode()
+
+
+def _start_worker(pids: list[int], device_map: DeviceMap) -> subprocess.Popen[bytes] | None:
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.engine.scanworker"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError as exc:
+        log.debug("scan helper did not start: %s", exc)
+        return None
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(_worker_spec(pids, device_map))  # read whole before it answers
+        proc.stdin.close()
+        proc.stdin = None  # sent: communicate() then only reads the answer
+    except OSError as exc:
+        log.debug("scan helper %d did not take its share: %s", proc.pid, exc)
+        _end_worker(proc)
+        return None
+    return proc
+
+
+def _end_worker(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _worker_results(proc: subprocess.Popen[bytes], device_map: DeviceMap
+                    ) -> list[RawHolding | int] | None:
+    """A helper's share as _scan_share gives it (holders without pidfds); None if it failed."""
+    try:
+        out, _ = proc.communicate(timeout=WORKER_TIMEOUT_SEC)
+        entries = json.loads(out) if proc.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
+        log.debug("scan helper %d failed: %s", proc.pid, exc)
+        entries = None
+    finally:
+        _end_worker(proc)
+    if not isinstance(entries, list):
+        log.debug("scan helper %d failed (exit %s)", proc.pid, proc.returncode)
+        return None
+    found: list[RawHolding | int] = []
+    for entry in entries:
+        pid = int(entry[0])
+        if entry[1] == "unreadable":
+            found.append(-pid)
+            continue
+        raw = RawHolding(pid)
+        _match_fds(entry[1], device_map, raw)
+        _match_maps((line.encode("latin-1") for line in entry[2]), device_map, raw)
+        if raw.nodes:
+            found.append(raw)
+    return found
+
+
 def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False,
-             threads: int | None = None) -> tuple[dict[int, RawHolding], list[int]]:
+             workers: int | None = None) -> tuple[dict[int, RawHolding], list[int]]:
     """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
 
-    With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
-    RawHolding.pidfd for describe() (or the caller's RawHolding.close()). `threads`: how many
-    read /proc at once (default scan_threads()); the answer does not depend on it."""
+    With use_pidfd each process this one reads is pinned before it is read, and a holder keeps
+    its pidfd in RawHolding.pidfd for describe() (or the caller's RawHolding.close()); holders
+    a helper found have none. `workers`: how many processes share the scan (default: one a
+    core for WORKER_MIN_PIDS processes or more); the answer does not depend on it."""
     todo = procfs.list_pids() if pids is None else list(pids)
-    workers = min(scan_threads() if threads is None else max(1, threads),
-                  -(-len(todo) // SCAN_CHUNK))
-    chunks = [todo[i:i + SCAN_CHUNK] for i in range(0, len(todo), SCAN_CHUNK)]
+    if workers is None:
+        workers = scan_workers() if len(todo) >= WORKER_MIN_PIDS else 1
+    workers = max(1, min(workers, len(todo)))
+    # Interleaved shares: PIDs in a row are often alike (a service's workers, one user's shell).
+    shares = [todo[n::workers] for n in range(workers)]
+    helpers = [_start_worker(share, device_map) for share in shares[1:]]
     results: list[RawHolding | int] = []
-    if workers <= 1:
-        results = _scan_chunk(todo, device_map, use_pidfd)
-    else:
-        # Threads that exist for this scan only: nothing is left running between scans.
-        failure: BaseException | None = None
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuguard-scan") as pool:
-            futures = [pool.submit(_scan_chunk, chunk, device_map, use_pidfd) for chunk in chunks]
-            for future in futures:  # every chunk's result, so that no pidfd is left unowned
-                try:
-                    results.extend(future.result())
-                except BaseException as exc:
-                    failure = failure or exc
-        if failure is not None:
-            for item in results:
-                if isinstance(item, RawHolding):
-                    item.close()
-            raise failure
+    try:
+        results = _scan_share(shares[0], device_map, use_pidfd)
+        for share, helper in zip(shares[1:], helpers):
+            got = _worker_results(helper, device_map) if helper is not None else None
+            if got is None:
+                got = _scan_share(share, device_map, use_pidfd)
+            results.extend(got)
+    except BaseException:
+        _close_all(results)
+        for helper in helpers:
+            if helper is not None:
+                _end_worker(helper)
+        raise
     found = {item.pid: item for item in results if isinstance(item, RawHolding)}
     unreadable = sorted(-item for item in results if isinstance(item, int))
     return found, unreadable

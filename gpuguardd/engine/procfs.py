@@ -6,12 +6,15 @@ Text comes back through safetext: valid UTF-8 whatever bytes a process chose, an
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpuguardd import safetext
 
 PROC = "/proc"
 PF_KTHREAD = 0x00200000
+_S_IFMT = 0o170000
+_S_IFCHR = 0o020000
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,51 @@ def read_cmdline(pid: int) -> str | None:
     if not more and data.endswith(b"\0"):
         data = data[:-1]
     return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
+
+
+def char_device_fds(pid: int) -> list[tuple[int, int, int]]:
+    """(st_dev, st_ino, st_rdev) of each open fd of `pid` that is a character device: one
+    stat() per fd, following the link to the open file, relative to the open fd directory (no
+    readlink: the node's identity, not its name, decides). OSError when the directory cannot
+    be opened: EACCES/EPERM (not ours to read), ENOENT/ESRCH (exited, exiting)."""
+    dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    found: list[tuple[int, int, int]] = []
+    try:
+        for name in os.listdir(dir_fd):
+            try:
+                st = os.stat(name, dir_fd=dir_fd)
+            except OSError:
+                continue  # closed meanwhile, or a file we may not stat
+            if st.st_mode & _S_IFMT == _S_IFCHR:
+                found.append((st.st_dev, st.st_ino, st.st_rdev))
+    finally:
+        os.close(dir_fd)
+    return found
+
+
+def maps_lines(pid: int, tokens: Sequence[bytes]) -> list[bytes]:
+    """The lines of /proc/<pid>/maps that hold one of `tokens`, each line once; [] when the file
+    cannot be read. Read as bytes and searched, never parsed whole: a process maps hundreds
+    of files, and only the lines naming a watched node matter."""
+    try:
+        with open(f"{PROC}/{pid}/maps", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return []
+    lines: list[bytes] = []
+    seen: set[int] = set()
+    for token in tokens:
+        found = data.find(token)
+        while found >= 0:
+            start = data.rfind(b"\n", 0, found) + 1
+            end = data.find(b"\n", found)
+            if end < 0:
+                end = len(data)
+            found = data.find(token, end)
+            if start not in seen:
+                seen.add(start)
+                lines.append(data[start:end])
+    return lines
 
 
 def read_exe(pid: int) -> str | None:
