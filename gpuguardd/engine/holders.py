@@ -394,10 +394,11 @@ def describe(pid: int, nvml: NvmlSnapshot,
     return holder, handle
 
 
-def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True
-                 ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
-    """All holders with open handles on them (the caller closes them), and unreadable pids."""
-    raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd)
+def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
+                 workers: int | None = None) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
+    """All holders with open handles on them (the caller closes them), and unreadable pids.
+    `workers`: as scan_raw's."""
+    raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd, workers=workers)
     candidates = set(raw)
     if nvml.pids_local:
         for gpu in nvml.gpus:

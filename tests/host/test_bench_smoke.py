@@ -43,7 +43,8 @@ def test_bench_scan_smoke() -> None:
     assert "same holders: 5 pids in every run" in out, out
     assert "ratio gpuguard/fuser: " in out, out
     assert "ratio gpuguard/lsof: " in out, out
-    for tool in ("gpuguard find_holders", "gpuguard Engine.scan()", "gpuguardctl holders --local",
+    for tool in ("gpuguard find_holders", "gpuguard find_holders, 2 processes",
+                 "gpuguard Engine.scan()", "gpuguardctl holders --local",
                  "fuser -v", "lsof -w -n -P"):
         assert tool in out, out
     assert "target gpuguardctl holders --local (whole process) no slower than fuser -v: " in out, out
