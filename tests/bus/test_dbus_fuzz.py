@@ -17,6 +17,7 @@ from typing import Any
 from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from gpuguardd.bus.contract import interface
 from gpuguardd.bus.marshal import SWEEP_OPTIONS
 from tests.dbus_harness import BUS_NAME, GPU, MANAGER, MANAGER_PATH, GuardDaemon
 
@@ -115,8 +116,9 @@ def near_valid_options(rng: random.Random) -> dict[str, Variant]:
     return options
 
 
-OUR_METHODS = {"ListHolders": "a{sv}", "Sweep": "a{sv}", "SweepUnit": "sa{sv}", "GetHistory": "u",
-               "Reload": ""}
+# The Manager's methods the fuzzer aims at, with the signatures the contract XML gives them.
+OUR_METHODS = {name: interface(MANAGER).methods[name].in_signature
+               for name in ("ListHolders", "Sweep", "SweepUnit", "GetHistory", "Reload")}
 
 
 def targeted(rng: random.Random) -> tuple[str, str, str, list[Any]]:
