@@ -108,6 +108,16 @@ def supported_range() -> str:
             f"<{'.'.join(map(str, SUPPORTED_BELOW))}")
 
 
+def version_warning(version: tuple[int, ...] = VERSION) -> str:
+    """What the daemon logs at start on a dbus-fast outside the supported range ("" inside):
+    its workarounds' gates were checked only inside it."""
+    if SUPPORTED_MIN <= version < SUPPORTED_BELOW:
+        return ""
+    return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the "
+            f"versions gpuguardd is tested with ({supported_range()}): its workarounds "
+            "(gpuguardd/bus/compat.py) may be wrong for it")
+
+
 # -- 1. strings ------------------------------------------------------------------------------
 
 def ascii_only(value: Any) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 from dbus_fast import BusType, DBusError, NameFlag, RequestNameReply
 
 from gpuguardd import __version__
+from gpuguardd.bus import compat
 from gpuguardd.bus.connection import GuardBus, name_owner
 from gpuguardd.bus.names import BUS_NAME
 from gpuguardd.config import Config, load_config
@@ -96,6 +97,8 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         await loop.run_in_executor(self.io_executor, self.history.load)
         where = self.args.bus_address or ("the session bus" if self.args.session else "the system bus")
+        if compat.version_warning():
+            log.warning("%s", compat.version_warning())
         try:
             # dbus-fast before 5.0 connects the socket in the constructor, later ones in connect().
             bus = self._bus()

@@ -37,3 +37,13 @@ def test_gates_follow_the_fixed_versions() -> None:
     assert compat.STRING_LENGTHS_IN_CHARACTERS is (compat.VERSION < (2, 11, 1))
     assert compat.WRITER_TAKES_NEWEST is (compat.VERSION < (1, 91, 3))
     assert compat.PEER_REPLIES_BROKEN is (compat.VERSION < (2, 36, 0))
+
+
+@pytest.mark.parametrize(("version", "warned"), [
+    ((1, 84, 2), False), ((5, 2, 0), False), ((5, 99), False), ((1, 83, 9), True), ((6,), True),
+    ((0,), True)])
+def test_daemon_warns_outside_the_range(version: tuple[int, ...], warned: bool) -> None:
+    text = compat.version_warning(version)
+    assert bool(text) is warned
+    if warned:
+        assert ".".join(map(str, version)) in text and compat.supported_range() in text
