@@ -11,11 +11,12 @@ to it:
   It is world-writable and sticky like /tmp: the tests run programs as nobody too.
 * Mounts. A mount point left under the run's directory (the e2e machine's root is there)
   fails the run.
-* By name. Something that writes to /tmp by name is caught by comparing /tmp before and
-  after, and other mounts by comparing this mount namespace's mount points. Other runs on a
-  shared machine (several engineers, or one engineer's two checkouts) write there too, so
-  these fail the run only with GPUGUARD_LEFTOVERS=strict, which .ci/run sets (CI has the
-  machine to itself), and are listed as warnings otherwise.
+* By name. Something that writes to /tmp, /var/tmp or /dev/shm by name, a cgroup left in a
+  hierarchy (the tests make them like systemd's, the e2e machines one each), and other mounts
+  are caught by comparing them before and after. Other runs on a shared machine (several
+  engineers, or one engineer's two checkouts) make them too, so these fail the run only with
+  GPUGUARD_LEFTOVERS=strict, which .ci/run sets (CI has the machine to itself), and are
+  listed as warnings otherwise.
 * Processes. Each process the run starts inherits GPUGUARD_TEST_RUN=<token> from this one
   (unless a test hands it a made-up environment); at the end any live process that still
   carries the token is reported, killed, and fails the run.
@@ -41,6 +42,8 @@ TOKEN_VARIABLE = "GPUGUARD_TEST_RUN"
 # Processes the teardowns ended may take a moment to be reaped or to exit after their bus went.
 PROCESS_GRACE_SEC = 5.0
 WARNINGS_SHOWN = 5
+SHARED_DIRS = (Path("/var/tmp"), Path("/dev/shm"))
+CGROUP_HIERARCHIES = tuple(Path("/sys/fs/cgroup") / name for name in ("", "systemd", "unified", "freezer"))
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Snapshot:
     token: str
     run_dir: Path
     basetemp: Path | None
-    tmp_before: set[str]
+    by_name_before: set[str]
     mounts_before: set[str]
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
@@ -64,13 +67,6 @@ def at_session_end(cleanup: Callable[[], None]) -> None:
     _snapshot.cleanups.append(cleanup)
 
 
-def run_tmpdir() -> Path:
-    """The run's own temporary directory (TMPDIR)."""
-    if _snapshot is None:
-        return Path(tempfile.gettempdir())
-    return _snapshot.run_dir
-
-
 def _strict() -> bool:
     return os.environ.get("GPUGUARD_LEFTOVERS") == "strict"
 
@@ -80,6 +76,19 @@ def _tmp_entries(root: Path) -> set[str]:
         return set(os.listdir(root))
     except OSError:
         return set()
+
+
+def _by_name(system_tmp: Path) -> set[str]:
+    """Entries of the shared temporary directories, and cgroups two levels deep (where the
+    tests and the e2e machines make theirs), as paths."""
+    found = {str(root / name) for root in (system_tmp, *SHARED_DIRS) for name in _tmp_entries(root)}
+    for hierarchy in CGROUP_HIERARCHIES:
+        for top in _tmp_entries(hierarchy):
+            if (hierarchy / top).is_dir():
+                found.add(str(hierarchy / top))
+                found.update(str(hierarchy / top / name) for name in _tmp_entries(hierarchy / top)
+                             if (hierarchy / top / name).is_dir())
+    return found
 
 
 def _mount_points() -> set[str]:
@@ -120,7 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
     system_tmp = Path(tempfile.gettempdir())
     run_dir = Path(tempfile.mkdtemp(prefix="gpuguard-tests-", dir=system_tmp))
     os.chmod(run_dir, 0o1777)
-    tmp_before = _tmp_entries(system_tmp) - {run_dir.name}
+    by_name_before = _by_name(system_tmp) - {str(run_dir)}
     basetemp: Path | None = None
     if config.option.basetemp is None:
         basetemp = run_dir / "pytest"
@@ -133,7 +142,7 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = str(run_dir)
     os.environ[TOKEN_VARIABLE] = token
     _snapshot = Snapshot(token=token, run_dir=run_dir, basetemp=basetemp,
-                         tmp_before=tmp_before, mounts_before=_mount_points())
+                         by_name_before=by_name_before, mounts_before=_mount_points())
 
 
 def _remove(path: Path) -> None:
@@ -181,9 +190,8 @@ def _check(snap: Snapshot) -> tuple[list[str], list[str]]:
 
     system_tmp = snap.run_dir.parent
     found = (failures if _strict() else warnings)
-    for name in sorted(_tmp_entries(system_tmp) - snap.tmp_before):
-        found.append(f"new in {system_tmp} (written there by name, not through TMPDIR?): "
-                     f"{system_tmp / name}")
+    for path in sorted(_by_name(system_tmp) - snap.by_name_before):
+        found.append(f"new (written by name, not through TMPDIR?): {path}")
     for point in sorted(mounts - snap.mounts_before):
         if not Path(point).is_relative_to(snap.run_dir):
             found.append(f"mount left: {point}")
@@ -212,7 +220,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             print(line)
 
     if warnings:
-        say(f"leftovers check: {len(warnings)} new in /tmp or the mount table, maybe another run's "
+        say(f"leftovers check: {len(warnings)} new in /tmp, /var/tmp, /dev/shm, cgroups or mounts, maybe another run's "
             "(fails with GPUGUARD_LEFTOVERS=strict, as in CI):")
         for line in warnings[:WARNINGS_SHOWN]:
             say(f"  {line}")
