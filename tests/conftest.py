@@ -230,7 +230,8 @@ def systemd_cgroup() -> Iterator[Callable[[str], CgroupDir]]:
     """Make cgroups like systemd's (`system.slice/x.service`, `lxc/129/...`) for attribution.
 
     Uses the name=systemd v1 hierarchy where it is mounted (hybrid hosts, these CI machines);
-    otherwise the v2 root. Each is removed after the test once its processes are gone.
+    otherwise the v2 root. Each is removed after the test, its remaining processes moved to
+    the root; what stays (another run's child in a shared parent) tests/leftovers.py lists.
     """
     base = None
     for candidate in ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
@@ -255,9 +256,22 @@ def systemd_cgroup() -> Iterator[Callable[[str], CgroupDir]]:
 
     yield make
     for path in reversed(made):
-        for _ in range(50):
+        # A process the test leaves running (ended later by gpu_host's teardown, which comes
+        # after this one) would keep its cgroup forever: it moves to the root first.
+        try:
+            pids = (path / "cgroup.procs").read_text().split()
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:
+                (base / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # gone meanwhile
+        for _ in range(100):
             try:
                 path.rmdir()
+                break
+            except FileNotFoundError:
                 break
             except OSError:
                 time.sleep(0.05)
