@@ -20,12 +20,11 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # for mypy only: Debian 12's python3 has no typing_extensions (nor typing.Self)
     from typing_extensions import Self
 
-R = TypeVar("R", bound="WireRecord")
 # A record's wire form: what to_dict gives, marshalling types and history.jsonl stores.
 Wire = dict[str, Any]
 
