@@ -106,6 +106,7 @@ class History:
         self._lock = threading.Lock()
         # Records as stored (their wire form): a record of any shape is served as it was read.
         self._entries: collections.deque[Wire] = collections.deque()
+        self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
         # False after a failed write: the file may end mid-line, so the next write rewrites it.
         self._file_clean = True
@@ -238,6 +239,7 @@ class History:
         report, _ = safetext.repair(record.to_dict())  # what is read back must be sendable as it is
         with self._lock:
             self._entries.append(report)
+            self._last = (report, record)
             while len(self._entries) > self.max_entries:
                 self._entries.popleft()
             if not self.persistent:
@@ -294,9 +296,15 @@ class History:
             return list(itertools.islice(reversed(self._entries), count))
 
     def last(self) -> Report | None:
-        """The newest report, read as leniently as the file may need (wire.py)."""
+        """The newest report, read as leniently as the file may need (wire.py). The status
+        line asks at every change, and a report may hold 40,000 targets: it is read once."""
         with self._lock:
-            return Report.from_dict(self._entries[-1]) if self._entries else None
+            if not self._entries:
+                return None
+            newest = self._entries[-1]
+            if self._last is None or self._last[0] is not newest:
+                self._last = (newest, Report.from_dict(newest))
+            return self._last[1]
 
     def __len__(self) -> int:
         with self._lock:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuguardd.bus import marshal
 from gpuguardd.cli import output
+from gpuguardd.daemon.history import History
 from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind, Outcome
 from gpuguardd.engine.models import GpuSummary, Holder, MigSummary, Scope
 from gpuguardd.engine.report import (
@@ -178,3 +180,43 @@ def test_gpu_summaries_keep_their_keys_and_unknown_states_never_pass_for_idle() 
     assert GpuSummary.from_dict(wire) == gpu and GpuSummary.from_dict(wire).to_dict() == wire
     newer = GpuSummary.from_dict({**wire, "state": "degraded"})
     assert newer.state == GpuState.UNKNOWN and newer.to_dict()["state"] == "degraded"
+
+
+def test_the_fast_reader_reads_as_the_general_one() -> None:
+    """from_dict takes a shortcut for dicts of this version's shape: it must read them as
+    read_slowly does, and hand every other shape over to it."""
+    built = Report(id="e" * 32, outcome=Outcome.SURVIVORS, dry_run=True,
+                   scope=ReportScope.of(Scope(gpus=(0,), slurm_job="9", slurm_uid=5), grace_ms=1),
+                   targets=[Target.of(HOLDER)], survived=[Survivor.of(HOLDER, "D")],
+                   terminated=[Terminated(pid=1, zombie_parent=0), Terminated(pid=2)],
+                   gpus=[GpuResult(index=0, mig_uuid="MIG-a")], leaks=[Leak(gpu=0)])
+    trimmed = built.to_dict()
+    del trimmed["targets"][0]["unit"], trimmed["scope"]["grace_ms"]  # as replysize trims
+    holder = HOLDER.to_dict()
+    summary = GpuSummary(index=0, state=GpuState.IDLE, mig_mode=True,
+                         mig_instances=[MigSummary(uuid="MIG-a")]).to_dict()
+    samples: list[tuple[Any, Any]] = [
+        (Report, built.to_dict()), (Report, trimmed), *((Report, odd) for odd in ODD),
+        (Report, {**built.to_dict(), "outcome": "partial"}), (Report, {"id": "x", "verified": 1}),
+        (Holder, holder), (Holder, {**holder, "uid": -1}), (Holder, {**holder, "kind": "x"}),
+        (Holder, {**holder, "omitted_after": 2}), (GpuSummary, summary),
+        (GpuSummary, {**summary, "mig_mode": None, "state": "weird"})]
+    for kind, data in samples:
+        fast, slow = kind.from_dict(data), kind.read_slowly(data)
+        assert fast == slow and fast.unread == slow.unread, data
+        assert fast.to_dict() == slow.to_dict() == data
+
+
+def test_the_history_reads_its_newest_report_once(tmp_path: Path) -> None:
+    """The status line asks for the newest report at every change; one may hold 40,000
+    targets, so it is typed once: the record appended, or the stored one read back."""
+    history = History(str(tmp_path), 10)
+    history.load()
+    assert history.last() is None
+    report = Report(id="f" * 32, outcome=Outcome.FREED, targets=[Target.of(HOLDER)])
+    history.append(report)
+    assert history.last() is report
+    again = History(str(tmp_path), 10)
+    again.load()
+    first = again.last()
+    assert first is not None and first is again.last() and first.to_dict() == report.to_dict()
