@@ -75,10 +75,11 @@ suite: deps venv cockpit
 	$(BIN)/pytest -q -p no:cacheprovider --ignore=tests/gpu tests
 
 # `make check`: the edit-test loop. ruff, then tests/unit, which needs neither root nor a
-# service nor a tool beyond gcc: as root it runs as nobody, so a unit test that needs root
+# service (its tools come from make deps): as root it runs as nobody, so a unit test that needs root
 # fails here (tests/unit/conftest.py fails every skip). nobody cannot reach an interpreter
 # under root's home (pyenv): then a venv of the system's Python ($(NOBODY_PYTHON)) serves,
-# made once. -n auto: pytest-xdist, one worker a core.
+# made once. A checkout nobody cannot read (under /root) runs them as root, and says so.
+# -n auto: pytest-xdist, one worker a core.
 NOBODY := setpriv --reuid=nobody --regid=nogroup --clear-groups --inh-caps=-all
 NOBODY_PYTHON ?= /usr/bin/python3
 NOBODY_VENV := .venv-nobody
@@ -86,18 +87,18 @@ UNIT_PYTEST = env PYTHONDONTWRITEBYTECODE=1 $(1) -m pytest -q -p no:cacheprovide
 
 check: venv
 	$(BIN)/ruff check gpuguardd tests bench packaging demo
-	@start=$$(date +%s%N); \
-	if [ "$$(id -u)" != 0 ]; then \
-		echo '$(call UNIT_PYTEST,$(BIN)/python)'; \
-		$(call UNIT_PYTEST,$(BIN)/python); \
+	@start=$$(date +%s%N); run=; py=$(BIN)/python; \
+	if [ "$$(id -u)" != 0 ]; then :; \
+	elif ! $(NOBODY) test -r tests/unit/conftest.py; then \
+		echo "make check: nobody cannot read $(CURDIR) (a private home?): the unit tests run as root" >&2; \
 	elif $(NOBODY) env $(BIN)/python -c 'import pytest' 2>/dev/null; then \
-		echo '$(NOBODY) $(call UNIT_PYTEST,$(BIN)/python)'; \
-		$(NOBODY) env HOME=/nonexistent $(call UNIT_PYTEST,$(BIN)/python); \
+		run="$(NOBODY) env HOME=/nonexistent"; \
 	else \
-		$(MAKE) --no-print-directory $(NOBODY_VENV)/.installed && \
-		echo '$(NOBODY) $(call UNIT_PYTEST,$(NOBODY_VENV)/bin/python)' && \
-		$(NOBODY) env HOME=/nonexistent $(call UNIT_PYTEST,$(NOBODY_VENV)/bin/python); \
+		$(MAKE) --no-print-directory $(NOBODY_VENV)/.installed || exit 1; \
+		run="$(NOBODY) env HOME=/nonexistent"; py=$(NOBODY_VENV)/bin/python; \
 	fi; \
+	echo "$$run $(call UNIT_PYTEST,$$py)"; \
+	$$run $(call UNIT_PYTEST,$$py); \
 	code=$$?; echo "make check: tests/unit took $$(( ($$(date +%s%N) - start) / 1000000 )) ms"; exit $$code
 
 $(NOBODY_VENV)/.installed: setup.cfg pyproject.toml
