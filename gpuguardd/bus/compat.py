@@ -47,6 +47,13 @@ is there exactly where its gate says so, and that the workaround makes the behav
    builds, a plain one otherwise): ReusedBody marshals its header and appends body bytes
    marshalled before (bus/replycache.py decides when they are the same).
 
+8. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
+   still running when the daemon leaves the bus has dbus-fast send its reply on the closed
+   socket; the loop's add_writer fails and asyncio logs a traceback. The daemon answers such
+   calls before it disconnects (interfaces.cancel_running_calls); for whatever is still sent
+   after, CompatBus.send drops it once the bus is disconnected (debug log), on every version:
+   dropping is right everywhere.
+
 Private names used, all here: Message._marshall (7, and tests), the bus's `_writer` (its `sock`
 and `messages`), `_disconnected`, `_emit_interface_added/_removed`,
 `ServiceInterface._get_all_property_values`.
@@ -54,8 +61,10 @@ and `messages`), `_disconnected`, `_emit_interface_added/_removed`,
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
+import logging
 import socket
 import struct
 from collections.abc import Callable
@@ -65,6 +74,8 @@ from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.__version__ import __version__ as DBUS_FAST_VERSION_TEXT
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface
+
+log = logging.getLogger("gpuguard.compat")
 
 SUPPORTED_MIN = (1, 84)
 SUPPORTED_BELOW = (6,)
@@ -290,6 +301,11 @@ class CompatBus(MessageBus):
     object_manager_path = ""
 
     def send(self, msg: Message) -> Any:
+        if self._disconnected:  # (8)
+            log.debug("not sent, the bus is gone: %s %s", msg.message_type.name, msg.member or "")
+            dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            dropped.set_result(None)
+            return dropped
         return super().send(outgoing(msg))
 
     def _manages(self, path: str) -> bool:

@@ -22,6 +22,7 @@ What a call means (holders, sweeping, history) is the ManagerBackend's business.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import logging
@@ -100,6 +101,22 @@ class _ServedInterface(intr.Interface):
         return self._definition.introspection(self.name)
 
 
+# The method calls being answered now, for the daemon to end as it stops (cancel_running_calls).
+_IN_FLIGHT: set[asyncio.Task[Any]] = set()
+
+
+async def cancel_running_calls(timeout: float) -> int:
+    """Answer every method call still running with "gpuguardd is stopping", while the bus is
+    still connected: left to asyncio.run's exit, their tasks would be cancelled after the bus
+    is gone, with nothing to answer on and a traceback in the journal. Returns how many."""
+    running = [task for task in _IN_FLIGHT if not task.done()]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running, timeout=timeout)
+    return len(running)
+
+
 class ContractInterface(ServiceInterface):
     """A ServiceInterface whose members are those of one interface of the contract XML.
 
@@ -171,6 +188,9 @@ class ContractInterface(ServiceInterface):
 
         async def handler(self: ContractInterface, *args: Any) -> Any:
             token = _CALLER.set(None)
+            task = asyncio.current_task()
+            if task is not None:
+                _IN_FLIGHT.add(task)
             try:
                 if member.rule is None:
                     raise NotAuthorized(f"{member.name} declares no authorization: refused to everyone")
@@ -181,6 +201,12 @@ class ContractInterface(ServiceInterface):
                 return await fn(self, *values)
             except DBusError:
                 raise
+            except asyncio.CancelledError:
+                # The daemon is stopping (cancel_running_calls): a stop is no service error,
+                # and the caller gets an answer while the bus is still there.
+                log.info("%s not answered: gpuguardd is stopping", member.name)
+                raise DBusError(error_name("Failed"), "gpuguardd is stopping; call again when "
+                                "it is back") from None
             except NotAuthorized as exc:
                 count = _REFUSALS.admit((member.name, exc.uid))
                 if count is not None:  # once per method and uid: any user may ask again and again
@@ -193,6 +219,7 @@ class ContractInterface(ServiceInterface):
                 raise DBusError(error_name("Failed"), f"internal error: {type(exc).__name__}") from None
             finally:
                 _CALLER.reset(token)
+                _IN_FLIGHT.discard(task)
 
         handler.__name__ = handler.__qualname__ = member.name
         handler.__signature__ = _dbus_signature(member.in_args, member.out_signature)  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from dbus_fast import BusType, DBusError, NameFlag, RequestNameReply
 from gpuguardd import __version__
 from gpuguardd.bus import compat
 from gpuguardd.bus.connection import GuardBus, name_owner
+from gpuguardd.bus.interfaces import cancel_running_calls
 from gpuguardd.bus.names import BUS_NAME
 from gpuguardd.config import Config, load_config
 from gpuguardd.daemon.history import History
@@ -43,6 +44,8 @@ EXIT_CONFIG = 78
 # asked for beyond each step (recording, releasing the name, exiting).
 SHUTDOWN_STEP_SEC = 5.0
 SHUTDOWN_EXIT_SEC = 10.0
+# How long calls still running at the stop get to send their "stopping" answer.
+SHUTDOWN_CALLS_SEC = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,6 +232,8 @@ class Daemon:
             await asyncio.wait_for(bus.release_name(BUS_NAME), 5)
         except (DBusError, asyncio.TimeoutError, OSError, EOFError) as exc:
             log.debug("releasing %s: %s", BUS_NAME, exc)
+        # After the name is gone (no new calls come to it), before the connection is.
+        await cancel_running_calls(SHUTDOWN_CALLS_SEC)
         bus.disconnect()
         try:
             await asyncio.wait_for(disconnected, 5)

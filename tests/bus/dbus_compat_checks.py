@@ -215,9 +215,28 @@ async def check_reused_body(address: str, mode: str, _pid: int) -> dict[str, Any
     return {"replies": replies, "sent": sent, "server_connected": connected(server)}
 
 
+async def check_send_after_disconnect(address: str, mode: str, _pid: int) -> dict[str, Any]:
+    """8: a message sent once the connection is closed (a reply of a call the stop cut short)
+    is dropped, not written to the closed socket with the loop's errors logged."""
+    bus = await connect(address, mode)
+    loop = asyncio.get_running_loop()
+    errors: list[str] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(str(context.get("message"))))
+    bus.disconnect()
+    await asyncio.wait_for(bus.wait_for_disconnect(), CALL_TIMEOUT)  # type: ignore[no-untyped-call]
+    raised = ""
+    try:
+        bus.send(Message.new_signal("/", IFACE, "Late"))
+    except Exception as exc:  # the library alone: add_writer on a closed fd
+        raised = type(exc).__name__
+    await asyncio.sleep(0.1)
+    return {"raised": raised, "loop_errors": errors}
+
+
 CHECKS = {"version": check_version, "strings": check_strings, "writer": check_writer,
           "peer": check_peer, "object_manager": check_object_manager,
-          "current_call": check_current_call, "reused_body": check_reused_body}
+          "current_call": check_current_call, "reused_body": check_reused_body,
+          "send_after_disconnect": check_send_after_disconnect}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ call returns."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 from tests.dbus_harness import MANAGER_PATH, GuardDaemon, wait_until
@@ -85,3 +86,37 @@ def test_the_daemon_stops_while_nvml_is_hung_for_good(daemon: GuardDaemon) -> No
     assert code == 0
     # One bounded nvmlShutdown attempt; the thread stuck in the driver does not hold it up.
     assert time.monotonic() - started < 5
+
+
+def test_a_call_still_running_when_the_daemon_stops_logs_no_traceback(daemon: GuardDaemon) -> None:
+    """A ListHolders waiting on a scan stuck in NVML when SIGTERM comes: the call's task is
+    cancelled as the daemon exits, after it left the bus. dbus-fast logged that as a service
+    error with a traceback and then failed to send the reply on the closed socket (a second
+    traceback); a stop is no error, and nothing can be sent then."""
+    host = daemon.host
+    daemon.host.write_config("PollIntervalSec=0.25\nNvmlTimeoutSec=6s\n")
+    daemon.start()
+    wait_until(lambda: state_of(daemon, 0) == "idle", 10, "GPU 0 idle")
+    host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", 3_600_000, None)]
+    host.publish()
+    time.sleep(0.5)  # the poller's scan is now stuck in NVML; so is any fresh scan after it
+    call = subprocess.Popen(
+        ["busctl", f"--address={daemon.address}", "--timeout=30", "call", "org.gpuguard.GpuGuard1",
+         MANAGER_PATH, MANAGER, "ListHolders", "a{sv}", "1", "fresh", "b", "true"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        assert call.poll() is None, "the call is still waiting for its scan"
+        code = daemon.stop(timeout=15)
+        _, error = call.communicate(timeout=15)
+    finally:
+        if call.poll() is None:
+            call.kill()
+            call.wait()
+        if daemon.proc is not None and daemon.alive():
+            daemon.proc.kill()
+            daemon.proc.wait()
+    assert code == 0
+    logs = daemon.stderr()
+    assert "Traceback" not in logs and "raised an exception" not in logs, logs
+    assert call.returncode != 0 and error, "the caller is told the call failed"
