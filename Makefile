@@ -113,8 +113,10 @@ test: deps venv lint typecheck suite
 
 bench: deps venv
 	$(BIN)/python bench/bench_scan.py
+	$(BIN)/python bench/bench_startup.py
 	$(BIN)/python bench/bench_sweep.py
 	$(BIN)/python bench/bench_dbus.py
+	$(BIN)/python bench/bench_history.py
 
 # Both boot the machine's own systemd as PID 1 in a throwaway systemd-nspawn container over a
 # volatile overlay of / (tests/e2e/harness.py): nothing is written to the host. Root only.
