@@ -14,8 +14,8 @@ UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap", ".slice", "
 # systemd's unit name alphabet (unit-name.c: VALID_CHARS), as the body of a regular
 # expression's character class; '@' separates a template's prefix from its instance.
 UNIT_NAME_CHARS = r"A-Za-z0-9:_.\\-"
-_UNIT_NAME = re.compile(rf"^[@{UNIT_NAME_CHARS}]+$")
-_CONTAINER_LABEL = re.compile(r"^[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+$")
+_UNIT_NAME = re.compile(rf"[@{UNIT_NAME_CHARS}]+")  # fullmatch: "$" would let a final "\n" in
+_CONTAINER_LABEL = re.compile(r"[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+")
 
 
 @dataclass(frozen=True)
@@ -121,13 +121,13 @@ def normalize_unit_name(name: str) -> str:
     if not name.endswith(UNIT_SUFFIXES):
         name = name + ".service"
     stem = name.rsplit(".", 1)[0]
-    if not stem or not _UNIT_NAME.match(name) or name.startswith(".") or "/" in name:
+    if not stem or not _UNIT_NAME.fullmatch(name) or name.startswith(".") or "/" in name:
         raise ValueError(f"invalid unit name {name!r}")
     return name
 
 
 def validate_container_label(label: str) -> str:
-    if not _CONTAINER_LABEL.match(label):
+    if not _CONTAINER_LABEL.fullmatch(label):
         raise ValueError(f"invalid container {label!r} (expected e.g. lxc/129 or docker/3f2a9c1d)")
     return label
 

@@ -40,8 +40,8 @@ HOOK_TIMEOUT = "80s"
 HOOK_KILL_AFTER = "5s"
 
 # A template's prefix and instance, each in systemd's unit name alphabet; '@' between them.
-_NAME_CHARS = re.compile(rf"^[{UNIT_NAME_CHARS}]+$")
-_INSTANCE_CHARS = re.compile(rf"^[{UNIT_NAME_CHARS}]*$")
+_NAME_CHARS = re.compile(rf"[{UNIT_NAME_CHARS}]+")  # fullmatch: "$" would let a final "\n" in
+_INSTANCE_CHARS = re.compile(rf"[{UNIT_NAME_CHARS}]*")
 _MAX_NAME = 255
 
 
@@ -107,11 +107,11 @@ def parse_pattern(pattern: str) -> HookTarget:
         raise HookError(f"invalid pattern {pattern!r}: a prefix must name a family, e.g. sglang-")
     if "@" in stem:
         prefix, _, instance = stem.partition("@")
-        if not prefix or "@" in instance or not _NAME_CHARS.match(prefix) \
-                or not _INSTANCE_CHARS.match(instance):
+        if not prefix or "@" in instance or not _NAME_CHARS.fullmatch(prefix) \
+                or not _INSTANCE_CHARS.fullmatch(instance):
             raise HookError(f"invalid pattern {pattern!r}: not a valid template or instance name")
         return HookTarget(name, "unit" if instance else "template")
-    if not _NAME_CHARS.match(stem):
+    if not _NAME_CHARS.fullmatch(stem):
         raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits "
                         "and :_.\\-")
     return HookTarget(name, "prefix" if stem.endswith("-") else "unit")

@@ -75,7 +75,8 @@ def test_bad_unit_names(name: str) -> None:
 
 def test_container_labels() -> None:
     assert validate_container_label("lxc/129") == "lxc/129"
-    for bad in ("129", "lxc/", "/lxc/1", "lxc/1 2"):
+    # "lxc/129\n": a pattern ending in "$" lets a final newline through (fullmatch does not).
+    for bad in ("129", "lxc/", "/lxc/1", "lxc/1 2", "lxc/129\n"):
         with pytest.raises(ValueError, match="invalid container"):
             validate_container_label(bad)
     assert container_matches(f"docker/{DOCKER_ID}", "docker/3f2a9c1d")
