@@ -185,3 +185,22 @@ def test_pure_modules_exist() -> None:
     for module, targets in PURE.items():
         assert module in found, module
         assert all(t in found for t in targets if t.startswith(PACKAGE)), targets
+
+
+def test_the_readme_table_names_every_module_of_its_layer() -> None:
+    """README "The layers" is how a newcomer finds a module: a module added to a layer, or
+    moved, must show in that layer's row."""
+    readme = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    rows = {}  # layer -> the row's "what is in it" cell
+    for line in readme.splitlines():
+        cells = line.split("|")
+        if len(cells) > 3 and cells[1].strip().strip("`").rstrip("/") in LAYERS \
+                and cells[1].strip().endswith("/`"):
+            rows[cells[1].strip().strip("`").rstrip("/")] = cells[2]
+        elif line.startswith("| shared leaves") and len(cells) > 3:
+            rows["leaves"] = cells[2]
+    missing = [module for module in modules()
+               if layer_of(module) in rows and module != f"{PACKAGE}.{layer_of(module)}"
+               and f"`{module.rsplit('.', 1)[-1]}`" not in rows[layer_of(module)]]
+    assert set(rows) == set(LAYERS) | {"leaves"}, sorted(rows)
+    assert not missing, f"README's layer table does not name: {missing}"
