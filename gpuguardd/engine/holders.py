@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpuguardd import safetext
 from gpuguardd.engine import procfs
@@ -190,11 +191,20 @@ def _worker_spec(pids: list[int], device_map: DeviceMap) -> bytes:
     }).encode()
 
 
+def _worker_env() -> dict[str, str]:
+    """This process's environment, with the directory gpuguardd was imported from first on the
+    path: `make install` puts the package where only the entry point's sys.path finds it."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def _start_worker(pids: list[int], device_map: DeviceMap) -> subprocess.Popen[bytes] | None:
     try:
         proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.engine.scanworker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, close_fds=True)
+                                stderr=subprocess.DEVNULL, close_fds=True, env=_worker_env())
     except OSError as exc:
         log.debug("scan helper did not start: %s", exc)
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +137,25 @@ def test_real_uid_and_exe_as_psutil_reads_them(gpu_host: GpuHost) -> None:
     assert procfs.read_uid(proc.pid) is None and procfs.read_exe(proc.pid) is None  # reaped
     assert procfs.read_exe(2) is None  # kthreadd: no executable, as psutil's exe() says ""
     assert procfs.read_uid(os.getpid()) == os.getuid()
+
+
+def test_a_helper_starts_where_the_package_is_not_on_the_default_path(gpu_host: GpuHost) -> None:
+    """`make install` puts gpuguardd in /usr/lib/gpuguard/python, which only the entry point
+    adds to sys.path: a helper started with `python -m` from cwd / found no gpuguardd there,
+    and every big scan quietly fell back to one process. The installed programs run on the
+    system's python3, as here, from the root directory, as under systemd."""
+    holder = gpu_host.spawn("--hold", gpu_host.node("nvidia0"))
+    root = str(Path(holders.__file__).resolve().parents[2])
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from gpuguardd.engine import holders\n"
+        "from gpuguardd.engine.devices import build_device_map\n"
+        "device_map = build_device_map((sys.argv[2],), allow_majors=(120, 1))\n"
+        "proc = holders._start_worker([int(sys.argv[3])], device_map)\n"
+        "found = holders._worker_results(proc, device_map) if proc else None\n"
+        "print('failed' if found is None else len(found))\n")
+    done = subprocess.run(["/usr/bin/python3", "-c", script, root, f"{gpu_host.dev}/nvidia*",
+                           str(holder.pid)], cwd="/", env={"PATH": os.environ["PATH"]},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1", done.stdout + done.stderr
