@@ -115,7 +115,8 @@ def _size(record: WireRecord, name: str) -> str:
 
 def _row(entry: Terminated | Survivor | Spared | Target) -> str:
     unit = "-" if "unit" in entry.unread else entry.unit or "-"
-    return f"{_shown(entry, 'pid'):>7}  {_shown(entry, 'comm'):<16} {unit}"
+    # Escaped before padding, so a name with an escape in it keeps the columns.
+    return f"{_shown(entry, 'pid'):>7}  {escape_text(_shown(entry, 'comm')):<16} {unit}"
 
 
 def print_report(report: Report, out: TextIO) -> None:

@@ -220,3 +220,12 @@ def test_the_history_reads_its_newest_report_once(tmp_path: Path) -> None:
     again.load()
     first = again.last()
     assert first is not None and first is again.last() and first.to_dict() == report.to_dict()
+
+
+def test_escaped_names_keep_the_report_columns() -> None:
+    plain_name, odd_name = (Holder(pid=42, comm=comm, unit="u.service") for comm in ("python", "py\x1bthon"))
+    report = Report(id="c" * 32, survived=[Survivor.of(plain_name, "x"), Survivor.of(odd_name, "x")])
+    out = io.StringIO()
+    output.print_report(report, out)
+    rows = [line for line in out.getvalue().splitlines() if "SURVIVED" in line]
+    assert "py\\x1bthon" in rows[1] and rows[0].index("u.service") == rows[1].index("u.service")
