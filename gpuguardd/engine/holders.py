@@ -191,6 +191,18 @@ def _worker_spec(pids: list[int], device_map: DeviceMap) -> bytes:
     }).encode()
 
 
+_helper_warned = False
+
+
+def _helper_failed(message: str, *args: object) -> None:
+    """Say why a helper failed: a warning the first time (its share is scanned here, so the
+    answer stands, but every big scan would take one process from then on), then debug."""
+    global _helper_warned
+    level = logging.DEBUG if _helper_warned else logging.WARNING
+    _helper_warned = True
+    log.log(level, "scan helper " + message + "; its share is scanned in this process", *args)
+
+
 def _worker_env() -> dict[str, str]:
     """This process's environment, with the directory gpuguardd was imported from first on the
     path: `make install` puts the package where only the entry point's sys.path finds it."""
@@ -206,7 +218,7 @@ def _start_worker(pids: list[int], device_map: DeviceMap) -> subprocess.Popen[by
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, close_fds=True, env=_worker_env())
     except OSError as exc:
-        log.debug("scan helper did not start: %s", exc)
+        _helper_failed("did not start: %s", exc)
         return None
     try:
         assert proc.stdin is not None
@@ -214,7 +226,7 @@ def _start_worker(pids: list[int], device_map: DeviceMap) -> subprocess.Popen[by
         proc.stdin.close()
         proc.stdin = None  # sent: communicate() then only reads the answer
     except OSError as exc:
-        log.debug("scan helper %d did not take its share: %s", proc.pid, exc)
+        _helper_failed("%d did not take its share: %s", proc.pid, exc)
         _end_worker(proc)
         return None
     return proc
@@ -235,24 +247,30 @@ def _worker_results(proc: subprocess.Popen[bytes], device_map: DeviceMap
         out, _ = proc.communicate(timeout=WORKER_TIMEOUT_SEC)
         entries = json.loads(out) if proc.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
-        log.debug("scan helper %d failed: %s", proc.pid, exc)
-        entries = None
+        _helper_failed("%d failed: %s", proc.pid, exc)
+        return None
     finally:
         _end_worker(proc)
     if not isinstance(entries, list):
-        log.debug("scan helper %d failed (exit %s)", proc.pid, proc.returncode)
+        _helper_failed("%d failed (exit %s)", proc.pid, proc.returncode)
         return None
     found: list[RawHolding | int] = []
-    for entry in entries:
-        pid = int(entry[0])
-        if entry[1] == "unreadable":
-            found.append(-pid)
-            continue
-        raw = RawHolding(pid)
-        _match_fds(entry[1], device_map, raw)
-        _match_maps((line.encode("latin-1") for line in entry[2]), device_map, raw)
-        if raw.nodes:
-            found.append(raw)
+    try:
+        for entry in entries:
+            pid = int(entry[0])
+            if pid <= 0:
+                raise ValueError(f"pid {pid}")
+            if entry[1] == "unreadable":
+                found.append(-pid)
+                continue
+            raw = RawHolding(pid)
+            _match_fds(entry[1], device_map, raw)
+            _match_maps((line.encode("latin-1") for line in entry[2]), device_map, raw)
+            if raw.nodes:
+                found.append(raw)
+    except (TypeError, ValueError, IndexError, UnicodeError) as exc:  # a helper's bug: not ours to pass on
+        _helper_failed("%d answered what it should not: %s", proc.pid, exc)
+        return None
     return found
 
 

@@ -5,6 +5,7 @@ what psutil said. Speed is bench/bench_scan.py's business, never asserted here."
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -72,16 +73,18 @@ def test_helpers_give_the_one_process_answer_and_close_every_pidfd(gpu_host: Gpu
 
 
 def test_a_failed_helper_is_replaced_by_this_process(
-        gpu_host: GpuHost, monkeypatch: pytest.MonkeyPatch) -> None:
+        gpu_host: GpuHost, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pids = _hold_some(gpu_host)
     device_map = build_device_map((f"{gpu_host.dev}/nvidia*", f"{gpu_host.root}/mappable/nvidia*"),
                                   allow_majors=(120, 1))
     given = sorted(pids)
     expected = _answer(holders.scan_raw(device_map, pids=given, workers=1)[0])
     assert set(expected) == pids
-    # A helper that dies at once, and one that answers garbage.
+    # A helper that dies at once, one that answers no JSON, one that answers other JSON.
     real_popen = subprocess.Popen
-    for script in ("import sys; sys.exit(3)", "print('not json')"):
+    monkeypatch.setattr(holders, "_helper_warned", False)
+    caplog.set_level(logging.DEBUG, logger="gpuguard.engine")
+    for script in ("import sys; sys.exit(3)", "print('not json')", "print('[[1, 2, 3], 5]')"):
         def popen(argv: list[str], *args: Any, script: str = script, **kwargs: Any) -> Any:
             return real_popen([argv[0], "-c", script], *args, **kwargs)
 
@@ -89,6 +92,10 @@ def test_a_failed_helper_is_replaced_by_this_process(
             patch.setattr(subprocess, "Popen", popen)
             found, _ = holders.scan_raw(device_map, pids=given, workers=3)
         assert _answer(found) == expected, script
+    # Said once as a warning (every big scan would take one process from then on), then quietly.
+    failures = [r for r in caplog.records if r.getMessage().startswith("scan helper ")]
+    assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 5, failures
+    assert "its share is scanned in this process" in failures[0].getMessage()
 
 
 def test_a_failing_share_leaks_no_pidfd_and_no_helper(
