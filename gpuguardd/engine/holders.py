@@ -157,25 +157,39 @@ def _close_all(results: Iterable[RawHolding | int]) -> None:
 # pidfd: describe() pins it and reads it again, as any holder found before it was pinned. A
 # helper that cannot start or fails is replaced by this process scanning its share.
 # Cores busy with other work gain nothing from more processes (measured: on a saturated
-# machine two took longer than one, helper start included), so only idle cores count, by the
-# load average: a busy host scans in one process, as before.
+# machine two took longer than one, helper start included), so only idle cores count
+# (others_load): a busy host scans in one process, as before.
 WORKERS_MAX = 4
 # Below this many processes one process is quicker than starting a helper (~20 ms of CPU).
 WORKER_MIN_PIDS = 400
 WORKER_TIMEOUT_SEC = 300.0
 
 
+def others_load(loadavg: str) -> float:
+    """How many cores other work keeps busy, from /proc/loadavg's text: the 1-minute load
+    average, but no more than the runnable tasks now less this one. The load average alone
+    counts this process too once it has been busy (a daemon scanning a big host every second,
+    a benchmark's loop), and would keep the second core of an otherwise idle host unused; the
+    runnable count alone is a single sample. The smaller of the two errs towards idle only
+    where both say so."""
+    fields = loadavg.split()
+    load = float(fields[0])
+    running = int(fields[3].split("/")[0]) - 1  # the reader itself is running
+    return max(0.0, min(load, float(running)))
+
+
 def scan_workers() -> int:
     """Processes a big scan is split between: one for each idle core this process may run on
-    (cores minus the 1-minute load average, rounded), at least 1, at most WORKERS_MAX (more
-    only queue on the same /proc locks)."""
+    (cores minus others_load(), rounded), at least 1, at most WORKERS_MAX (more only queue
+    on the same /proc locks)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except OSError:
         cores = os.cpu_count() or 1
     try:
-        idle = cores - os.getloadavg()[0]
-    except OSError:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            idle = cores - others_load(f.read())
+    except (OSError, ValueError, IndexError):
         idle = 1.0
     return max(1, min(WORKERS_MAX, cores, int(idle + 0.5)))
 
