@@ -308,15 +308,22 @@ def test_history_newest_first(guard: GuardDaemon) -> None:
     assert reports[0]["reason"] == "r2"
 
 
-def test_sweeps_of_one_gpu_wait_for_each_other(guard: GuardDaemon) -> None:
-    # A holder that ignores SIGTERM keeps the first sweep busy for its grace period.
+def busy_sweep(guard: GuardDaemon) -> tuple[int, str, subprocess.Popen[str]]:
+    """A Sweep call, in the background, of a holder that ignores SIGTERM: the daemon stays
+    Busy for its 1.5 s grace period. (pid, GPU index, the busctl call)."""
     pid = private_holder(guard.host, 2 * GiB, "--ignore-term")
     gpu = str(private_gpu(guard.host))
-    first = subprocess.Popen(
+    call = subprocess.Popen(
         ["busctl", f"--address={guard.address}", "call", "--json=short", BUS_NAME, MANAGER_PATH,
          MANAGER, "Sweep", "a{sv}", "2", "gpus", "au", "1", gpu, "grace_ms", "u", "1500"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until(lambda: guard.get_property(MANAGER_PATH, MANAGER, "Busy"), 10, "Busy")
+    return pid, gpu, call
+
+
+def test_sweeps_of_one_gpu_wait_for_each_other(guard: GuardDaemon) -> None:
+    # A holder that ignores SIGTERM keeps the first sweep busy for its grace period.
+    pid, gpu, first = busy_sweep(guard)
     second = guard.manager("Sweep", "a{sv}", "1", "gpus", "au", "1", gpu)[0]
     out, _ = first.communicate(timeout=30)
     first_report = json.loads(out)["data"][0]
@@ -455,13 +462,7 @@ def test_sighup_and_reload_keep_the_last_good_configuration(guard: GuardDaemon,
 
 
 def test_sigterm_waits_for_the_running_sweep(guard: GuardDaemon) -> None:
-    pid = private_holder(guard.host, 2 * GiB, "--ignore-term")
-    gpu = str(private_gpu(guard.host))
-    sweep = subprocess.Popen(
-        ["busctl", f"--address={guard.address}", "call", "--json=short", BUS_NAME, MANAGER_PATH,
-         MANAGER, "Sweep", "a{sv}", "2", "gpus", "au", "1", gpu, "grace_ms", "u", "1500"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: guard.get_property(MANAGER_PATH, MANAGER, "Busy"), 10, "Busy")
+    pid, _, sweep = busy_sweep(guard)
     assert guard.stop(signal.SIGTERM) == 0
     out, err = sweep.communicate(timeout=30)
     assert sweep.returncode == 0, err
