@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,10 +144,10 @@ class GpuHost:
             self.publish()
         return proc
 
-    def start(self, argv: list[str] | list[bytes]) -> Proc:
+    def start(self, argv: list[str] | list[bytes], pass_fds: Sequence[int] = ()) -> Proc:
         """Run a holder (argv runs tests/holder.py) until it says "ready <pid> [zombie=N]";
-        it is ended with the host."""
-        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        it is ended with the host. `pass_fds`: open files it inherits."""
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds)
         assert popen.stdout is not None
         line = popen.stdout.readline().split()
         assert line and line[0] == "ready", f"holder did not start: {line}"

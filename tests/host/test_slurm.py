@@ -11,7 +11,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,23 +46,12 @@ def spawn_as(host: GpuHost, uid: int, *args: str, gpu: int | None = None,
     nodes = [host.node(f"nvidia{gpu}"), host.node("nvidia-uvm")] if gpu is not None else []
     fds = [os.open(node, os.O_PATH) for node in nodes]
     try:
-        popen = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                                  # The system's interpreter: a venv's may sit under /root.
-                                  "/usr/bin/python3", str(HOLDER), *args],
-                                 stdout=subprocess.PIPE, text=True, pass_fds=fds)
+        proc = host.start(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                           # The system's interpreter: a venv's may sit under /root.
+                           "/usr/bin/python3", str(HOLDER), *args], pass_fds=fds)
     finally:
         for fd in fds:
             os.close(fd)
-    assert popen.stdout is not None
-    line = popen.stdout.readline().split()
-    assert line and line[0] == "ready", line
-    proc = Proc(popen, int(line[1]))
-    # Reaped the moment it exits, as GpuHost.spawn's are (a zombie still counts for the fake NVML).
-    threading.Thread(target=popen.wait, daemon=True).start()
-    for word in line[2:]:
-        if word.startswith("zombie="):
-            proc.zombie = int(word.split("=", 1)[1])
-    host.procs.append(proc)
     if nvml is not None:
         host.state.add_proc(nvml[0], proc.pid, nvml[1])
         host.publish()
