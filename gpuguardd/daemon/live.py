@@ -26,6 +26,13 @@ Otherwise the call waits for a scan as above (joining a running one only if that
 by the same rule). So a holder that appeared before the call is listed unless it appeared at
 most 1 s before it and no event announced it; a /proc scan cannot promise more anyway for a
 process that opens a device while the scan runs. Filtering and cmdline redaction stay per call.
+
+So that callers polling ListHolders (dashboards) do not wait for that scan every second, a
+call served a result within REFRESH_LEAD (a few scan durations, at most REFRESH_LEAD_MAX_SEC)
+of the end of its freshness starts the next scan in the background: it ends before the old
+result expires, and the calls after it are served the new one. Under constant calls that is
+one scan per LIST_MAX_AGE_SEC - REFRESH_LEAD (at least 0.75 s), about what waiting costs; the
+rule of what may be served is unchanged.
 """
 
 from __future__ import annotations
@@ -47,6 +54,10 @@ log = logging.getLogger("gpuguard.live")
 # for that, and each rescan walks all of /proc.
 RESCAN_MIN_SEC = 60.0
 LIST_MAX_AGE_SEC = 1.0  # ListHolders: oldest scan start served (see the module docstring)
+# Refresh ahead (module docstring): this many scan durations before a served result expires,
+# but never earlier than REFRESH_LEAD_MAX_SEC before, so a slow scan is not run back to back.
+REFRESH_LEAD_FACTOR = 4.0
+REFRESH_LEAD_MAX_SEC = 0.25
 clock = time.monotonic  # the freshness rule's clock (tests move it)
 RESCAN_FACTOR = 500.0
 CHURN_FACTOR = 50.0
@@ -117,10 +128,19 @@ class Inventory:
         it is, else the running one when it is, else one that starts after this call."""
         asked = clock()
         if self.last_result is not None and self._fresh(self._result_mark, asked):
+            self._refresh_ahead(asked)
             return self.last_result
         if self._running is not None and self._fresh(self._running_mark, asked):
             return await asyncio.shield(self._running)
         return await self.scan()
+
+    def _refresh_ahead(self, asked: float) -> None:
+        """Start the next scan now if the served result expires within the lead (module
+        docstring) and no scan is running or queued; its failure is logged by _scan_done."""
+        lead = min(REFRESH_LEAD_FACTOR * self.scan_cost, REFRESH_LEAD_MAX_SEC)
+        expires = self._result_mark[0] + LIST_MAX_AGE_SEC
+        if self._running is None and self._queued is None and asked >= expires - lead:
+            self._start(asyncio.get_running_loop())
 
     async def fresh_scan(self) -> ScanResult:
         """invalidate() and scan(): for callers that learnt of a change (the unit watch)."""

@@ -241,6 +241,40 @@ def test_list_holders_reuses_a_fresh_scan_only(monkeypatch: pytest.MonkeyPatch) 
     asyncio.run(scenario())
 
 
+def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call served a result about to expire starts the next scan in the background; the call
+    after the old result's expiry is served the new one without a scan of its own. The rule of
+    what may be served is unchanged: the early call still gets the old, fresh result."""
+    now = [1000.0]
+    monkeypatch.setattr(live, "clock", lambda: now[0])
+    engine = FakeEngine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as executor:
+            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
+            engine.pids = [10]
+            await inventory.recent()
+            inventory.scan_cost = 0.05  # lead: min(4 x 50 ms, 250 ms) = 200 ms
+            engine.pids = [10, 11]
+            now[0] += live.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
+            assert [h.pid for h in (await inventory.recent()).holders] == [10]
+            await asyncio.sleep(0.05)
+            assert engine.scans == 1
+            now[0] += 0.15  # 150 ms before expiry: served the old result, next scan started
+            assert [h.pid for h in (await inventory.recent()).holders] == [10]
+            for _ in range(200):  # the background scan (a thread) ends
+                if inventory._running is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.scans == 2
+            now[0] += 0.2  # the first result has expired; the second is fresh
+            engine.pids = [10, 11, 12]
+            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
+            assert engine.scans == 2  # served without waiting for a scan
+
+    asyncio.run(scenario())
+
+
 def test_a_scan_older_than_an_invalidation_is_never_served(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     engine = FakeEngine()
