@@ -48,8 +48,9 @@ from common import BenchError, Population
 from gpuguardd.config import Config
 from gpuguardd.engine.devices import build_device_map, driver_majors
 from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.holders import find_holders, scan_workers
+from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.models import NvmlSnapshot
+from gpuguardd.engine.scanshare import scan_workers
 
 FIND = "gpuguard find_holders"
 FIND_SHARED = "gpuguard find_holders, 2 processes"

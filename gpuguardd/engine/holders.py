@@ -5,22 +5,19 @@ psutil's open_files() reports regular files only, so device fds are found here, 
 gives the node's identity; no readlink is needed because the identity, not the name, decides.
 Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
 substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
-details need no second look; a big scan is shared with helper processes (scan_raw), whose
-holders describe() pins and reads again. bench/bench_scan.py measures all this against fuser
-and lsof.
+details need no second look; a big scan is shared with helper processes (scan_raw,
+engine/scanshare.py), which pin what they read the same way and pass the pidfds on.
+bench/bench_scan.py measures all this against fuser and lsof.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 from gpuguardd import safetext
 from gpuguardd.engine import procfs
@@ -30,6 +27,7 @@ from gpuguardd.engine.enums import GpusFrom, HolderKind
 from gpuguardd.engine.mig import instances_for_caps
 from gpuguardd.engine.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.engine.process import ProcessHandle
+from gpuguardd.engine.scanshare import WORKER_MIN_PIDS, Helper, HelperEntry, WorkQueue, scan_workers
 
 PROC = procfs.PROC
 log = logging.getLogger("gpuguard.engine")
@@ -145,180 +143,97 @@ def _close_all(results: Iterable[RawHolding | int]) -> None:
             item.close()
 
 
-# -- helpers: the scan on every idle core ----------------------------------------------------
-#
-# The scan is kernel work: a stat() per open fd, and the kernel writing out each maps file
-# (half the cost: a path per mapped file). Threads would share the GIL, which every one of
-# those calls drops and takes back, and each hand-over waits for the other thread to be
-# scheduled: two threads measured slower than one. So a big scan is split between this process
-# and helper processes (engine/scanworker.py, the standard library and procfs only), one for
-# each idle core: each reads its share of /proc and reports the char-device fds and maps lines
-# that may concern the watched nodes; this process matches them. A holder a helper found has no
-# pidfd: describe() pins it and reads it again, as any holder found before it was pinned. A
-# helper that cannot start or fails is replaced by this process scanning its share.
-# Cores busy with other work gain nothing from more processes (measured: on a saturated
-# machine two took longer than one, helper start included), so only idle cores count
-# (others_load): a busy host scans in one process, as before.
-WORKERS_MAX = 4
-# Below this many processes one process is quicker than starting a helper (~20 ms of CPU).
-WORKER_MIN_PIDS = 400
-WORKER_TIMEOUT_SEC = 300.0
+# -- the scan on every idle core (engine/scanshare.py) ---------------------------------------
 
 
-def others_load(loadavg: str) -> float:
-    """How many cores other work keeps busy, from /proc/loadavg's text: the 1-minute load
-    average, but no more than the runnable tasks now less this one. The load average alone
-    counts this process too once it has been busy (a daemon scanning a big host every second,
-    a benchmark's loop), and would keep the second core of an otherwise idle host unused; the
-    runnable count alone is a single sample. The smaller of the two errs towards idle only
-    where both say so."""
-    fields = loadavg.split()
-    load = float(fields[0])
-    running = int(fields[3].split("/")[0]) - 1  # the reader itself is running
-    return max(0.0, min(load, float(running)))
-
-
-def scan_workers() -> int:
-    """Processes a big scan is split between: one for each idle core this process may run on
-    (cores minus others_load(), rounded), at least 1, at most WORKERS_MAX (more only queue
-    on the same /proc locks)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except OSError:
-        cores = os.cpu_count() or 1
-    try:
-        with open("/proc/loadavg", encoding="ascii") as f:
-            idle = cores - others_load(f.read())
-    except (OSError, ValueError, IndexError):
-        idle = 1.0
-    return max(1, min(WORKERS_MAX, cores, int(idle + 0.5)))
-
-
-def _worker_spec(pids: list[int], device_map: DeviceMap) -> bytes:
+def _match_spec(device_map: DeviceMap) -> dict[str, Any]:
     """What a helper needs to keep only what may concern the watched nodes."""
-    return json.dumps({
-        "pids": pids,
+    return {
         "inodes": sorted(device_map.by_inode),
         "rdevs": sorted(device_map.by_rdev),
         "majors": sorted(device_map.majors),
         "tokens": [t.decode("latin-1") for t in _maps_tokens(device_map)],
-    }).encode()
+    }
 
 
-_helper_warned = False
-
-
-def _helper_failed(message: str, *args: object) -> None:
-    """Say why a helper failed: a warning the first time (its share is scanned here, so the
-    answer stands, but every big scan would take one process from then on), then debug."""
-    global _helper_warned
-    level = logging.DEBUG if _helper_warned else logging.WARNING
-    _helper_warned = True
-    log.log(level, "scan helper " + message + "; its share is scanned in this process", *args)
-
-
-def _worker_env() -> dict[str, str]:
-    """This process's environment, with the directory gpuguardd was imported from first on the
-    path: `make install` puts the package where only the entry point's sys.path finds it."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _start_worker(pids: list[int], device_map: DeviceMap) -> subprocess.Popen[bytes] | None:
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "gpuguardd.engine.scanworker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, close_fds=True, env=_worker_env())
-    except OSError as exc:
-        _helper_failed("did not start: %s", exc)
-        return None
-    try:
-        assert proc.stdin is not None
-        proc.stdin.write(_worker_spec(pids, device_map))  # read whole before it answers
-        proc.stdin.close()
-        proc.stdin = None  # sent: communicate() then only reads the answer
-    except OSError as exc:
-        _helper_failed("%d did not take its share: %s", proc.pid, exc)
-        _end_worker(proc)
-        return None
-    return proc
-
-
-def _end_worker(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
-def _worker_results(proc: subprocess.Popen[bytes], device_map: DeviceMap
-                    ) -> list[RawHolding | int] | None:
-    """A helper's share as _scan_share gives it (holders without pidfds); None if it failed."""
-    try:
-        out, _ = proc.communicate(timeout=WORKER_TIMEOUT_SEC)
-        entries = json.loads(out) if proc.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
-        _helper_failed("%d failed: %s", proc.pid, exc)
-        return None
-    finally:
-        _end_worker(proc)
-    if not isinstance(entries, list):
-        _helper_failed("%d failed (exit %s)", proc.pid, proc.returncode)
-        return None
+def _from_helper(entries: list[HelperEntry], device_map: DeviceMap) -> list[RawHolding | int]:
+    """A helper's report matched here, as _scan_share gives it; its pidfds handed on."""
     found: list[RawHolding | int] = []
-    try:
-        for entry in entries:
-            pid = int(entry[0])
-            if pid <= 0:
-                raise ValueError(f"pid {pid}")
-            if entry[1] == "unreadable":
-                found.append(-pid)
-                continue
-            raw = RawHolding(pid)
-            _match_fds(entry[1], device_map, raw)
-            _match_maps((line.encode("latin-1") for line in entry[2]), device_map, raw)
-            if raw.nodes:
-                found.append(raw)
-    except (TypeError, ValueError, IndexError, UnicodeError) as exc:  # a helper's bug: not ours to pass on
-        _helper_failed("%d answered what it should not: %s", proc.pid, exc)
-        return None
+    for entry in entries:
+        if entry.unreadable:
+            found.append(-entry.pid)
+            continue
+        raw = RawHolding(entry.pid, pidfd=entry.pidfd)
+        _match_fds(entry.fds, device_map, raw)
+        _match_maps(entry.lines, device_map, raw)
+        if raw.nodes:
+            found.append(raw)
+        else:
+            raw.close()
     return found
+
+
+def _shared_scan(todo: list[int], device_map: DeviceMap, use_pidfd: bool, workers: int
+                 ) -> list[RawHolding | int]:
+    """The scan of `todo` shared with workers - 1 helpers through one work queue (scanshare)."""
+    queue = WorkQueue(todo)
+    helpers: list[Helper] = []
+    results: list[RawHolding | int] = []
+    try:
+        # The first chunk is this process's before any helper can start: a share of the work
+        # that never waits on a helper, whatever the machine's load.
+        index = queue.next()
+        match = _match_spec(device_map)
+        helpers = [h for h in (Helper.start(queue, match, use_pidfd) for _ in range(workers - 1))
+                   if h is not None]
+        done: set[int] = set()
+        while index is not None:
+            done.add(index)
+            results.extend(_scan_share(queue.chunk(index), device_map, use_pidfd))
+            index = queue.next()
+        while helpers:
+            answer = helpers.pop(0).results()
+            if answer is not None:
+                done.update(answer[0])
+                results.extend(_from_helper(answer[1], device_map))
+        for index in range(queue.count):
+            if index not in done:  # taken by a helper that failed
+                results.extend(_scan_share(queue.chunk(index), device_map, use_pidfd))
+    except BaseException:
+        _close_all(results)
+        for helper in helpers:
+            helper.end()
+        raise
+    finally:
+        queue.close()
+    return results
 
 
 def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False,
              workers: int | None = None) -> tuple[dict[int, RawHolding], list[int]]:
     """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
 
-    With use_pidfd each process this one reads is pinned before it is read, and a holder keeps
-    its pidfd in RawHolding.pidfd for describe() (or the caller's RawHolding.close()); holders
-    a helper found have none. `workers`: how many processes share the scan (default: one a
-    core for WORKER_MIN_PIDS processes or more); the answer does not depend on it."""
+    With use_pidfd each process is pinned before it is read, here or in a helper, and a holder
+    keeps its pidfd in RawHolding.pidfd for describe() (or the caller's RawHolding.close());
+    one a helper could not pin or pass has none, and describe() pins it and reads it again.
+    `workers`: how many processes share the scan (default: one an idle core for
+    WORKER_MIN_PIDS processes or more); the answer does not depend on it."""
     todo = procfs.list_pids() if pids is None else list(pids)
     if workers is None:
         workers = scan_workers() if len(todo) >= WORKER_MIN_PIDS else 1
     workers = max(1, min(workers, len(todo)))
-    # Interleaved shares: PIDs in a row are often alike (a service's workers, one user's shell).
-    shares = [todo[n::workers] for n in range(workers)]
-    helpers = [_start_worker(share, device_map) for share in shares[1:]]
-    results: list[RawHolding | int] = []
-    try:
-        results = _scan_share(shares[0], device_map, use_pidfd)
-        for share, helper in zip(shares[1:], helpers):
-            got = _worker_results(helper, device_map) if helper is not None else None
-            if got is None:
-                got = _scan_share(share, device_map, use_pidfd)
-            results.extend(got)
-    except BaseException:
-        _close_all(results)
-        for helper in helpers:
-            if helper is not None:
-                _end_worker(helper)
-        raise
-    found = {item.pid: item for item in results if isinstance(item, RawHolding)}
-    unreadable = sorted(-item for item in results if isinstance(item, int))
+    if workers == 1:
+        results = _scan_share(todo, device_map, use_pidfd)
+    else:
+        results = _shared_scan(todo, device_map, use_pidfd, workers)
+    found: dict[int, RawHolding] = {}
+    for item in results:
+        if isinstance(item, RawHolding):
+            if item.pid in found:
+                item.close()  # reported twice: one pin is enough
+            else:
+                found[item.pid] = item
+    unreadable = sorted({-item for item in results if isinstance(item, int)})
     return found, unreadable
 
 

@@ -1,7 +1,8 @@
-"""The /proc pass shared with helper processes (engine/holders.py scan_raw, engine/scanworker.py)
-gives the one-process answer, owns every pidfd it opens, also when its share fails, and scans
-a helper's share itself when the helper fails; holder details read from /proc directly say
-what psutil said. Speed is bench/bench_scan.py's business, never asserted here."""
+"""The /proc pass shared with helper processes (engine/holders.py scan_raw, engine/scanshare.py,
+engine/scanworker.py) gives the one-process answer, its holders pinned by pidfds wherever they
+were read, owns every pidfd it opens or receives, also when its share fails, and scans the
+chunks a failed helper took itself; holder details read from /proc directly say what psutil
+said. Speed is bench/bench_scan.py's business, never asserted here."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuguardd.engine import holders, procfs
+from gpuguardd.engine import holders, procfs, scanshare
 from gpuguardd.engine.devices import DeviceMap, build_device_map
 from gpuguardd.engine.models import NvmlSnapshot
 from tests.conftest import GpuHost
@@ -40,7 +42,27 @@ def _hold_some(host: GpuHost) -> set[int]:
     return {proc.pid for proc in started}
 
 
-def test_helpers_give_the_one_process_answer_and_close_every_pidfd(gpu_host: GpuHost) -> None:
+def _free_pids(count: int) -> list[int]:
+    """PIDs no process has (high ones, rarely given out): chunks that are quick to scan."""
+    return [pid for pid in range(2**22 - 1, 2**21, -1) if not os.path.exists(f"/proc/{pid}")][:count]
+
+
+def _slow_first_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's first chunk takes a second: a helper takes the chunks after it."""
+    real_scan_share = holders._scan_share
+    calls: list[int] = []
+
+    def slow_share(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            time.sleep(1)
+        calls.append(1)
+        return real_scan_share(*args, **kwargs)
+
+    monkeypatch.setattr(holders, "_scan_share", slow_share)
+
+
+def test_helpers_give_the_one_process_answer_and_close_every_pidfd(
+        gpu_host: GpuHost, monkeypatch: pytest.MonkeyPatch) -> None:
     pids = _hold_some(gpu_host)
     device_map = build_device_map((f"{gpu_host.dev}/nvidia*", f"{gpu_host.root}/mappable/nvidia*"),
                                   allow_majors=(120, 1))
@@ -49,15 +71,15 @@ def test_helpers_give_the_one_process_answer_and_close_every_pidfd(gpu_host: Gpu
     answers = []
     for workers in (1, 2, 4):
         found, _ = holders.scan_raw(device_map, use_pidfd=True, workers=workers)
-        if workers == 1:
-            assert all(raw.pidfd is not None for raw in found.values())
+        # Pinned where they were read: the helpers' pidfds came over the socket.
+        assert all(raw.pidfd is not None for pid, raw in found.items() if pid in pids)
         answers.append({pid: entry for pid, entry in _answer(found).items() if pid in pids})
         for raw in found.values():
             raw.close()
     assert set(answers[0]) == pids
     assert answers[0] == answers[1] == answers[2]
     # Given pids, in every share: each share's answer must be in the result, and what the
-    # helpers found is described (pinned, read again) like the rest.
+    # helpers found is described (by the pidfds they passed) like the rest.
     given = sorted(pids | {os.getpid(), 1})
     for workers in (2, len(given)):
         found, unreadable = holders.scan_raw(device_map, pids=given, use_pidfd=True, workers=workers)
@@ -69,6 +91,15 @@ def test_helpers_give_the_one_process_answer_and_close_every_pidfd(gpu_host: Gpu
             described[1].close()
         for raw in found.values():
             raw.close()
+    # The holders in a chunk a helper takes: pinned there, the pidfds passed over the socket.
+    with monkeypatch.context() as patch:
+        _slow_first_share(patch)
+        found, _ = holders.scan_raw(device_map, pids=_free_pids(scanshare.CHUNK_MIN_PIDS) + sorted(pids),
+                                    use_pidfd=True, workers=2)
+    assert _answer(found) == answers[0]
+    assert all(raw.pidfd is not None for raw in found.values())
+    for raw in found.values():
+        raw.close()
     assert _open_fds() == before
 
 
@@ -77,24 +108,53 @@ def test_a_failed_helper_is_replaced_by_this_process(
     pids = _hold_some(gpu_host)
     device_map = build_device_map((f"{gpu_host.dev}/nvidia*", f"{gpu_host.root}/mappable/nvidia*"),
                                   allow_majors=(120, 1))
-    given = sorted(pids)
+    # Chunks of PIDs that do not exist first, the holders last: a helper that takes chunks
+    # and dies takes the holders' chunk with it.
+    given = _free_pids(4 * scanshare.CHUNK_MIN_PIDS) + sorted(pids)
     expected = _answer(holders.scan_raw(device_map, pids=given, workers=1)[0])
     assert set(expected) == pids
     # A helper that dies at once, one that answers no JSON, one that answers other JSON.
     real_popen = subprocess.Popen
-    monkeypatch.setattr(holders, "_helper_warned", False)
+    monkeypatch.setattr(scanshare, "_helper_warned", False)
     caplog.set_level(logging.DEBUG, logger="gpuguard.engine")
-    for script in ("import sys; sys.exit(3)", "print('not json')", "print('[[1, 2, 3], 5]')"):
-        def popen(argv: list[str], *args: Any, script: str = script, **kwargs: Any) -> Any:
+
+    def scan_with(script: str) -> dict[int, holders.RawHolding]:
+        def popen(argv: list[str], *args: Any, **kwargs: Any) -> Any:
             return real_popen([argv[0], "-c", script], *args, **kwargs)
 
         with monkeypatch.context() as patch:
             patch.setattr(subprocess, "Popen", popen)
             found, _ = holders.scan_raw(device_map, pids=given, workers=3)
-        assert _answer(found) == expected, script
+        for raw in found.values():
+            raw.close()
+        return found
+
+    for script in ("import sys; sys.exit(3)", "print('not json')", "print('[[1, 2, 3], 5]')"):
+        assert _answer(scan_with(script)) == expected, script
+    # One that takes every chunk left while this process reads its first, and dies: the chunks
+    # it took are scanned here after it failed.
+    calls: list[str] = []
+    real_scan_share, real_results = holders._scan_share, scanshare.Helper.results
+
+    def slow_share(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            time.sleep(1)
+        calls.append("share")
+        return real_scan_share(*args, **kwargs)
+
+    def results(helper: scanshare.Helper) -> Any:
+        calls.append("results")
+        return real_results(helper)
+
+    monkeypatch.setattr(holders, "_scan_share", slow_share)
+    monkeypatch.setattr(scanshare.Helper, "results", results)
+    greedy = ("import json, os, sys\nspec = json.load(sys.stdin)\n"
+              "while len(os.read(spec['queue_fd'], 4)) == 4:\n    pass\n")
+    assert _answer(scan_with(greedy)) == expected
+    assert calls[:1] == ["share"] and "share" in calls[calls.index("results"):], calls
     # Said once as a warning (every big scan would take one process from then on), then quietly.
     failures = [r for r in caplog.records if r.getMessage().startswith("scan helper ")]
-    assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 5, failures
+    assert [r.levelno for r in failures] == [logging.WARNING] + [logging.DEBUG] * 7, failures
     assert "its share is scanned in this process" in failures[0].getMessage()
 
 
@@ -103,7 +163,7 @@ def test_a_failing_share_leaks_no_pidfd_and_no_helper(
     pids = sorted(_hold_some(gpu_host))
     device_map = build_device_map((f"{gpu_host.dev}/nvidia*",), allow_majors=(120,))
     real_scan_maps = holders._scan_maps
-    broken = pids[0]  # this process's share is pids[0::workers]
+    broken = pids[0]  # in the first chunk, which is this process's before any helper starts
 
     def scan_maps(pid: int, device_map: DeviceMap, raw: holders.RawHolding) -> None:
         if pid == broken:
@@ -112,19 +172,19 @@ def test_a_failing_share_leaks_no_pidfd_and_no_helper(
 
     monkeypatch.setattr(holders, "_scan_maps", scan_maps)
     started: list[Any] = []
-    real_start = holders._start_worker
+    real_start = scanshare.Helper.start
 
-    def start_worker(share: list[int], device_map: DeviceMap) -> Any:
-        started.append(real_start(share, device_map))
+    def start_helper(queue: scanshare.WorkQueue, match: dict[str, Any], pin: bool) -> Any:
+        started.append(real_start(queue, match, pin))
         return started[-1]
 
-    monkeypatch.setattr(holders, "_start_worker", start_worker)
+    monkeypatch.setattr(scanshare.Helper, "start", start_helper)
     before = _open_fds()
     for workers in (1, 5):
         with pytest.raises(RuntimeError, match="a bug in this process's share"):
             holders.scan_raw(device_map, pids=pids, use_pidfd=True, workers=workers)
         assert _open_fds() == before, f"fds left open with {workers} process(es)"
-    assert len(started) == 4 and all(proc.returncode is not None for proc in started)
+    assert len(started) == 4 and all(helper.proc.returncode is not None for helper in started)
 
 
 def test_real_uid_and_exe_as_psutil_reads_them(gpu_host: GpuHost) -> None:
@@ -155,14 +215,16 @@ def test_a_helper_starts_where_the_package_is_not_on_the_default_path(gpu_host: 
     root = str(Path(holders.__file__).resolve().parents[2])
     script = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from gpuguardd.engine import holders\n"
+        "from gpuguardd.engine import holders, scanshare\n"
         "from gpuguardd.engine.devices import build_device_map\n"
         "device_map = build_device_map((sys.argv[2],), allow_majors=(120, 1))\n"
-        "proc = holders._start_worker([int(sys.argv[3])], device_map)\n"
-        "found = holders._worker_results(proc, device_map) if proc else None\n"
-        "print('failed' if found is None else len(found))\n")
+        "queue = scanshare.WorkQueue([int(sys.argv[3])])\n"
+        "helper = scanshare.Helper.start(queue, holders._match_spec(device_map), True)\n"
+        "answer = helper.results() if helper else None\n"
+        "print('failed' if answer is None else\n"
+        "      f'{answer[0]} {len(answer[1])} {answer[1][0].pidfd is not None}')\n")
     done = subprocess.run(["/usr/bin/python3", "-c", script, root, f"{gpu_host.dev}/nvidia*",
                            str(holder.pid)], cwd="/", env={"PATH": os.environ["PATH"]},
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "1", done.stdout + done.stderr
+    assert done.stdout.strip() == "[0] 1 True", done.stdout + done.stderr
