@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import threading
 import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -212,67 +213,72 @@ class Listener:
         pass
 
 
-def test_list_holders_reuses_a_fresh_scan_only(monkeypatch: pytest.MonkeyPatch) -> None:
+Scenario = Callable[[live.Inventory, FakeEngine, list[float]], Awaitable[None]]
+
+
+def run_on_a_clock(monkeypatch: pytest.MonkeyPatch, scenario: Scenario) -> None:
+    """scenario(inventory, its FakeEngine, now): now[0] is the freshness rule's clock."""
     now = [1000.0]
     monkeypatch.setattr(live, "clock", lambda: now[0])
     engine = FakeEngine()
 
-    async def scenario() -> None:
+    async def run() -> None:
         with ThreadPoolExecutor(1) as executor:
-            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
-            engine.pids = [10]
-            assert [h.pid for h in (await inventory.recent()).holders] == [10]
-            assert engine.scans == 1
-            engine.pids = [10, 11]  # a holder appears after the scan started
-            now[0] += live.LIST_MAX_AGE_SEC * 0.9
-            assert [h.pid for h in (await inventory.recent()).holders] == [10]  # served again
-            assert engine.scans == 1
-            now[0] += live.LIST_MAX_AGE_SEC * 0.2  # the scan is now too old: a new one
-            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
-            assert engine.scans == 2
-            engine.pids = [10, 11, 12]
-            inventory.invalidate()  # a sweep, a reload, NVML's lists changed: at once
-            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11, 12]
-            assert engine.scans == 3
-            # scan() (the unit watch, sweeps) never reuses: it starts after the call.
-            await inventory.scan()
-            assert engine.scans == 4
+            await scenario(live.Inventory(engine, executor, Listener()),  # type: ignore[arg-type]
+                           engine, now)
 
-    asyncio.run(scenario())
+    asyncio.run(run())
+
+
+def test_list_holders_reuses_a_fresh_scan_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(inventory: live.Inventory, engine: FakeEngine, now: list[float]) -> None:
+        engine.pids = [10]
+        assert [h.pid for h in (await inventory.recent()).holders] == [10]
+        assert engine.scans == 1
+        engine.pids = [10, 11]  # a holder appears after the scan started
+        now[0] += live.LIST_MAX_AGE_SEC * 0.9
+        assert [h.pid for h in (await inventory.recent()).holders] == [10]  # served again
+        assert engine.scans == 1
+        now[0] += live.LIST_MAX_AGE_SEC * 0.2  # the scan is now too old: a new one
+        assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
+        assert engine.scans == 2
+        engine.pids = [10, 11, 12]
+        inventory.invalidate()  # a sweep, a reload, NVML's lists changed: at once
+        assert [h.pid for h in (await inventory.recent()).holders] == [10, 11, 12]
+        assert engine.scans == 3
+        # scan() (the unit watch, sweeps) never reuses: it starts after the call.
+        await inventory.scan()
+        assert engine.scans == 4
+
+    run_on_a_clock(monkeypatch, scenario)
 
 
 def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A call served a result about to expire starts the next scan in the background; the call
     after the old result's expiry is served the new one without a scan of its own. The rule of
     what may be served is unchanged: the early call still gets the old, fresh result."""
-    now = [1000.0]
-    monkeypatch.setattr(live, "clock", lambda: now[0])
-    engine = FakeEngine()
+    async def scenario(inventory: live.Inventory, engine: FakeEngine, now: list[float]) -> None:
+        engine.pids = [10]
+        await inventory.recent()
+        inventory.scan_cost = 0.05  # lead: min(4 x 50 ms, 250 ms) = 200 ms
+        engine.pids = [10, 11]
+        now[0] += live.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
+        assert [h.pid for h in (await inventory.recent()).holders] == [10]
+        await asyncio.sleep(0.05)
+        assert engine.scans == 1
+        now[0] += 0.15  # 150 ms before expiry: served the old result, next scan started
+        assert [h.pid for h in (await inventory.recent()).holders] == [10]
+        for _ in range(200):  # the background scan (a thread) ends
+            if inventory._running is None:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.scans == 2
+        now[0] += 0.2  # the first result has expired; the second is fresh
+        engine.pids = [10, 11, 12]
+        assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
+        assert engine.scans == 2  # served without waiting for a scan
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1) as executor:
-            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
-            engine.pids = [10]
-            await inventory.recent()
-            inventory.scan_cost = 0.05  # lead: min(4 x 50 ms, 250 ms) = 200 ms
-            engine.pids = [10, 11]
-            now[0] += live.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
-            assert [h.pid for h in (await inventory.recent()).holders] == [10]
-            await asyncio.sleep(0.05)
-            assert engine.scans == 1
-            now[0] += 0.15  # 150 ms before expiry: served the old result, next scan started
-            assert [h.pid for h in (await inventory.recent()).holders] == [10]
-            for _ in range(200):  # the background scan (a thread) ends
-                if inventory._running is None:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.scans == 2
-            now[0] += 0.2  # the first result has expired; the second is fresh
-            engine.pids = [10, 11, 12]
-            assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
-            assert engine.scans == 2  # served without waiting for a scan
-
-    asyncio.run(scenario())
+    run_on_a_clock(monkeypatch, scenario)
 
 
 def test_a_scan_older_than_an_invalidation_is_never_served(monkeypatch: pytest.MonkeyPatch) -> None:
