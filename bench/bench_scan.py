@@ -14,7 +14,10 @@ nodes). Then times, interleaved, after one untimed warm-up round each:
     daemon's scan;
   * `gpuguardctl holders --local --json` as a whole process (interpreter start, imports,
     configuration, the scan, the output): what an admin runs instead of fuser;
-  * fuser -v <nodes> and lsof -w -n -P -- <nodes>, as the commands an admin would run.
+  * fuser -v <nodes> and lsof -w -n -P -- <nodes>, as the commands an admin would run;
+  * the floor on this machine: the scan's syscalls and nothing else (the helpers' own pass,
+    engine/scanworker.py, in two processes forked from this one: no interpreter start, no
+    pinning, no details, no NVML), matched afterwards. The daemon's scan cannot be quicker.
 
 Every run's set of holder PIDs must equal the population's holders, or the benchmark fails.
 It prints the median per tool and the ratios gpuguard/fuser and gpuguard/lsof (below 1 means
@@ -46,11 +49,12 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.engine.devices import build_device_map, driver_majors
+from gpuguardd.engine import holders, procfs, scanshare, scanworker
+from gpuguardd.engine.devices import DeviceMap, build_device_map, driver_majors
 from gpuguardd.engine.facade import Engine
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.models import NvmlSnapshot
-from gpuguardd.engine.scanshare import scan_workers
+from gpuguardd.engine.scanshare import HelperEntry, WorkQueue, scan_workers
 
 FIND = "gpuguard find_holders"
 FIND_SHARED = "gpuguard find_holders, 2 processes"
@@ -58,6 +62,7 @@ SCAN = "gpuguard Engine.scan()"
 CLI = "gpuguardctl holders --local"
 FUSER = "fuser -v"
 LSOF = "lsof -w -n -P"
+FLOOR = "floor: bare pass, 2 forked"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,8 +141,53 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine, conf
         run = common.run_lsof(paths)
         return run.seconds, run.cpu, run.pids
 
+    def floor() -> Measured:
+        cpu, started = time.process_time(), time.perf_counter()
+        children = common.children_cpu()
+        device_map = build_device_map(patterns, allow_majors=common.ALLOW_MAJORS)
+        entries = forked_pass(device_map, procfs.list_pids(), 2)
+        found = [raw for raw in holders._from_helper(entries, device_map)
+                 if isinstance(raw, holders.RawHolding)]
+        wall = time.perf_counter() - started
+        used = time.process_time() - cpu + common.children_cpu() - children
+        return wall, used, {raw.pid for raw in found}
+
     return {FIND: gpuguard_find, FIND_SHARED: gpuguard_find_shared, SCAN: gpuguard_scan,
-            CLI: gpuguardctl, FUSER: fuser, LSOF: lsof}
+            CLI: gpuguardctl, FUSER: fuser, LSOF: lsof, FLOOR: floor}
+
+
+def forked_pass(device_map: DeviceMap, pids: list[int], processes: int) -> list[HelperEntry]:
+    """scanworker's pass over `pids` in `processes` children forked from this process, sharing
+    one work queue; their reports (no pidfds). Forked, not started: no interpreter start."""
+    queue = WorkQueue(pids)
+    spec = {**holders._match_spec(device_map), "pids": queue.pids, "chunk": queue.size,
+            "queue_fd": queue.fd}
+    children = []
+    try:
+        for _ in range(processes):
+            read_fd, write_fd = os.pipe()
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child
+                status = 1
+                try:
+                    os.close(read_fd)
+                    with os.fdopen(write_fd, "w") as out:
+                        json.dump(scanworker.scan(spec), out)
+                    status = 0
+                finally:
+                    os._exit(status)
+            os.close(write_fd)
+            children.append((child, read_fd))
+        entries: list[HelperEntry] = []
+        for child, read_fd in children:
+            with os.fdopen(read_fd) as answer:
+                text = answer.read()
+            if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) != 0:
+                raise BenchError(f"the forked pass {child} failed")
+            entries.extend(scanshare._parse(json.loads(text), {})[1])
+        return entries
+    finally:
+        queue.close()
 
 
 def profile_find(patterns: tuple[str, ...]) -> str:
@@ -190,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
         def check(name: str, pids: set[int]) -> None:
             extra = pids - expected
-            if extra and name in (FIND, FIND_SHARED, SCAN, CLI):
+            if extra and name in (FIND, FIND_SHARED, SCAN, CLI, FLOOR):
                 found = common.alias_holders(extra, nodes, majors)
                 aliases.update(found)
                 pids = pids - set(found)
@@ -232,8 +282,11 @@ def run(args: argparse.Namespace) -> int:
         scan_ratio = ratios[f"{SCAN}/{FUSER}"]
         print(f"target gpuguardctl holders --local (whole process) no slower than fuser -v: "
               f"{'met' if cli_ratio <= 1.0 else 'MISSED'} ({cli_ratio:.2f}x fuser)")
+        floor_ratio = common.median(times[FLOOR]) / common.median(times[FUSER])
+        ratios[f"{FLOOR}/{FUSER}"] = floor_ratio
         print(f"target the daemon's scan in half fuser's time: "
-              f"{'met' if scan_ratio <= 0.5 else 'MISSED'} (Engine.scan() {scan_ratio:.2f}x fuser)")
+              f"{'met' if scan_ratio <= 0.5 else 'MISSED'} (Engine.scan() {scan_ratio:.2f}x fuser; "
+              f"the floor here, the bare pass in 2 forked processes: {floor_ratio:.2f}x)")
         if args.profile:
             print("\nprofile of one find_holders run:\n" + profile_find(patterns))
         common.write_json(args.json, {

@@ -45,10 +45,11 @@ def test_bench_scan_smoke() -> None:
     assert "ratio gpuguard/lsof: " in out, out
     for tool in ("gpuguard find_holders", "gpuguard find_holders, 2 processes",
                  "gpuguard Engine.scan()", "gpuguardctl holders --local",
-                 "fuser -v", "lsof -w -n -P"):
+                 "fuser -v", "lsof -w -n -P", "floor: bare pass, 2 forked"):
         assert tool in out, out
     assert "target gpuguardctl holders --local (whole process) no slower than fuser -v: " in out, out
     assert "target the daemon's scan in half fuser's time: " in out, out
+    assert "the floor here, the bare pass in 2 forked processes: " in out, out
 
 
 def test_bench_sweep_smoke() -> None:
