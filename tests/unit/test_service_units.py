@@ -260,7 +260,7 @@ def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest
     async def scenario(inventory: live.Inventory, engine: FakeEngine, now: list[float]) -> None:
         engine.pids = [10]
         await inventory.recent()
-        inventory.scan_cost = 0.05  # lead: min(4 x 50 ms, 250 ms) = 200 ms
+        inventory.scan_cost = 0.05  # lead: 4 x 50 ms = 200 ms
         engine.pids = [10, 11]
         now[0] += live.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
         assert [h.pid for h in (await inventory.recent()).holders] == [10]
@@ -277,6 +277,12 @@ def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest
         engine.pids = [10, 11, 12]
         assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
         assert engine.scans == 2  # served without waiting for a scan
+        # A slow scan (a big host) is not run ahead, back to back: callers wait, as before.
+        inventory.scan_cost = live.REFRESH_MAX_SCAN_SEC * 1.5
+        now[0] += live.LIST_MAX_AGE_SEC - 0.25  # within 4 scan durations of the expiry
+        assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
+        await asyncio.sleep(0.05)
+        assert engine.scans == 2 and inventory._running is None
 
     run_on_a_clock(monkeypatch, scenario)
 
