@@ -450,6 +450,18 @@ def recording(address: str) -> Iterator[SignalRecorder]:
         recorder.close()
 
 
+def leak_on(daemon: GuardDaemon, recorder: SignalRecorder, gpu: int, used: int = 5 * GiB) -> None:
+    """Memory used on idle `gpu` with no process listed: waits for LeakSuspected (and checks its
+    arguments) and for the GPU object's State "leaked"."""
+    path = f"{MANAGER_PATH}/gpu/{gpu}"
+    wait_until(lambda: daemon.property_is(path, GPU, "State", "idle"), 10, f"GPU {gpu} idle")
+    daemon.host.state.gpus[gpu].base_used = used
+    daemon.host.publish()
+    leak = recorder.wait_for("LeakSuspected", lambda s: s.body[0] == gpu)
+    assert leak.body == [gpu, daemon.host.state.gpus[gpu].uuid, used]
+    wait_until(lambda: daemon.get_property(path, GPU, "State") == "leaked", 5, "State leaked")
+
+
 # -- fake polkit -----------------------------------------------------------------------------
 
 class FakePolkit:

@@ -35,6 +35,7 @@ from tests.dbus_harness import (
     FakePolkit,
     GuardDaemon,
     SignalRecorder,
+    leak_on,
     private_gpu,
     private_holder,
     run,
@@ -531,13 +532,7 @@ def test_leak_suspected_when_memory_stays_without_holder(guard: GuardDaemon,
                                                          recorder: SignalRecorder) -> None:
     host = guard.host
     gpu = private_gpu(host)
-    path = f"{MANAGER_PATH}/gpu/{gpu}"
-    wait_until(lambda: guard.property_is(path, GPU, "State", "idle"), 10, "the private GPU")
-    host.state.gpus[gpu].base_used = 5 * GiB
-    host.publish()
-    leak = recorder.wait_for("LeakSuspected", lambda s: s.body[0] == gpu)
-    assert leak.body == [gpu, host.state.gpus[gpu].uuid, 5 * GiB]
-    wait_until(lambda: guard.get_property(path, GPU, "State") == "leaked", 5, "State leaked")
+    leak_on(guard, recorder, gpu, 5 * GiB)
     time.sleep(1.0)
     assert len([s for s in recorder.of("LeakSuspected") if s.body[0] == gpu]) == 1, "once per leak"
     # A sweep that finds the memory still used reports the leak too.

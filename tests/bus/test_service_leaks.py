@@ -16,6 +16,7 @@ from tests.dbus_harness import (
     PYTHON,
     GuardDaemon,
     SignalRecorder,
+    leak_on,
     private_gpu,
     wait_until,
 )
@@ -51,10 +52,5 @@ def test_leak_suspected_past_management_and_protected_holders(daemon: GuardDaemo
     seen = wait_until(holders, 20, "persistenced, the client and gpuguardd itself as holders")
     assert seen[daemon.proc.pid]["kind"] == "management" and seen[daemon.proc.pid]["protected"]
     assert seen[persistenced.pid]["protected"] and seen[smi.pid]["kind"] == "management"
-    wait_until(lambda: daemon.property_is(path, GPU, "State", "idle"), 10, "the GPU idle")
-    host.state.gpus[gpu].base_used = 5 * GiB
-    host.publish()
-    leak = recorder.wait_for("LeakSuspected", lambda s: s.body[0] == gpu)
-    assert leak.body == [gpu, host.state.gpus[gpu].uuid, 5 * GiB]
-    wait_until(lambda: daemon.get_property(path, GPU, "State") == "leaked", 5, "State leaked")
+    leak_on(daemon, recorder, gpu, 5 * GiB)
     assert daemon.get_property(path, GPU, "HolderCount") >= 3

@@ -47,18 +47,20 @@ def _free_pids(count: int) -> list[int]:
     return [pid for pid in range(2**22 - 1, 2**21, -1) if not os.path.exists(f"/proc/{pid}")][:count]
 
 
-def _slow_first_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process's first chunk takes a second: a helper takes the chunks after it."""
+def _slow_first_share(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """This process's first chunk takes a second: a helper takes the chunks after it. Returns
+    the trace, "share" for each chunk scanned here."""
     real_scan_share = holders._scan_share
-    calls: list[int] = []
+    calls: list[str] = []
 
     def slow_share(*args: Any, **kwargs: Any) -> Any:
         if not calls:
             time.sleep(1)
-        calls.append(1)
+        calls.append("share")
         return real_scan_share(*args, **kwargs)
 
     monkeypatch.setattr(holders, "_scan_share", slow_share)
+    return calls
 
 
 def test_helpers_give_the_one_process_answer_and_close_every_pidfd(
@@ -133,20 +135,13 @@ def test_a_failed_helper_is_replaced_by_this_process(
         assert _answer(scan_with(script)) == expected, script
     # One that takes every chunk left while this process reads its first, and dies: the chunks
     # it took are scanned here after it failed.
-    calls: list[str] = []
-    real_scan_share, real_results = holders._scan_share, scanshare.Helper.results
-
-    def slow_share(*args: Any, **kwargs: Any) -> Any:
-        if not calls:
-            time.sleep(1)
-        calls.append("share")
-        return real_scan_share(*args, **kwargs)
+    calls = _slow_first_share(monkeypatch)
+    real_results = scanshare.Helper.results
 
     def results(helper: scanshare.Helper) -> Any:
         calls.append("results")
         return real_results(helper)
 
-    monkeypatch.setattr(holders, "_scan_share", slow_share)
     monkeypatch.setattr(scanshare.Helper, "results", results)
     greedy = ("import json, os, sys\nspec = json.load(sys.stdin)\n"
               "while len(os.read(spec['queue_fd'], 4)) == 4:\n    pass\n")
