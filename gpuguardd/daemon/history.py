@@ -15,6 +15,12 @@ skipped and logged; a file with any such line is first renamed aside to
 history.jsonl.corrupt-<timestamp>, so nothing is thrown away unseen.
 The file is bounded: the newest `max_entries` are served, and the file is compacted once it
 holds a tenth more than that (amortised: not a rewrite per sweep).
+
+A report that cannot be written (a full disk, an I/O error) is not lost while the daemon runs:
+it is served from memory, the error is logged, and it is written with the next report or by a
+retry in the background (after RETRY_SEC, then less often), whichever comes first. A failed
+append is cut back off the file (ftruncate), so the retry appends only what is missing: a
+nearly full disk needs room for those lines, not for a second copy of the whole file.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ _PIECE = 1024 * 1024
 # a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
 # without any (nearly all: records are written with ensure_ascii) skip the repair walk.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
+# After a failed write: the first retry, and the longest wait between retries (doubling).
+RETRY_SEC = 2.0
+RETRY_MAX_SEC = 60.0
 
 
 def _read_line(handle: BinaryIO) -> bytes | None:
@@ -91,6 +100,17 @@ def _valid(entry: object) -> bool:
     return isinstance(entry, dict) and isinstance(entry.get("id"), str) and bool(entry["id"])
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """All of `data`, or the OSError that stopped it: a short write is followed by another,
+    which fails with the reason (ENOSPC, EDQUOT, EIO)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, f"write() wrote nothing ({len(view)} bytes left)")
+        view = view[written:]
+
+
 def _encode(report: Wire) -> bytes:
     # ensure_ascii keeps each record a single line whatever a process called itself.
     return (json.dumps(report, sort_keys=True, ensure_ascii=True, default=str) + "\n").encode("ascii")
@@ -108,8 +128,14 @@ class History:
         self._entries: collections.deque[Wire] = collections.deque()
         self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
-        # False after a failed write: the file may end mid-line, so the next write rewrites it.
+        # False after a failed write that could not be cut back off: the file may end
+        # mid-line, so the next write rewrites it.
         self._file_clean = True
+        # The newest this many entries are not in the file yet (writes failed).
+        self._unwritten = 0
+        self._retry: threading.Timer | None = None
+        self._retry_sec = RETRY_SEC
+        self._closed = False
         self.persistent = True
 
     # -- loading -------------------------------------------------------------------------
@@ -244,47 +270,115 @@ class History:
                 self._entries.popleft()
             if not self.persistent:
                 return
-            if not self._file_clean or self._lines_in_file >= self._compact_at():
-                self._rewrite_locked()
-                return
+            self._unwritten = min(self._unwritten + 1, len(self._entries))
+            if not self._write_locked() and self._unwritten:
+                log.error("sweep history %s: report %s is not on disk (kept in memory and "
+                          "served; written once the file can be written, retried in the "
+                          "background)", self.path, str(report.get("id", ""))[:8])
+
+    def flush(self) -> bool:
+        """Write what earlier writes could not; True when nothing is left unwritten."""
+        with self._lock:
+            return self._write_locked()
+
+    def close(self) -> None:
+        """Stop retrying in the background (what is still unwritten stays in memory only)."""
+        with self._lock:
+            self._closed = True
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
+
+    def _write_locked(self) -> bool:
+        if not self.persistent or (self._file_clean and not self._unwritten):
+            return True
+        retried = self._retry is not None or self._retry_sec > RETRY_SEC
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        # The entries not yet in the file; older ones beyond max_entries are dropped anyway.
+        count = min(self._unwritten, len(self._entries))
+        if (not self._file_clean or self._lines_in_file == 0
+                or self._lines_in_file + count >= self._compact_at()):
+            written = self._rewrite_locked()
+        else:
+            written = self._append_locked(count)
+        if not written:
+            self._schedule_retry()
+            return False
+        if retried:
+            log.warning("sweep history %s written again: %d report(s) that could not be "
+                        "written earlier are now on disk", self.path, count)
+        self._unwritten = 0
+        self._retry_sec = RETRY_SEC
+        return True
+
+    def _append_locked(self, count: int) -> bool:
+        """The newest `count` entries appended in one write; a failure cuts them back off."""
+        try:
+            fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        except OSError as exc:
+            self._write_failed(exc)
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            data = b"".join(_encode(entry) for entry in
+                            itertools.islice(self._entries, len(self._entries) - count, None))
             try:
-                fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
-            except OSError as exc:
-                self._write_failed(exc)
-                return
-            try:
-                created = self._lines_in_file == 0
-                data = _encode(report)
-                written = os.write(fd, data)
-                if written != len(data):
-                    raise OSError(f"short write ({written} of {len(data)} bytes)")
+                _write_all(fd, data)
                 os.fsync(fd)
-                self._lines_in_file += 1
-                if created:
-                    fsync_directory(self.directory)
             except OSError as exc:
+                self._cut_back(fd, size)
                 self._write_failed(exc)
-            finally:
-                os.close(fd)
+                return False
+        finally:
+            os.close(fd)
+        self._lines_in_file += count
+        return True
+
+    def _cut_back(self, fd: int, size: int) -> None:
+        """After a failed append: the file as it was, or else marked for a rewrite."""
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        except OSError:
+            self._file_clean = False
 
     def _compact_at(self) -> int:
         return self.max_entries + max(10, self.max_entries // 10)
 
     def _write_failed(self, exc: OSError) -> None:
-        self._file_clean = False
-        log.error("cannot write the sweep history %s: %s (the report is kept in memory)",
-                  self.path, exc.strerror or exc)
+        # The first failure is an error; the background retries' failures are not news.
+        level = logging.DEBUG if self._retry_sec > RETRY_SEC else logging.ERROR
+        log.log(level, "cannot write the sweep history %s: %s", self.path, exc.strerror or exc)
 
-    def _rewrite_locked(self) -> None:
+    def _schedule_retry(self) -> None:
+        if self._closed:
+            return
+        self._retry = threading.Timer(self._retry_sec, self._retry_now)
+        self._retry.daemon = True  # never holds up the daemon's exit
+        self._retry.start()
+        self._retry_sec = min(self._retry_sec * 2, RETRY_MAX_SEC)
+
+    def _retry_now(self) -> None:
+        with self._lock:
+            if self._retry is None or self._closed:
+                return  # cancelled, or written by an append meanwhile
+            self._retry = None
+            self._write_locked()
+
+    def _rewrite_locked(self) -> bool:
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
             write_atomic(self.path, (_encode(entry) for entry in self._entries),
                          prefix=f"{FILE_NAME}.tmp-", mode=FILE_MODE, fsync_dir=True)
         except OSError as exc:
             self._write_failed(exc)
-            return
+            self._file_clean = False
+            return False
         self._lines_in_file = len(self._entries)
         self._file_clean = True
+        return True
 
     # -- reading -------------------------------------------------------------------------
 
@@ -315,3 +409,4 @@ class History:
             self.max_entries = max(1, max_entries)
             while len(self._entries) > self.max_entries:
                 self._entries.popleft()
+            self._unwritten = min(self._unwritten, len(self._entries))

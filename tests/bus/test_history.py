@@ -1,5 +1,6 @@
-"""The sweep history through the daemon: restarted, killed mid-write, or fed a corrupt file,
-gpuguardd keeps serving it over D-Bus (the file itself: tests/unit/test_history.py)."""
+"""The sweep history through the daemon: restarted, killed mid-write, fed a corrupt file, or on
+a full disk, gpuguardd keeps serving it over D-Bus (the file itself: tests/unit/test_history.py,
+tests/host/test_history_disk.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ import os
 import signal
 from pathlib import Path
 
-from gpuguardd.daemon.history import FILE_NAME
-from tests.dbus_harness import MANAGER, MANAGER_PATH, GuardDaemon
+from gpuguardd.daemon.history import FILE_NAME, RETRY_SEC
+from tests.dbus_harness import (
+    FAST_POLL,
+    MANAGER,
+    MANAGER_PATH,
+    GuardDaemon,
+    private_gpu,
+    private_holder,
+    wait_until,
+)
+from tests.fulldisk import PAGE, fill, tiny_tmpfs
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -62,3 +72,45 @@ def test_corrupt_history_does_not_stop_the_daemon(guard: GuardDaemon) -> None:
     assert "moved to" in guard.stderr() and ".corrupt-" in guard.stderr()
     assert len(list(path.parent.glob(f"{FILE_NAME}.corrupt-*"))) == 1
     assert os.path.exists(path)
+
+
+def file_ids(path: Path) -> list[str]:
+    """The id of each line of the history file (every line must be a whole record)."""
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_a_full_state_disk_ends_the_holders_and_keeps_the_record_for_later(
+        daemon: GuardDaemon) -> None:
+    """issue 17 item 6: the sweep still ends its holders and replies, the daemon says it could
+    not keep the record, serves it meanwhile, and writes it once there is room."""
+    host = daemon.host
+    state = Path(host.root) / "state"
+    path = state / FILE_NAME
+    with tiny_tmpfs(state, 16 * PAGE):
+        try:
+            fill(state / "filler")
+            host.write_config(FAST_POLL)
+            daemon.start()
+            pid = private_holder(host)
+            gpu = str(private_gpu(host))
+            report = daemon.manager("Sweep", "a{sv}", "3", "gpus", "au", "1", gpu, "grace_ms", "u",
+                                    "500", "reason", "s", "disk full")[0]
+            assert report["outcome"] == "freed", report
+            assert [t["pid"] for t in report["terminated"]] == [pid]
+            wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 5, "the holder gone")
+            assert not path.exists()
+            assert "cannot write the sweep history" in daemon.stderr()
+            assert f"report {report['id'][:8]} is not on disk" in daemon.stderr()
+            served = daemon.manager("GetHistory", "u", "0")[0]
+            assert [r["id"] for r in served] == [report["id"]]
+
+            (state / "filler").unlink()
+            # Written by the daemon's retry, with no other sweep to carry it.
+            wait_until(path.exists, 2 * RETRY_SEC + 5, "the record written once there is room")
+            assert file_ids(path) == [report["id"]]
+            assert "1 report(s) that could not be written earlier are now on disk" in daemon.stderr()
+            newest = dry_sweep(daemon, "room again")
+            assert file_ids(path) == [report["id"], newest]
+        finally:
+            if daemon.alive():
+                assert daemon.stop() == 0
