@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpuguardd.errors import ConfigError
+from gpuguardd.numbers import parse_uint
 
 DEFAULT_CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
@@ -162,18 +163,9 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"invalid boolean {text!r} (use yes or no)")
 
 
-def _bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
+def _bounded_int(minimum: int, maximum: int, what: str = "number") -> Callable[[str], int]:
     def parse(text: str) -> int:
-        digits = text.strip()
-        if len(digits) > 20:
-            # int() of thousands of digits is slow or refused; no key needs more than 20.
-            raise ValueError(f"{digits[:20]!r}... is too large (at most {maximum})")
-        value = int(digits)
-        if value < minimum:
-            raise ValueError(f"{text!r} is below the minimum of {minimum}")
-        if value > maximum:
-            raise ValueError(f"{text!r} is too large (at most {maximum})")
-        return value
+        return parse_uint(text.strip(), what, maximum, minimum)
     return parse
 
 
@@ -210,11 +202,9 @@ def _absolute_list(text: str) -> list[str]:
 
 
 def _major_list(text: str) -> list[int]:
-    parse = _bounded_int(0, MAX_MAJOR)
+    parse = _bounded_int(0, MAX_MAJOR, "device major number")
     majors: list[int] = []
     for item in _split_list(text):
-        if not item.isdigit():
-            raise ValueError(f"{item!r} is not a device major number")
         majors.append(parse(item))
     return majors
 

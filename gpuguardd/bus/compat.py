@@ -91,7 +91,7 @@ def parse_version(text: str) -> tuple[int, ...]:
     for part in text.split("."):
         digits = ""
         for char in part:
-            if not char.isdigit():
+            if not "0" <= char <= "9":  # ASCII only: int() would read U+00B2 or U+0660 too
                 break
             digits += char
         if not digits:

@@ -178,13 +178,24 @@ def _grace(text: str) -> int:
 
 
 def _positive(text: str) -> int:
+    from gpuguardd.numbers import parse_uint
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: must be at least 1")
-    return value
+        return parse_uint(text, "count", minimum=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gpu(text: str) -> str:
+    """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
+    ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
+    from gpuguardd.engine.selectors import selector
+
+    try:
+        selector(text).check()
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
 
     def scope_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+        p.add_argument("--gpu", action="append", default=[], type=_gpu, metavar="N|UUID",
                        help="only this GPU (repeatable)")
         p.add_argument("--unit", default="", metavar="UNIT", help="only this systemd unit")
         p.add_argument("--container", default="", metavar="ID",
@@ -238,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = verbs.add_parser("check", parents=[common],
                              help="exit 0 when the GPUs have no compute holder and no leaked memory")
-    check.add_argument("--gpu", action="append", default=[], metavar="N|UUID",
+    check.add_argument("--gpu", action="append", default=[], type=_gpu, metavar="N|UUID",
                        help="only this GPU or MIG instance (repeatable; default: all)")
 
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
@@ -356,9 +367,12 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
 
     from gpuguardd.cli import output
     from gpuguardd.engine import slurm
+    from gpuguardd.numbers import BadNumber, parse_job_id
 
-    named = os.environ.get("SLURM_JOB_ID", "")
-    job_id = named if named.isdigit() and len(named) <= 20 else "?"
+    try:
+        job_id = parse_job_id(os.environ.get("SLURM_JOB_ID", ""))
+    except BadNumber:
+        job_id = "?"
     try:
         job = slurm.epilog_job(os.environ)
         job_id = job.job_id

@@ -7,12 +7,14 @@ import time
 
 import sdnotify
 
+from gpuguardd.numbers import is_digits
+
 
 def watchdog_interval() -> float | None:
     """Seconds between WATCHDOG=1 pings (half of WatchdogSec), or None without a watchdog."""
     usec = os.environ.get("WATCHDOG_USEC", "")
     pid = os.environ.get("WATCHDOG_PID", "")
-    if not usec.isdigit() or int(usec) == 0:
+    if not is_digits(usec) or len(usec) > 20 or int(usec) == 0:
         return None
     if pid and pid != str(os.getpid()):
         return None  # meant for another process (we were started by a wrapper)

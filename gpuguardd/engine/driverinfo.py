@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from gpuguardd.engine.models import GpuInfo
+from gpuguardd.numbers import is_digits
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
@@ -62,7 +63,7 @@ def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
             continue
         minor_text = fields.get("Device Minor", "")
         # Untrusted text: a minor that is not a small number is no minor.
-        if not minor_text.isdigit() or len(minor_text) > 6:
+        if not is_digits(minor_text) or len(minor_text) > 6:
             continue
         if fields.get("GPU Excluded", "No").lower().startswith("yes"):
             continue  # NVML does not enumerate it, so it has no index to take

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuguardd.errors import InvalidArgument
+from gpuguardd.numbers import is_digits, parse_gpu_index
 
 INDEX = "index"
 GPU_UUID = "gpu-uuid"
@@ -42,10 +43,11 @@ class Selected:
 class Selector:
     kind: str  # INDEX, GPU_UUID or MIG_UUID; "" for text that names no GPU
     text: str  # as given, stripped
+    value: int = -1  # the index, for INDEX
 
     @property
     def index(self) -> int:
-        return int(self.text) if self.kind == INDEX else -1
+        return self.value if self.kind == INDEX else -1
 
     def find(self, gpus: Iterable[KnownGpu]) -> list[Selected]:
         """Every GPU (or MIG instance) of `gpus` this names; [] when none does."""
@@ -72,8 +74,10 @@ class Selector:
 def selector(item: object) -> Selector:
     """What `item` (an int, or text as typed) names; kind "" when nothing."""
     text = str(item).strip()
-    if isinstance(item, int) or text.isdigit():
-        return Selector(INDEX, text)
+    if isinstance(item, int) or is_digits(text):
+        # BadNumber (an InvalidArgument) names a 23-digit or negative index; U+00B2 and U+0660
+        # are not digits here, so they name no GPU (check() says so).
+        return Selector(INDEX, text, parse_gpu_index(text, "GPU index"))
     if text.upper().startswith("MIG-"):
         return Selector(MIG_UUID, text)
     if _UUID.match(text):

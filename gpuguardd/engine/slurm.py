@@ -9,7 +9,8 @@ KillWait), outside the job's cgroup. What can still hold the job's GPUs:
    controller: the job is tracked in the freezer/devices/cpuset hierarchies, not name=systemd),
    cgroup v2 `.../slurmstepd.scope/job_<id>/...`;
 2. processes that escaped it (a launcher's daemonised workers, SGLang's DP workers): owned by
-   the job's user, holding one of the job's GPUs, and in no job's cgroup at all.
+   the job's user, holding one of the job's GPUs, and in no job's cgroup at all; never for a
+   job of root (SLURM_JOB_UID=0), whose "escaped" processes could be any system service.
 
 A process in another job's cgroup is never in scope, whoever owns it and whatever it holds.
 The job's GPUs come from SLURM_JOB_GPUS (or CUDA_VISIBLE_DEVICES), which in the epilog are
@@ -28,12 +29,13 @@ from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.engine.report import Report
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
+from gpuguardd.numbers import UID_MAX, parse_job_id, parse_uid, parse_uint
 
 # v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
 # (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:
 # /system.slice/slurmstepd.scope/job_42/step_0/user/task_0.
-_JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_\d+|slurmstepd\.scope)/job_(\d+)(?=/|$)")
-_JOB_ID = re.compile(r"^[0-9]{1,20}$")
+# [0-9], never \d: \d takes any Unicode digit, and a cgroup name is text anyone may choose.
+_JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_[0-9]+|slurmstepd\.scope)/job_([0-9]+)(?=/|$)")
 REASON_PREFIX = "slurm:"
 # A node's drain reason is shown in sinfo's table: one short line.
 MAX_REASON = 240
@@ -67,6 +69,10 @@ def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], b
     owner_job = job_of(holder.pid)
     if owner_job:
         return owner_job == job
+    if uid == ROOT_UID:
+        # Rule 2 for a root job would reach every root service and session on the job's GPUs
+        # (an exporter, an inference server under systemd): only its own cgroup is the job's.
+        return False
     return holder.uid == uid and not holder.container and on_job_gpus()
 
 
@@ -81,10 +87,10 @@ class EpilogJob:
         return f"{REASON_PREFIX}{self.job_id}"
 
 
-def _number(name: str, value: str) -> int:
-    if not value.isdigit() or len(value) > 10:
-        raise InvalidArgument(f"{name}={value[:40]!r} is not a number")
-    return int(value)
+# A device minor (/dev/nvidia<minor>): the kernel's minors are 20 bits (MINORBITS); which
+# minors are GPUs is gpu_selectors()' question.
+MAX_MINOR = 2**20 - 1
+ROOT_UID = 0
 
 
 def epilog_job(environ: Mapping[str, str]) -> EpilogJob:
@@ -93,17 +99,17 @@ def epilog_job(environ: Mapping[str, str]) -> EpilogJob:
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise InvalidArgument("--slurm-epilog: SLURM_JOB_ID is not set (run it as Slurm's Epilog=)")
-    if not _JOB_ID.match(job_id):
-        raise InvalidArgument(f"SLURM_JOB_ID={job_id[:40]!r} is not a job id")
+    # The request's own rule (check_request), so --local and the daemon agree on every id.
+    parse_job_id(job_id, "SLURM_JOB_ID")
     if "SLURM_JOB_UID" not in environ:
         raise InvalidArgument("--slurm-epilog: SLURM_JOB_UID is not set")
-    uid = _number("SLURM_JOB_UID", environ["SLURM_JOB_UID"])
+    uid = parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
     name = "SLURM_JOB_GPUS" if "SLURM_JOB_GPUS" in environ else "CUDA_VISIBLE_DEVICES"
     text = environ.get(name, "").strip()
     minors: list[int] = []
     if text not in _NO_GPUS:
         for item in text.split(","):
-            minor = _number(name, item.strip())
+            minor = parse_uint(item.strip(), name, MAX_MINOR)
             if minor not in minors:
                 minors.append(minor)
     return EpilogJob(job_id, uid, tuple(minors))
@@ -133,9 +139,8 @@ def check_request(request: SweepRequest) -> None:
         if request.slurm_uid != -1:
             raise InvalidArgument("slurm_uid given without slurm_job")
         return
-    if not _JOB_ID.match(request.slurm_job):
-        raise InvalidArgument(f"slurm_job {request.slurm_job[:40]!r} is not a Slurm job id")
-    if not 0 <= request.slurm_uid < 2**32 - 1:
+    parse_job_id(request.slurm_job, "slurm_job")
+    if not 0 <= request.slurm_uid <= UID_MAX:
         raise InvalidArgument("slurm_job needs slurm_uid, the job's user")
     if request.unit or request.container:
         raise InvalidArgument("slurm_job cannot be combined with unit or container")

@@ -37,6 +37,7 @@ from gpuguardd.engine.attribution import container_scope_label
 from gpuguardd.engine.enums import HolderKind
 from gpuguardd.engine.models import Holder, NvmlSnapshot
 from gpuguardd.engine.sweep import gpu_scope
+from gpuguardd.numbers import UINT32_MAX, is_digits
 from gpuguardd.systemd.rules import UnitState
 
 MAX_UNITS = 1024
@@ -61,7 +62,11 @@ def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int
     for token in (t.strip() for t in value.split(",")):
         if not token:
             continue
-        if token.isdigit():
+        if is_digits(token):
+            # A unit's environment is anyone's text: ASCII digits only, and an ordinal too
+            # long for a GPU index names no GPU (CUDA would stop there too).
+            if len(token) > 10 or int(token) > UINT32_MAX:
+                break
             if nvml.by_index(int(token)) is not None or not nvml.available:
                 gpus.add(int(token))
             continue

@@ -79,7 +79,7 @@ Units=sglang-*.service
     ("GraceSec=1\n", 1, "GraceSec: assignment outside of a [Section]"),
     ("[Sweep]\nDryRun=perhaps\n", 2, "[Sweep] DryRun: invalid boolean 'perhaps'"),
     ("[Sweep]\nProtectedExecutables=nvidia-persistenced\n", 2, "'nvidia-persistenced' is not an absolute path"),
-    ("[Sweep]\nReleasedBelowMiB=lots\n", 2, "[Sweep] ReleasedBelowMiB: invalid literal"),
+    ("[Sweep]\nReleasedBelowMiB=lots\n", 2, "[Sweep] ReleasedBelowMiB: number 'lots' is not a number"),
     ("[Sweep]\njust words\n", 2, "expected Key=value, got 'just words'"),
     ("[Daemon]\nPollIntervalSec=1ms\n", 2, "below the minimum"),
 ])

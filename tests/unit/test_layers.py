@@ -12,7 +12,7 @@ The layers (README "How it works"):
   daemon    the service: live state, runner, history, entry point
   cli       gpuguardctl
   exporter  gpuguard-exporter (a bus client, like the CLI)
-  leaves    errors, config, log, escaping, safetext, safefiles: shared by all, import no layer
+  leaves    errors, config, log, escaping, safetext, safefiles, numbers: shared by all, import no layer
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import gpuguardd
 PACKAGE = "gpuguardd"
 ROOT = Path(gpuguardd.__file__).resolve().parent
 LAYERS = ("engine", "bus", "systemd", "daemon", "cli", "exporter")
-LEAVES = ("errors", "config", "log", "escaping", "safetext", "safefiles")
+LEAVES = ("errors", "config", "log", "escaping", "safetext", "safefiles", "numbers")
 ALL_LAYERS = frozenset(f"{PACKAGE}.{name}" for name in LAYERS)
 
 # importer layer -> what it may not import (a layer, or a third-party top-level package).

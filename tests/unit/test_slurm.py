@@ -37,9 +37,9 @@ def test_epilog_environment() -> None:
     for env, needle in (({}, "SLURM_JOB_ID is not set"),
                         ({"SLURM_JOB_ID": "4;rm", "SLURM_JOB_UID": "0"}, "'4;rm'"),
                         ({"SLURM_JOB_ID": "4"}, "SLURM_JOB_UID is not set"),
-                        ({"SLURM_JOB_ID": "4", "SLURM_JOB_UID": "-1"}, "SLURM_JOB_UID='-1'"),
+                        ({"SLURM_JOB_ID": "4", "SLURM_JOB_UID": "-1"}, "SLURM_JOB_UID '-1'"),
                         ({"SLURM_JOB_ID": "4", "SLURM_JOB_UID": "0", "SLURM_JOB_GPUS": "0,GPU-1"},
-                         "SLURM_JOB_GPUS='GPU-1'")):
+                         "SLURM_JOB_GPUS 'GPU-1'")):
         with pytest.raises(InvalidArgument, match=needle.replace("(", r"\(")):
             epilog_job(env)
 
@@ -51,3 +51,17 @@ def test_device_minors_become_nvml_indices() -> None:
         gpu_selectors([5], gpus)
     selectors, warnings = gpu_selectors([2], [])
     assert selectors == ["2"] and "taken to be GPU 2" in warnings[0]
+
+
+def test_a_root_job_reaches_only_its_own_cgroup() -> None:
+    """SLURM_JOB_UID=0: rule 2 ("the job user's, in no job cgroup") would reach every root
+    service and session on the job's GPUs; for a root job only its cgroup is the job's."""
+    import os
+
+    from gpuguardd.engine.models import Holder
+    from gpuguardd.engine.slurm import in_job_scope, job_of
+    outside = Holder(pid=os.getpid(), comm="exporter", uid=0, unit="dcgm-exporter.service")
+    assert job_of(os.getpid()) == ""  # this test runs in no Slurm job
+    assert not in_job_scope(outside, "42", 0, lambda: True)
+    user = Holder(pid=os.getpid(), comm="worker", uid=1000, unit="session-3.scope")
+    assert in_job_scope(user, "42", 1000, lambda: True)

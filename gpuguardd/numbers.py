@@ -1,0 +1,72 @@
+"""Numbers read from outside (environment, command line, configuration, the bus), strictly.
+
+Python's int() takes any Unicode decimal digit (U+0660 ARABIC-INDIC DIGIT ZERO and U+1D7CE
+are 0, full-width "42" is 42), a sign, underscores and surrounding white space, and
+str.isdigit() is True for U+00B2 SUPERSCRIPT TWO, which int() then refuses with a traceback.
+Here a number is ASCII digits only, within the range of what it names, or a BadNumber (an
+InvalidArgument and a ValueError, so every caller's usual handler takes it) whose message
+names the value. Every entry point reads its numbers here:
+the CLI, the Slurm epilog (and so `--local` and the daemon alike), the configuration, the
+GPU selectors and the bus.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpuguardd.errors import InvalidArgument
+
+UINT32_MAX = 2**32 - 1
+# (uid_t)-1 is "no uid" to the kernel (setuid(-1) leaves it unchanged): never a user.
+UID_MAX = 2**32 - 2
+# Slurm job ids are 32-bit; 20 digits leaves room for array and het job forms that arrive
+# as one number, and no more: the id goes into a cgroup path match and a drain reason.
+JOB_ID_DIGITS = 20
+
+_DIGITS = re.compile(r"[0-9]+")
+# What an error message quotes of a value: enough to recognise it, never a flood.
+_SHOWN = 40
+
+
+class BadNumber(InvalidArgument, ValueError):
+    """A value that is not an ASCII decimal number in range; the message names it."""
+
+
+def shown(text: str) -> str:
+    """`text` as an error message quotes it: repr() (escapes controls), cut at 40 characters."""
+    return repr(text[:_SHOWN]) + ("..." if len(text) > _SHOWN else "")
+
+
+def is_digits(text: str) -> bool:
+    """Whether `text` is one or more ASCII digits and nothing else (no sign, space, newline)."""
+    return _DIGITS.fullmatch(text) is not None
+
+
+def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0) -> int:
+    """`text` as an integer in [minimum, maximum]; BadNumber names `what` and the value."""
+    if not is_digits(text):
+        raise BadNumber(f"{what} {shown(text)} is not a number (ASCII digits 0-9 only)")
+    # Compare lengths first: int() of a huge digit string is slow (and refused past 4300).
+    if len(text.lstrip("0")) > len(str(maximum)) or int(text) > maximum:
+        raise BadNumber(f"{what} {shown(text)} is too large (at most {maximum})")
+    value = int(text)
+    if value < minimum:
+        raise BadNumber(f"{what} {shown(text)} is below the minimum of {minimum}")
+    return value
+
+
+def parse_uid(text: str, what: str = "uid") -> int:
+    return parse_uint(text, what, UID_MAX)
+
+
+def parse_gpu_index(text: str, what: str = "GPU index") -> int:
+    """An NVML index: the bus carries it as a `u`, so anything past 2^32-1 is no GPU."""
+    return parse_uint(text, what, UINT32_MAX)
+
+
+def parse_job_id(text: str, what: str = "Slurm job id") -> str:
+    """A Slurm job id as its digits (the text is what goes on): the same rule for the epilog's
+    environment, `--local` and the daemon's `slurm_job` option."""
+    if not is_digits(text) or len(text) > JOB_ID_DIGITS:
+        raise BadNumber(f"{what} {shown(text)} is not a Slurm job id (1 to {JOB_ID_DIGITS} ASCII digits)")
+    return text
