@@ -32,7 +32,7 @@ from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.models import GpuSummary
 from gpuguardd.engine.report import Report
 from gpuguardd.safefiles import write_atomic
-from gpuguardd.systemd.rules import HOOK_PREFIX, WATCH_PREFIX
+from gpuguardd.systemd.rules import trigger
 
 TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
@@ -45,16 +45,10 @@ RELEASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 def trigger_of(report: Report) -> str:
-    """Who started a sweep, as a label: the ExecStopPost hook, the unit watch, a Slurm epilog,
-    or anyone else (an admin, a script)."""
-    requested_by = report.requested_by
-    if report.reason.startswith("slurm:"):
-        return "slurm"
-    if requested_by.startswith(HOOK_PREFIX):
-        return "hook"
-    if requested_by.startswith(WATCH_PREFIX):
-        return "watch"
-    return "manual"
+    """Who started a sweep, as a label: the ExecStopPost hook, the unit watch, a Slurm epilog
+    (each as the daemon recorded the caller: rules.trigger), or anyone else (an admin, a
+    script). Never from the reason, which is the caller's free text."""
+    return trigger(report.requested_by)
 
 
 def spared_why(why: str) -> str:
@@ -106,6 +100,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sweeps: dict[tuple[str, str], int] = {}
+        self._dry_runs = 0
         self._terminated: dict[str, int] = {}
         self._survived: dict[str, int] = {}
         self._spared: dict[str, int] = {}
@@ -122,6 +117,11 @@ class Metrics:
 
     def observe_report(self, report: Report) -> None:
         with self._lock:
+            if report.dry_run:
+                # Anyone may dry-run, as often as they like: counted apart, never in a series
+                # of real sweeps (their counts, durations, processes or last-sweep time).
+                self._dry_runs += 1
+                return
             # A report read back without a readable outcome counts as "other", as any value
             # outside the fixed set would.
             outcome = "other" if "outcome" in report.unread else report.outcome.value
@@ -138,12 +138,11 @@ class Metrics:
                 self._spared[why] = self._spared.get(why, 0) + 1
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
-            if not report.dry_run:
-                for gpu in report.gpus:
-                    # Not read back: nothing is known to have come back.
-                    after = gpu.memory_used_before if "memory_used_after" in gpu.unread \
-                        else gpu.memory_used_after
-                    self._reclaimed += max(0, gpu.memory_used_before - after)
+            for gpu in report.gpus:
+                # Not read back: nothing is known to have come back.
+                after = gpu.memory_used_before if "memory_used_after" in gpu.unread \
+                    else gpu.memory_used_after
+                self._reclaimed += max(0, gpu.memory_used_before - after)
             # A freed sweep ends the moment NVML shows the memory back: its duration is the
             # time from the request to the memory being usable again.
             if outcome == Outcome.FREED:
@@ -188,9 +187,11 @@ class Metrics:
     def _families(self) -> Iterator[Metric]:
         sweeps = CounterMetricFamily("gpuguard_sweeps", "Sweeps finished, by outcome and trigger.",
                                      labels=["outcome", "trigger"])
-        for (outcome, trigger), count in sorted(self._sweeps.items()):
-            sweeps.add_metric([outcome, trigger], count)
+        for (outcome, by), count in sorted(self._sweeps.items()):
+            sweeps.add_metric([outcome, by], count)
         yield sweeps
+        yield CounterMetricFamily("gpuguard_dry_runs", "Dry runs answered (anyone may ask for one).",
+                                  value=self._dry_runs)
         for name, documentation, label, counts in (
                 ("gpuguard_processes_terminated", "Processes ended by a sweep, by the signal that ended them.",
                  "signal", self._terminated),

@@ -27,6 +27,7 @@ from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.engine.wire import Wire
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.systemd import hooks
+from gpuguardd.systemd.rules import SLURM_PREFIX
 from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
@@ -35,12 +36,16 @@ log = logging.getLogger("gpuguard.service")
 _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
-def requested_by(caller: Caller, reason: str) -> str:
+def requested_by(caller: Caller, reason: str, slurm_job: str = "") -> str:
     """Who a sweep is recorded for. Only root (the ExecStopPost hook) may be just "hook:<unit>";
-    anyone else who says "hook:" is named as well, so the journal cannot be misled."""
+    anyone else who says "hook:" is named as well, so the journal cannot be misled. Root's
+    Slurm epilog (a `slurm_job` request) is "slurm:<job>". These bare forms are what the
+    metrics' trigger label is read from (rules.trigger), so only root's requests have them."""
     hook = hooks.requested_by_for_reason(reason)
     if hook:
         return hook if caller.is_root else f"{hook} via {caller.describe()}"
+    if slurm_job and caller.is_root:
+        return f"{SLURM_PREFIX}{slurm_job}"
     return caller.describe()
 
 
@@ -192,7 +197,7 @@ class Service:
         # to what it authorized: that is what runs (and what the watch sees).
         dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
         request.dry_run = dry_run
-        request.requested_by = requested_by(caller, request.reason)
+        request.requested_by = requested_by(caller, request.reason, request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
         await self.runner.validate(request)
         if request.unit:

@@ -20,6 +20,24 @@ RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating",
 # recorded as it, service.py) and the watcher's. One stop's automatic sweeps share one sweep.
 HOOK_PREFIX = "hook:"
 WATCH_PREFIX = "watch:"
+# requested_by of a Slurm epilog's sweep asked for by root (service.requested_by).
+SLURM_PREFIX = "slurm:"
+_TRIGGERS = ((HOOK_PREFIX, "hook"), (WATCH_PREFIX, "watch"), (SLURM_PREFIX, "slurm"))
+
+
+def trigger(requested_by: str) -> str:
+    """Who started a sweep: "hook", "watch", "slurm" or "manual", from the requested_by the
+    daemon wrote, never from a caller's words. Only the daemon's own forms are bare
+    ("hook:<unit>" and "slurm:<job>" for root, "watch:<unit>" for the watch); every other
+    caller is named with its uid ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."), which
+    has a space, so no reason or option text of theirs can pick the label."""
+    if " " in requested_by:
+        return "manual"
+    for prefix, label in _TRIGGERS:
+        if requested_by.startswith(prefix) and len(requested_by) > len(prefix):
+            return label
+    return "manual"
+
 
 # systemd's object path of a unit: this prefix, then the name with every byte outside
 # [A-Za-z0-9] written as _xx (sd_bus_path_encode).

@@ -57,7 +57,7 @@ def test_a_report_feeds_every_counter_with_bounded_labels() -> None:
         gpus=[{"memory_used_before": 40 * GiB, "memory_used_after": 0},
               {"memory_used_before": GiB, "memory_used_after": 2 * GiB}]))
     metrics.observe_report(report(outcome="survivors", requested_by="watch:x.service", duration_ms=20))
-    metrics.observe_report(report(outcome="made-up", reason="slurm:42", requested_by="uid 0"))
+    metrics.observe_report(report(outcome="made-up", reason="slurm:42", requested_by="slurm:42"))
     text = metrics.render().decode()
     promtool_check(text)
     got = samples(text)
@@ -85,6 +85,26 @@ def test_dry_runs_reclaim_nothing() -> None:
     metrics.observe_report(report(outcome="dry-run", dry_run=True,
                                   gpus=[{"memory_used_before": GiB, "memory_used_after": 0}]))
     assert samples(metrics.render().decode())[("gpuguard_memory_reclaimed_bytes_total", ())] == 0
+
+
+def test_the_trigger_is_who_asked_never_the_reason_and_dry_runs_count_apart() -> None:
+    """Issue 18: a nobody's dry run with reason "slurm:1" or "hook:x.service" was counted as a
+    Slurm or hook sweep. The label comes from requested_by as the daemon wrote it (root's bare
+    forms only), and a dry run is in gpuguard_dry_runs_total alone."""
+    metrics = Metrics()
+    nobody = "uid 65534 (nobody) :1.9"
+    for reason, by in (("slurm:1", nobody), ("hook:x.service", f"hook:x.service via {nobody}"),
+                       ("watch:x.service", nobody)):
+        metrics.observe_report(report(outcome="freed", reason=reason, requested_by=by))
+        metrics.observe_report(report(outcome="dry-run", dry_run=True, reason=reason, requested_by=by,
+                                      terminated=[{"signal": "SIGTERM"}]))
+    metrics.observe_report(report(outcome="dry-run", dry_run=True, requested_by="hook:y.service"))
+    got = samples(metrics.render().decode())
+    sweeps = {k[1]: v for k, v in got.items() if k[0] == "gpuguard_sweeps_total"}
+    assert sweeps == {(("outcome", "freed"), ("trigger", "manual")): 3}
+    assert got[("gpuguard_dry_runs_total", ())] == 4
+    assert got[("gpuguard_sweep_duration_seconds_count", ())] == 3
+    assert not any(k[0] == "gpuguard_processes_terminated_total" for k in got)
 
 
 def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
