@@ -4,10 +4,19 @@ call returns."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
-from tests.dbus_harness import MANAGER_PATH, GuardDaemon, wait_until
+from tests.conftest import GiB
+from tests.dbus_harness import (
+    MANAGER_PATH,
+    PYTHON,
+    GuardDaemon,
+    private_gpu,
+    private_holder,
+    wait_until,
+)
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -120,3 +129,44 @@ def test_a_call_still_running_when_the_daemon_stops_logs_no_traceback(daemon: Gu
     logs = daemon.stderr()
     assert "Traceback" not in logs and "raised an exception" not in logs, logs
     assert call.returncode != 0 and error, "the caller is told the call failed"
+
+
+def test_a_sweep_while_nvml_hangs_ends_unverified_and_gpuguardctl_exits_6(
+        daemon: GuardDaemon) -> None:
+    """issue 17 item 6: NVML hangs during a sweep's grace period. The holder is still ended,
+    but its memory cannot be verified: `unverified` (never `freed`), gpuguardctl's exit status
+    6, and every read meanwhile answers within NvmlTimeoutSec plus a little."""
+    host = daemon.host
+    host.write_config(f"PollIntervalSec=0.25\nNvmlTimeoutSec={int(NVML_TIMEOUT * 1000)}ms\n"
+                      "[Sweep]\nVerifyTimeoutSec=1\n")
+    daemon.start()
+    pid = private_holder(host, 2 * GiB, "--ignore-term")
+    gpu = private_gpu(host)
+    wait_until(lambda: daemon.property_is(f"{MANAGER_PATH}/gpu/{gpu}", GPU, "State", "in-use"), 10,
+               f"GPU {gpu} in use")
+    sweep = subprocess.Popen(
+        [PYTHON, "-m", "gpuguardd.cli.main", "sweep", "--json", "--gpu", str(gpu), "--grace", "2"],
+        env=daemon.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The sweep has found its target through NVML; now NVML stops answering for the GPU.
+        wait_until(lambda: f"sent SIGTERM to pid {pid}" in daemon.stderr(), 20, "the SIGTERM")
+        host.state.hang = [("nvmlDeviceGetMemoryInfo_v2", 3 * HANG_MS, gpu)]
+        host.publish()
+        wait_until(lambda: state_of(daemon, gpu) == "unknown", 5, f"GPU {gpu} unknown")
+        reads = [timed(lambda: daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")),
+                 timed(lambda: state_of(daemon, gpu)),
+                 timed(lambda: daemon.manager("GetHistory", "u", "5"))]
+        out, err = sweep.communicate(timeout=30)
+    finally:
+        host.state.hang = []
+        host.publish()
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.communicate()
+    assert max(reads) < REPLY_BOUND, reads
+    assert sweep.returncode == 6, (out, err)
+    report = json.loads(out)
+    assert report["outcome"] == "unverified" and report["verified"] is False, report
+    assert [(t["pid"], t["signal"]) for t in report["terminated"]] == [(pid, "SIGKILL")]
+    assert any("NVML hung" in warning for warning in report["warnings"]), report["warnings"]
+    assert daemon.manager("GetHistory", "u", "1")[0][0]["id"] == report["id"]
