@@ -22,7 +22,7 @@ APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
 APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
 
 .PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
-	install-python install-data uninstall deb rpm demo e2e cockpit install-cockpit
+	install-python install-data uninstall dist deb rpm demo e2e cockpit install-cockpit
 
 all: test
 
@@ -33,6 +33,7 @@ help:
 	@echo "make gpu-test   the real-GPU checks (tests/gpu; a machine with an NVIDIA GPU)"
 	@echo "make demo       the demo in a throwaway systemd container (root)"
 	@echo "make bench      the benchmarks (bench/)"
+	@echo "make dist       the release tarball, dist/gpuguard-<version>.tar.gz (packaging/README.md)"
 	@echo "make deb rpm    the packages; make install, uninstall; make man; make cockpit"
 
 # Debian packages the suite drives for real (dbus-daemon, busctl, gdbus, fuser, lsof, gcc for
@@ -197,8 +198,9 @@ endef
 
 install-python:
 	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBEXECDIR)/gpuguard
-	@# The modules, and the D-Bus interface they are built from (package data; a link to dbus/).
-	find gpuguardd \( -name '*.py' -o -name '*.xml' \) -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
+	@# The modules, and the D-Bus interface they are built from (package data, as setup.py builds it).
+	find gpuguardd -name '*.py' -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
+	$(INSTALL) -m 644 dbus/$(DBUS_NAME).xml $(DESTDIR)$(PYTHONDIR)/gpuguardd/bus/$(DBUS_NAME).xml
 	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
 	$(call entry_point,gpuguardd.cli.main,$(DESTDIR)$(BINDIR)/gpuguardctl)
 	$(call entry_point,gpuguardd.daemon.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
@@ -256,9 +258,12 @@ install-cockpit:
 		cockpit/dist/gpuguard.css cockpit/dist/gpuguard.js.LEGAL.txt $(DESTDIR)$(COCKPITDIR)/
 	$(INSTALL) -m 644 cockpit/dist/assets/* $(DESTDIR)$(COCKPITDIR)/assets/
 
-# The page is built here only where cockpit/dist is missing: a copy that carries the built page
-# (a release tarball, the e2e test's copy) installs without node or the npm registry.
-install: $(if $(wildcard cockpit/dist/gpuguard.js),,cockpit) install-python install-data install-cockpit
+# The page is (re)built where npm has installed its build tools, or where it is missing: a tree
+# that carries the built page and no node_modules (a release tarball) builds and installs
+# without node or the npm registry.
+PAGE := $(if $(wildcard cockpit/node_modules/.installed),cockpit,$(if $(wildcard cockpit/dist/gpuguard.js),,cockpit))
+
+install: $(PAGE) install-python install-data install-cockpit
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "gpuguard $(VERSION) installed; start it with: systemctl enable --now gpuguardd.service"
 
@@ -290,26 +295,58 @@ uninstall:
 	if [ -n "$$hooks" ]; then echo "hooks left in place (gpuguardctl hook remove before uninstalling):" $$hooks; fi
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 
-# The source tree as a package build sees it: what git tracks or would track (new files too,
-# ignored ones not), or without git everything but the usual build products.
+# This directory is a git checkout's top (not a tarball unpacked somewhere inside another one).
+IN_CHECKOUT := $(shell [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$(CURDIR)" ] && echo yes)
+
+# The source tree as a package build sees it, with the built Cockpit page: in a checkout what
+# git tracks or would track (new files too, ignored ones not); elsewhere (an unpacked release
+# tarball) every file and link but the usual build products.
 # $(call stage_source,DIR)
 define stage_source
 	rm -rf $(1) && mkdir -p $(1)
-	if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+	if [ -n "$(IN_CHECKOUT)" ]; then \
 		git ls-files -z --cached --others --exclude-standard; \
 	else \
-		find . \( -name .git -o -name .venv -o -name build -o -name dist -o -name '*.egg-info' \
-			-o -name __pycache__ -o -name '.*_cache' \) -prune -o -type f -print0; \
+		find . \( -path ./.git -o -path ./.venv -o -path ./.venv-nobody -o -path ./build -o -path ./dist \
+			-o -path ./cockpit/node_modules -o -path ./cockpit/dist -o -path ./tests/fakenvml/build \
+			-o -name '*.egg-info' -o -name __pycache__ -o -name '.*_cache' \) -prune \
+			-o \( -type f -o -type l \) -print0; \
 	fi | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C $(1)
+	cp -r cockpit/dist $(1)/cockpit/dist
 endef
+
+# The release tarball, what a distribution downloads: gpuguard-<version>/ with the built
+# Cockpit page (so that a package builds without node or the network). In a checkout the tree
+# of DIST_REF (git archive; DIST_REF=worktree: the working tree, as `make deb` sees it); in an
+# unpacked tarball, the tree itself.
+DIST_REF ?= HEAD
+DIST_STAGE = $(DIST_ABS)/dist-build/gpuguard-$(VERSION)
+# The commit to pack with git archive; empty: pack with stage_source.
+DIST_FROM_GIT := $(if $(IN_CHECKOUT),$(filter-out worktree,$(DIST_REF)))
+
+dist: $(PAGE)
+ifneq ($(DIST_FROM_GIT),)
+	@if [ "$(DIST_FROM_GIT)" = HEAD ] && [ -n "$$(git status --porcelain --untracked-files=no)" ]; then \
+		echo "make dist: packing HEAD; the uncommitted changes are not in the tarball" >&2; \
+	fi
+	rm -rf $(DIST_STAGE) && mkdir -p $(DIST_STAGE)
+	git archive --format=tar $(DIST_FROM_GIT) | tar -xf - -C $(DIST_STAGE)
+	cp -r cockpit/dist $(DIST_STAGE)/cockpit/dist
+else
+	$(call stage_source,$(DIST_STAGE))
+endif
+	tar --sort=name --owner=0 --group=0 --numeric-owner -C $(DIST_ABS)/dist-build -cf - gpuguard-$(VERSION) \
+		| gzip -n > $(DIST_ABS)/gpuguard-$(VERSION).tar.gz.tmp
+	mv $(DIST_ABS)/gpuguard-$(VERSION).tar.gz.tmp $(DIST_ABS)/gpuguard-$(VERSION).tar.gz
+	rm -rf $(DIST_ABS)/dist-build
+	@echo "built $(DIST)/gpuguard-$(VERSION).tar.gz"
 
 DEB_SRC = $(DIST_ABS)/deb-build/gpuguard-$(VERSION)
 
 # dpkg-buildpackage -us -uc -b on a copy with debian/ at its top; packaging/README.md.
-deb: cockpit
+deb: $(PAGE)
 	$(call stage_source,$(DEB_SRC))
 	cp -r packaging/debian $(DEB_SRC)/debian
-	cp -r cockpit/dist $(DEB_SRC)/cockpit/dist
 	@# The package's version is gpuguardd.__version__: a version the changelog does not have
 	@# yet gets an entry of its own in the copy.
 	@cl=$(DEB_SRC)/debian/changelog; \
@@ -332,10 +369,9 @@ RPM_TOP = $(DIST_ABS)/rpm-build
 # rpmbuild -bb; on a distribution without Fedora's Python and systemd RPM macros (Debian),
 # packaging/rpm/macros.fallback stands in for them and --nodeps skips the BuildRequires, which
 # rpm's empty database there cannot know.
-rpm: cockpit
+rpm: $(PAGE)
 	rm -rf $(RPM_TOP) && mkdir -p $(RPM_TOP)/SOURCES
 	$(call stage_source,$(RPM_TOP)/src/gpuguard-$(VERSION))
-	cp -r cockpit/dist $(RPM_TOP)/src/gpuguard-$(VERSION)/cockpit/dist
 	tar -czf $(RPM_TOP)/SOURCES/gpuguard-$(VERSION).tar.gz -C $(RPM_TOP)/src gpuguard-$(VERSION)
 	set -e; extra=; \
 	if [ -z "$$(rpm --eval '%{?pyproject_wheel}')" ]; then extra="--load=$(CURDIR)/packaging/rpm/macros.fallback"; fi; \

@@ -7,10 +7,11 @@ replies typed), each method's authorization rule (org.gpuguard.GpuGuard1.Authori
 gpuguardctl's call signatures and signal argument names. The file's header comment describes
 the annotations.
 
-The file travels with the code, as package data next to this module (in the source tree a
-link to dbus/, which stays the one copy): `make install`, the .deb and the .rpm install it
-there besides /usr/share/dbus-1/interfaces/, so the daemon serves the definition of the code
-it runs whatever the prefix or Python path.
+The file travels with the code, as package data next to this module: the build puts it there
+(setup.py's build_py for wheels, sdists, the .deb and the .rpm; `make install` copies it), so
+the daemon serves the definition of the code it runs whatever the prefix or Python path. The
+source tree has no copy and no link there (a link is lost by tools that copy regular files
+only, as a release tarball's build was): run from a checkout, the module reads dbus/ itself.
 
 No dbus_fast here: gpuguardctl and the tests read the contract without the bus library.
 """
@@ -26,7 +27,10 @@ from pathlib import Path
 from typing import Union
 
 XML_NAME = "org.gpuguard.GpuGuard1.xml"
-XML_PATH = Path(__file__).with_name(XML_NAME)
+_INSTALLED = Path(__file__).with_name(XML_NAME)
+# A checkout (tests, an editable install): the one copy, two levels up.
+_SOURCE_TREE = Path(__file__).resolve().parents[2] / "dbus" / XML_NAME
+XML_PATH = _INSTALLED if _INSTALLED.is_file() or not _SOURCE_TREE.is_file() else _SOURCE_TREE
 
 _PREFIX = "org.gpuguard.GpuGuard1."
 KEYS = _PREFIX + "Keys"  # on an argument or property: the dictionary it is

@@ -1,7 +1,7 @@
 """Packaging: bash completion, `make install`/`uninstall`, the .deb and the .rpm.
 
 The layout asserted here is the one packaging/README.md documents; the packages are built
-once per session by the Makefile's own targets (tests/packages.py).
+once per session by the Makefile's own targets (tests/packages.py), from the release tarball.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,13 +22,14 @@ import pytest
 
 from gpuguardd import __version__
 from gpuguardd.cli import main as cli
-from tests.packages import ROOT, build, build_dir, make, require_tools
+from tests.packages import ROOT, build, build_dir, make, release_tree, require_tools, tarball
 
 COMPLETION = ROOT / "completion" / "gpuguardctl"
 DBUS_NAME = "org.gpuguard.GpuGuard1"
-# The Python modules and their package data (the D-Bus interface XML the daemon serves).
-MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*")
-                 if p.suffix in (".py", ".xml"))
+# The Python modules and their package data: the D-Bus interface XML the daemon serves, which
+# the build copies from dbus/ (setup.py, make install).
+INTERFACE_XML = "gpuguardd/bus/org.gpuguard.GpuGuard1.xml"
+MODULES = sorted([str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*.py")] + [INTERFACE_XML])
 DROPIN_DIRS = sorted(p.name for p in (ROOT / "systemd" / "dropins").glob("*.service.d"))
 if TYPE_CHECKING:
     from tests.conftest import GpuHost
@@ -417,3 +421,66 @@ def test_spec_default_version_is_the_package_version() -> None:
     spec = (ROOT / "packaging" / "rpm" / "gpuguard.spec").read_text()
     match = re.search(r"%\{!\?gpuguard_version:%global gpuguard_version (\S+)\}", spec)
     assert match and match.group(1) == __version__
+
+
+# -- the release tarball (make dist) ---------------------------------------------------------
+
+def tarball_files(path: Path) -> set[str]:
+    """The tarball's files and links, relative to its one top folder gpuguard-<version>/."""
+    top = f"gpuguard-{__version__}/"
+    with tarfile.open(path) as archive:
+        members = archive.getmembers()
+    outside = [m.name for m in members if not (m.name + "/").startswith(top)]
+    assert outside == [], f"outside {top}: {outside}"
+    return {m.name.removeprefix(top) for m in members if not m.isdir()}
+
+
+def test_dist_packs_the_committed_tree_and_the_built_page(tools: None, tmp_path: Path) -> None:
+    """In a checkout `make dist` is `git archive HEAD` (the working tree's changes are not a
+    release), plus the Cockpit page a package build cannot make without node and the network."""
+    make("dist", f"DIST={tmp_path}")
+    committed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", "-z", "HEAD"],
+                               capture_output=True, text=True, check=True).stdout.split("\0")
+    page = {f"cockpit/dist/{f}" for f in tree(ROOT / "cockpit" / "dist")}
+    assert tarball_files(tmp_path / f"gpuguard-{__version__}.tar.gz") == {f for f in committed if f} | page
+    assert os.listdir(tmp_path) == [f"gpuguard-{__version__}.tar.gz"], "only the tarball is left"
+
+
+def test_the_unpacked_tarball_makes_the_same_tarball_and_carries_the_interface(tools: None) -> None:
+    """`make dist` in the tree a distribution unpacks (no .git) packs that tree again, and
+    the tree holds the one interface definition, no link (which a copy can lose)."""
+    unpacked = release_tree()
+    dist = unpacked.parent / "again"
+    try:
+        make("dist", f"DIST={dist}", cwd=unpacked)
+        assert tarball_files(dist / f"gpuguard-{__version__}.tar.gz") == tarball_files(tarball())
+    finally:
+        shutil.rmtree(dist, ignore_errors=True)
+    links = [str(p.relative_to(unpacked)) for p in unpacked.rglob("*") if p.is_symlink()]
+    assert links == [], f"links in the release tree: {links}"
+    assert (unpacked / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes() == \
+        (ROOT / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes()
+
+
+def test_sdist_and_its_wheel_carry_the_interface(tools: None, tmp_path: Path) -> None:
+    """What pip and pybuild build: the sdist holds dbus/, and the wheel built from it has the
+    XML where gpuguardd.bus.contract reads it."""
+    source = tmp_path / "src"
+    shutil.copytree(release_tree(), source, symlinks=True)
+    clean = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(tmp_path)}
+    done = subprocess.run(["/usr/bin/python3", "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "out"),
+                           str(source)], env=clean, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    with tarfile.open(tmp_path / f"out/gpuguard-{__version__}.tar.gz") as sdist:
+        assert f"gpuguard-{__version__}/dbus/org.gpuguard.GpuGuard1.xml" in sdist.getnames()
+    with zipfile.ZipFile(tmp_path / f"out/gpuguard-{__version__}-py3-none-any.whl") as wheel:
+        assert wheel.read(INTERFACE_XML) == (ROOT / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes()
+
+
+def test_deb_and_rpm_carry_the_interface_where_the_code_reads_it(tmp_path: Path) -> None:
+    """Built from the tarball: without it the installed daemon stops at ContractError."""
+    xml = (ROOT / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes()
+    subprocess.run(["dpkg-deb", "-x", str(build("deb")), str(tmp_path / "deb")], check=True)
+    assert (tmp_path / "deb/usr/lib/python3/dist-packages" / INTERFACE_XML).read_bytes() == xml
+    files = rpm_query("-l").split()
+    assert [f for f in files if f.endswith("/site-packages/" + INTERFACE_XML)], files

@@ -60,7 +60,7 @@ def call_error(interface: ContractInterface, member: str, *args: Any) -> DBusErr
 # -- the installed contract is the repository's file ----------------------------------------
 
 def test_the_package_reads_the_file_in_dbus() -> None:
-    # In the source tree the package data is a link to dbus/: one file, not a copy.
+    # In the source tree the package reads dbus/ itself: one file, no copy or link.
     assert contract.XML_PATH.resolve() == (ROOT / "dbus" / contract.XML_NAME).resolve()
     assert set(contract.contract().interfaces) == {MANAGER_INTERFACE, GPU_INTERFACE}
 
