@@ -61,12 +61,31 @@ class HolderFilter:
 def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> list[Holder]:
     """The holders `holder_filter` lets through: of a fresh scan (Engine.list_holders) or of
     one the daemon already has (ListHolders)."""
-    scope = Scope(gpus=holder_filter.gpus, unit=holder_filter.unit,
-                  container=holder_filter.container, mig=holder_filter.mig)
+    scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
+    on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
     return [h for h in holders
             if (holder_filter.include_protected or not h.protected)
             and (not holder_filter.container or container_matches(h.container, holder_filter.container))
-            and in_scope(h, scope)]
+            and in_scope(h, scope) and may_be_on(h, on)]
+
+
+def may_be_on(holder: Holder, on: Scope) -> bool:
+    """Whether `holder` may compute on `on`'s GPUs or MIG instances: what a listing and
+    `gpuguardctl check` go by. The sweep's rule (sweep.gpu_scope) leaves out a holder it
+    cannot place, as it must not end a tenant of another GPU; a check must not call a GPU free
+    for the same doubt. So a holder NVML does not list counts on every GPU whose node it holds,
+    and one whose GPU is unknown altogether (it holds only nvidia-uvm and nvidiactl) on all."""
+    if not on.gpus and not on.mig:
+        return True
+    if holder.nvml_gpus or holder.mig or holder.kind != HolderKind.COMPUTE:
+        # NVML (or a MIG caps node) says where it computes; a management client computes
+        # nowhere, and holds every GPU's node (nvidia-smi): shown where the sweep places it.
+        return in_scope(holder, on)
+    if not holder.node_gpus:
+        return True
+    # A MIG instance's parent GPU is not known here: a holder of GPU nodes only is placed by
+    # those nodes on whole GPUs, and in an instance by the sweep's rule.
+    return bool(set(holder.node_gpus) & set(on.gpus)) or in_scope(holder, on)
 
 
 def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:

@@ -89,7 +89,7 @@ def test_a_selector_of_loose_digits_names_no_gpu(text: str) -> None:
 
 @pytest.mark.parametrize("text", ["4294967296", "1" * 23])
 def test_a_selector_index_past_the_bus_range_is_an_error(text: str) -> None:
-    with pytest.raises(InvalidArgument, match="GPU index .* too large"):
+    with pytest.raises(InvalidArgument, match=r"GPU index .* too large"):
         selector(text)
     assert selector(" 3 ").index == 3 and selector(3).kind == INDEX
 
