@@ -123,6 +123,7 @@ class Daemon:
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(lambda: self.engine.config.poll_interval_sec))
+        self._spawn(service.resume.run(service.resume_work))
         interval = watchdog_interval()
         if interval:
             self._spawn(self._watchdog(interval))

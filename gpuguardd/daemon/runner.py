@@ -25,6 +25,7 @@ from typing import Protocol
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
+from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.engine.enums import Outcome
 from gpuguardd.engine.facade import Engine
 from gpuguardd.engine.models import SweepRequest
@@ -100,8 +101,10 @@ class LoopObserver:
 
 class SweepRunner:
     def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor,
-                 history: History, events: SweepEvents) -> None:
+                 history: History, events: SweepEvents,
+                 inflight: InFlightSweeps | None = None) -> None:
         self.engine = engine
+        self.inflight = inflight
         self.sweep_executor = sweep_executor
         self.io_executor = io_executor
         self.history = history
@@ -132,10 +135,22 @@ class SweepRunner:
             self.events.busy_changed(True)
         flight = InFlight(request, sweep_budget_sec(self.engine.config, request))
         self.in_flight.append(flight)
+        request.report_id = request.report_id or uuid.uuid4().hex
+        dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
+        kept = False
         try:
-            report = await loop.run_in_executor(
-                self.sweep_executor, self.engine.sweep, request,
-                LoopObserver(loop, self.events, flight))
+            # On disk before the first signal, so that a successor finishes what a crash cuts
+            # short (inflight.py); removed once the sweep is over, its report in the history.
+            if self.inflight is not None and not dry_run:
+                kept = await loop.run_in_executor(self.io_executor, self.inflight.add,
+                                                  InFlightSweep(request, flight.started_usec))
+            try:
+                report = await loop.run_in_executor(
+                    self.sweep_executor, self.engine.sweep, request,
+                    LoopObserver(loop, self.events, flight))
+            except GpuGuardError:
+                await self._forget(kept, request.report_id)  # it failed: nothing to finish
+                raise
             if flight not in self.in_flight:
                 # Recorded as interrupted at shutdown, and SweepFinished sent: that record
                 # stays the sweep's one record (a second one under the same id would give
@@ -145,10 +160,12 @@ class SweepRunner:
                             "%d process(es) ended, %d survived (the history keeps the "
                             "interrupted record)", report.id[:8], report.outcome,
                             len(report.terminated), len(report.survived))
+                await self._forget(kept, report.id)  # done after all: nothing to resume
                 return report
             self.in_flight.remove(flight)
             # Durable before anyone hears of it: a report the caller saw survives a crash.
             await self._record(request, report)
+            await self._forget(kept, report.id)
             self.events.sweep_finished(report)
         finally:
             if flight in self.in_flight:
@@ -159,6 +176,11 @@ class SweepRunner:
                 self.events.busy_changed(False)
         return report
 
+    async def _forget(self, kept: bool, report_id: str) -> None:
+        if kept and self.inflight is not None:
+            await asyncio.get_running_loop().run_in_executor(self.io_executor,
+                                                             self.inflight.remove, report_id)
+
     def budget_sec(self) -> float:
         """How long the running sweeps may still take, were they to run one after another
         (sweeps of one GPU wait for each other's locks)."""
@@ -166,14 +188,15 @@ class SweepRunner:
         return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
 
     async def record_interrupted(self) -> None:
-        """Record every sweep still running as it stands (at shutdown, its budget spent)."""
+        """Record every sweep still running as it stands (at shutdown, its budget spent).
+        Their in-flight records stay: the next gpuguardd finishes them (resume.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             request = flight.request
             # Without the sweep's own word on its scope, only the unit asked for is known.
             scope = flight.scope or ReportScope.from_dict({"unit": request.unit})
             report = Report(
-                id=flight.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
+                id=flight.report_id or request.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
                 requested_by=request.requested_by, scope=scope,
                 dry_run=bool(request.dry_run), reason=request.reason, outcome=Outcome.ERROR,
                 duration_ms=(time.time_ns() // 1000 - flight.started_usec) // 1000,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -18,8 +19,10 @@ from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
 from gpuguardd.daemon.history import History
+from gpuguardd.daemon.inflight import InFlightSweeps
 from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
+from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
@@ -61,7 +64,8 @@ class Service:
         self.auth = Authorizer(bus)
         self.fresh_scans = PerKey(FRESH_SCAN_INTERVAL_SEC)
         self.inventory = Inventory(engine, scan_executor, self)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self)
+        inflight = InFlightSweeps(engine.config.runtime_directory)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
@@ -84,7 +88,14 @@ class Service:
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
         self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
                                     lambda: self.inventory.snapshot, self.inventory.fresh_scan,
-                                    self.runner.run, lambda: self.engine.config.dry_run)
+                                    self.runner.run, lambda: self.engine.config.dry_run,
+                                    os.path.join(engine.config.runtime_directory, "units.json"))
+        # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
+        # the name is owned (Daemon.run).
+        self.resume = Resume(inflight,
+                             history, self.runner, self.unit_watch, lambda: self.engine.config,
+                             lambda: self.engine.config.watch_units, self.inventory.fresh_scan)
+        self.resume_work: list[Awaitable[Report | None]] = []
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
@@ -94,6 +105,7 @@ class Service:
         except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
             log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
         await self.unit_watch.start()
+        self.resume_work = await self.resume.claim()
 
     def config_changed(self) -> None:
         config = self.engine.config

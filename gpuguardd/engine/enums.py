@@ -26,6 +26,9 @@ class Outcome(WireEnum):
     ERROR = "error"
     # Processes ended, but without NVML nobody can say the memory came back: never "freed".
     UNVERIFIED = "unverified"
+    # gpuguardd died (a crash, a kill, an upgrade's restart) while the sweep ran; the report's
+    # `finished_by` names the sweep that finished it after the restart (daemon/resume.py).
+    INTERRUPTED = "interrupted"
 
 
 class GpuState(WireEnum):

@@ -292,7 +292,8 @@ class Engine:
 
             sweep = Sweep(scope, settings, scanner, self.snapshot,
                           requested_by=request.requested_by, reason=request.reason,
-                          observer=observer)
+                          observer=observer, report_id=request.report_id,
+                          resumes=request.resumes)
             sweep.report.warnings.extend(warnings)
             if not self.use_pidfd:
                 sweep.report.warnings.append(

@@ -197,6 +197,11 @@ class SweepRequest:
     # (it is answered, signalled and logged): any user may dry-run, and a flood of them must
     # never push a real sweep's record out of the history (README "Safety guarantees").
     audited: bool = True
+    # Set by the daemon only: the report's id, chosen before the sweep runs so that its
+    # in-flight record (daemon/inflight.py) names it, and the id of the interrupted sweep this
+    # one finishes (daemon/resume.py). Empty: a fresh id, resuming nothing.
+    report_id: str = ""
+    resumes: str = ""
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,8 @@ class Leak(WireRecord):
 
 @dataclass
 class Report(WireRecord):
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumes", "finished_by"})
+
     # Every field has a value from the start, so that the declaration order can be the wire's.
     id: str = ""
     started_usec: int = 0
@@ -161,3 +163,7 @@ class Report(WireRecord):
     leaks: list[Leak] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""
+    # A sweep cut short by the daemon's death and the one that finished it name each other
+    # (Outcome.INTERRUPTED; daemon/resume.py). Optional: absent from every other report.
+    resumes: str = ""
+    finished_by: str = ""

@@ -235,14 +235,15 @@ def _ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
 class Sweep:
     def __init__(self, scope: Scope, settings: SweepSettings, scanner: Scanner,
                  snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
-                 observer: SweepObserver | None = None) -> None:
+                 observer: SweepObserver | None = None, report_id: str = "",
+                 resumes: str = "") -> None:
         self.scope = scope
         self.settings = settings
         self.scanner = scanner
         self.snapshot = snapshot
         self.observer = observer or NullObserver()
-        self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
-                             requested_by=requested_by, reason=reason,
+        self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=requested_by, reason=reason, resumes=resumes,
                              scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
                              dry_run=settings.dry_run)
         self._t0 = time.monotonic()

@@ -95,7 +95,8 @@ class WireRecord:
                 kept[str(key)] = raw
         for name, (reader, stand_in, _) in specs.items():
             if name not in source:
-                unread.add(name)
+                if name not in cls.OPTIONAL:  # an optional key is absent where it does not apply
+                    unread.add(name)
                 values[name] = stand_in()
                 continue
             present.add(name)
@@ -242,6 +243,7 @@ def _fast_reader(cls: type[WireRecord]) -> Callable[[Wire], Any]:
         # nothing changes.
         scope["ALL"] = frozenset(names)
         scope["NONE_UNREAD"] = frozenset()
+        scope["OPTIONAL"] = frozenset(cls.OPTIONAL)
         scope["ALL_READ"] = _ReadBack(frozenset(names), {})
         lines += [" if n != len(d): return None",
                   f" r = cls({', '.join(init)})",
@@ -250,7 +252,7 @@ def _fast_reader(cls: type[WireRecord]) -> Callable[[Wire], Any]:
                   "  object.__setattr__(r, '_back', ALL_READ)",
                   " else:",
                   "  m = frozenset(missing)",
-                  "  object.__setattr__(r, 'unread', m)",
+                  "  object.__setattr__(r, 'unread', m - OPTIONAL)",
                   "  object.__setattr__(r, '_back', _ReadBack(ALL - m, {}))",
                   " return r"]
         exec("\n".join(lines), scope)  # the text is made of this class's field names only

@@ -110,6 +110,12 @@ class Systemd:
         value = await self.get(path, SERVICE_IFACE, "Environment")
         return [str(item) for item in value or []]
 
+    async def dropins(self, unit: str) -> list[str]:
+        """The unit's drop-in files (DropInPaths): whether gpuguard's hook applies to it."""
+        path = await self.unit_path(unit)
+        value = None if path is None else await self.get(path, UNIT_IFACE, "DropInPaths")
+        return [str(item) for item in value or []] if isinstance(value, list) else []
+
 
 async def local_systemd(address: str | None) -> tuple[Systemd | NoSystemd, MessageBus | None]:
     """systemd's manager on the system bus (or `address`), for a unit sweep outside the

@@ -51,6 +51,10 @@ log = logging.getLogger("gpuguard.unitwatch")
 DEDUPE_WINDOW_SEC = 10.0
 # Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
 REMEMBER_SEC = 300.0
+async def _now(value: Report | None) -> Report | None:
+    return value
+
+
 class SystemdView(Protocol):
     """What a unit sweep asks systemd (client.Systemd over the bus)."""
 
@@ -59,6 +63,8 @@ class SystemdView(Protocol):
     async def state(self, unit: str) -> UnitState | None: ...
 
     async def environment(self, unit: str) -> list[str]: ...
+
+    async def dropins(self, unit: str) -> list[str]: ...
 
 
 class NoSystemd:
@@ -70,6 +76,9 @@ class NoSystemd:
         return None
 
     async def environment(self, unit: str) -> list[str]:
+        return []
+
+    async def dropins(self, unit: str) -> list[str]:
         return []
 
 
@@ -98,6 +107,14 @@ class UnitSweeps:
 
         Returns None only when the watcher's sweep is skipped because the unit runs again.
         """
+        return await (await self.begin(request))
+
+    async def begin(self, request: SweepRequest) -> Awaitable[Report | None]:
+        """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
+        and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
+        returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
+        finishes this way before it owns its bus name, so a hook that asks again joins them.
+        """
         unit = normalize_unit_name(request.unit)  # already validated by the caller
         # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
         # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the
@@ -109,21 +126,25 @@ class UnitSweeps:
         if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
                      state.active_state)
-            return None
+            return _now(None)
         if not automatic:
-            return await self._sweep(unit, request, state)
+            return self._sweep(unit, request, state)
         key = (unit, state.invocation_id if state is not None else "")
         self._expire()
         remembered = self._recent.get(key)
         if remembered is not None and (key[1] or time.monotonic() - remembered[0] < DEDUPE_WINDOW_SEC):
             log.info("%s: this stop was already swept (%s); same report", unit, remembered[1].id[:8])
-            return remembered[1]
+            return _now(remembered[1])
         running = self._inflight.get(key)
         if running is not None:
             log.info("%s: joining the sweep already running for this stop", unit)
-            return await asyncio.shield(running)
+            return asyncio.shield(running)
         future: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
+        return self._own(key, future, unit, request, state)
+
+    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
+                   request: SweepRequest, state: UnitState | None) -> Report:
         try:
             report = await self._sweep(unit, request, state)
         except asyncio.CancelledError:
@@ -146,7 +167,10 @@ class UnitSweeps:
 
     async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None) -> Report:
         if not request.container and self.systemd.available:
-            request.adopted = await self._adopt(unit, request.include_management)
+            # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
+            # processes, by PID and start time, whatever the records lost with the crash.
+            adopted = set(request.adopted) | set(await self._adopt(unit, request.include_management))
+            request.adopted = sorted(adopted)
         report = await self.run(request)
         if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):

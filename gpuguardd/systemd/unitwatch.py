@@ -15,13 +15,16 @@ The unit watch, in pieces:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.engine.report import Report
+from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.client import Systemd, local_systemd
 from gpuguardd.systemd.rules import matches, unit_name_from_path
 from gpuguardd.systemd.unitsweep import (
@@ -52,12 +55,47 @@ class UnitWatch(UnitSweeps):
                  snapshot: Callable[[], NvmlSnapshot],
                  scan: Callable[[], Awaitable[ScanResult]],
                  run: Callable[[SweepRequest], Awaitable[Report]],
-                 dry_run_default: Callable[[], bool] = lambda: False) -> None:
+                 dry_run_default: Callable[[], bool] = lambda: False,
+                 records_path: str = "") -> None:
         systemd = Systemd(bus)
         super().__init__(systemd, scan, run, dry_run_default)
         self.patterns = patterns
         self.snapshot = snapshot
         self.watcher = UnitWatcher(bus, systemd, patterns(), self._stopped, self._active)
+        # What each unit held, kept in the runtime directory across the daemon's restarts:
+        # after a crash, the next daemon still knows a stopped unit's escaped workers.
+        self.records_path = records_path
+        self._saved = b""
+        self._load_records()
+
+    def _load_records(self) -> None:
+        if not self.records_path:
+            return
+        try:
+            fd = open_nofollow(self.records_path, os.O_RDONLY)
+            try:
+                text = os.read(fd, 64 * 1024 * 1024)
+            finally:
+                os.close(fd)
+            restored = self.records.restore(json.loads(text))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("unit records in %s not used: %s", self.records_path, exc)
+            return
+        log.info("%d unit record(s) kept from the previous gpuguardd", restored)
+
+    def _save_records(self) -> None:
+        if not self.records_path:
+            return
+        data = json.dumps(self.records.dump(), ensure_ascii=True).encode("ascii")
+        if data == self._saved:
+            return
+        try:
+            write_atomic(self.records_path, [data], prefix=".units.", mode=0o600, fsync=False)
+            self._saved = data
+        except OSError as exc:
+            log.warning("cannot keep the unit records in %s: %s", self.records_path, exc)
 
     async def start(self) -> None:
         try:
@@ -70,6 +108,7 @@ class UnitWatch(UnitSweeps):
 
     def observe(self, holders: Iterable[Holder]) -> None:
         self.records.observe(holders)
+        self._save_records()
 
     async def _active(self, state: UnitState) -> None:
         environment = await self.systemd.environment(state.unit)

@@ -133,7 +133,8 @@ def test_enums_are_their_values_everywhere() -> None:
         assert str(member) == f"{member}" == f"{member:s}" == member.value
         assert json.dumps(member) == json.dumps(member.value)
     assert {o.value for o in Outcome} == {"freed", "nothing-to-do", "survivors",
-                                          "memory-not-released", "dry-run", "error", "unverified"}
+                                          "memory-not-released", "dry-run", "error", "unverified",
+                                          "interrupted"}
     assert {s.value for s in GpuState} == {"idle", "in-use", "leaked", "lost", "unknown"}
     holder = Holder(pid=1, kind=HolderKind.COMPUTE, gpus_from=GpusFrom.NODES).to_dict()
     assert type(holder["kind"]) is str and holder["kind"] == "compute"

@@ -125,6 +125,9 @@ class FakeSystemd:
     async def environment(self, unit: str) -> list[str]:
         return self.environments.get(unit, [])
 
+    async def dropins(self, unit: str) -> list[str]:
+        return []
+
 
 class Harness:
     """A UnitWatch with a fake systemd, a fixed scan and a sweep that records its requests."""

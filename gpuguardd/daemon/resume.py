@@ -1,0 +1,184 @@
+"""What a starting gpuguardd finishes for the one before it, which died mid-work.
+
+Two things can be left over when the daemon dies (a crash, an OOM kill, SIGKILL, an upgrade
+that restarts it mid-sweep):
+
+* A sweep in flight (inflight.py has its request). It is recorded as `interrupted`, with
+  `finished_by` naming the sweep that finishes it, and swept again, same scope, same caller,
+  with `resumes` naming it. A sweep is safe to repeat: processes already gone are simply not
+  found. A unit's sweep is claimed before the daemon owns its bus name, so the stop hook,
+  which asks again once the daemon is back (cli/retry.py), joins it instead of running a
+  second one. Not swept again, only recorded: a record older than the sweep's own budget
+  plus RESUME_WINDOW_SEC (its GPUs may have been given to someone since), and a unit
+  sweep whose unit runs again (its new instance owns the GPUs).
+* A unit that stopped while no daemon watched: a watched unit, or one with gpuguard's
+  drop-in, that is stopped but whose processes still hold GPUs, in its cgroup
+  (KillMode=process leftovers) or escaped from it (the unit records, which unitwatch.py
+  keeps in the runtime directory). It is swept as `recovered:<unit>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from gpuguardd.config import Config
+from gpuguardd.daemon.history import History
+from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
+from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
+from gpuguardd.engine.enums import HolderKind, Outcome
+from gpuguardd.engine.models import ScanResult, SweepRequest
+from gpuguardd.engine.report import Report, ReportScope
+from gpuguardd.systemd.adoption import adoption_candidates
+from gpuguardd.systemd.hooks import DROPIN_FILE
+from gpuguardd.systemd.rules import matches
+from gpuguardd.systemd.unitsweep import UnitSweeps
+
+log = logging.getLogger("gpuguard.resume")
+
+# How long after its budget ran out an interrupted sweep is still swept again. The unit's
+# Restart=on-failure brings the daemon back in about a second; a daemon that stayed down
+# longer than this may find the GPUs in new hands, so it only records what was cut short.
+RESUME_WINDOW_SEC = 60.0
+RECOVERED_PREFIX = "recovered:"
+# Sweeps a unit is running again in: its new instance owns the GPUs.
+_RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
+
+
+def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") -> Report:
+    request = sweep.request
+    scope = ReportScope(gpus=[int(g) for g in request.gpus if g.isascii() and g.isdigit()],
+                        unit=request.unit, container=request.container,
+                        include_management=request.include_management,
+                        adopted_pids=[pid for pid, _ in request.adopted],
+                        slurm_job=request.slurm_job,
+                        slurm_uid=request.slurm_uid if request.slurm_job else None,
+                        grace_ms=request.grace_ms)
+    return Report(id=sweep.report_id, started_usec=sweep.started_usec,
+                  duration_ms=max(0, time.time_ns() // 1000 - sweep.started_usec) // 1000,
+                  requested_by=request.requested_by, reason=request.reason, scope=scope,
+                  dry_run=False, outcome=Outcome.INTERRUPTED, finished_by=finished_by,
+                  error=why)
+
+
+class Resume:
+    def __init__(self, inflight: InFlightSweeps, history: History, runner: SweepRunner,
+                 units: UnitSweeps, config: Callable[[], Config],
+                 patterns: Callable[[], Sequence[str]],
+                 scan: Callable[[], Awaitable[ScanResult]]) -> None:
+        self.inflight = inflight
+        self.history = history
+        self.runner = runner
+        self.units = units
+        self.config = config
+        self.patterns = patterns
+        self.scan = scan
+
+    async def _io(self, fn: Callable[..., object], *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self.runner.io_executor, fn, *args)
+
+    async def claim(self) -> list[Awaitable[Report | None]]:
+        """Before the bus name is owned: record what was cut short and claim the sweeps that
+        finish it; the awaitables returned run them (Service.start spawns them)."""
+        found = await asyncio.get_running_loop().run_in_executor(self.runner.io_executor,
+                                                                 self.inflight.load)
+        known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
+        work: list[Awaitable[Report | None]] = []
+        for sweep in found:
+            try:
+                started = await self._claim_one(sweep, sweep.report_id in known)
+            except Exception as exc:  # one bad record never keeps the daemon from serving
+                log.error("sweep %s cut short by the last gpuguardd: not finished: %s: %s",
+                          sweep.report_id[:8], type(exc).__name__, exc)
+                continue
+            if started is not None:
+                work.append(started)
+        return work
+
+    async def _claim_one(self, sweep: InFlightSweep, known: bool) -> Awaitable[Report | None] | None:
+        request = sweep.request
+        age = time.time() - sweep.started_usec / 1e6
+        limit = sweep_budget_sec(self.config(), request) + RESUME_WINDOW_SEC
+        why = ""
+        if age > limit:
+            why = (f"gpuguardd stopped during this sweep and was back only {age:.0f} s after it "
+                   f"began (more than {limit:.0f} s): not swept again, its GPUs may be in "
+                   "use by others since; sweep again if anything is left")
+        elif request.unit:
+            state = await self.units.systemd.state(request.unit) if self.units.systemd.available \
+                else None
+            if state is not None and state.active_state in _RUNS_AGAIN:
+                why = (f"gpuguardd stopped during this sweep; {request.unit} is "
+                       f"{state.active_state} again, so its new instance was not swept")
+        if why:
+            log.warning("sweep %s (%s): %s", sweep.report_id[:8], request.requested_by, why)
+            if not known:
+                await self._io(self.history.append, interrupted_report(sweep, why))
+            await self._io(self.inflight.remove, sweep.report_id)
+            return None
+        successor = dataclasses.replace(request, report_id=uuid.uuid4().hex,
+                                        resumes=sweep.report_id, adopted=list(request.adopted))
+        log.warning("sweep %s (%s) was cut short when gpuguardd stopped: sweep %s finishes it",
+                    sweep.report_id[:8], request.requested_by, successor.report_id[:8])
+        if not known:
+            # (Known: recorded as an error at a stop that outlasted its budget, which the
+            # contract keeps; the successor's `resumes` still links the two.)
+            await self._io(self.history.append, interrupted_report(
+                sweep, "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
+                       f"was running; sweep {successor.report_id} finished it",
+                finished_by=successor.report_id))
+        # The successor's record first, then the predecessor's goes: a crash in between
+        # leaves one of them to finish, never none.
+        await self._io(self.inflight.add, InFlightSweep(successor, time.time_ns() // 1000))
+        await self._io(self.inflight.remove, sweep.report_id)
+        if successor.unit:
+            return await self.units.begin(successor)
+        return self.runner.run(successor)
+
+    async def run(self, work: list[Awaitable[Report | None]]) -> None:
+        """After the name is owned: finish the claimed sweeps, then the stopped units."""
+        for report in await asyncio.gather(*work, return_exceptions=True):
+            if isinstance(report, BaseException):
+                log.error("a sweep finishing the last gpuguardd's failed: %s", report)
+            elif report is not None:
+                log.info("sweep %s finished sweep %s: %s", report.id[:8], report.resumes[:8] or "?",
+                         report.outcome)
+        await self.recover_units()
+
+    async def _hooked(self, unit: str) -> bool:
+        if matches(unit, self.patterns()):
+            return True
+        return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
+                   for path in await self.units.systemd.dropins(unit))
+
+    async def recover_units(self) -> list[Report]:
+        """Sweep the watched or hooked units that stopped while no daemon was there to."""
+        if not self.units.systemd.available:
+            return []
+        result = await self.scan()
+        self.units.records.observe(result.holders)
+        compute = [h for h in result.holders
+                   if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]
+        units = {h.unit for h in compute if h.unit} | set(self.units.records.units())
+        reports = []
+        for unit in sorted(units):
+            left = [h for h in compute if h.unit == unit]
+            escaped = adoption_candidates(unit, self.units.records.get(unit), result.holders)
+            if not left and not escaped:
+                continue
+            state = await self.units.systemd.state(unit)
+            if state is None or not state.stopped or not await self._hooked(unit):
+                continue
+            log.warning("%s stopped while gpuguardd was not running, and %d of its processes "
+                        "still hold GPUs: sweeping it", unit, len(left) + len(escaped))
+            reason = f"{RECOVERED_PREFIX}{unit}"
+            report = await self.units.sweep_unit(SweepRequest(
+                unit=unit, reason=f"{reason} state={state.active_state or 'unloaded'}",
+                requested_by=reason))
+            if report is not None:
+                reports.append(report)
+        return reports
