@@ -84,3 +84,23 @@ def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | Non
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+
+def journal_too(program: str, level: int, message: str) -> None:
+    """Also put `message` in the journal when stderr does not go there (an admin's terminal):
+    for the few lines an operator must find later, such as a daemon vanishing mid-sweep.
+    Best effort: no journal, no line, and never an error."""
+    if under_journald() or not os.path.exists(JOURNAL_SOCKET):
+        return
+    import socket
+
+    text = (f"PRIORITY={_PRIORITY.get(level, 6)}\nSYSLOG_IDENTIFIER={program}\n"
+            f"MESSAGE={escape_text(message)}\n")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(text.encode("utf-8", "backslashreplace"), JOURNAL_SOCKET)
+    except OSError:
+        pass

@@ -160,6 +160,25 @@ def connect(args: argparse.Namespace) -> Backend:
             f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
 
 
+def sweep_through_restarts(backend: Backend, request: SweepRequest,
+                           args: argparse.Namespace) -> Report:
+    """backend.sweep, finished even when gpuguardd dies during it (retry.py)."""
+    if isinstance(backend, LocalBackend):
+        return backend.sweep(request)
+    import dataclasses
+
+    from gpuguardd.cli import retry
+    from gpuguardd.cli.client import DBusBackend
+
+    def again() -> Report:
+        return DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
+
+    def local() -> Report:
+        return _local(args).sweep(dataclasses.replace(request))
+
+    return retry.sweep(lambda: backend.sweep(request), again, local, request)
+
+
 def _local(args: argparse.Namespace) -> Backend:
     if os.geteuid() != 0:
         log.warning("running --local as a non-root user: processes of other users are invisible")
@@ -308,7 +327,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                                    grace_ms=args.grace, dry_run=args.dry_run,
                                    include_management=args.include_management,
                                    reason=args.reason)
-            report = backend.sweep(request)
+            report = sweep_through_restarts(backend, request, args)
             output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
             return OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
         if args.verb == "check":
@@ -394,7 +413,7 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
 
         def work() -> None:
             try:
-                result.append(backend.sweep(request))
+                result.append(sweep_through_restarts(backend, request, args))
             except BaseException as exc:  # handed to the main thread
                 result.append(exc)
         worker = threading.Thread(target=work, name="gpuguard-epilog", daemon=True)

@@ -1,0 +1,68 @@
+"""A sweep that outlives gpuguardd: the caller finishes what the daemon's death cut short.
+
+When gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade restarting it), the bus
+answers the pending call with "Message recipient disconnected from message bus without
+replying", and the stop hook would exit with the unit's GPUs still held. Instead the same
+request is sent again once the daemon is back (systemd restarts it within seconds; the bus
+starts it on demand): a sweep is safe to repeat, and the restarted daemon, which finishes
+its predecessor's sweep itself (daemon/resume.py), lets the hook's second call join that
+sweep. If no daemon answers within RETRY_SEC, root sweeps with the local engine. The exit
+status is the finishing sweep's. The words go to stderr and, when that is a terminal, to
+the journal as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Report
+from gpuguardd.errors import DaemonUnavailable
+from gpuguardd.log import journal_too
+
+log = logging.getLogger("gpuguard.cli")
+
+# Under the drop-in's 80 s timeout even after a long sweep; systemd's Restart=on-failure
+# (RestartSec=1s) brings the daemon back in a second or two.
+RETRY_SEC = 30.0
+RETRY_INTERVAL_SEC = 0.5
+
+
+def _say(level: int, message: str) -> None:
+    log.log(level, "%s", message)
+    journal_too("gpuguardctl", level, message)
+
+
+def sweep(first: Callable[[], Report], again: Callable[[], Report],
+          local: Callable[[], Report], request: SweepRequest,
+          retry_sec: float = RETRY_SEC) -> Report:
+    """`first()` the sweep through the daemon; if the daemon vanishes during it, `again()`
+    (a new connection) until it answers or `retry_sec` pass, then `local()` as root."""
+    try:
+        return first()
+    except DaemonUnavailable as exc:
+        what = f"the sweep of {request.unit or 'its scope'}"
+        _say(logging.WARNING, f"gpuguardd stopped during {what} ({exc}); retrying")
+    deadline = time.monotonic() + retry_sec
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        time.sleep(RETRY_INTERVAL_SEC)
+        try:
+            report = again()
+        except DaemonUnavailable as exc:
+            last = exc
+            continue
+        _say(logging.WARNING, f"gpuguardd stopped during {what}; the restarted gpuguardd "
+                              f"finished it: sweep {report.id[:8]}, {report.outcome}")
+        return report
+    if os.geteuid() != 0:
+        raise DaemonUnavailable(f"gpuguardd stopped during {what} and did not come back within "
+                                f"{retry_sec:.0f} s ({last}); as root, sweep again with --local")
+    _say(logging.WARNING, f"gpuguardd stopped during {what} and did not come back within "
+                          f"{retry_sec:.0f} s ({last}); sweeping with the local engine")
+    report = local()
+    _say(logging.WARNING, f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
+    return report
