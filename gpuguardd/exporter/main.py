@@ -7,23 +7,22 @@ after a while without requests (the socket starts it again).
 
 What comes over the bus is parsed and rendered again with prometheus_client rather than
 relayed as bytes: a scraper only ever gets well-formed exposition, in the format it asked
-for (Prometheus text or OpenMetrics). Each request is bounded in time (client socket timeout,
-D-Bus call timeout) and served one at a time.
+for (Prometheus text or OpenMetrics). Connections are served concurrently and bounded (see
+"serving" below), so no local user can keep a scrape from being answered.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import email.parser
+import email.policy
 import logging
 import os
 import socket
-import socketserver
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -36,13 +35,13 @@ from gpuguardd import __version__
 from gpuguardd.bus.names import BUS_NAME, ENV_BUS_ADDRESS, MANAGER_INTERFACE, MANAGER_PATH
 from gpuguardd.config import parse_timespan
 from gpuguardd.log import setup_logging
+from gpuguardd.numbers import parse_uint
 
 log = logging.getLogger("gpuguard.exporter")
 
 SD_LISTEN_FDS_START = 3
 DEFAULT_LISTEN = "127.0.0.1:9835"
 CALL_TIMEOUT_SEC = 10.0
-CLIENT_TIMEOUT_SEC = 10.0
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # far above a 16-GPU node's few kB
 
 
@@ -68,17 +67,6 @@ async def _get_metrics(address: str | None, timeout: float) -> str:
     return text
 
 
-def fetch(address: str | None, timeout: float = CALL_TIMEOUT_SEC) -> str:
-    try:
-        return asyncio.run(asyncio.wait_for(_get_metrics(address, timeout), timeout))
-    except DaemonError:
-        raise
-    except (asyncio.TimeoutError, TimeoutError):
-        raise DaemonError(f"gpuguardd did not answer within {timeout:.0f} s") from None
-    except Exception as exc:  # connection refused, auth, parse errors of the bus library
-        raise DaemonError(f"{type(exc).__name__}: {exc}") from None
-
-
 class _Parsed:
     """A collector that yields the families parsed from the daemon's text."""
 
@@ -97,46 +85,176 @@ def render(text: str, accept: str | None) -> tuple[bytes, str]:
     return encoder(registry), content_type
 
 
-class Handler(BaseHTTPRequestHandler):
-    server_version = f"gpuguard-exporter/{__version__}"
-    timeout = CLIENT_TIMEOUT_SEC  # a client that sends nothing cannot hold the exporter
-    bus_address: str | None = None
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+# -- serving -----------------------------------------------------------------------------------
+# One event loop serves every connection: an idle or trickling client costs a coroutine, never
+# the one thread a scrape needs. Bounds: the whole request (line and headers) within
+# REQUEST_DEADLINE_SEC, not per read (a byte every 3 s is no longer patience forever); its size;
+# MAX_CONNECTIONS in all and MAX_PER_PEER from one address. A new connection is always taken:
+# when a bound is reached, the oldest connection still sending its request is closed instead,
+# so an attacker's idle connections make room for the scraper, never the reverse (a scraper
+# on this host shares 127.0.0.1 with any local user).
+REQUEST_DEADLINE_SEC = 5.0
+WRITE_DEADLINE_SEC = 10.0
+MAX_REQUEST_BYTES = 8192
+MAX_CONNECTIONS = 64
+MAX_PER_PEER = 16
+_TEXT = "text/plain; charset=utf-8"
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
+            503: "Service Unavailable"}
+
+
+class _Connection:
+    def __init__(self, peer: str, writer: asyncio.StreamWriter) -> None:
+        self.peer = peer
+        self.writer = writer
+        self.pending = True  # still sending its request: the one that may be closed for room
+
+
+class Exporter:
+    """The HTTP side: connections, their bounds, and scrapes sharing one GetMetrics call."""
+
+    def __init__(self, bus_address: str | None, call_timeout: float = CALL_TIMEOUT_SEC) -> None:
+        self.bus_address = bus_address
+        self.call_timeout = call_timeout
+        self.connections: list[_Connection] = []  # oldest first
+        self.handled = 0
+        self.last_request = time.monotonic()
+        self._fetching: asyncio.Future[str] | None = None
+
+    # -- connection bounds ---------------------------------------------------------------
+
+    def _admit(self, new: _Connection) -> None:
+        """Make room for `new` by closing the oldest connections still sending a request."""
+        same_peer = [c for c in self.connections if c.peer == new.peer]
+        for group, bound in ((same_peer, MAX_PER_PEER), (self.connections, MAX_CONNECTIONS)):
+            while len([c for c in group if c in self.connections]) >= bound:
+                victim = next((c for c in group if c.pending and c in self.connections), None)
+                if victim is None:
+                    break  # every one is being answered: each ends within its deadlines
+                self._drop(victim)
+        self.connections.append(new)
+
+    def _drop(self, connection: _Connection) -> None:
+        if connection in self.connections:
+            self.connections.remove(connection)
+        connection.writer.transport.abort()
+
+    # -- one connection ------------------------------------------------------------------
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+        connection = _Connection(peer, writer)
+        self._admit(connection)
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_DEADLINE_SEC)
+            except (asyncio.TimeoutError, TimeoutError):
+                await self._reply(writer, 408, b"request not received in time\n", _TEXT)
+                return
+            except asyncio.LimitOverrunError:
+                await self._reply(writer, 431, b"request too large\n", _TEXT)
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # closed before a whole request
+            connection.pending = False
+            self.handled += 1
+            self.last_request = time.monotonic()
+            await self._answer(writer, head)
+        except (ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
+            log.debug("%s: %s", peer, exc)
+        finally:
+            self._drop(connection)
+
+    async def _answer(self, writer: asyncio.StreamWriter, head: bytes) -> None:
+        request = _parse_request(head)
+        if request is None:
+            await self._reply(writer, 400, b"bad request\n", _TEXT)
+            return
+        method, path, accept = request
+        if method not in ("GET", "HEAD"):
+            await self._reply(writer, 405, b"only GET\n", _TEXT, head_only=False)
+            return
+        head_only = method == "HEAD"
         if path == "/":
-            self._send(200, b"gpuguard-exporter: metrics at /metrics\n", "text/plain; charset=utf-8")
+            await self._reply(writer, 200, b"gpuguard-exporter: metrics at /metrics\n", _TEXT, head_only)
             return
         if path != "/metrics":
-            self._send(404, b"not found: try /metrics\n", "text/plain; charset=utf-8")
+            await self._reply(writer, 404, b"not found: try /metrics\n", _TEXT, head_only)
             return
         try:
-            body, content_type = render(fetch(self.bus_address), self.headers.get("Accept"))
+            body, content_type = render(await self.metrics(), accept)
         except DaemonError as exc:
             log.warning("scrape failed: gpuguardd: %s", exc)
-            self._send(503, f"gpuguardd unavailable: {exc}\n".encode(errors="replace"),
-                       "text/plain; charset=utf-8")
+            await self._reply(writer, 503, f"gpuguardd unavailable: {exc}\n".encode(errors="replace"),
+                              _TEXT, head_only)
             return
         except ValueError as exc:
             log.error("scrape failed: unreadable metrics from gpuguardd: %s", exc)
-            self._send(502, b"unreadable metrics from gpuguardd\n", "text/plain; charset=utf-8")
+            await self._reply(writer, 502, b"unreadable metrics from gpuguardd\n", _TEXT, head_only)
             return
-        self._send(200, body, content_type)
+        await self._reply(writer, 200, body, content_type, head_only)
 
-    def _send(self, code: int, body: bytes, content_type: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    async def metrics(self) -> str:
+        """GetMetrics, one call at a time: scrapes that come while one is in flight share its
+        answer, so any number of clients cost the daemon one call."""
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch())
+            self._fetching.add_done_callback(self._fetched)
+        return await asyncio.shield(self._fetching)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+    def _fetched(self, future: asyncio.Future[str]) -> None:
+        self._fetching = None
+        if not future.cancelled():
+            future.exception()  # retrieved: each waiter gets it raised
+
+    async def _fetch(self) -> str:
+        try:
+            return await asyncio.wait_for(_get_metrics(self.bus_address, self.call_timeout),
+                                          self.call_timeout)
+        except DaemonError:
+            raise
+        except (asyncio.TimeoutError, TimeoutError):
+            raise DaemonError(f"gpuguardd did not answer within {self.call_timeout:.0f} s") from None
+        except Exception as exc:  # connection refused, auth, parse errors of the bus library
+            raise DaemonError(f"{type(exc).__name__}: {exc}") from None
+
+    @staticmethod
+    async def _reply(writer: asyncio.StreamWriter, code: int, body: bytes, content_type: str,
+                     head_only: bool = False) -> None:
+        head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\n"
+                f"Server: gpuguard-exporter/{__version__}\r\n"
+                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        writer.write(head if head_only else head + body)
+        # A client that does not read cannot hold its coroutine (or its buffer) for long.
+        await asyncio.wait_for(writer.drain(), WRITE_DEADLINE_SEC)
+
+
+def _parse_request(head: bytes) -> tuple[str, str, str] | None:
+    """(method, path, Accept) of an HTTP/1.x request head, or None when it is not one."""
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        return None
+    line, _, rest = text.partition("\r\n")
+    parts = line.split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[1].startswith("/"):
+        return None
+    try:
+        headers = email.parser.Parser(policy=email.policy.HTTP).parsestr(rest, headersonly=True)
+        accept = str(headers.get("Accept") or "")
+    except (ValueError, TypeError):
+        return None
+    return parts[0], parts[1].split("?", 1)[0], accept
 
 
 def listening_socket(listen: str) -> tuple[socket.socket, bool]:
     """The socket systemd passed (socket activation), else one bound to `listen`."""
-    if os.environ.get("LISTEN_PID") == str(os.getpid()) and int(os.environ.get("LISTEN_FDS", "0")) >= 1:
+    if os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS", "0") != "0":
+        parse_uint(os.environ.get("LISTEN_FDS", ""), "LISTEN_FDS", minimum=1)
         for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             os.environ.pop(name, None)
         return socket.socket(fileno=SD_LISTEN_FDS_START), True
@@ -145,44 +263,24 @@ def listening_socket(listen: str) -> tuple[socket.socket, bool]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
-    sock.listen(16)
+    sock.bind((host, parse_uint(port, "port", 65535)))
+    sock.listen(128)
     return sock, False
 
 
-class _Server(HTTPServer):
-    """HTTPServer on a socket it is given; one request at a time, counted, so the idle timer
-    knows a timeout from a request. It never creates a socket of its own: the unit allows
-    AF_UNIX only (the listening socket comes from systemd)."""
-
-    handled = 0
-
-    def __init__(self, sock: socket.socket, handler: type[BaseHTTPRequestHandler]) -> None:
-        address = sock.getsockname()
-        socketserver.BaseServer.__init__(self, address, handler)
-        self.socket = sock
-        self.server_name, self.server_port = str(address[0]), int(address[1])
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        self.handled += 1
-        super().finish_request(request, client_address)
+async def _serve(sock: socket.socket, exporter: Exporter, idle_exit: float) -> None:
+    server = await asyncio.start_server(exporter.handle, sock=sock, limit=MAX_REQUEST_BYTES)
+    async with server:
+        while True:
+            await asyncio.sleep(min(1.0, idle_exit) if idle_exit else 1.0)
+            busy = any(not c.pending for c in exporter.connections)
+            if idle_exit and not busy and time.monotonic() - exporter.last_request >= idle_exit:
+                log.info("no request for %.0f s; exiting (the socket starts it again)", idle_exit)
+                return
 
 
 def serve(sock: socket.socket, bus_address: str | None, idle_exit: float) -> None:
-    handler = type("BoundHandler", (Handler,), {"bus_address": bus_address})
-    server = _Server(sock, handler)
-    server.timeout = 1.0
-    last, seen = time.monotonic(), 0
-    try:
-        while True:
-            server.handle_request()
-            if server.handled != seen:
-                last, seen = time.monotonic(), server.handled
-            if idle_exit and time.monotonic() - last >= idle_exit:
-                log.info("no request for %.0f s; exiting (the socket starts it again)", idle_exit)
-                return
-    finally:
-        server.server_close()
+    asyncio.run(_serve(sock, Exporter(bus_address), idle_exit))
 
 
 def build_parser() -> argparse.ArgumentParser:

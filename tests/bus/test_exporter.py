@@ -106,7 +106,7 @@ def test_a_silent_client_cannot_hold_it(exporter: tuple[str, subprocess.Popen[st
     with socket.create_connection(("127.0.0.1", port), timeout=30) as silent:
         silent.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
         started = time.monotonic()
-        # Served one at a time: the next scrape waits for the silent one's timeout, no longer.
+        # Connections are served side by side: the silent one delays no scrape.
         code, _, _ = get(url + "/metrics")
         assert code == 200
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 5
