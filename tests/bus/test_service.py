@@ -39,6 +39,7 @@ from tests.dbus_harness import (
     private_gpu,
     private_holder,
     run,
+    unwrap_busctl,
     wait_until,
 )
 
@@ -460,6 +461,52 @@ def test_sighup_and_reload_keep_the_last_good_configuration(guard: GuardDaemon,
     host.config_path.write_text(good.replace("train-*", "infer-*"))
     assert guard.manager("Reload") == []
     assert guard.get_property(MANAGER_PATH, MANAGER, "WatchedUnits") == ["infer-*.service"]
+
+
+def test_a_broken_reload_during_a_sweep_leaves_it_and_the_daemon_alone(guard: GuardDaemon) -> None:
+    """issue 17 item 6: the configuration made invalid, then Reload and SIGHUP while a sweep is
+    in its grace period. Reload fails at once with the file and line, the sweep finishes with
+    the settings it started with and is recorded, and the daemon keeps serving."""
+    host = guard.host
+    assert guard.proc is not None
+    good = host.config_path.read_text()  # GraceSec=2 (tests/conftest.py)
+    pid = private_holder(host, 2 * GiB, "--ignore-term")
+    gpu = str(private_gpu(host))
+    sweep = subprocess.Popen(
+        ["busctl", f"--address={guard.address}", "call", "--json=short", BUS_NAME, MANAGER_PATH,
+         MANAGER, "Sweep", "a{sv}", "2", "gpus", "au", "1", gpu, "reason", "s", "during reload"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: f"sent SIGTERM to pid {pid}" in guard.stderr(), 20, "the SIGTERM")
+        host.config_path.write_text(good.replace("GraceSec=2", "GraceSec=30")
+                                    + "[Sweep]\nKillTimeout=1\n")
+        bad_line = len(good.splitlines()) + 2
+        result = guard.gdbus("--object-path", MANAGER_PATH, "--method", f"{MANAGER}.Reload")
+        assert INVALID in result.stderr, result.stderr
+        assert f"{host.config_path}:{bad_line}: [Sweep] KillTimeout: unknown key" in result.stderr
+        guard.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: guard.stderr().count("configuration not reloaded") >= 2, 10,
+                   "the SIGHUP's reload error")
+        # Both answered while the sweep was still in its grace period, and it still is.
+        assert guard.get_property(MANAGER_PATH, MANAGER, "Busy") is True
+        assert any(h["pid"] == pid for h in guard.manager("ListHolders", "a{sv}", "0")[0])
+        out, err = sweep.communicate(timeout=30)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.communicate()
+    assert sweep.returncode == 0, err
+    report = unwrap_busctl(json.loads(out)["data"][0])
+    assert report["outcome"] == "freed", report
+    assert [(t["pid"], t["signal"]) for t in report["terminated"]] == [(pid, "SIGKILL")]
+    assert report["scope"]["grace_ms"] == 2000 and report["duration_ms"] < 15_000
+    assert guard.manager("GetHistory", "u", "1")[0][0]["id"] == report["id"]
+    # Still serving, still on the last good configuration; a good file is taken again.
+    dry = guard.manager("Sweep", "a{sv}", "1", "dry_run", "b", "true")[0]
+    assert dry["scope"]["grace_ms"] == 2000
+    host.config_path.write_text(good.replace("GraceSec=2", "GraceSec=1"))
+    assert guard.manager("Reload") == []
+    assert guard.manager("Sweep", "a{sv}", "1", "dry_run", "b", "true")[0]["scope"]["grace_ms"] == 1000
 
 
 def test_sigterm_waits_for_the_running_sweep(guard: GuardDaemon) -> None:
