@@ -3,6 +3,8 @@
 // the event feed. Nothing here polls. React components read `model.state` and re-render on
 // the model's "changed" event.
 
+import { escaped, escapeText } from "./escape.js";
+
 const cockpit = window.cockpit;
 const _ = cockpit.gettext;
 
@@ -22,7 +24,10 @@ const MEMORY_HINT_MS = 1000;
 const SWEEP_SLACK_MS = 10 * 60 * 1000;
 const DEFAULT_GRACE_MS = 60 * 60 * 1000; // the daemon's upper bound when the page does not know
 
-// Variants arrive as {t, v}, also nested inside a{sv} values: plain values all the way down.
+// Variants arrive as {t, v}, also nested inside a{sv} values: plain values all the way down,
+// every string escaped for display (escape.js) where it comes in, as the CLI escapes all it
+// prints: process names, command lines, units and paths are whoever started the process's
+// text, and a bidi override or a control character must show as what it is.
 export function unwrap(value) {
     if (Array.isArray(value))
         return value.map(unwrap);
@@ -32,10 +37,10 @@ export function unwrap(value) {
             return unwrap(value.v);
         const out = {};
         for (const key of keys)
-            out[key] = unwrap(value[key]);
+            out[escapeText(key)] = unwrap(value[key]);
         return out;
     }
-    return value;
+    return typeof value === "string" ? escapeText(value) : value;
 }
 
 // One message for every way a call can fail: the daemon's own errors, the bus's, Cockpit's.
@@ -43,7 +48,8 @@ export function errorMessage(error) {
     if (!error)
         return _("Unknown error");
     const name = error.name || "";
-    const message = error.message || "";
+    // The daemon's messages quote what the caller sent (a GPU, a unit): escaped as the rest.
+    const message = escapeText(error.message || "");
     if (name === DBUS_ERROR + "NotAuthorized")
         return cockpit.format(_("Not authorized: $0"), message || _("gpuguardd refused the request."));
     if (name === DBUS_ERROR + "InvalidArgument")
@@ -61,7 +67,7 @@ export function errorMessage(error) {
         return _("Administrative access is required to sweep: turn it on in Cockpit's top bar.");
     if (error.problem === "disconnected" || error.problem === "terminated")
         return _("The connection to Cockpit was lost: reload the page.");
-    return message || cockpit.message(error);
+    return message || escapeText(cockpit.message(error));
 }
 
 function byIndex(a, b) {
@@ -288,7 +294,8 @@ export class GuardModel {
         this.update({ events: [event, ...this.state.events].slice(0, EVENTS_KEPT) });
     }
 
-    onSignal(signal, args) {
+    onSignal(signal, rawArgs) {
+        const args = escaped(rawArgs);
         if (signal === "SweepStarted") {
             const [id, scope] = args;
             this.update({ running: { id, scope: unwrap(scope), ended: [], started: Date.now() } });
