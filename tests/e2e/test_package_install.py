@@ -1,6 +1,7 @@
 """The .deb and `make install`, each in a throwaway systemd (tests/e2e/harness.py).
 
-The .deb: `apt-get install ./gpuguard_<version>_all.deb` enables and starts the daemon on
+Both from the release tarball, as a distribution builds (tests/packages.py: `make dist`,
+unpacked, no .git). The .deb: `apt-get install ./gpuguard_<version>_all.deb` enables and starts the daemon on
 Debian's own Python packages, a sweep works (first without NVML's binding, outcome
 "unverified"; then with the binding where gpuguardd(8) says to put it), the man pages and the
 completion work, and `apt-get purge` leaves nothing behind. `make install` / `make uninstall`
@@ -21,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from gpuguardd import __version__
-from tests.e2e.harness import FAKE_NVML_DIR, FAKE_NVML_STATE, REPO, Machine, wait_for
+from tests.e2e.harness import FAKE_NVML_DIR, FAKE_NVML_STATE, Machine, wait_for
 from tests.e2e.harness import require_tools as harness_tools
 from tests.fakenvml import FakeNvmlState, build_library
-from tests.packages import build, require_tools
+from tests.packages import build, release_tree, require_tools
 
 DEB_INSIDE = f"/var/tmp/gpuguard_{__version__}_all.deb"
 SOURCE_INSIDE = "/var/tmp/gpuguard-src"
@@ -270,13 +271,10 @@ def test_make_install_runs_the_service_and_uninstall_removes_it() -> None:
     try:
         machine.boot()
         before = gpuguard_paths(machine)
-        # A copy of the source tree, written from here (the repository may be read-only or
-        # hidden inside, e.g. under the container's own /tmp).
-        shutil.copytree(REPO, machine.path(SOURCE_INSIDE), symlinks=True, ignore=shutil.ignore_patterns(
-            ".venv", ".git", "build", "__pycache__", ".*_cache", "*.egg-info", "node_modules"))
-        # The built Cockpit page travels (the container has no network for npm); the packages
-        # built in ./dist do not.
-        shutil.rmtree(machine.path(SOURCE_INSIDE) / "dist", ignore_errors=True)
+        # The unpacked release tarball (with the built Cockpit page: the container has no
+        # network for npm), written from here (the host's copy may be hidden inside, e.g.
+        # under the container's own /tmp).
+        shutil.copytree(release_tree(), machine.path(SOURCE_INSIDE), symlinks=True)
         machine.run(["make", "install"], cwd=SOURCE_INSIDE, timeout=120)
         machine.systemctl("enable", "--now", "gpuguardd.service")
         wait_for("gpuguardd to answer",
