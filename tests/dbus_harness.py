@@ -103,20 +103,22 @@ PRIVATE_MAJOR = 122
 COMM = "gg-holder"
 
 
-def private_gpu(host: GpuHost) -> int:
-    """A GPU (NVML index 2) whose device node number no other process on the machine uses."""
-    node = host.dev / f"nvidia{PRIVATE_MINOR}"
+def private_gpu(host: GpuHost, minor: int = PRIVATE_MINOR) -> int:
+    """A GPU (the first one made: NVML index 2) whose device node number no other process on
+    the machine uses; another `minor` (174, 175...) makes another."""
+    node = host.dev / f"nvidia{minor}"
     if not node.exists():
         os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(PRIVATE_MAJOR, random.randrange(1 << 20)))
-        host.state.add_gpu(minor=PRIVATE_MINOR)
+        host.state.add_gpu(minor=minor)
         host.publish()
-    return len(host.state.gpus) - 1
+    return next(index for index, gpu in enumerate(host.state.gpus) if gpu.minor == minor)
 
 
-def private_holder(host: GpuHost, used: int = 2 * GiB, *extra: str) -> int:
-    """A compute process (NVML lists it) on the private GPU, started and owned by the test."""
-    index = private_gpu(host)
-    proc = host.spawn("--hold", str(host.dev / f"nvidia{PRIVATE_MINOR}"), "--comm", COMM, *extra,
+def private_holder(host: GpuHost, used: int = 2 * GiB, *extra: str,
+                   minor: int = PRIVATE_MINOR) -> int:
+    """A compute process (NVML lists it) on a private GPU, started and owned by the test."""
+    index = private_gpu(host, minor)
+    proc = host.spawn("--hold", str(host.dev / f"nvidia{minor}"), "--comm", COMM, *extra,
                       nvml=(index, used))
     return proc.pid
 

@@ -79,6 +79,28 @@ def file_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
+def test_power_loss_garbage_and_a_torn_tail_keep_the_rest(guard: GuardDaemon) -> None:
+    """issue 17 item 6: what a power cut can leave in the file (a block of zeros and junk where
+    a record was, the last record cut short in zeros): the readable reports are served, and
+    the next record is a line of its own."""
+    ids = [dry_sweep(guard, f"kept {n}") for n in range(3)]
+    assert guard.proc is not None
+    guard.proc.send_signal(signal.SIGKILL)
+    assert guard.stop() == -signal.SIGKILL
+    path = state_file(guard)
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 3
+    path.write_bytes(lines[0] + b"\0" * 300 + b"\xff\xfe\x89 junk\n" + lines[1] + lines[2]
+                     + b'{"id": "' + b"\0" * 100)
+    guard.start()
+    assert [r["id"] for r in guard.manager("GetHistory", "u", "0")[0]] == ids[::-1]
+    logs = guard.stderr()
+    assert "skipped 1 unreadable line(s) (line 2)" in logs, logs
+    assert "dropped an incomplete last record" in logs, logs
+    newest = dry_sweep(guard, "after the power cut")
+    assert file_ids(path) == [*ids, newest]
+
+
 def test_a_full_state_disk_ends_the_holders_and_keeps_the_record_for_later(
         daemon: GuardDaemon) -> None:
     """issue 17 item 6: the sweep still ends its holders and replies, the daemon says it could

@@ -1,8 +1,10 @@
-"""Many clients at once while a sweep runs: the event loop keeps answering, and answers right."""
+"""Many clients at once while sweeps run: the event loop keeps answering, and answers right;
+sweeps of one GPU never overlap, and each is in the history once."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any
 
@@ -16,6 +18,7 @@ from tests.dbus_harness import (
     COMM,
     MANAGER,
     MANAGER_PATH,
+    PRIVATE_MINOR,
     GuardDaemon,
     private_gpu,
     private_holder,
@@ -94,3 +97,68 @@ def test_hundred_clients_during_a_sweep(guard: GuardDaemon) -> None:
     assert [(t["pid"], t["signal"]) for t in report["terminated"]] == [(pid, "SIGKILL")]
     assert report["targets"][0]["comm"] == COMM
     assert guard.get_property(MANAGER_PATH, MANAGER, "Busy") is False
+
+
+POLLERS = 12
+GRACE_SWEEPS_MS = 1500
+
+
+async def poll_until(address: str, done: asyncio.Event) -> int:
+    """ListHolders, GetHistory and Busy, one after another until `done`: the calls answered."""
+    bus = await MessageBus(bus_address=address).connect()
+    answered = 0
+    try:
+        while not done.is_set():
+            for reply in (await call(bus, "ListHolders", "a{sv}", [{}]),
+                          await call(bus, "GetHistory", "u", [0]),
+                          await call(bus, "Get", "ss", [MANAGER, "Busy"],
+                                     interface="org.freedesktop.DBus.Properties")):
+                assert reply.message_type == MessageType.METHOD_RETURN, (reply.error_name, reply.body)
+                answered += 1
+    finally:
+        bus.disconnect()
+    return answered
+
+
+async def sweeps_under_polling(address: str, scopes: list[list[int]]) -> tuple[list[Message], list[int]]:
+    done = asyncio.Event()
+    pollers = [asyncio.ensure_future(poll_until(address, done)) for _ in range(POLLERS)]
+    await asyncio.sleep(0.2)  # the polling is under way before the first sweep
+    buses = [await MessageBus(bus_address=address).connect() for _ in scopes]
+    try:
+        replies = await asyncio.gather(*(
+            call(bus, "Sweep", "a{sv}", [{"gpus": Variant("au", gpus),
+                                          "grace_ms": Variant("u", GRACE_SWEEPS_MS)}])
+            for bus, gpus in zip(buses, scopes)))
+    finally:
+        done.set()
+        for bus in buses:
+            bus.disconnect()
+    return list(replies), list(await asyncio.gather(*pollers))
+
+
+def test_concurrent_sweeps_of_two_gpus_under_polling(guard: GuardDaemon) -> None:
+    """issue 17 item 6: five sweeps at once (two of GPU a, two of GPU b, one of both) while
+    twelve clients poll ListHolders, GetHistory and Busy. Every call is answered, sweeps of one
+    GPU do not overlap, each holder is ended by one sweep, each sweep is in the history once."""
+    host = guard.host
+    a, b = private_gpu(host), private_gpu(host, PRIVATE_MINOR + 1)
+    holders = {a: private_holder(host, 2 * GiB, "--ignore-term"),
+               b: private_holder(host, 2 * GiB, "--ignore-term", minor=PRIVATE_MINOR + 1)}
+    scopes = [[a], [b], [a, b], [a], [b]]
+    replies, answered = asyncio.run(sweeps_under_polling(guard.address, scopes))
+    for reply in replies:
+        assert reply.message_type == MessageType.METHOD_RETURN, (reply.error_name, reply.body)
+    reports: list[dict[str, Any]] = [unwrap(reply.body[0]) for reply in replies]
+    assert all(n > 0 for n in answered), answered
+    assert {r["outcome"] for r in reports} <= {"freed", "nothing-to-do"}, reports
+
+    ended = collections.Counter(t["pid"] for r in reports for t in r["terminated"])
+    assert ended == collections.Counter(holders.values()), ended
+    for gpu in (a, b):
+        spans = sorted((r["started_usec"], r["started_usec"] + r["duration_ms"] * 1000)
+                       for r, scope in zip(reports, scopes) if gpu in scope)
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start, f"two sweeps of GPU {gpu} overlapped: {spans}"
+    history = collections.Counter(r["id"] for r in guard.manager("GetHistory", "u", "0")[0])
+    assert all(history[r["id"]] == 1 for r in reports), history
