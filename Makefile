@@ -145,7 +145,8 @@ cockpit/dist/gpuguard.js: cockpit/node_modules/.installed $(COCKPIT_SOURCES)
 	cd cockpit && NODE_ENV=production node build.mjs
 
 # --- Man pages, installation, packages (packaging/README.md explains the layout) --------------
-VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' gpuguardd/__init__.py)
+VERSION_OF := sed -n 's/^__version__ = "\(.*\)"$$/\1/p'
+VERSION := $(shell $(VERSION_OF) gpuguardd/__init__.py)
 PREFIX ?= /usr
 DESTDIR ?=
 BINDIR ?= $(PREFIX)/bin
@@ -320,11 +321,13 @@ endef
 # of DIST_REF (git archive; DIST_REF=worktree: the working tree, as `make deb` sees it); in an
 # unpacked tarball, the tree itself.
 DIST_REF ?= HEAD
-DIST_STAGE = $(DIST_ABS)/dist-build/gpuguard-$(VERSION)
-# The commit to pack with git archive; empty: pack with stage_source.
+# The commit to pack with git archive (empty: pack with stage_source), and its version.
 DIST_FROM_GIT := $(if $(IN_CHECKOUT),$(filter-out worktree,$(DIST_REF)))
+DIST_VERSION := $(if $(DIST_FROM_GIT),$(shell git show $(DIST_FROM_GIT):gpuguardd/__init__.py 2>/dev/null | $(VERSION_OF)),$(VERSION))
+DIST_STAGE = $(DIST_ABS)/dist-build/gpuguard-$(DIST_VERSION)
 
 dist: $(PAGE)
+	@test -n "$(DIST_VERSION)" || { echo "make dist: no __version__ in gpuguardd/__init__.py of $(DIST_REF)" >&2; exit 1; }
 ifneq ($(DIST_FROM_GIT),)
 	@if [ "$(DIST_FROM_GIT)" = HEAD ] && [ -n "$$(git status --porcelain --untracked-files=no)" ]; then \
 		echo "make dist: packing HEAD; the uncommitted changes are not in the tarball" >&2; \
@@ -335,11 +338,11 @@ ifneq ($(DIST_FROM_GIT),)
 else
 	$(call stage_source,$(DIST_STAGE))
 endif
-	tar --sort=name --owner=0 --group=0 --numeric-owner -C $(DIST_ABS)/dist-build -cf - gpuguard-$(VERSION) \
-		| gzip -n > $(DIST_ABS)/gpuguard-$(VERSION).tar.gz.tmp
-	mv $(DIST_ABS)/gpuguard-$(VERSION).tar.gz.tmp $(DIST_ABS)/gpuguard-$(VERSION).tar.gz
+	tar --sort=name --owner=0 --group=0 --numeric-owner -C $(DIST_ABS)/dist-build -cf - gpuguard-$(DIST_VERSION) \
+		| gzip -n > $(DIST_ABS)/gpuguard-$(DIST_VERSION).tar.gz.tmp
+	mv $(DIST_ABS)/gpuguard-$(DIST_VERSION).tar.gz.tmp $(DIST_ABS)/gpuguard-$(DIST_VERSION).tar.gz
 	rm -rf $(DIST_ABS)/dist-build
-	@echo "built $(DIST)/gpuguard-$(VERSION).tar.gz"
+	@echo "built $(DIST)/gpuguard-$(DIST_VERSION).tar.gz"
 
 DEB_SRC = $(DIST_ABS)/deb-build/gpuguard-$(VERSION)
 
