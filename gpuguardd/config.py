@@ -75,6 +75,9 @@ class Config:
     # Which nvidia-caps minor opens which MIG instance (gpuguardd/mig.py); tests point it at
     # a file they write.
     mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"
+    # Where GPUs' runtime PM status is read (engine/runtimepm.py); tests point it at a tree
+    # of their own.
+    sysfs_path: str = "/sys"
     poll_interval_sec: float = 2.0
     # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
     nvml_timeout_sec: float = 5.0
@@ -223,6 +226,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Devices", "Paths"): ("device_paths", _absolute_list, True),
     ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),
     ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path, False),
+    ("Devices", "SysfsPath"): ("sysfs_path", _parse_absolute_path, False),
     ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(MAX_POLL_INTERVAL_SEC, 0.1), False),
     ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(MAX_NVML_TIMEOUT_SEC, 0.1), False),
     ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),

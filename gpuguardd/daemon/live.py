@@ -64,7 +64,7 @@ clock = time.monotonic  # the freshness rule's clock (tests move it)
 RESCAN_FACTOR = 500.0
 CHURN_FACTOR = 50.0
 
-GpuKey = tuple[str, tuple[int, ...], bool]
+GpuKey = tuple[str, tuple[int, ...], bool, bool]
 
 
 class InventoryListener(Protocol):
@@ -76,7 +76,7 @@ class InventoryListener(Protocol):
 def _nvml_key(snapshot: NvmlSnapshot) -> tuple[bool, tuple[GpuKey, ...]]:
     """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
     return snapshot.available, tuple(
-        (g.uuid, tuple(sorted(g.processes)), g.lost) for g in snapshot.gpus)
+        (g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
 
 
 class Inventory:

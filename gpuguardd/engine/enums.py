@@ -38,6 +38,9 @@ class GpuState(WireEnum):
     LOST = "lost"
     # NVML could not say how the GPU is (hung, or its handle or memory query failed): never "idle".
     UNKNOWN = "unknown"
+    # Runtime-suspended (powered down by the kernel's runtime PM): not asked, so as not to wake
+    # it; its memory figures are the last ones read.
+    SUSPENDED = "suspended"
 
 
 class HolderKind(WireEnum):

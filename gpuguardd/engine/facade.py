@@ -99,7 +99,8 @@ class Engine:
         self._config = config
         self._config_lock = threading.Lock()
         # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
-        self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec)
+        self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec,
+                                 sysfs=lambda: self.config.sysfs_path)
         self.use_pidfd = pidfds_supported() if use_pidfd is None else use_pidfd
         if not self.use_pidfd:
             log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
@@ -389,7 +390,9 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
     summaries = []
     for gpu in scan.nvml.gpus:
         holders = [h for h in scan.holders if gpu.index in h.gpus]
-        if gpu.lost:
+        if gpu.suspended:
+            state = GpuState.SUSPENDED  # never leaked: its figures are not current
+        elif gpu.lost:
             state = GpuState.LOST
         elif gpu.unknown:
             state = GpuState.UNKNOWN
@@ -415,7 +418,9 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
     out = []
     for instance in gpu.mig:
         tenants = [h for h in holders if instance.uuid in h.mig]
-        if gpu.lost:
+        if gpu.suspended:
+            state = GpuState.SUSPENDED
+        elif gpu.lost:
             state = GpuState.LOST
         elif gpu.unknown or (instance.error and not instance.memory_total):
             state = GpuState.UNKNOWN  # never idle on a figure that could not be read

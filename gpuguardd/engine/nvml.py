@@ -21,8 +21,14 @@ try:
 except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
     pynvml = None
 
-from gpuguardd.engine import nvmlprocs
-from gpuguardd.engine.driverinfo import DRIVER_GPUS_DIR, DriverGpu, fill_from_driver, read_driver_gpus
+from gpuguardd.engine import nvmlprocs, runtimepm
+from gpuguardd.engine.driverinfo import (
+    DRIVER_GPUS_DIR,
+    DriverGpu,
+    bus_key,
+    fill_from_driver,
+    read_driver_gpus,
+)
 from gpuguardd.engine.models import GpuInfo, MigInstance, NvmlSnapshot
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 
@@ -83,7 +89,8 @@ class Nvml:
     """
 
     def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
-                 driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
+                 driver_gpus_dir: str = DRIVER_GPUS_DIR,
+                 sysfs: str | Callable[[], str] = runtimepm.DEFAULT_SYSFS) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
@@ -100,10 +107,16 @@ class Nvml:
         # The last GPU count and driver NVML gave: what a hung snapshot still knows.
         self._last_count: int | None = None
         self._last_driver = ""
+        # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
+        self._sysfs = sysfs
 
     @property
     def timeout(self) -> float:
         return self._timeout() if callable(self._timeout) else self._timeout
+
+    @property
+    def sysfs(self) -> str:
+        return self._sysfs() if callable(self._sysfs) else self._sysfs
 
     def _ensure_init(self) -> bool:
         if self._initialized:
@@ -147,7 +160,7 @@ class Nvml:
                                     self.timeout, progress)  # type: ignore[arg-type]
         except NvmlHung as hung:
             snap = self._hung_snapshot(progress, hung)
-        if any(gpu.minor is None and (gpu.lost or gpu.unknown) for gpu in snap.gpus):
+        if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
             fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
 
@@ -222,13 +235,37 @@ class Nvml:
             self._last_driver, self._last_count = driver, count
             self.last_error = ""
             gpus = []
+            sysfs = self.sysfs
+            # Only the nvidia driver's own devices: an unrelated device that happens to sit
+            # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
+            bound = runtimepm.nvidia_bus_ids(sysfs)
             for index in range(count):
                 progress.gpu = index
-                gpus.append(self._gpu(index, with_processes))
+                identity = self._identity.get(index)
+                bus_id = bus_key(identity[3]) if identity is not None else (
+                    bound[index] if len(bound) == count else "")
+                if bus_id in bound and runtimepm.asleep(sysfs, bus_id):
+                    # Not one NVML call names it, not even its handle: any could resume it.
+                    gpus.append(self._asleep(index, bus_id))
+                else:
+                    gpus.append(self._gpu(index, with_processes))
                 progress.done.append(gpus[-1])
-                if not (gpus[-1].unknown or gpus[-1].lost):
+                if not (gpus[-1].unknown or gpus[-1].lost or gpus[-1].suspended):
                     self._seen[index] = gpus[-1]
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
+
+    def _asleep(self, index: int, bus_id: str) -> GpuInfo:
+        """A runtime-suspended GPU as it was last read: its identity and last memory figures
+        (none before its first read), its process lists empty (nothing runs on a GPU the
+        kernel powered down)."""
+        domain, _, rest = bus_id.partition(":")
+        # NVML's spelling ("00000000:01:00.0") until NVML itself has named it.
+        gpu = GpuInfo(index=index, suspended=True, pci_bus_id=f"{int(domain, 16):08X}:{rest.upper()}")
+        self._recall(gpu)
+        seen = self._seen.get(index)
+        if seen is not None and seen.uuid == gpu.uuid:
+            gpu.memory_total, gpu.memory_used = seen.memory_total, seen.memory_used
+        return gpu
 
     def _gpu(self, index: int, with_processes: bool) -> GpuInfo:
         gpu = GpuInfo(index=index)

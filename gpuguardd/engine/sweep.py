@@ -464,7 +464,7 @@ class Sweep:
     def _released(self, view: MemoryView) -> bool:
         gpu, instance = view
         memory: GpuInfo | MigInstance = gpu if instance is None else instance
-        if gpu.lost or gpu.unknown or (memory.error and not memory.memory_total):
+        if gpu.lost or gpu.unknown or gpu.suspended or (memory.error and not memory.memory_total):
             return False
         if self._foreign_pids(view):
             return False
@@ -486,6 +486,9 @@ class Sweep:
         if gpu.unknown or gpu.lost:
             # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
             return f"memory could not be read ({gpu.error or ('lost' if gpu.lost else 'unknown')})"
+        if gpu.suspended:
+            # Its figures are the last ones read: asking now would wake it (runtimepm.py).
+            return "memory not read: the GPU is runtime-suspended, and asking would wake it"
         listed = len(self._foreign_pids(view))
         if listed:
             return (f"memory not verified: NVML still lists {listed} process(es) by host PIDs, "

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 __all__ = [
+    "CALLS_ENV",
     "DEFAULT_GPU_NAME",
     "GIB",
     "LIBRARY_NAME",
@@ -42,12 +43,16 @@ __all__ = [
     "ProcKind",
     "Variant",
     "build_library",
+    "calls_per_gpu",
     "env_for",
 ]
 
 GIB = 2**30
 LIBRARY_NAME = "libnvidia-ml.so.1"
 STATE_ENV = "FAKE_NVML_STATE"
+# A file that gets a line "<gpu index> <function>" per NVML call naming a GPU (count_call in
+# fake_nvml.c): what a test reads to prove a GPU was never asked.
+CALLS_ENV = "FAKE_NVML_CALLS"
 DEFAULT_GPU_NAME = "NVIDIA H100 80GB HBM3"
 SOURCE = Path(__file__).with_name("fake_nvml.c")
 
@@ -143,6 +148,19 @@ def env_for(libdir: Path, state_path: Path) -> dict[str, str]:
     inherited = os.environ.get("LD_LIBRARY_PATH", "")
     search = str(libdir) if not inherited else f"{libdir}{os.pathsep}{inherited}"
     return {"LD_LIBRARY_PATH": search, STATE_ENV: str(state_path)}
+
+
+def calls_per_gpu(path: Path) -> dict[int, int]:
+    """{GPU index: NVML calls that named it} from a ``CALLS_ENV`` file (absent: none)."""
+    counts: dict[int, int] = {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return counts
+    for line in text.splitlines():
+        index = int(line.split(" ", 1)[0])
+        counts[index] = counts.get(index, 0) + 1
+    return counts
 
 
 def process_env(libdir: Path, state_path: Path, pythonpath: Path) -> dict[str, str]:

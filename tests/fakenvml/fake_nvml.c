@@ -8,7 +8,8 @@
  * hardware: the GPUs and the processes holding them are described by a text
  * file (path in $FAKE_NVML_STATE, default /run/fake-nvml/state) that is
  * re-read on every call, so a test can change the world between any two
- * calls of a running daemon.
+ * calls of a running daemon.  $FAKE_NVML_CALLS names a file that gets a
+ * line per call naming a GPU (count_call).
  *
  * State file, one record per line, '#' starts a comment:
  *
@@ -1009,6 +1010,29 @@ static nvmlReturn_t enter(const char *function)
     return forced_failure(function);
 }
 
+/* $FAKE_NVML_CALLS, when set, gets a line "<gpu index> <function>" for every
+ * call that names a GPU (its handle lookup included): the tests' proof that
+ * a runtime-suspended GPU is never asked, since any such call would wake a
+ * real one.  Appended whole (O_APPEND), so threads never interleave lines. */
+static void count_call(const char *function, unsigned int index)
+{
+    const char *path = getenv("FAKE_NVML_CALLS");
+    char line[FUNC_NAME_SIZE + 16];
+    int fd, n;
+    if (path == NULL || *path == '\0')
+        return;
+    n = snprintf(line, sizeof line, "%u %s\n", index, function);
+    if (n <= 0 || (size_t)n >= sizeof line)
+        return;
+    fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return;
+    if (write(fd, line, (size_t)n) != n) {
+        /* a short count only weakens the test's proof; nothing to report to */
+    }
+    close(fd);
+}
+
 static int handle_index(nvmlDevice_t device, unsigned int *index)
 {
     /* Compared as integers: relational operators on pointers into
@@ -1046,8 +1070,13 @@ static nvmlReturn_t enter_device(const char *function, nvmlDevice_t device, stru
     nvmlReturn_t rc = enter(function);
     if (rc != NVML_SUCCESS)
         return rc;
-    if (!handle_index(device, &index))
-        return mig_of_handle(device) != NULL ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
+    if (!handle_index(device, &index)) {
+        if (mig_of_handle(device) == NULL)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        count_call(function, mig_of_handle(device)->gpu);
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    count_call(function, index);
     forced_hang(function, (int)index);
     *gpu = &g_state.gpus[index];
     return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
@@ -1072,6 +1101,7 @@ static nvmlReturn_t enter_any(const char *function, nvmlDevice_t device, struct 
             return NVML_ERROR_INVALID_ARGUMENT;
         *gpu = &g_state.gpus[(*mig)->gpu];
     }
+    count_call(function, (unsigned int)(*gpu - g_state.gpus));
     /* A hang named for the GPU takes its instances with it. */
     forced_hang(function, (int)(*gpu - g_state.gpus));
     return (*gpu)->lost ? NVML_ERROR_GPU_IS_LOST : NVML_SUCCESS;
@@ -1247,6 +1277,7 @@ static nvmlReturn_t get_by_index(const char *function, unsigned int index, nvmlD
     if (rc == NVML_SUCCESS && (device == NULL || index >= g_state.gpu_count))
         rc = NVML_ERROR_INVALID_ARGUMENT;
     if (rc == NVML_SUCCESS) {
+        count_call(function, index);
         forced_hang(function, (int)index);
         rc = g_state.gpus[index].handle_error;
     }

@@ -135,7 +135,8 @@ def test_enums_are_their_values_everywhere() -> None:
     assert {o.value for o in Outcome} == {"freed", "nothing-to-do", "survivors",
                                           "memory-not-released", "dry-run", "error", "unverified",
                                           "interrupted"}
-    assert {s.value for s in GpuState} == {"idle", "in-use", "leaked", "lost", "unknown"}
+    assert {s.value for s in GpuState} == {"idle", "in-use", "leaked", "lost", "unknown",
+                                            "suspended"}
     holder = Holder(pid=1, kind=HolderKind.COMPUTE, gpus_from=GpusFrom.NODES).to_dict()
     assert type(holder["kind"]) is str and holder["kind"] == "compute"
     assert type(holder["gpus_from"]) is str and holder["gpus_from"] == "nodes"
