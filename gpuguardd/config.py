@@ -61,8 +61,8 @@ DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*")
 class Config:
     grace_sec: float = 10.0
     kill_timeout_sec: float = 5.0
-    # Covers SGLang's 16-26 s in D state after SIGKILL plus the release after it (README,
-    # "Real hosts": the timeout review); GraceSec + KillTimeoutSec + this stays under the
+    # Covers SGLang's 16-26 s in D state after SIGKILL plus the release after it
+    # (docs/real-hosts.md: the timeout review); GraceSec + KillTimeoutSec + this stays under the
     # drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pwd
 from typing import Any
 
-# Caps, in bytes of UTF-8 after escaping (README "Safety guarantees", gpuguard-dbus(7)).
+# Caps, in bytes of UTF-8 after escaping (docs/security.md, gpuguard-dbus(7)).
 STRING_MAX = 16384  # any string on the bus (marshal.py): the last line of defence
 CMDLINE_MAX = 4096
 PATH_MAX = 4096  # exe, cgroup, unit, container: the kernel's own PATH_MAX

@@ -4,7 +4,7 @@ dbus-fast's private internals).
 Supported: dbus-fast SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to, not
 including, SUPPORTED_BELOW; tested on 1.84.2 and 5.2.0 (tests/bus/test_dbus_compat.py runs
 every check below on both, the second through /usr/bin/python3). setup.cfg, the packages and
-the README state the same range.
+docs/architecture.md state the same range.
 
 Each workaround says which versions need it and what fixed it upstream, and is applied only
 there (the gates below). The regression test checks, on each installed version, that the bug

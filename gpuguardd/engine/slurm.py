@@ -43,7 +43,7 @@ MAX_REASON = 240
 UNVERIFIED_WORDS = ("memory cannot be verified", "memory could not be read", "memory not verified")
 # A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
 EPILOG_GRACE_MS = 2000
-# The whole epilog stays well under PrologEpilogTimeout (the README suggests 120 s).
+# The whole epilog stays well under PrologEpilogTimeout (docs/fleet.md suggests 120 s).
 EPILOG_DEADLINE_MS = 60_000
 # What SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES hold for a job without GPUs.
 _NO_GPUS = {"", "NoDevFiles"}

@@ -34,7 +34,7 @@ UNIT_SEARCH_PATH = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/li
 GPUGUARDCTL = "/usr/bin/gpuguardctl"
 # The sweep may take GraceSec (10 s) + KillTimeoutSec (5 s) + VerifyTimeoutSec (45 s) plus the
 # scans: 80 s fits under systemd's default TimeoutStopSec=90s, which also bounds ExecStopPost
-# (README, "Real hosts", reviews these against real workloads' exit times).
+# (docs/real-hosts.md reviews these against real workloads' exit times).
 # A unit with a shorter TimeoutStopSec cuts the hook short; the daemon finishes the sweep anyway.
 HOOK_TIMEOUT = "80s"
 HOOK_KILL_AFTER = "5s"

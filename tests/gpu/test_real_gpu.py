@@ -13,7 +13,7 @@ ctypes on libcuda.so.1), of one that only called cuInit and of one that only use
 asserts gpuguard calls the last `management`; then, after a dry run whose plan must hold only
 the test's own processes, sweeps a SIGTERM-ignoring holder and a forked child that inherited
 its fds, and times exit -> NVML list empty -> memory freed, without and with pinned host memory
-(cuMemHostAlloc). The last test prints a summary to paste into README.md ("Real hosts"); with
+(cuMemHostAlloc). The last test prints a summary to paste into docs/real-hosts.md; with
 GPUGUARD_GPU_SUMMARY=FILE it is also written there.
 
 Environment: GPUGUARD_TEST_GPU (NVML index, default 0), GPUGUARD_TEST_PINNED_GIB (default 8),
@@ -283,7 +283,7 @@ def test_idle_memory(gpu: Gpu) -> None:
                               f"reserved {v2.reserved // MiB} MiB, total {v2.total // MiB} MiB"
                               + (f" (NVML lists {len(others)} other process(es))" if others else ""))
     print(SUMMARY["idle memory"])
-    # What gpuguard relies on (issue 8 item 7): v1 used = v2 used + reserved.
+    # What gpuguard relies on: v1 used = v2 used + reserved.
     assert abs(int(v1.used) - int(v2.used) - int(v2.reserved)) <= 2 * MiB
 
 
@@ -395,7 +395,7 @@ def test_sweep_times_exit_list_and_release(gpu: Gpu, children: Children, tmp_pat
 
 
 def test_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    """Printed whatever -s says, for the README's "Real hosts" section."""
+    """Printed whatever -s says, for docs/real-hosts.md ("The real-GPU test")."""
     lines = ["Real-GPU test (`python3 -m pytest tests/gpu`):", ""]
     lines += [f"* {key}: {value}" for key, value in SUMMARY.items()]
     summary = "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """The benchmarks run, agree with their peers, and print their verdicts: at a tiny size, so they
-cannot rot. Speed itself is never asserted here; bench/ measures it (see the README)."""
+cannot rot. Speed itself is never asserted here; bench/ measures it (bench/README.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The supported dbus-fast range is stated once in compat.py and repeated, the same, in
-setup.cfg and the README; the installed dbus-fast is inside it."""
+setup.cfg and docs/architecture.md; the installed dbus-fast is inside it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from gpuguardd.bus import compat
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_setup_cfg_and_readme_state_the_range() -> None:
+def test_setup_cfg_and_docs_state_the_range() -> None:
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     requires = [line.strip() for line in config["options"]["install_requires"].splitlines()]
     assert f"dbus-fast{compat.supported_range()}" in requires, requires
-    assert f"supported versions {compat.supported_range()}" in (ROOT / "README.md").read_text()
+    assert f"supported versions {compat.supported_range()}" in (ROOT / "docs" / "architecture.md").read_text()
 
 
 def test_the_installed_dbus_fast_is_supported() -> None:

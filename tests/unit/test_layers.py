@@ -1,11 +1,11 @@
-"""The layers of gpuguardd, enforced: which package may import which (issue 10 item 3).
+"""The layers of gpuguardd, enforced: which package may import which.
 
 Every module of the package is parsed (never imported) and every import in it counts, also
 one inside a function (the CLI's lazy imports) or under `if TYPE_CHECKING:`: a layer that
 reaches another only lazily still depends on it. An AST walk needs no new dependency and
 sees exactly what import-linter would for these rules.
 
-The layers (README "How it works"):
+The layers (docs/architecture.md, "The layers"):
   engine    finds, attributes and ends GPU holders; no D-Bus, no daemon
   bus       the daemon's D-Bus face (connection, names, interfaces, marshalling, auth)
   systemd   unit rules, the systemd client, the watcher, the drop-in writer
@@ -187,12 +187,12 @@ def test_pure_modules_exist() -> None:
         assert all(t in found for t in targets if t.startswith(PACKAGE)), targets
 
 
-def test_the_readme_table_names_every_module_of_its_layer() -> None:
-    """README "The layers" is how a newcomer finds a module: a module added to a layer, or
-    moved, must show in that layer's row."""
-    readme = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+def test_the_layer_table_names_every_module_of_its_layer() -> None:
+    """docs/architecture.md "The layers" is how a newcomer finds a module: a module added to a
+    layer, or moved, must show in that layer's row."""
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     rows = {}  # layer -> the row's "what is in it" cell
-    for line in readme.splitlines():
+    for line in doc.splitlines():
         cells = line.split("|")
         if len(cells) > 3 and cells[1].strip().strip("`").rstrip("/") in LAYERS \
                 and cells[1].strip().endswith("/`"):
@@ -203,4 +203,4 @@ def test_the_readme_table_names_every_module_of_its_layer() -> None:
                if layer_of(module) in rows and module != f"{PACKAGE}.{layer_of(module)}"
                and f"`{module.rsplit('.', 1)[-1]}`" not in rows[layer_of(module)]]
     assert set(rows) == set(LAYERS) | {"leaves"}, sorted(rows)
-    assert not missing, f"README's layer table does not name: {missing}"
+    assert not missing, f"docs/architecture.md's layer table does not name: {missing}"
