@@ -17,7 +17,7 @@ APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproje
 # its lockfile pins; its browser tests run Debian's cockpit-ws/cockpit-bridge and headless
 # chromium (fonts for its screenshots). npm itself: see the deps target.
 APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
-# Fleet (issue 12): Prometheus metrics (the client library, the real node_exporter and Prometheus
+# Fleet: Prometheus metrics (the client library, the real node_exporter and Prometheus
 # servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
 APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
 
@@ -69,7 +69,7 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-# The tests by kind (README "Development"): tests/unit (no root, no services), tests/host (root
+# The tests by kind (docs/testing.md): tests/unit (no root, no services), tests/host (root
 # on this host), tests/bus (a private dbus-daemon), tests/cockpit (a browser), tests/packaging,
 # tests/e2e (real systemd), tests/gpu (a real GPU: never part of `make test`, CI has none).
 suite: deps venv cockpit
@@ -222,7 +222,7 @@ install-data: man
 	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
-	@# Slurm: the epilog and the report-only UnkillableStepProgram (README "Fleet").
+	@# Slurm: the epilog and the report-only UnkillableStepProgram (docs/fleet.md).
 	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d
 	set -e; for f in epilog.d/50-gpuguard unkillable-step; do \
 		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' slurm/$$f > build/install/slurm-script; \

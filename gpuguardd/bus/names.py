@@ -1,4 +1,4 @@
-"""Names of the D-Bus contract (API.md), shared by the daemon, the client and the tests."""
+"""Names of the D-Bus contract (docs/contract.md), shared by the daemon, the client and the tests."""
 
 from __future__ import annotations
 

@@ -42,11 +42,11 @@ OMITTED_KEY = names.OMITTED_KEY
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings")
 
 # What a reader needs of a report's entries (gpuguardctl's printer, the Cockpit page, scripts
-# per API.md): keys the contract does not promise in every entry, and whose empty value says
+# per docs/contract.md): keys the contract does not promise in every entry, and whose empty value says
 # no more than their absence ("" unit: none; [] mig: no MIG instance), are left out of each
 # entry on the wire. A host process's target then carries pid, comm, kind, gpus, gpu_memory and
 # exe, not two empty strings as well: GetHistory(10) of 20-target reports, 58.6 -> 47.6 KiB.
-# Every key API.md lists for an entry (terminated: pid, comm, unit, signal, exited_after_ms;
+# Every key docs/contract.md lists for an entry (terminated: pid, comm, unit, signal, exited_after_ms;
 # survived: state; gpus: index, uuid, memory_*, released) is always sent.
 OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
     "targets": ("unit", "container", "mig", "exe"),

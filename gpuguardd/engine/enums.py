@@ -1,6 +1,6 @@
 """The closed vocabularies of gpuguard's records: sweep outcomes, GPU states, holder kinds.
 
-Each is a `str` enum whose values are the contract's words (../shared/API.md), so a member
+Each is a `str` enum whose values are the contract's words (docs/contract.md), so a member
 compares, hashes, formats and serialises (json, D-Bus `s`) as its value: the wire does not
 change, and code names members instead of repeating strings. `enum.StrEnum` would do the
 same but needs Python 3.11; the explicit __str__ gives that behaviour on 3.9 and 3.10 too

@@ -140,7 +140,7 @@ class NvmlSnapshot:
 @dataclass
 class Holder(WireRecord):
     """A process holding an NVIDIA device or listed by NVML; its wire form is a ListHolders
-    entry (../shared/API.md, "A holder dict"), produced and read back by wire.py."""
+    entry (docs/contract.md, "A holder"), produced and read back by wire.py."""
 
     pid: int
     comm: str = ""
@@ -197,7 +197,7 @@ class SweepRequest:
     slurm_uid: int = -1
     # Whether the report goes into the audit history. A dry run by anyone but root does not
     # (it is answered, signalled and logged): any user may dry-run, and a flood of them must
-    # never push a real sweep's record out of the history (README "Safety guarantees").
+    # never push a real sweep's record out of the history (docs/security.md).
     audited: bool = True
     # Set by the daemon only: the report's id, chosen before the sweep runs so that its
     # in-flight record (daemon/inflight.py) names it, and the id of the interrupted sweep this

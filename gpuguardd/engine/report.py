@@ -1,6 +1,6 @@
 """A sweep's report and its entries, as typed records (wire.py: to_dict / from_dict).
 
-The fields are the contract's keys (../shared/API.md, "A report dict"), declared in the order
+The fields are the contract's keys (docs/contract.md, "A report"), declared in the order
 the wire has always carried them. Each entry that describes a process is built from the
 holder it is about by one builder here (Survivor.of, Spared.of, Target.of), so every list
 names a process the same way.

@@ -80,7 +80,7 @@ def file_ids(path: Path) -> list[str]:
 
 
 def test_power_loss_garbage_and_a_torn_tail_keep_the_rest(guard: GuardDaemon) -> None:
-    """issue 17 item 6: what a power cut can leave in the file (a block of zeros and junk where
+    """What a power cut can leave in the file (a block of zeros and junk where
     a record was, the last record cut short in zeros): the readable reports are served, and
     the next record is a line of its own."""
     ids = [dry_sweep(guard, f"kept {n}") for n in range(3)]
@@ -103,7 +103,7 @@ def test_power_loss_garbage_and_a_torn_tail_keep_the_rest(guard: GuardDaemon) ->
 
 def test_a_full_state_disk_ends_the_holders_and_keeps_the_record_for_later(
         daemon: GuardDaemon) -> None:
-    """issue 17 item 6: the sweep still ends its holders and replies, the daemon says it could
+    """The sweep still ends its holders and replies, the daemon says it could
     not keep the record, serves it meanwhile, and writes it once there is room."""
     host = daemon.host
     state = Path(host.root) / "state"

@@ -355,7 +355,7 @@ def test_other_user_without_polkit(guard: GuardDaemon) -> None:
     holders = guard.manager("ListHolders", "a{sv}", "0", as_nobody=True)[0]
     mine = next(h for h in holders if h["pid"] == pid)
     assert mine["cmdline"] == "" and mine["comm"] == COMM
-    # Another user's dry run is answered but not kept in the audit history (issue 9 item 6).
+    # Another user's dry run is answered but not kept in the audit history.
     assert dry["id"] not in [r["id"] for r in guard.manager("GetHistory", "u", "5", as_nobody=True)[0]]
     ctl = guard.ctl("sweep", "--gpu", str(gpu), as_nobody=True)
     assert ctl.returncode == 5, ctl.stderr
@@ -464,7 +464,7 @@ def test_sighup_and_reload_keep_the_last_good_configuration(guard: GuardDaemon,
 
 
 def test_a_broken_reload_during_a_sweep_leaves_it_and_the_daemon_alone(guard: GuardDaemon) -> None:
-    """issue 17 item 6: the configuration made invalid, then Reload and SIGHUP while a sweep is
+    """The configuration made invalid, then Reload and SIGHUP while a sweep is
     in its grace period. Reload fails at once with the file and line, the sweep finishes with
     the settings it started with and is recorded, and the daemon keeps serving."""
     host = guard.host

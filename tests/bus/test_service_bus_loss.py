@@ -1,4 +1,4 @@
-"""The bus daemon dies under gpuguardd (issue 17 item 6): gpuguardd exits non-zero within
+"""The bus daemon dies under gpuguardd: gpuguardd exits non-zero within
 seconds, idle or in a sweep's grace period, so systemd's Restart=on-failure brings it back on
 the restarted bus. Each test has a dbus-daemon of its own: the session's is shared."""
 

@@ -138,7 +138,7 @@ async def sweeps_under_polling(address: str, scopes: list[list[int]]) -> tuple[l
 
 
 def test_concurrent_sweeps_of_two_gpus_under_polling(guard: GuardDaemon) -> None:
-    """issue 17 item 6: five sweeps at once (two of GPU a, two of GPU b, one of both) while
+    """Five sweeps at once (two of GPU a, two of GPU b, one of both) while
     twelve clients poll ListHolders, GetHistory and Busy. Every call is answered, sweeps of one
     GPU do not overlap, each holder is ended by one sweep, each sweep is in the history once."""
     host = guard.host

@@ -1,4 +1,4 @@
-"""gpuguardd on a real bus while NVML hangs (issue 8 item 6): replies stay bounded, the
+"""gpuguardd on a real bus while NVML hangs: replies stay bounded, the
 watchdog keeps being fed, the hung GPU reads `unknown`, and all of it recovers when the stuck
 call returns."""
 
@@ -133,7 +133,7 @@ def test_a_call_still_running_when_the_daemon_stops_logs_no_traceback(daemon: Gu
 
 def test_a_sweep_while_nvml_hangs_ends_unverified_and_gpuguardctl_exits_6(
         daemon: GuardDaemon) -> None:
-    """issue 17 item 6: NVML hangs during a sweep's grace period. The holder is still ended,
+    """NVML hangs during a sweep's grace period. The holder is still ended,
     but its memory cannot be verified: `unverified` (never `freed`), gpuguardctl's exit status
     6, and every read meanwhile answers within NvmlTimeoutSec plus a little."""
     host = daemon.host

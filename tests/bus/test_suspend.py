@@ -1,4 +1,4 @@
-"""gpuguardd never wakes a runtime-suspended GPU (issue 21): not one NVML call names it.
+"""gpuguardd never wakes a runtime-suspended GPU: not one NVML call names it.
 
 The sysfs view is a directory of the test's own ([Devices] SysfsPath): bus/pci/devices/<bdf>/
 power/runtime_status for the fake GPUs' bus ids, and bus/pci/drivers/nvidia/<bdf> for the

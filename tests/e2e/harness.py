@@ -1,7 +1,7 @@
 """A throwaway machine running the real systemd as PID 1, and gpuguard installed in it.
 
 Used by the end-to-end tests (tests/e2e) and by `make demo` (demo/demo.py). The recipe is the
-one in /work/shared/E2E-NOTES.md, checked on these Debian 12 hosts:
+one in docs/testing.md, checked on Debian 12 hosts:
 
 * `/` is bind-mounted (not recursively) to a scratch directory, and `systemd-nspawn
   --volatile=overlay` boots it: every write inside lands in a tmpfs overlay and is gone when

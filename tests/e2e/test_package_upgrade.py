@@ -1,4 +1,4 @@
-"""An upgrade of the .deb on the real systemd, during a hook's sweep (issue 17).
+"""An upgrade of the .deb on the real systemd, during a hook's sweep.
 
 Two builds of the release tarball one version apart (tests/packages.py: the same tree with
 gpuguardd.__version__ set to V2). v1 is installed and sweeps once (its history has a report);

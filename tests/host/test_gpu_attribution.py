@@ -157,7 +157,7 @@ def test_process_in_compute_and_graphics_lists_is_counted_once(gpu_host: GpuHost
     host.publish()
     _, holders, _ = cli_json(host, "holders")
     assert {h["pid"]: h["gpu_memory"] for h in holders}[proc.pid] == 3 * GiB
-    # The driver counts it once too (the fake summed the two lists until issue 8 (c)).
+    # The driver counts it once too (the fake once summed the two lists).
     _, gpus, _ = cli_json(host, "gpus")
     assert [(g["state"], g["memory_used"]) for g in gpus] == [("in-use", 3 * GiB), ("idle", 0)]
     code, report, stderr = cli_json(host, "sweep", "--gpu", "0")

@@ -1,4 +1,4 @@
-"""The sweep history on a full disk (issue 17 item 6), on a real tmpfs: a report that cannot be
+"""The sweep history on a full disk, on a real tmpfs: a report that cannot be
 written is served from memory, cut back off the file, and appended once a little room is back,
 without needing room for a second copy of the file (tests/bus/test_history.py: the daemon)."""
 

@@ -1,4 +1,4 @@
-"""NVML faults against the engine (issue 8 item 6): a hung driver costs a caller at most the
+"""NVML faults against the engine: a hung driver costs a caller at most the
 timeout and later callers nothing; GPUs that cannot be read are `unknown`, never `idle`; a
 lost GPU's device nodes still map to it through /proc/driver/nvidia/gpus."""
 

@@ -221,7 +221,7 @@ class Namespace:
 
 def test_sweep_in_another_pid_namespace_never_claims_freed_on_foreign_pids(
         gpu_host: GpuHost) -> None:
-    """issue 8 (b). NVML names processes by host pids, which a daemon in a container cannot
+    """NVML names processes by host pids, which a daemon in a container cannot
     read: its own ended target's entry, and another tenant's. An empty list with the memory
     back is proof and reads `freed`; a list still naming someone is evidence of use that says
     neither `freed` (by mistaking a foreign pid for a local process) nor `memory-not-released`

@@ -1,4 +1,4 @@
-"""Slow release on real workloads (issue 8 item 5): a process that takes seconds to die after
+"""Slow release on real workloads: a process that takes seconds to die after
 SIGKILL (SGLang unpinning a large host cache in D state, sglang issue 31746) is waited for
 within VerifyTimeoutSec, and memory that stays held after the process left NVML's lists
 (sglang issue 31871) is waited for too, and reported when it never comes back."""

@@ -1,5 +1,5 @@
 """The contract XML as the one definition: what is derived from it, what it refuses, and
-authorization declared per method and denied by default (issue 10 items 1 and 4).
+authorization declared per method and denied by default.
 
 No restatement of the interface here: every expectation is read from the XML, or from a
 copy of it changed on purpose.

@@ -1007,7 +1007,7 @@ def test_concurrent_callers_see_whole_states(start: StartSession, state_path: Pa
     assert result == {"seen": [1 * GIB, 2 * GIB], "errors": []}
 
 
-# ---- what real drivers do that a kind fake would not (issue 8) -------------------------
+# ---- what real drivers do that a kind fake would not ----------------------------------
 
 
 def fd_targets(pid: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""The fake NVML's driver faults (issue 8 items 5 and 6), driven through the real pynvml:
+"""The fake NVML's driver faults, driven through the real pynvml:
 calls that hang holding the library's lock, per-GPU handle-lookup errors, and memory that
 stays held after the process has left NVML's lists."""
 

@@ -88,7 +88,7 @@ def test_dry_runs_reclaim_nothing() -> None:
 
 
 def test_the_trigger_is_who_asked_never_the_reason_and_dry_runs_count_apart() -> None:
-    """Issue 18: a nobody's dry run with reason "slurm:1" or "hook:x.service" was counted as a
+    """A nobody's dry run with reason "slurm:1" or "hook:x.service" was counted as a
     Slurm or hook sweep. The label comes from requested_by as the daemon wrote it (root's bare
     forms only), and a dry run is in gpuguard_dry_runs_total alone."""
     metrics = Metrics()

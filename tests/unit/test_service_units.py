@@ -82,7 +82,7 @@ def test_report_keys_get_the_contract_signatures() -> None:
 
 @pytest.mark.parametrize("adopted", [[], [4242, 4243]])
 def test_a_unit_sweeps_adopted_pids_are_au_as_the_contract_says(adopted: list[int]) -> None:
-    # API.md: the scope "carries ... adopted_pids au"; before the XML typed it, it went out
+    # docs/contract.md: the scope "carries ... adopted_pids au"; before the XML typed it, it went out
     # inferred: `at`, or `as` for an empty list.
     typed = marshal.scope({"gpus": [0], "unit": "a.service", "adopted_pids": adopted})
     assert typed["adopted_pids"] == Variant("au", adopted)

@@ -35,7 +35,7 @@ def test_empty_optional_keys_are_left_out_of_entries_only() -> None:
     # Not empty: kept, whatever the key. A GPU list is never optional (gpus [] stays).
     assert sent["targets"][1] == {k: v for k, v in report()["targets"][1].items() if k != "exe"}
     assert sent["targets"][1]["gpus"] == []
-    # Keys API.md lists for an entry stay, empty or not.
+    # Keys docs/contract.md lists for an entry stay, empty or not.
     assert sent["terminated"] == report()["terminated"]
     assert sent["survived"] == [{"pid": 12, "comm": "x", "state": "", "why": "zombie"}]
     assert sent["spared"] == [{"pid": 13, "comm": "y", "why": "protected"}]

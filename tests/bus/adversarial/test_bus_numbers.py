@@ -1,4 +1,4 @@
-"""Numbers on the bus read strictly (issue 18 item 3): a `gpus` option given as text (`as`)
+"""Numbers on the bus read strictly: a `gpus` option given as text (`as`)
 with digits int() takes but ASCII does not ("\\u00b2" made int() raise, a traceback and
 Failed; "\\u0660" named GPU 0), or an index past a `u`, is InvalidArgument naming the value,
 for any caller; and a Slurm job id with a trailing newline is refused, as `--local` refuses it."""

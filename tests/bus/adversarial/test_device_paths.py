@@ -1,4 +1,4 @@
-"""issue 9 item 10: `[Devices] Paths` took anything. A node with /dev/null's numbers, or a
+"""`[Devices] Paths` took anything. A node with /dev/null's numbers, or a
 regular file, made every process holding /dev/null (or the file) a "management" holder that
 `--include-management` then killed. Now only character devices of an NVIDIA driver's major
 (/proc/devices) or of a major in `[Devices] AllowMajors=` count; the rest is refused with a

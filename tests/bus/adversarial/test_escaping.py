@@ -1,4 +1,4 @@
-"""Terminal and log injection (issue 9 item 7): a process named with escape sequences or a
+"""Terminal and log injection: a process named with escape sequences or a
 newline gets nothing raw into gpuguardctl's human output or the daemon's journal lines.
 
 The attacker chooses a holder's comm (prctl) and argv. Raw, `\\x1b[2J` clears the admin's

@@ -1,4 +1,4 @@
-"""Issue 18 item 1: any local user blinded gpuguard-exporter. It served one connection at a
+"""Any local user blinded gpuguard-exporter. It served one connection at a
 time, so five idle TCP connections, or one client sending a header byte every few seconds
 (the timeout was per read), kept every scrape from being answered. Now idle and slow clients
 cost a coroutine each, the whole request has a deadline, and a full house of them makes room

@@ -1,4 +1,4 @@
-"""Forged signals (issue 9 item 4): any user may send any signal straight to a connection's
+"""Forged signals: any user may send any signal straight to a connection's
 unique name, with the member, path and interface of its choice; match rules only filter
 broadcasts. A NameOwnerChanged("org.freedesktop.systemd1", old, "") from a user made gpuguardd
 believe systemd had left: [Watch] Units and escaped-leftover adoption stopped, silently.

@@ -1,4 +1,4 @@
-"""Issue 18: metrics could be forged. A `nobody` dry run with reason "slurm:1" or
+"""Metrics could be forged. A `nobody` dry run with reason "slurm:1" or
 "hook:x.service" was counted in gpuguard_sweeps_total under trigger="slurm" / "hook". The
 trigger comes from who asked (root's hook, the watch, root's Slurm epilog), never from a
 reason text, and dry runs are counted apart, so no one can inflate a real-sweep series."""

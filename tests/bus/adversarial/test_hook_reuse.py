@@ -1,4 +1,4 @@
-"""A dry run must never stand for the stop hook's sweep (issue 9 item 3).
+"""A dry run must never stand for the stop hook's sweep.
 
 Anyone may ask for a dry run, with any reason. `nobody` called SweepUnit(dry_run, reason
 "hook:<unit> ...") while the unit stopped; when the real hook (root) came, the daemon said

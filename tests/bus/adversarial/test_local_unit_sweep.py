@@ -1,4 +1,4 @@
-"""One code path for unit sweeps (issue 9): `gpuguardctl sweep --local --unit U` skipped the
+"""One code path for unit sweeps: `gpuguardctl sweep --local --unit U` skipped the
 unit adoption and one-sweep-per-stop of the daemon, so the drop-in's fallback (no daemon)
 left U's escaped leftovers alive. Both now call unitsweep.UnitSweeps.sweep_unit.
 

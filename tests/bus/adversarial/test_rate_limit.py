@@ -1,4 +1,4 @@
-"""Anyone can keep the daemon busy (issue 9 item 8): 2,000 ListHolders(fresh=true) calls by
+"""Anyone can keep the daemon busy: 2,000 ListHolders(fresh=true) calls by
 nobody held a core at 95 % (a /proc walk each) and wrote 6,895 "denied" lines.
 
 Now concurrent fresh scans share one scan, a non-root caller gets at most one fresh scan a

@@ -1,4 +1,4 @@
-"""A stop must not cut a sweep's report (issue 9): TimeoutStopSec=30s was shorter than a
+"""A stop must not cut a sweep's report: TimeoutStopSec=30s was shorter than a
 sweep of the default settings (GraceSec 10 s + KillTimeoutSec 5 s + VerifyTimeoutSec 30 s),
 so `systemctl stop gpuguardd` during a sweep SIGKILLed the daemon before its report.
 

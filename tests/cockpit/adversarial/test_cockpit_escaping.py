@@ -1,4 +1,4 @@
-"""Issue 18 item 6: the page showed a forged name. A holder whose argument holds U+202E
+"""The page showed a forged name. A holder whose argument holds U+202E
 (right-to-left override) was displayed reversed ("...\\u202egnp.exe" read "exe.png"), and ESC
 and BEL were drawn as boxes. The page now shows what the CLI prints: cockpit/src/escape.js
 implements gpuguardd/escaping.py's rule, both held to tests/escaping_vectors.json."""

@@ -1,4 +1,4 @@
-"""Forged signals and the Cockpit page (issue 9 item 4, for the page): any user can send a
+"""Forged signals and the Cockpit page: any user can send a
 signal claiming gpuguardd's path and interface, straight to every connection on the bus (the
 Cockpit bridge's among them) or as a broadcast. The page listens through cockpit.dbus clients
 opened on a bus name (gpuguardd's, and org.freedesktop.DBus for NameOwnerChanged); the bridge

@@ -1,6 +1,6 @@
 """`gpuguardctl check --gpu N` fails closed: a compute holder whose GPU is unknown (it holds
 only nvidia-uvm and nvidiactl, and NVML does not list it) may be on GPU N, so GPU N is not
-free. Before issue 18 plain `check` said 7 and `check --gpu 0` said 0, since the listing by
+free. Before, plain `check` said 7 and `check --gpu 0` said 0, since the listing by
 GPU used the sweep's rule, which leaves out whatever it cannot place."""
 
 from __future__ import annotations

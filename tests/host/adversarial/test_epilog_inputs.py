@@ -1,5 +1,5 @@
-"""The Slurm epilog's environment read strictly, with real processes (issue 18 items 3, 4 and
-the root-job decision). SLURM_JOB_UID=\\u0660 was read as uid 0 and the epilog then ended
+"""The Slurm epilog's environment read strictly, with real processes, and
+the root-job decision. SLURM_JOB_UID=\\u0660 was read as uid 0 and the epilog then ended
 root's holder on the job's GPU; SLURM_JOB_ID="4711\\n" was refused by the daemon but taken by
 `--local`, which ended the job user's escaped holder and exited 0. Each is now a usage error
 (exit 2) that names the value, and nothing is signalled; and a root job's epilog ends only its

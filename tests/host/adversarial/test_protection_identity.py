@@ -1,4 +1,4 @@
-"""issue 9 item 5: self-protection by mount namespace. A user in `unshare -Urm` bind-mounts a
+"""Self-protection by mount namespace. A user in `unshare -Urm` bind-mounts a
 directory over /usr/bin and execs a holder as /usr/bin/nvidia-persistenced: /proc/PID/exe
 reads that path, and matching by path text spared it (nothing-to-do, exit 0). Protection is
 by file identity now: (st_dev, st_ino) of the file the process runs, stat()ed through the

@@ -1,4 +1,4 @@
-"""issue 9, the smaller items of the configuration engineer's part:
+"""The smaller items of the configuration's hardening:
 * `--gpu 99` with no such GPU and no NVML exited 0 ("taken to be /dev/nvidia99"): a usage error
   now unless a configured node names it; `gpus --local` without NVML lists the nodes' GPUs;
 * PID 2 was always taken for kthreadd, which in a PID namespace it is not;

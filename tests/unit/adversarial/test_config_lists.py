@@ -1,4 +1,4 @@
-"""issue 9 item 9: an assignment to a list key appends to the built-in default; only an empty
+"""An assignment to a list key appends to the built-in default; only an empty
 assignment resets it. `ProtectedExecutables=/opt/foo` must not strip nvidia-persistenced, the
 fabric manager and Xorg of their protection."""
 

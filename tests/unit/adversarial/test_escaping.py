@@ -1,4 +1,4 @@
-"""Terminal and log injection (issue 9 item 7), the rules without a daemon: the escaping, log
+"""Terminal and log injection, the rules without a daemon: the escaping, log
 lines, gpuguardctl's human output and hook list (the daemon and gpuguardctl on the bus:
 tests/bus/adversarial/test_escaping.py)."""
 

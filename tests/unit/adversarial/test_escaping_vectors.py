@@ -1,7 +1,7 @@
 """The one display-escaping rule, as a table: tests/escaping_vectors.json lists inputs and
 what a person is shown. gpuguardd/escaping.py (CLI, journal) is held to it here, the Cockpit
 page's cockpit/src/escape.js in tests/cockpit/adversarial/test_cockpit_escaping.py, so the two
-cannot drift (issue 18 item 6)."""
+cannot drift."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A dry run must never stand for the stop hook's sweep (issue 9 item 3): the unit sweep's
+"""A dry run must never stand for the stop hook's sweep: the unit sweep's
 rules, with a stand-in engine and systemd (the daemon on the bus:
 tests/bus/adversarial/test_hook_reuse.py)."""
 

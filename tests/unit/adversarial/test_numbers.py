@@ -1,4 +1,4 @@
-"""Issue 18: numbers read loosely. Python's int() takes any Unicode digit ("\\u0660" and
+"""Numbers read loosely. Python's int() takes any Unicode digit ("\\u0660" and
 "\\U0001d7ce" are 0, full-width "42" is 42) and str.isdigit() is True for "\\u00b2", which
 int() then refuses with a traceback. Every entry point reads its numbers with
 gpuguardd/numbers.py: ASCII digits within the type's range, or an error naming the value."""
@@ -68,7 +68,7 @@ def test_epilog_refuses_loose_gpus(gpus: str) -> None:
 
 
 def test_local_and_the_daemon_refuse_the_same_job_ids() -> None:
-    """Issue 18 item 4: "4711\\n" passed the epilog's check (`$` matches before a final
+    """The job id "4711\\n" passed the epilog's check (`$` matches before a final
     newline) and so `--local`, while the daemon refused it. One rule for both: the request's."""
     for job in ("4711\n", "4711 ", "\u0664\u0667\u0661\u0661", "4711;x", "1" * 21):
         with pytest.raises(InvalidArgument, match="SLURM_JOB_ID"):

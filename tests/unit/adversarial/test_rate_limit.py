@@ -1,4 +1,4 @@
-"""The rate limiter's bounds and counts (issue 9 item 8; the daemon under a flood:
+"""The rate limiter's bounds and counts (the daemon under a flood:
 tests/bus/adversarial/test_rate_limit.py)."""
 
 from __future__ import annotations

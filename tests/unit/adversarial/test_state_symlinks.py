@@ -1,4 +1,4 @@
-"""issue 9 item 12: symbolic links in the state and runtime directories were followed as root
+"""Symbolic links in the state and runtime directories were followed as root
 (history.jsonl, its temporary file, the lock files), so whoever could plant one could make the
 daemon append to, truncate or create any file on the host. Now the last component is opened
 with O_NOFOLLOW and temporaries are created exclusively under unpredictable names."""

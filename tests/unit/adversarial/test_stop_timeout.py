@@ -1,4 +1,4 @@
-"""A stop must not cut a sweep's report (issue 9): the unit's stop timeout against a default
+"""A stop must not cut a sweep's report: the unit's stop timeout against a default
 sweep, and a sweep that outlives its budget (SIGTERM during a real sweep:
 tests/bus/adversarial/test_stop_timeout.py)."""
 

@@ -1,4 +1,4 @@
-"""issue 9 item 11: every time span has an upper bound. `GraceSec=` with 400 digits crashed
+"""Every time span has an upper bound. `GraceSec=` with 400 digits crashed
 every sweep with OverflowError; `GraceSec=100000000` sent SIGTERM, overflowed and never sent
 SIGKILL nor wrote a report. Now both are configuration errors naming file, line and key."""
 
