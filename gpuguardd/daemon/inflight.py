@@ -4,8 +4,12 @@ A crash, an OOM kill or a SIGKILL gives the daemon no chance to finish or record
 the caller (the ExecStopPost hook) is left with a bus error while the unit's leftovers keep
 their GPU memory. So before a real sweep signals anything, its request is written here, one
 file per sweep (`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), and the
-file is removed once the sweep's report is in the history. What the next daemon finds here
-was cut short; daemon/resume.py finishes it.
+file is removed once the sweep's report is in the history. Each process the sweep ends is
+added to it as it goes, so the record of a sweep cut short lists what it had done. What the
+next daemon finds here was cut short; daemon/resume.py finishes it.
+
+No fsync: a crash of the daemon keeps what it wrote (the kernel has it); only a power loss
+would not, and after the reboot that follows there is nothing left to finish.
 
 The runtime directory is the right home: it outlives the daemon's restarts (the unit keeps
 it with RuntimeDirectoryPreserve=yes) but not a reboot, after which there is nothing left
@@ -17,14 +21,17 @@ file that is not exactly what this module writes is reported and removed, never 
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.report import Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
 
 log = logging.getLogger("gpuguard.inflight")
@@ -33,6 +40,8 @@ DIRECTORY = "sweeps"
 FORMAT = 1
 MAX_FILE = 256 * 1024
 _ID = re.compile(r"[0-9a-f]{32}")
+# Sweeps finished, remembered so that a late update cannot bring their record back.
+_REMEMBER = 1024
 _U32 = 2**32 - 1
 
 
@@ -40,6 +49,7 @@ _U32 = 2**32 - 1
 class InFlightSweep:
     request: SweepRequest
     started_usec: int
+    terminated: list[Terminated] = field(default_factory=list)
 
     @property
     def report_id(self) -> str:
@@ -53,7 +63,8 @@ def _encode(sweep: InFlightSweep) -> bytes:
             "grace_ms": r.grace_ms, "dry_run": r.dry_run,
             "include_management": r.include_management, "reason": r.reason,
             "requested_by": r.requested_by, "adopted": [list(p) for p in r.adopted],
-            "slurm_job": r.slurm_job, "slurm_uid": r.slurm_uid, "audited": r.audited}
+            "slurm_job": r.slurm_job, "slurm_uid": r.slurm_uid, "audited": r.audited,
+            "terminated": [t.to_dict() for t in sweep.terminated]}
     return json.dumps(data, ensure_ascii=True, sort_keys=True).encode("ascii")
 
 
@@ -107,7 +118,10 @@ def _decode(text: bytes, name: str) -> InFlightSweep:
         audited=_field(data, "audited", bool), report_id=report_id, resumes=resumes)
     started = _uint(data, "started_usec", 2**63 - 1)
     assert started is not None
-    return InFlightSweep(request, started)
+    ended = [Terminated.from_dict(t) for t in _field(data, "terminated", list, optional=True) or []]
+    if any(t.unread for t in ended):
+        raise ValueError("terminated: an entry of another shape")
+    return InFlightSweep(request, started, ended)
 
 
 class InFlightSweeps:
@@ -115,6 +129,11 @@ class InFlightSweeps:
 
     def __init__(self, runtime_directory: str) -> None:
         self.directory = os.path.join(runtime_directory, DIRECTORY)
+        # Writes come from several I/O threads: the lock keeps a stale update from replacing
+        # a newer one, or from bringing back the record of a sweep that is over.
+        self._lock = threading.Lock()
+        self._written: dict[str, int] = {}
+        self._over: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def _path(self, report_id: str) -> str:
         if not _ID.fullmatch(report_id):
@@ -125,25 +144,40 @@ class InFlightSweeps:
         """Write the record before the sweep signals anything. False (logged) when it cannot
         be written, a full or read-only disk: the sweep still runs, it just could not be
         finished by a successor."""
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.",
-                         mode=0o600, fsync=True, fsync_dir=True)
-        except OSError as exc:
+        with self._lock:
+            if sweep.report_id in self._over \
+                    or self._written.get(sweep.report_id, -1) > len(sweep.terminated):
+                return True
+            try:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.",
+                             mode=0o600, fsync=False)
+                self._written[sweep.report_id] = len(sweep.terminated)
+                return True
+            except OSError as exc:
+                error = exc
+        if error is not None:
             log.error("sweep %s: cannot keep its in-flight record in %s (%s): if gpuguardd "
                       "dies during it, its successor cannot finish it", sweep.report_id[:8],
-                      self.directory, exc.strerror or exc)
-            return False
-        return True
+                      self.directory, error.strerror or error)
+        return False
 
     def remove(self, report_id: str) -> None:
-        try:
-            os.unlink(self._path(report_id))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
+        with self._lock:
+            self._written.pop(report_id, None)
+            self._over[report_id] = None
+            while len(self._over) > _REMEMBER:
+                self._over.popitem(last=False)
+            try:
+                os.unlink(self._path(report_id))
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                error = exc
+        if error is not None:
             log.error("sweep %s: cannot remove its in-flight record (%s): the next gpuguardd "
-                      "will sweep its scope again", report_id[:8], exc.strerror or exc)
+                      "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
         """Every readable record, oldest first; unreadable ones are logged and removed."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -135,9 +136,22 @@ class Daemon:
             why = disconnected.exception()
             log.error("lost the connection to %s%s; exiting", where, f" ({why})" if why else "")
             self._cancel_tasks()
+            if service.runner.busy:
+                await self._abandon(service)
             return EXIT_FAILURE
         await self._shutdown(bus, service, disconnected)
         return EXIT_OK
+
+    async def _abandon(self, service: Service) -> None:
+        """Exit now, sweeps still running: with no bus, no one can hear their end, and
+        waiting for their threads (the interpreter's exit joins them) would keep this process
+        up for a whole grace period while systemd waits to restart it. Their in-flight
+        records stay; the next gpuguardd finishes them (resume.py)."""
+        log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
+                    service.runner.active)
+        await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
+        logging.shutdown()
+        os._exit(EXIT_FAILURE)
 
     async def _own_name(self, bus: GuardBus) -> bool:
         try:
@@ -229,6 +243,11 @@ class Daemon:
         self.notifier.stopping()
         self._cancel_tasks()
         await self._finish_sweeps(service.runner)
+        # A report a full disk kept in memory gets a last chance (history.py retries it).
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(self.io_executor, self.history.flush):
+            log.error("the sweep history could not be written: reports kept in memory only "
+                      "are lost at this stop")
         try:
             await asyncio.wait_for(bus.release_name(BUS_NAME), 5)
         except (DBusError, asyncio.TimeoutError, OSError, EOFError) as exc:

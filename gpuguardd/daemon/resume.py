@@ -33,9 +33,10 @@ from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
 from gpuguardd.engine.enums import HolderKind, Outcome
 from gpuguardd.engine.models import ScanResult, SweepRequest
 from gpuguardd.engine.report import Report, ReportScope
+from gpuguardd.numbers import is_digits
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.hooks import DROPIN_FILE
-from gpuguardd.systemd.rules import matches
+from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
 from gpuguardd.systemd.unitsweep import UnitSweeps
 
 log = logging.getLogger("gpuguard.resume")
@@ -44,14 +45,13 @@ log = logging.getLogger("gpuguard.resume")
 # Restart=on-failure brings the daemon back in about a second; a daemon that stayed down
 # longer than this may find the GPUs in new hands, so it only records what was cut short.
 RESUME_WINDOW_SEC = 60.0
-RECOVERED_PREFIX = "recovered:"
 # Sweeps a unit is running again in: its new instance owns the GPUs.
 _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") -> Report:
     request = sweep.request
-    scope = ReportScope(gpus=[int(g) for g in request.gpus if g.isascii() and g.isdigit()],
+    scope = ReportScope(gpus=[int(g) for g in request.gpus if is_digits(g) and len(g) < 10],
                         unit=request.unit, container=request.container,
                         include_management=request.include_management,
                         adopted_pids=[pid for pid, _ in request.adopted],
@@ -62,7 +62,7 @@ def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") ->
                   duration_ms=max(0, time.time_ns() // 1000 - sweep.started_usec) // 1000,
                   requested_by=request.requested_by, reason=request.reason, scope=scope,
                   dry_run=False, outcome=Outcome.INTERRUPTED, finished_by=finished_by,
-                  error=why)
+                  terminated=list(sweep.terminated), error=why)
 
 
 class Resume:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -75,10 +76,12 @@ class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents,
-                 flight: InFlight | None = None) -> None:
+                 flight: InFlight | None = None,
+                 on_terminated: Callable[[], None] = lambda: None) -> None:
         self.loop = loop
         self.events = events
         self.flight = flight
+        self.on_terminated = on_terminated
 
     def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         self.loop.call_soon_threadsafe(self._started, report_id, scope)
@@ -96,6 +99,7 @@ class LoopObserver:
         if self.flight is not None:
             self.flight.terminated.append(Terminated(pid=pid, comm=comm, unit=unit,
                                                      signal=signal_name))
+            self.on_terminated()
         self.events.process_terminated(report_id, pid, comm, unit, signal_name)
 
 
@@ -147,7 +151,8 @@ class SweepRunner:
             try:
                 report = await loop.run_in_executor(
                     self.sweep_executor, self.engine.sweep, request,
-                    LoopObserver(loop, self.events, flight))
+                    LoopObserver(loop, self.events, flight,
+                                 lambda: self._note_progress(kept, flight)))
             except GpuGuardError:
                 await self._forget(kept, request.report_id)  # it failed: nothing to finish
                 raise
@@ -175,6 +180,13 @@ class SweepRunner:
                 self._idle.set()
                 self.events.busy_changed(False)
         return report
+
+    def _note_progress(self, kept: bool, flight: InFlight) -> None:
+        """The in-flight record learns each process ended, so a sweep cut short is recorded
+        with what it had done (inflight.py keeps a late write from undoing a newer one)."""
+        if kept and self.inflight is not None:
+            self.io_executor.submit(self.inflight.add, InFlightSweep(
+                flight.request, flight.started_usec, list(flight.terminated)))
 
     async def _forget(self, kept: bool, report_id: str) -> None:
         if kept and self.inflight is not None:

@@ -22,11 +22,15 @@ HOOK_PREFIX = "hook:"
 WATCH_PREFIX = "watch:"
 # requested_by of a Slurm epilog's sweep asked for by root (service.requested_by).
 SLURM_PREFIX = "slurm:"
-_TRIGGERS = ((HOOK_PREFIX, "hook"), (WATCH_PREFIX, "watch"), (SLURM_PREFIX, "slurm"))
+# requested_by of a unit sweep the daemon ran at its start for a unit that stopped while no
+# daemon ran (daemon/resume.py).
+RECOVERED_PREFIX = "recovered:"
+_TRIGGERS = ((HOOK_PREFIX, "hook"), (WATCH_PREFIX, "watch"), (SLURM_PREFIX, "slurm"),
+             (RECOVERED_PREFIX, "recovered"))
 
 
 def trigger(requested_by: str) -> str:
-    """Who started a sweep: "hook", "watch", "slurm" or "manual", from the requested_by the
+    """Who started a sweep: "hook", "watch", "slurm", "recovered" or "manual", from the requested_by the
     daemon wrote, never from a caller's words. Only the daemon's own forms are bare
     ("hook:<unit>" and "slurm:<job>" for root, "watch:<unit>" for the watch); every other
     caller is named with its uid ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."), which

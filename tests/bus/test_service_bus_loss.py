@@ -75,10 +75,6 @@ def test_idle_gpuguardd_exits_non_zero_when_the_bus_dies(on_own_bus: GuardDaemon
     assert "Traceback" not in on_own_bus.stderr()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gpuguardd/daemon/main.py (the lead's): on a lost bus run() returns 1, but the interpreter's "
-    "exit joins the sweep's executor thread, so gpuguardd lives on for the whole grace period "
-    "(60 s here), and asyncio.run() logs the cancelled Sweep call's DBusError with a traceback"))
 def test_gpuguardd_in_a_sweep_exits_non_zero_when_the_bus_dies(on_own_bus: GuardDaemon,
                                                                own_bus: BusDaemon) -> None:
     guard = on_own_bus

@@ -106,3 +106,18 @@ def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(DaemonUnavailable, match="did not come back within 0 s"):
         retry.sweep(vanish, vanish, lambda: pytest.fail("no local sweep"), request(),
                     retry_sec=0.05)
+
+
+def test_progress_is_kept_and_a_late_write_never_undoes_it(tmp_path: Path) -> None:
+    from gpuguardd.engine.report import Terminated
+
+    store = InFlightSweeps(str(tmp_path))
+    one, two = Terminated(pid=7, signal="SIGTERM"), Terminated(pid=8, signal="SIGKILL")
+    store.add(InFlightSweep(request(), 1))
+    store.add(InFlightSweep(request(), 1, [one, two]))
+    store.add(InFlightSweep(request(), 1, [one]))  # an I/O thread that ran late
+    (back,) = store.load()
+    assert [t.pid for t in back.terminated] == [7, 8]
+    store.remove(ID)
+    store.add(InFlightSweep(request(), 1, [one, two]))  # later still: the sweep is over
+    assert store.load() == []
