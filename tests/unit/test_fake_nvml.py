@@ -358,8 +358,8 @@ def one_gpu(**kwargs: Any) -> FakeNvmlState:
 
 
 def test_library_compiles_warning_free_as_strict_c99(tmp_path: Path, fake_nvml_libdir: Path) -> None:
-    # fake_nvml_libdir: gcc exists, or the suite's policy on its absence
-    # (skip locally, fail in CI) has already applied.
+    # fake_nvml_libdir: gcc exists, or the fixture skipped (a failure in tests/unit and in CI:
+    # tests/conftest.py).
     result = subprocess.run(
         [
             "gcc",
