@@ -12,7 +12,7 @@ APT_PACKAGES += systemd util-linux
 # programs run on the system Python.
 APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
 	python3-setuptools python3-wheel python3-build python3-installer lintian rpm bash-completion \
-	python3-dbus-fast python3-psutil python3-sdnotify
+	python3-dbus-fast python3-sdnotify
 # The Cockpit page (cockpit/, make cockpit): node to build it with esbuild from the npm packages
 # its lockfile pins; its browser tests run Debian's cockpit-ws/cockpit-bridge and headless
 # chromium (fonts for its screenshots). npm itself: see the deps target.
@@ -166,7 +166,7 @@ COCKPITDIR ?= $(DATADIR)/cockpit/gpuguard
 # belongs to the distribution's package manager); its two programs put this first on sys.path.
 PYTHONDIR ?= $(PREFIX)/lib/gpuguard/python
 # The interpreter of the installed programs: the system's, whose packages provide dbus-fast,
-# psutil and sdnotify; never a venv's or pyenv's.
+# sdnotify and prometheus_client; never a venv's or pyenv's.
 INSTALL_PYTHON ?= /usr/bin/python3
 INSTALL ?= install
 DIST ?= dist

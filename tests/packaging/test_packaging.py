@@ -215,7 +215,7 @@ def test_make_install_keeps_the_admins_config(tools: None, tmp_path: Path) -> No
 
 def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, tmp_path: Path) -> None:
     """PREFIX moves everything but /etc; the installed programs run on /usr/bin/python3 with
-    Debian's python3-dbus-fast, python3-psutil and python3-sdnotify, no venv."""
+    Debian's python3-dbus-fast, python3-sdnotify and python3-prometheus-client, no venv."""
     prefix = tmp_path / "opt"
     make("install", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
     python = {f"lib/gpuguard/python/{m}" for m in MODULES}
@@ -265,9 +265,10 @@ def test_deb_version_and_relationships() -> None:
     assert deb_field(deb, "Version") == __version__
     assert deb_field(deb, "Architecture") == "all"
     depends = deb_field(deb, "Depends")
-    for dep in ("python3-dbus-fast (>= 1.84)", "python3-psutil", "python3-sdnotify",
+    for dep in ("python3-dbus-fast (>= 1.84)", "python3-sdnotify",
                 "python3-prometheus-client (>= 0.16)", "python3:any"):
         assert dep in depends, depends
+    assert "psutil" not in depends, "no module of gpuguard imports psutil"
     assert "nvidia" not in depends, "nvidia-ml-py is not in Debian: suggested, never required"
     assert "python3-pip" in deb_field(deb, "Suggests")
     assert "polkitd" in deb_field(deb, "Recommends")
