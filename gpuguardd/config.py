@@ -86,6 +86,11 @@ class Config:
     history_max: int = 1000
     # node_exporter's textfile collector directory ("": no textfile); metrics.py.
     textfile_directory: str = ""
+    # The start gate (engine/gate.py, `gpuguardctl wait`): free below this, steady this long
+    # within this tolerance.
+    gate_free_below_mib: int = 256
+    gate_stable_sec: float = 3.0
+    gate_tolerance_mib: int = 16
     # Where each value came from, for `gpuguardctl status` and error messages.
     sources: tuple[str, ...] = field(default=(), compare=False)
     # (list item, "file:line") for items a file added, so a refused [Devices] Paths entry is
@@ -122,6 +127,7 @@ MAX_VERIFY_TIMEOUT_SEC = 3600.0
 MAX_POLL_INTERVAL_SEC = 3600.0
 MAX_NVML_TIMEOUT_SEC = 600.0
 MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
+MAX_GATE_STABLE_SEC = 3600.0
 MAX_HISTORY = 1_000_000
 MAX_MAJOR = 4095  # Linux device majors are 12 bits
 _TIME_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
@@ -233,6 +239,9 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
     ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
     ("Metrics", "TextfileDirectory"): ("textfile_directory", _optional_absolute_path, False),
+    ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB), False),
+    ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC), False),
+    ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
 }
 
 KNOWN_KEYS: tuple[tuple[str, str], ...] = tuple(_KEYS)

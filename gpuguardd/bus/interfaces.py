@@ -328,6 +328,9 @@ class ManagerBackend(Gate, Protocol):
     def get_metrics(self) -> str:
         """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
 
+    async def wait(self, options: Options) -> dict[str, Any]:
+        """The start gate (daemon/gate.py): a WaitResult as plain values."""
+
 
 def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
     """SweepUnit's unit joins its options (where a `unit` option may only repeat it)."""
@@ -336,6 +339,9 @@ def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
     if options.get("unit", unit) != unit:
         raise InvalidArgument(f"unit given twice: {unit!r} and option unit={options['unit']!r}")
     return unit, {**options, "unit": unit}
+
+
+WAIT_RESULT = xml.contract().schema("WaitResult")
 
 
 class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
@@ -384,6 +390,9 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
 
     async def GetMetrics(self) -> str:
         return self.backend.get_metrics()
+
+    async def Wait(self, options: Options) -> VarDict:
+        return marshal.to_vardict(await self.backend.wait(options), WAIT_RESULT)
 
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())

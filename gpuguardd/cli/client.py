@@ -31,6 +31,7 @@ from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 
 CALL_TIMEOUT_SEC = 120.0
+WAIT = "WaitOptions"
 _UNAVAILABLE = {"org.freedesktop.DBus.Error.ServiceUnknown",
                 "org.freedesktop.DBus.Error.NameHasNoOwner",
                 "org.freedesktop.DBus.Error.NoReply",
@@ -228,6 +229,27 @@ class DBusBackend:
                 (report,) = await self._manager(bus, "Sweep", options, interactive=True, timeout=None)
             return Report.from_dict(marshal.unwrap(report))
         return self._run(run)
+
+    def wait(self, gpus: list[str], options: dict[str, Any]) -> dict[str, Any]:
+        """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s):
+        the WaitResult as plain values."""
+        async def call(bus: MessageBus) -> dict[str, Any]:
+            typed = {key: marshal.option(WAIT, key, value) for key, value in options.items()}
+            if gpus:
+                typed["gpus"] = await self._gpus_option(bus, gpus)
+            (result,) = await self._manager(bus, "Wait", typed, timeout=CALL_TIMEOUT_SEC)
+            unwrapped: dict[str, Any] = marshal.unwrap(result)
+            return unwrapped
+        return self._run(call)
+
+    def reset(self, gpu: int, reason: str) -> Report:
+        async def call(bus: MessageBus) -> Report:
+            options = {"reason": marshal.option("ResetOptions", "reason", reason)} if reason else {}
+            # A reset waits for the command and the verification (ResetTimeoutSec and more).
+            (report,) = await self._manager(bus, "ResetGpu", gpu, options, interactive=True,
+                                            timeout=None)
+            return Report.from_dict(marshal.unwrap(report))
+        return self._run(call)
 
     def history(self, count: int) -> list[Report]:
         async def get(bus: MessageBus) -> list[Report]:

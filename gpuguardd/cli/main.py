@@ -32,6 +32,7 @@ EXIT_NOT_RELEASED = 4
 EXIT_NOT_AUTHORIZED = 5
 EXIT_UNVERIFIED = 6
 EXIT_NOT_FREE = 7
+EXIT_GATE_TIMEOUT = 8  # `wait`: the GPUs were not free by --timeout
 
 OUTCOME_EXIT = {
     Outcome.FREED: EXIT_OK,
@@ -205,6 +206,35 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _mib(text: str) -> int:
+    from gpuguardd.config import MAX_RELEASED_BELOW_MIB
+    from gpuguardd.numbers import parse_uint
+
+    try:
+        return parse_uint(text, "MiB", MAX_RELEASED_BELOW_MIB, 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _span(text: str, maximum: float) -> float:
+    from gpuguardd.config import parse_timespan
+
+    try:
+        return parse_timespan(text, maximum)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _stable(text: str) -> float:
+    from gpuguardd.config import MAX_GATE_STABLE_SEC
+
+    return _span(text, MAX_GATE_STABLE_SEC)
+
+
+def _timeout(text: str) -> float:
+    return _span(text, 24 * 3600.0)
+
+
 def _gpu(text: str) -> str:
     """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
     ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
@@ -271,6 +301,29 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--gpu", action="append", default=[], type=_gpu, metavar="N|UUID",
                        help="only this GPU or MIG instance (repeatable; default: all)")
 
+    wait = verbs.add_parser("wait", parents=[common],
+                            help="wait until the GPUs are free for the next job (the start gate)")
+    wait.add_argument("--gpu", action="append", default=[], type=_gpu, metavar="N|UUID",
+                      help="this GPU or MIG instance (repeatable; default: CUDA_VISIBLE_DEVICES "
+                           "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
+    wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
+                      help="the GPUs as a CUDA_VISIBLE_DEVICES value")
+    wait.add_argument("--free-below", type=_mib, default=None, metavar="MIB",
+                      help="memory in use must be below this (default: [Gate] FreeBelowMiB)")
+    wait.add_argument("--stable", type=_stable, default=None, metavar="SEC",
+                      help="free and steady this long (default: [Gate] StableSec)")
+    wait.add_argument("--timeout", type=_timeout, default=None, metavar="SEC",
+                      help=f"give up after this long with exit status {EXIT_GATE_TIMEOUT} "
+                           "(default: wait for ever; 60s with --slurm-prolog)")
+    wait.add_argument("--sweep-leftovers", default="", metavar="UNIT",
+                      help="first sweep what the unit that ran there before left behind")
+    wait.add_argument("--allow-unverified", action="store_true",
+                      help="let GPUs whose memory cannot be read (no NVML) pass on holders alone")
+    wait.add_argument("--slurm-prolog", action="store_true",
+                      help="as Slurm's Prolog=: the job's GPUs (SLURM_JOB_GPUS); stdout is the "
+                           "drain reason when the exit status is not 0")
+
+
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
     history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
 
@@ -302,6 +355,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return hooks.run_command(args, out)
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
         parser.error("--slurm-epilog takes the job's GPUs from Slurm: no --gpu, --unit or --container")
+    if args.verb == "wait" and args.slurm_prolog and (args.gpu or args.cuda_visible_devices):
+        parser.error("--slurm-prolog takes the job's GPUs from Slurm: no --gpu or --cuda-visible-devices")
     if args.verb == "sweep" and args.deadline is not None and not args.slurm_epilog:
         parser.error("--deadline only applies with --slurm-epilog")
     try:
@@ -332,6 +387,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             return OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
         if args.verb == "check":
             return run_check(backend, args.gpu, args.json, out)
+        if args.verb == "wait":
+            return run_gate(backend, args, out)
         if args.verb == "history":
             reports = backend.history(args.count)
             if args.json:
@@ -376,6 +433,31 @@ def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO
         for problem in result.problems:
             out.write(problem.message + "\n")
     return EXIT_OK if result.ok else EXIT_NOT_FREE
+
+
+def run_gate(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    """`gpuguardctl wait` (wait.py), after --sweep-leftovers' sweep. With --slurm-prolog every
+    failure is one line on stdout, the drain reason."""
+    from gpuguardd.cli import output
+    from gpuguardd.cli.wait import run_wait
+
+    try:
+        if args.sweep_leftovers:
+            request = SweepRequest(unit=args.sweep_leftovers,
+                                   reason=f"gate: leftovers of {args.sweep_leftovers}")
+            report = sweep_through_restarts(backend, request, args)
+            output.print_report(report, sys.stderr)  # the gate below judges what is left
+        return run_wait(backend, args, out, EXIT_GATE_TIMEOUT)
+    except (GpuGuardError, DaemonUnavailable) as exc:
+        if not args.slurm_prolog:
+            raise
+        job = os.environ.get("SLURM_JOB_ID", "?")
+        from gpuguardd.escaping import escape_text
+        from gpuguardd.numbers import is_digits
+        line = f"gpuguard: job {job if is_digits(job) else '?'}: prolog failed: {escape_text(str(exc))}"
+        log.error("%s", line)
+        out.write(line[:240] + "\n")
+        return EXIT_USAGE if isinstance(exc, InvalidArgument) else EXIT_ERROR
 
 
 def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:

@@ -102,6 +102,7 @@ class Inventory:
         # (GPU index, MIG UUID or "" for the whole GPU) of each leak already announced
         self._leaked: set[tuple[int, str]] = set()
         self._rescan_task: asyncio.Task[Any] | None = None
+        self._wake = asyncio.Event()
 
     # -- scans ---------------------------------------------------------------------------
 
@@ -218,7 +219,20 @@ class Inventory:
                 raise
             except Exception as exc:
                 log.error("GPU poll failed: %s: %s", type(exc).__name__, exc)
-            await asyncio.sleep(interval())
+            # A start gate's waiter (gate.py) wakes the poll at once and shortens the interval.
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval())
+            except asyncio.TimeoutError:
+                pass
+
+    def scan_age(self) -> float:
+        """Seconds since the last holder scan was published."""
+        return time.monotonic() - self._scanned_at
+
+    def wake(self) -> None:
+        """Poll now instead of at the end of the current interval."""
+        self._wake.set()
 
     # -- publishing ----------------------------------------------------------------------
 

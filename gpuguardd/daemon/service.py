@@ -18,6 +18,8 @@ from gpuguardd.bus.connection import GuardBus, current_call
 from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
+from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
+from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweeps
 from gpuguardd.daemon.live import Inventory
@@ -25,10 +27,11 @@ from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
+from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.engine.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.engine.wire import Wire
-from gpuguardd.errors import NotAuthorized
+from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.systemd import hooks
 from gpuguardd.systemd.rules import SLURM_PREFIX
 from gpuguardd.systemd.unitwatch import UnitWatch
@@ -66,6 +69,12 @@ class Service:
         self.inventory = Inventory(engine, scan_executor, self)
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
+        # The start gate (gate.py): judged on every inventory observation; sweeps in flight
+        # (unresolved ones: every GPU) keep their GPUs from being free.
+        self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
+                                lambda: [f.scope.gpus if f.scope else None
+                                         for f in self.runner.in_flight],
+                                self.inventory.scan_age, self.inventory.request_rescan)
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
@@ -113,6 +122,10 @@ class Service:
         self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
         self.unit_watch.config_changed()
         self.inventory.request_rescan()
+
+    def poll_interval(self) -> float:
+        """NVML's poll interval: fast while a start gate waits (gate.py), else configured."""
+        return FAST_POLL_SEC if self.gate.waiters else self.engine.config.poll_interval_sec
 
     def status_line(self) -> str:
         snap = self.inventory.snapshot
@@ -226,6 +239,29 @@ class Service:
     def get_metrics(self) -> str:
         return self.metrics_text().decode()
 
+    async def wait(self, options: dict[str, Any]) -> Wire:
+        """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
+        config = self.engine.config
+        free_below = options.get("free_below_mib", config.gate_free_below_mib)
+        if not 1 <= free_below <= MAX_RELEASED_BELOW_MIB:
+            raise InvalidArgument(f"free_below_mib {free_below} out of range (1-{MAX_RELEASED_BELOW_MIB})")
+        stable_ms = options.get("stable_ms", int(config.gate_stable_sec * 1000))
+        if stable_ms > MAX_GATE_STABLE_SEC * 1000:
+            raise InvalidArgument(f"stable_ms {stable_ms} out of range (0-{int(MAX_GATE_STABLE_SEC * 1000)})")
+        timeout_ms = options.get("timeout_ms", int(MAX_WAIT_SEC * 1000))
+        gpus: tuple[int, ...] = ()
+        mig: tuple[str, ...] = ()
+        if options.get("gpus"):
+            loop = asyncio.get_running_loop()
+            scope, _, _ = await loop.run_in_executor(
+                self.io_executor, self.engine.resolve_request,
+                SweepRequest(gpus=marshal.gpu_list(options["gpus"])))
+            gpus, mig = scope.gpus, scope.mig
+        rule = GateRule(free_below * MiB, config.gate_tolerance_mib * MiB,
+                        bool(options.get("allow_unverified", False)))
+        outcome = await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)
+        return outcome.to_dict()
+
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 
@@ -253,7 +289,8 @@ class Service:
         self.unit_watch.observe(self.inventory.holders)
         self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
                             DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
-        current = {s.index: s.to_dict() for s in summaries}
+        self.gate.observe(snapshot, summaries, self.inventory.holders)
+        current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
         for index in sorted(set(self.gpus) - set(current)):
             log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
             self.bus.unexport(gpu_path(index), self.gpus.pop(index))
@@ -297,4 +334,5 @@ class Service:
 
     def busy_changed(self, busy: bool) -> None:
         self.manager.update(Busy=busy)
+        self.inventory.wake()  # the start gate judges sweeps in flight: look again now
         self.on_change()

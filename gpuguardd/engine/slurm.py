@@ -93,16 +93,17 @@ MAX_MINOR = 2**20 - 1
 ROOT_UID = 0
 
 
-def epilog_job(environ: Mapping[str, str]) -> EpilogJob:
-    """The finished job as slurmd's epilog environment describes it; InvalidArgument names a
-    missing or bad variable."""
+def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> EpilogJob:
+    """The job as slurmd's epilog (or, for `wait --slurm-prolog`, prolog: the same variables)
+    environment describes it; InvalidArgument names a missing or bad variable."""
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
-        raise InvalidArgument("--slurm-epilog: SLURM_JOB_ID is not set (run it as Slurm's Epilog=)")
+        script = "Prolog=" if "prolog" in flag else "Epilog="
+        raise InvalidArgument(f"{flag}: SLURM_JOB_ID is not set (run it as Slurm's {script})")
     # The request's own rule (check_request), so --local and the daemon agree on every id.
     parse_job_id(job_id, "SLURM_JOB_ID")
     if "SLURM_JOB_UID" not in environ:
-        raise InvalidArgument("--slurm-epilog: SLURM_JOB_UID is not set")
+        raise InvalidArgument(f"{flag}: SLURM_JOB_UID is not set")
     uid = parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
     name = "SLURM_JOB_GPUS" if "SLURM_JOB_GPUS" in environ else "CUDA_VISIBLE_DEVICES"
     text = environ.get(name, "").strip()

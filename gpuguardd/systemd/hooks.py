@@ -1,9 +1,14 @@
-"""ExecStopPost drop-ins: `gpuguardctl hook install|remove|list PATTERN`.
+"""ExecStopPost drop-ins: `gpuguardctl hook install|remove|list PATTERN`, and with --start the
+start gate's ExecStartPre drop-in.
 
 A drop-in `<name>.service.d/gpuguard.conf` makes systemd run `gpuguardctl sweep --unit %n`
 after every stop of the unit. systemd (239+) also applies `foo-.service.d/` to every unit
 whose name starts with `foo-` (the name is cut at each dash), so one drop-in covers a whole
 family such as `sglang-qwen.service`, `sglang-llama.service`.
+
+`hook install --start PATTERN` writes `<name>.service.d/gpuguard-start.conf`, a separate file
+(either can be installed or removed alone): `gpuguardctl wait` before every start, gating the
+unit on its own GPUs (its CUDA_VISIBLE_DEVICES: ExecStartPre= runs with the unit's environment).
 
 Our files carry HEADER as their first line; that is how `list` tells ours from an admin's and
 why `install` refuses to overwrite a file that lacks it.
@@ -26,6 +31,11 @@ from gpuguardd.safefiles import write_atomic
 from gpuguardd.systemd.rules import HOOK_PREFIX
 
 DROPIN_FILE = "gpuguard.conf"
+START_DROPIN_FILE = "gpuguard-start.conf"
+# The start gate's own deadline: a model server's unit usually sets TimeoutStartSec= to minutes
+# or infinity for loading; one that keeps systemd's 90 s default cuts a longer gate short.
+# Units override it (and --stable, --free-below) with Environment=GPUGUARD_WAIT_OPTIONS=...
+GATE_TIMEOUT = "60s"
 HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
 ETC_UNIT_DIR = "/etc/systemd/system"
 # Where systemd looks for units and drop-ins, most to least important (systemd.unit(5)).
@@ -63,8 +73,8 @@ class HookTarget:
     def dropin_dir(self, root: str = "/") -> str:
         return os.path.join(root, ETC_UNIT_DIR.lstrip("/"), f"{self.name}.d")
 
-    def dropin_path(self, root: str = "/") -> str:
-        return os.path.join(self.dropin_dir(root), DROPIN_FILE)
+    def dropin_path(self, root: str = "/", start: bool = False) -> str:
+        return os.path.join(self.dropin_dir(root), START_DROPIN_FILE if start else DROPIN_FILE)
 
     def applies_to(self, unit: str) -> bool:
         """Would systemd apply this drop-in to `unit` (a full unit name)?"""
@@ -139,6 +149,30 @@ def render_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
         f"ExecStopPost=+-/usr/bin/timeout --kill-after={HOOK_KILL_AFTER} {HOOK_TIMEOUT} {ctl} "
         f"sweep --unit %n --reason \"{HOOK_PREFIX}%n result=${{SERVICE_RESULT}} code=${{EXIT_CODE}} "
         "status=${EXIT_STATUS}\"",
+        "",
+    ))
+
+
+def render_start_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
+    """The start gate's drop-in text (`hook install --start`): render_dropin's header, then
+    its own explanation and ExecStartPre= line."""
+    stop_hook = render_dropin(target, ctl).split("\n")
+    return "\n".join((
+        stop_hook[0],
+        stop_hook[1].replace("hook remove ", "hook remove --start "),
+        "#",
+        "# Before every start of the unit, wait until the GPUs it will use are free for it: no",
+        "# compute process left on them, memory below [Gate] FreeBelowMiB and steady for [Gate]",
+        "# StableSec, and no sweep of them running (the stop drop-in's, or a watched unit's).",
+        "# Its GPUs are its CUDA_VISIBLE_DEVICES (or NVIDIA_VISIBLE_DEVICES): ExecStartPre= runs",
+        "# with the unit's Environment= and EnvironmentFile=; without either, every GPU. '+' runs",
+        "# the gate outside the unit's sandbox and User=, where the system bus is reachable.",
+        f"# After {GATE_TIMEOUT} it gives up: the start fails, with what still holds each GPU in the",
+        "# unit's journal. TimeoutStartSec= covers the gate and the model's loading together:",
+        "# keep it above both. Change the gate's options in the unit, e.g.",
+        "#   Environment=\"GPUGUARD_WAIT_OPTIONS=--timeout 5min --stable 10s\"",
+        "[Service]",
+        f"ExecStartPre=+{ctl} wait --timeout {GATE_TIMEOUT} $GPUGUARD_WAIT_OPTIONS",
         "",
     ))
 
@@ -222,10 +256,11 @@ def running_gpuguardctl() -> str:
     return GPUGUARDCTL
 
 
-def install(pattern: str, root: str = "/", reload: bool = True) -> Result:
+def install(pattern: str, root: str = "/", reload: bool = True, start: bool = False) -> Result:
     target = parse_pattern(pattern)
-    path = target.dropin_path(root)
-    wanted = render_dropin(target, running_gpuguardctl())
+    path = target.dropin_path(root, start)
+    render = render_start_dropin if start else render_dropin
+    wanted = render(target, running_gpuguardctl())
     current = _read(path)
     if current is not None and not is_ours(current):
         raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",
@@ -239,9 +274,9 @@ def install(pattern: str, root: str = "/", reload: bool = True) -> Result:
     return result
 
 
-def remove(pattern: str, root: str = "/", reload: bool = True) -> Result:
+def remove(pattern: str, root: str = "/", reload: bool = True, start: bool = False) -> Result:
     target = parse_pattern(pattern)
-    path = target.dropin_path(root)
+    path = target.dropin_path(root, start)
     current = _read(path)
     if current is None:
         return Result("absent", target.name, path, "not needed (nothing changed)",
@@ -377,6 +412,9 @@ def add_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser],
         if action != "list":
             sub.add_argument("--no-reload", action="store_true",
                              help="do not run systemctl daemon-reload")
+            sub.add_argument("--start", action="store_true",
+                             help="the start gate's ExecStartPre drop-in (gpuguard-start.conf: "
+                                  "`gpuguardctl wait` on the unit's GPUs) instead of the stop hook")
 
 
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
@@ -394,7 +432,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
                 out.write(format_list(hooks))
             return 0
         act = install if args.hook_action == "install" else remove
-        result = act(args.pattern, root, reload=not args.no_reload)
+        result = act(args.pattern, root, reload=not args.no_reload, start=args.start)
     except HookError as exc:
         sys.stderr.write(f"gpuguardctl: error: {escape_text(exc)}\n")
         return 2 if exc.usage else 1

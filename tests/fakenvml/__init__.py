@@ -32,6 +32,7 @@ from typing import Literal
 __all__ = [
     "CALLS_ENV",
     "DEFAULT_GPU_NAME",
+    "EVENTS_ENV",
     "GIB",
     "LIBRARY_NAME",
     "STATE_ENV",
@@ -50,6 +51,8 @@ __all__ = [
 GIB = 2**30
 LIBRARY_NAME = "libnvidia-ml.so.1"
 STATE_ENV = "FAKE_NVML_STATE"
+# A file that gets "dead PID NS" (CLOCK_MONOTONIC) when the library first finds a pid gone.
+EVENTS_ENV = "FAKE_NVML_EVENTS"
 # A file that gets a line "<gpu index> <function>" per NVML call naming a GPU (count_call in
 # fake_nvml.c): what a test reads to prove a GPU was never asked.
 CALLS_ENV = "FAKE_NVML_CALLS"
@@ -301,6 +304,11 @@ class FakeProc:
     raw: bool = False
     mig_slot: int | None = None  # the MIG instance (slot on ``gpu``) it runs in
     host_pid: int | None = None
+    # After the delay the memory falls to nothing over release_ms, then wobble bytes are in
+    # use again for wobble_ms before it settles (fake_nvml.c's header comment).
+    release_ms: int = 0
+    wobble: int = 0
+    wobble_ms: int = 0
 
     def _line(self) -> str:
         if self.kind not in _PROC_KINDS:
@@ -322,6 +330,12 @@ class FakeProc:
             if self.raw or not 0 < self.host_pid <= 2**31 - 1:
                 raise ValueError(f"pid {self.pid}: bad host_pid {self.host_pid} (or a raw record)")
             line += f" host_pid={self.host_pid}"
+        for key in ("release_ms", "wobble", "wobble_ms"):
+            value = getattr(self, key)
+            if value < 0:
+                raise ValueError(f"pid {self.pid}: {key} must not be negative")
+            if value:
+                line += f" {key}={value}"
         return line + " raw" if self.raw else line
 
 
@@ -406,6 +420,9 @@ class FakeNvmlState:
         raw: bool = False,
         mig: str | None = None,
         host_pid: int | None = None,
+        release_ms: int = 0,
+        wobble: int = 0,
+        wobble_ms: int = 0,
     ) -> FakeProc:
         """Add a process holding ``used`` bytes on GPU ``gpu`` (in its MIG device ``mig``, by
         UUID, on a GPU in MIG mode)."""
@@ -418,7 +435,8 @@ class FakeNvmlState:
                 raise ValueError(f"GPU {gpu} has no MIG device {mig}")
             slot = found[0]
         proc = FakeProc(gpu=gpu, pid=pid, used=used, kind=kind, release_delay_ms=release_delay_ms,
-                        listed_ms=listed_ms, raw=raw, mig_slot=slot, host_pid=host_pid)
+                        listed_ms=listed_ms, raw=raw, mig_slot=slot, host_pid=host_pid,
+                        release_ms=release_ms, wobble=wobble, wobble_ms=wobble_ms)
         self.procs.append(proc)
         return proc
 

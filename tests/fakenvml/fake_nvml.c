@@ -19,6 +19,7 @@
  *   hang nvmlDeviceGetMemoryInfo_v2 60000 [GPU]
  *   gpu 0 uuid=GPU-... name=NVIDIA_H100_80GB_HBM3 minor=0 pci=00000000:17:00.0 total=85899345920 used=0 [lost] [handle_error=15]
  *   proc 0 12345 4294967296 compute release_delay_ms=0 [listed_ms=N] [host_pid=H]
+ *        [release_ms=N] [wobble=BYTES wobble_ms=N]
  *   gpu 1 uuid=GPU-... name=... pci=... total=85899345920 mig=on mig_parent_lists=empty
  *   mig 1 0 uuid=MIG-... gi=1 ci=0 total=10737418240 used=0
  *   proc 1 23456 1073741824 compute mig=0
@@ -71,7 +72,15 @@
  * must cope with memory that lingers after a kill.  listed_ms, when given,
  * is how long of that delay it stays listed: real drivers drop a process
  * from their lists while its memory is still held (sglang issue 31871:
- * memory held over 30 s with no process left).  Zombies count as alive:
+ * memory held over 30 s with no process left).  release_ms, when given,
+ * makes the memory come back over time rather than at once: after the delay
+ * it falls linearly to nothing over release_ms (a context torn down in
+ * pieces).  wobble=BYTES with wobble_ms then makes it grow back: BYTES are
+ * in use again for wobble_ms before it settles at nothing (what a start gate
+ * must not mistake for free: vLLM issue 56830).  $FAKE_NVML_EVENTS, when
+ * set, names a file that gets "dead PID NS" (CLOCK_MONOTONIC) the moment
+ * this library first finds a pid gone: the fake's own clock, from which the
+ * benchmarks know when memory was really back.  Zombies count as alive:
  * kill(pid, 0) reports them as existing, so that is what a caller probing
  * the pid sees too, and it gives tests a listed pid that no signal removes
  * until its parent reaps it.
@@ -305,6 +314,8 @@ struct fake_proc {
     proc_kind kind;
     unsigned long long release_delay_ms;
     unsigned long long listed_ms; /* ULLONG_MAX: listed for the whole release delay */
+    unsigned long long release_ms; /* after the delay: memory falls to 0 over this long */
+    unsigned long long wobble, wobble_ms; /* then: wobble bytes again for wobble_ms */
     int raw; /* listed as written, never checked for liveness */
     unsigned int raw_pid;
     unsigned int host_pid; /* 0: the lists show pid; else what they show (host_pid=) */
@@ -677,6 +688,15 @@ static int parse_proc(struct parse_ctx *ctx, struct state *st, char **save)
         } else if (strncmp(tok, "listed_ms=", 10) == 0) {
             field = &proc->listed_ms;
             value = tok + 10;
+        } else if (strncmp(tok, "release_ms=", 11) == 0) {
+            field = &proc->release_ms;
+            value = tok + 11;
+        } else if (strncmp(tok, "wobble=", 7) == 0) {
+            field = &proc->wobble;
+            value = tok + 7;
+        } else if (strncmp(tok, "wobble_ms=", 10) == 0) {
+            field = &proc->wobble_ms;
+            value = tok + 10;
         } else {
             parse_error(ctx, "unexpected proc field", tok);
             return 0;
@@ -923,16 +943,32 @@ static int pid_alive(pid_t pid)
     return kill(pid, 0) == 0 || errno == EPERM;
 }
 
-/* Whether the proc still holds its memory (listing == 0) or is still listed
- * (listing == 1): alive, or dead for less than its release delay (and, for
- * the list, its listed_ms).  Caller holds g_lock. */
-static int proc_held(const struct fake_proc *proc, unsigned long long now, int listing)
+/* "dead PID NS" to $FAKE_NVML_EVENTS, if set (the header comment). */
+static void note_dead(pid_t pid, unsigned long long now)
 {
-    unsigned long long delay_ms = proc->release_delay_ms;
+    const char *path = getenv("FAKE_NVML_EVENTS");
+    char line[64];
+    int fd, n;
+    if (path == NULL || *path == '\0')
+        return;
+    n = snprintf(line, sizeof line, "dead %d %llu\n", (int)pid, now);
+    fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return;
+    if (n > 0 && write(fd, line, (size_t)n) != n) {
+        /* a lost line only leaves a benchmark without its figure */
+    }
+    close(fd);
+}
+
+/* Whether the proc's pid is gone, and if so for how long (ns) this library
+ * has known it.  Caller holds g_lock. */
+static int dead_for(const struct fake_proc *proc, unsigned long long now, unsigned long long *elapsed)
+{
     unsigned int i;
 
     if (proc->raw)
-        return 1;
+        return 0;
     for (i = 0; i < g_dead_count; ++i)
         if (g_dead[i].pid == proc->pid)
             break;
@@ -942,7 +978,7 @@ static int proc_held(const struct fake_proc *proc, unsigned long long now, int l
          * applies. */
         if (i < g_dead_count)
             g_dead[i] = g_dead[--g_dead_count];
-        return 1;
+        return 0;
     }
     if (i == g_dead_count) {
         /* Cannot overflow: pruning keeps one entry per distinct pid in the
@@ -950,10 +986,46 @@ static int proc_held(const struct fake_proc *proc, unsigned long long now, int l
         g_dead[g_dead_count].pid = proc->pid;
         g_dead[g_dead_count].first_seen_dead_ns = now;
         ++g_dead_count;
+        note_dead(proc->pid, now);
     }
+    *elapsed = now - g_dead[i].first_seen_dead_ns;
+    return 1;
+}
+
+/* Whether the proc still holds memory (listing == 0: alive, or dead for less
+ * than its release delay plus release_ms and wobble_ms) or is still listed
+ * (listing == 1: its release delay, or listed_ms if shorter). */
+static int proc_held(const struct fake_proc *proc, unsigned long long now, int listing)
+{
+    const unsigned long long most = ULLONG_MAX / 1000000ull;
+    unsigned long long delay_ms = proc->release_delay_ms, elapsed, extra;
+
+    if (!dead_for(proc, now, &elapsed))
+        return 1;
     if (listing && proc->listed_ms < delay_ms)
         delay_ms = proc->listed_ms;
-    return now - g_dead[i].first_seen_dead_ns < delay_ms * 1000000ull;
+    extra = listing ? 0 : proc->release_ms + proc->wobble_ms; /* each <= most: no wrap */
+    delay_ms = extra > most || delay_ms > most - extra ? most : delay_ms + extra;
+    return elapsed < delay_ms * 1000000ull;
+}
+
+/* The bytes a counted proc holds now: all of them while alive and during
+ * the delay, then falling over release_ms, then wobble for wobble_ms. */
+static unsigned long long proc_bytes(const struct fake_proc *proc, unsigned long long now)
+{
+    unsigned long long elapsed, phase;
+
+    if (!dead_for(proc, now, &elapsed))
+        return proc->used;
+    phase = proc->release_delay_ms * 1000000ull;
+    if (elapsed < phase)
+        return proc->used;
+    elapsed -= phase;
+    phase = proc->release_ms * 1000000ull;
+    if (elapsed < phase)
+        return proc->used - (unsigned long long)((long double)proc->used * elapsed / phase);
+    elapsed -= phase;
+    return elapsed < proc->wobble_ms * 1000000ull ? proc->wobble : 0;
 }
 
 static int proc_counted(const struct fake_proc *proc, unsigned long long now)
@@ -1489,11 +1561,11 @@ static void memory_of(const struct fake_gpu *gpu, const struct fake_mig *mig,
             counted_before = same_process(&g_state.procs[j], p) && proc_counted(&g_state.procs[j], now);
         if (counted_before)
             continue;
-        most = p->used;
+        most = proc_bytes(p, now);
         for (j = i + 1; j < g_state.proc_count; ++j) {
             const struct fake_proc *q = &g_state.procs[j];
-            if (same_process(q, p) && q->used > most && proc_counted(q, now))
-                most = q->used;
+            if (same_process(q, p) && proc_counted(q, now) && proc_bytes(q, now) > most)
+                most = proc_bytes(q, now);
         }
         *used += most;
     }

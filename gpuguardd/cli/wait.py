@@ -1,0 +1,220 @@
+"""`gpuguardctl wait`: the start gate. Exit 0 once the GPUs are free for the next job.
+
+The next model's ExecStartPre=, a Slurm Prolog= or a Kubernetes init container runs it. What
+"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, one call at most
+20 s, called again until --timeout), so the CLI never polls the bus. With --local the same
+rule runs here on the local engine's scans.
+
+Which GPUs: --gpu (repeatable), else --cuda-visible-devices, else the environment's
+CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES (an ExecStartPre= runs with the unit's
+Environment= and EnvironmentFile=), else --slurm-prolog's job GPUs, else every GPU. Numbers are
+NVML indices (CUDA's order equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID); UUIDs are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+from gpuguardd.engine.selectors import selector
+from gpuguardd.errors import InvalidArgument
+from gpuguardd.escaping import escape_text
+
+# Values that make CUDA (or the NVIDIA container runtime) see no GPU at all.
+NO_GPUS = {"", "none", "void", "NoDevFiles"}
+ONE_CALL_SEC = 20.0  # what the daemon grants one Wait call
+PROGRESS_CALL_SEC = 1.0  # on a terminal: a Wait call per second, for the progress line
+LOCAL_POLL_SEC = 0.25  # --local: each observation is a full holder scan
+SLURM_PROLOG_TIMEOUT_SEC = 60.0  # under a PrologEpilogTimeout of 120 s (the epilog's advice)
+
+
+def visible_devices(value: str, name: str) -> list[str] | None:
+    """Selectors for a CUDA_VISIBLE_DEVICES-style list: None for every GPU ("all"), [] for
+    none. As CUDA does, a negative ordinal ends the list ("-1" hides everything)."""
+    text = value.strip()
+    if text == "all":
+        return None
+    if text in NO_GPUS:
+        return []
+    chosen: list[str] = []
+    for token in (t.strip() for t in text.split(",")):
+        if token.startswith("-"):
+            break
+        try:
+            selector(token).check()
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{name}: {exc}") from None
+        chosen.append(token)
+    return chosen
+
+
+def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str] | None:
+    """The GPUs to wait for (module docstring); None: every GPU."""
+    if args.gpu:
+        return list(args.gpu)
+    if args.cuda_visible_devices is not None:
+        return visible_devices(args.cuda_visible_devices, "--cuda-visible-devices")
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if name in environ:
+            return visible_devices(environ[name], name)
+    return None
+
+
+def describe(result: Mapping[str, Any], now_usec: int) -> list[str]:
+    """One line per GPU: its memory, and what it waits on or how long it has been free."""
+    from gpuguardd.cli.output import human_bytes
+
+    lines = [f"waiting on: {escape_text(str(w))}" for w in result.get("waiting_on", [])]
+    for gpu in result.get("gpus", []):
+        name = f"GPU {gpu.get('index', '?')}" + (
+            f" {escape_text(str(gpu['mig_uuid']))}" if gpu.get("mig_uuid") else "")
+        used = human_bytes(int(gpu.get("memory_used", 0)))
+        waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
+        if waits:
+            lines.append(f"{name}: {used} used; " + "; ".join(waits))
+        else:
+            lines.append(f"{name}: {used} used, free and steady for "
+                         f"{int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
+    return lines
+
+
+class Waiter:
+    """The loop over one-call waits until free or --timeout, with the terminal's progress."""
+
+    def __init__(self, call: Callable[[float], dict[str, Any]], timeout: float | None,
+                 out: TextIO, progress: bool) -> None:
+        self.call = call  # one wait of at most this many seconds: the result
+        self.timeout = timeout
+        self.out = out
+        self.progress = progress
+
+    def run(self) -> tuple[bool, dict[str, Any], float]:
+        started = time.monotonic()
+        while True:
+            waited = time.monotonic() - started
+            left = None if self.timeout is None else max(0.0, self.timeout - waited)
+            step = PROGRESS_CALL_SEC if self.progress else ONE_CALL_SEC
+            result = self.call(step if left is None else min(step, left))
+            waited = time.monotonic() - started
+            if self.progress:
+                line = " | ".join(describe(result, time.time_ns() // 1000))
+                self.out.write(f"\r\033[K[{waited:5.1f} s] {line}"[:400])
+                self.out.flush()
+            if result.get("free"):
+                return True, result, waited
+            if self.timeout is not None and waited >= self.timeout:
+                return False, result, waited
+
+
+def local_call(backend: Any, selectors: list[str] | None, free_below: int, stable_sec: float,
+               allow_unverified: bool, tolerance: int) -> Callable[[float], dict[str, Any]]:
+    """--local: the gate's rule on the local engine's scans (no daemon, no sweeps to wait for)."""
+    from gpuguardd.engine.gate import GateRule, GateTracker, Target, targets_of
+
+    tracker = GateTracker(GateRule(free_below, tolerance, allow_unverified))
+    status = backend.status()
+    wanted = selectors or []
+
+    def chosen(gpus: list[Any]) -> list[Target]:
+        every = targets_of(gpus)
+        if not wanted:
+            return every
+        from gpuguardd.cli.check import _selected
+        picked = []
+        for gpu, instance in _selected(gpus, wanted):
+            picked += [t for t in every if t.index == gpu.index
+                       and t.mig_uuid == (instance.uuid if instance else "")]
+        return picked
+
+    def call(seconds: float) -> dict[str, Any]:
+        end = time.monotonic() + seconds
+        while True:
+            gpus = backend.gpus()
+            holders = backend.holders([], "", "", True)
+            error = None if status.get("nvml_available") else str(status.get("nvml_error") or "unavailable")
+            tracker.observe(time.monotonic(), time.time_ns() // 1000, gpus if error is None else [],
+                            holders, error, ())
+            now = time.monotonic()
+            targets = chosen(gpus) if error is None else []
+            states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
+            waiting_on = [] if targets or (error is None and not wanted) else \
+                [f"NVML unavailable ({error})" if error else "none of the GPUs asked for is listed"]
+            free = not waiting_on and all(s.stable_for(now) >= stable_sec and not s.waiting_on
+                                          for s in states)
+            result = {"free": free, "gpus": [s.to_dict(now) for s in states],
+                      "waiting_on": waiting_on}
+            if free or now >= end:
+                return result
+            time.sleep(min(LOCAL_POLL_SEC, max(0.0, end - now)))
+    return call
+
+
+def run_wait(backend: Any, args: argparse.Namespace, out: TextIO, exit_timeout: int) -> int:
+    """`gpuguardctl wait`: 0 when free, `exit_timeout` at --timeout (what holds each GPU on
+    stdout, one line each: the journal's and the drain reason's text)."""
+    from gpuguardd.cli import output
+    from gpuguardd.cli.client import DBusBackend
+    from gpuguardd.engine.gate import MiB
+
+    environ = os.environ
+    prefix = "gpuguard: "
+    selectors: list[str] | None
+    if args.slurm_prolog:
+        from gpuguardd.engine import slurm
+        job = slurm.epilog_job(environ, "--slurm-prolog")
+        prefix = f"gpuguard: job {job.job_id}: "
+        gpus = backend.gpus()
+        selectors, warnings = slurm.gpu_selectors(job.minors, gpus)
+        for warning in warnings:
+            sys.stderr.write(f"gpuguardctl: {warning}\n")
+        if not job.minors:
+            selectors = []
+    else:
+        selectors = selectors_from(args, environ)
+    if selectors == []:
+        line = f"{prefix}no GPUs to wait for (the job or unit sees none)"
+        output.print_json({"free": True, "gpus": [], "waiting_on": []}, out) if args.json \
+            else out.write(line + "\n")
+        return 0
+    options: dict[str, Any] = {}
+    if args.free_below is not None:
+        options["free_below_mib"] = args.free_below
+    if args.stable is not None:
+        options["stable_ms"] = int(args.stable * 1000)
+    if args.allow_unverified:
+        options["allow_unverified"] = True
+    timeout = args.timeout
+    if timeout is None and args.slurm_prolog:
+        timeout = SLURM_PROLOG_TIMEOUT_SEC
+    call: Callable[[float], dict[str, Any]]
+    if isinstance(backend, DBusBackend):
+        daemon = backend
+
+        def call(seconds: float) -> dict[str, Any]:
+            return daemon.wait(selectors or [], {**options, "timeout_ms": int(seconds * 1000)})
+    else:
+        config = backend.engine.config
+        call = local_call(
+            backend, selectors, options.get("free_below_mib", config.gate_free_below_mib) * MiB,
+            args.stable if args.stable is not None else config.gate_stable_sec,
+            args.allow_unverified, config.gate_tolerance_mib * MiB)
+    progress = out.isatty() and not args.json
+    free, result, waited = Waiter(call, timeout, out, progress).run()
+    if progress:
+        out.write("\n")
+    if args.json:
+        output.print_json({**result, "free": free, "waited_ms": int(waited * 1000)}, out)
+        return 0 if free else exit_timeout
+    if free:
+        names = ", ".join(
+            f"GPU {g['index']}" + (f" {escape_text(str(g['mig_uuid']))}" if g.get("mig_uuid") else "")
+            for g in result.get("gpus", [])) or "no GPU"
+        out.write(f"{prefix}free after {waited:.1f} s: {names}\n")
+        return 0
+    lines = [line for line in describe(result, time.time_ns() // 1000)]
+    out.write(f"{prefix}not free after {waited:.0f} s: " + "; ".join(lines) + "\n")
+    return exit_timeout

@@ -1,0 +1,188 @@
+"""The start gate's rule: when a GPU (or MIG instance) is free for the next job, and since when.
+
+Freeing a GPU ends in the driver, asynchronously: memory comes back over seconds after the
+processes exit, and can grow back before it settles (a context torn down in pieces, a late
+allocation of a dying worker). A server that profiles free memory at start-up aborts when free
+memory moves under it (vLLM issue 56830), so "no process and little memory" is not enough: the
+figure must also have stopped moving. A target is free when
+
+  * nothing blocks it: no compute holder may be on it (a holder whose GPU is unknown may be
+    on any, as `gpuguardctl check` counts it), NVML lists no process on it, its memory was
+    read (NVML available, the GPU neither lost nor unreadable: fail closed, unless the caller
+    allows unverified GPUs) and is below the rule's `free_below`, and no running sweep covers
+    it (its leftovers are being ended: the gate waits for that sweep);
+  * and since then its memory never moved more than `tolerance` from the figure it had when it
+    became free. A move past that restarts the clock: "free since" is the last such moment.
+
+The rule is the daemon's (gpuguardd serves it as the Gpu objects' FreeSinceUsec and WaitingOn
+and through Manager.Wait) and `gpuguardctl wait --local` applies the same code, so every
+client shows the same thing. Observations come from polls: a change shorter than the time
+between two polls can be missed, which is why the daemon polls fast while someone waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gpuguardd.engine.enums import GpuState, HolderKind
+from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
+from gpuguardd.escaping import escape_text
+
+MiB = 1024 * 1024
+# Holders named one by one in WaitingOn; more are counted, so a busy GPU's reason stays short.
+MAX_NAMED_HOLDERS = 4
+
+
+@dataclass(frozen=True)
+class GateRule:
+    free_below: int  # bytes: memory in use must be below this
+    tolerance: int  # bytes: a move larger than this restarts the stability clock
+    allow_unverified: bool = False  # a GPU whose memory cannot be read may pass
+
+
+@dataclass(frozen=True)
+class Target:
+    """A whole GPU (mig_uuid "") or one MIG instance of it."""
+
+    index: int
+    uuid: str
+    mig_uuid: str = ""
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.index, self.mig_uuid
+
+    @property
+    def name(self) -> str:
+        return f"GPU {self.index}" + (f" {escape_text(self.mig_uuid)}" if self.mig_uuid else "")
+
+
+@dataclass
+class GateState:
+    """One target as the gate last saw it."""
+
+    target: Target
+    memory_used: int = 0
+    waiting_on: list[str] = field(default_factory=list)
+    free_since: float | None = None  # monotonic seconds; None while something blocks it
+    free_since_usec: int = 0  # the same moment on CLOCK_REALTIME, for clients to show
+
+    def stable_for(self, now: float) -> float:
+        return 0.0 if self.free_since is None else max(0.0, now - self.free_since)
+
+    def to_dict(self, now: float) -> dict[str, object]:
+        return {"index": self.target.index, "uuid": self.target.uuid,
+                "mig_uuid": self.target.mig_uuid, "memory_used": self.memory_used,
+                "free_since_usec": self.free_since_usec,
+                "stable_ms": int(self.stable_for(now) * 1000), "waiting_on": list(self.waiting_on)}
+
+
+def holder_line(holder: Holder) -> str:
+    unit = f" unit {escape_text(holder.unit)}" if holder.unit else ""
+    return f"compute holder pid {holder.pid} ({escape_text(holder.comm)}){unit}"
+
+
+def _on_target(holder: Holder, target: Target) -> bool:
+    """May `holder` be on `target`? Unknown GPUs (or an unknown MIG instance on its GPU)
+    count as this one: fail closed."""
+    if holder.gpus and target.index not in holder.gpus:
+        return False
+    if target.mig_uuid and holder.mig:
+        return any(m.lower() == target.mig_uuid.lower() for m in holder.mig)
+    return True
+
+
+def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
+             rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
+    """Why `target` is not free now ([] when nothing blocks it). `record` is its summary (None:
+    not listed by NVML), `nvml_error` None when NVML answers."""
+    reasons: list[str] = []
+    if sweeping:
+        reasons.append("a sweep of its GPU is running")
+    on = [h for h in holders if h.kind == HolderKind.COMPUTE and _on_target(h, target)]
+    reasons += [holder_line(h) for h in on[:MAX_NAMED_HOLDERS]]
+    if len(on) > MAX_NAMED_HOLDERS:
+        reasons.append(f"and {len(on) - MAX_NAMED_HOLDERS} more compute holder(s)")
+    if nvml_error is not None:
+        if not rule.allow_unverified:
+            reasons.append(f"NVML unavailable ({escape_text(nvml_error)}): memory cannot be checked")
+        return reasons
+    if record is None:
+        reasons.append("not listed by NVML")
+        return reasons
+    state = record.state if "state" not in record.unread else GpuState.UNKNOWN
+    if state == GpuState.LOST:
+        reasons.append("lost (fell off the bus)")
+    elif state == GpuState.UNKNOWN:
+        if not rule.allow_unverified:
+            reasons.append("its memory cannot be read")
+        return reasons
+    elif state == GpuState.IN_USE and not on:
+        reasons.append("NVML lists processes on it")
+    if record.memory_used >= rule.free_below:
+        reasons.append(f"memory in use at or above {rule.free_below // MiB} MiB")
+    return reasons
+
+
+class Stability:
+    """Since when one target has been free with its memory steady (module docstring)."""
+
+    def __init__(self) -> None:
+        self.free_since: float | None = None
+        self.free_since_usec = 0
+        self.reference = 0
+
+    def observe(self, now: float, wall_usec: int, used: int, blocked: bool, tolerance: int) -> None:
+        if blocked:
+            self.free_since, self.free_since_usec = None, 0
+        elif self.free_since is None or abs(used - self.reference) > tolerance:
+            self.free_since, self.free_since_usec, self.reference = now, wall_usec, used
+
+
+def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
+    """Every GPU and every MIG instance the summaries list."""
+    out: list[Target] = []
+    for gpu in gpus:
+        out.append(Target(gpu.index, gpu.uuid))
+        out += [Target(gpu.index, gpu.uuid, m.uuid) for m in gpu.mig_instances or []]
+    return out
+
+
+def record_of(target: Target, gpus: Sequence[GpuSummary]) -> GpuSummary | MigSummary | None:
+    for gpu in gpus:
+        if gpu.index == target.index and gpu.uuid == target.uuid:
+            if not target.mig_uuid:
+                return gpu
+            return next((m for m in gpu.mig_instances or [] if m.uuid == target.mig_uuid), None)
+    return None
+
+
+class GateTracker:
+    """The gate's view of every target under one rule, fed with each observation."""
+
+    def __init__(self, rule: GateRule) -> None:
+        self.rule = rule
+        self._stability: dict[tuple[int, str], Stability] = {}
+        self.states: dict[tuple[int, str], GateState] = {}
+
+    def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
+                holders: Sequence[Holder], nvml_error: str | None,
+                sweeping: Iterable[int], extra: Iterable[Target] = ()) -> None:
+        """One observation. `sweeping`: the GPU indices running sweeps cover; `extra`: targets
+        to follow although the summaries do not list them (NVML is gone)."""
+        covered = set(sweeping)
+        targets = {t.key: t for t in [*targets_of(gpus), *extra]}
+        for key in list(self._stability):
+            if key not in targets:
+                del self._stability[key]
+                self.states.pop(key, None)
+        for key, target in targets.items():
+            record = record_of(target, gpus)
+            reasons = blockers(target, record, holders, self.rule, nvml_error,
+                               target.index in covered)
+            used = record.memory_used if record is not None else 0
+            stability = self._stability.setdefault(key, Stability())
+            stability.observe(now, wall_usec, used, bool(reasons), self.rule.tolerance)
+            self.states[key] = GateState(target, used, reasons, stability.free_since,
+                                         stability.free_since_usec)

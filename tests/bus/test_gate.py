@@ -1,0 +1,160 @@
+"""The start gate through the real daemon on a private dbus-daemon (issue 20): Manager.Wait,
+the Gpu objects' FreeSinceUsec and WaitingOn, and `gpuguardctl wait` over them, against a
+fake NVML whose memory comes back slowly and wobbles (tests/fakenvml)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+from tests.conftest import GiB
+from tests.dbus_harness import GPU, MANAGER_PATH, PYTHON, GuardDaemon, wait_until
+from tests.fakenvml import EVENTS_ENV
+
+pytest_plugins = ["tests.dbus_harness"]
+
+GPU0 = MANAGER_PATH + "/gpu/0"
+GPU1 = MANAGER_PATH + "/gpu/1"
+EXIT_GATE_TIMEOUT = 8
+GATE = "[Gate]\nStableSec=1\nToleranceMiB=16\nFreeBelowMiB=256\n"
+
+
+def start(daemon: GuardDaemon) -> None:
+    daemon.host.write_config("[Daemon]\nPollIntervalSec=2\n" + GATE)
+    daemon.extra_env[EVENTS_ENV] = str(daemon.workdir / "nvml-events")
+    daemon.start()
+
+
+def hold(daemon: GuardDaemon, gpu: int, used: int, **release: int) -> int:
+    """A compute process on `gpu` (its node open, NVML listing it with `used` bytes)."""
+    host = daemon.host
+    proc = host.spawn("--hold", host.node(f"nvidia{gpu}"))
+    host.state.add_proc(gpu, proc.pid, used, **release)  # type: ignore[arg-type]
+    host.publish()
+    return proc.pid
+
+
+def dead_ns(daemon: GuardDaemon, pid: int) -> int:
+    """When the fake NVML in gpuguardd found `pid` gone (CLOCK_MONOTONIC ns)."""
+    for line in (daemon.workdir / "nvml-events").read_text().splitlines():
+        _, found, ns = line.split()
+        if int(found) == pid:
+            return int(ns)
+    raise AssertionError(f"the fake NVML never saw pid {pid} gone")
+
+
+def ctl_wait(daemon: GuardDaemon, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([PYTHON, "-m", "gpuguardd.cli.main", "wait", "--json", *args],
+                            env=daemon.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 40) -> tuple[int, dict[str, Any], int]:
+    out, err = proc.communicate(timeout=timeout)
+    ended = time.monotonic_ns()
+    assert out.strip(), err
+    return proc.returncode, json.loads(out), ended
+
+
+def test_wait_passes_only_after_slow_release_and_wobble_settle(daemon: GuardDaemon) -> None:
+    start(daemon)
+    # 20 GiB that fall over 0.6 s after the exit, then 128 MiB back for 0.8 s (below
+    # FreeBelowMiB, above ToleranceMiB): the gate must not count the dip before it as steady.
+    pid = hold(daemon, 0, 20 * GiB, release_delay_ms=300, release_ms=600, wobble=128 * 2**20,
+               wobble_ms=800)
+    other = hold(daemon, 1, 20 * GiB)
+    wait_until(lambda: daemon.get_property(GPU0, GPU, "WaitingOn") != ["not judged yet"]
+               and any(f"pid {pid}" in w for w in daemon.get_property(GPU0, GPU, "WaitingOn")),
+               15, "GPU 0 waits on the holder")
+    assert daemon.get_property(GPU0, GPU, "FreeSinceUsec") == 0
+    waiter = ctl_wait(daemon, "--gpu", "0", "--timeout", "30")
+    time.sleep(1.0)
+    assert waiter.poll() is None  # held: still waiting
+    os.kill(pid, 9)
+    code, result, ended = finish(waiter)
+    assert code == 0, result
+    assert result["free"] is True
+    # Settled (on the fake's clock) at death + delay + release + wobble; passing needs 1 s of
+    # steady memory after that.
+    settled = dead_ns(daemon, pid) + (300 + 600 + 800) * 1_000_000
+    assert ended >= settled + 1_000_000_000 - 50_000_000
+    (gpu,) = result["gpus"]
+    assert gpu["index"] == 0 and gpu["waiting_on"] == [] and gpu["stable_ms"] >= 1000
+    # The property says the same; GPU 1, still held, says why.
+    wait_until(lambda: daemon.get_property(GPU0, GPU, "FreeSinceUsec") > 0, 10, "FreeSinceUsec")
+    assert daemon.get_property(GPU0, GPU, "WaitingOn") == []
+    assert any(f"pid {other}" in w for w in daemon.get_property(GPU1, GPU, "WaitingOn"))
+
+
+def test_wait_times_out_with_a_distinct_status_naming_the_holder(daemon: GuardDaemon) -> None:
+    start(daemon)
+    pid = hold(daemon, 0, 4 * GiB)
+    wait_until(lambda: any(f"pid {pid}" in w for w in daemon.get_property(GPU0, GPU, "WaitingOn")),
+               15, "GPU 0 waits on the holder")
+    done = daemon.ctl("wait", "--gpu", "0", "--timeout", "2", "--stable", "0.5")
+    assert done.returncode == EXIT_GATE_TIMEOUT, done.stderr
+    assert f"compute holder pid {pid}" in done.stdout
+    assert "not free after" in done.stdout
+    # GPU 1 is free: it passes after its stable time.
+    quick = daemon.ctl("wait", "--gpu", "1", "--stable", "0.5", "--timeout", "10")
+    assert quick.returncode == 0, quick.stdout + quick.stderr
+    assert "free after" in quick.stdout
+
+
+def test_cuda_visible_devices_selects_the_gpus(daemon: GuardDaemon) -> None:
+    start(daemon)
+    hold(daemon, 1, 4 * GiB)
+    env = {**daemon.env, "CUDA_VISIBLE_DEVICES": "0"}
+    done = subprocess.run([PYTHON, "-m", "gpuguardd.cli.main", "wait", "--stable", "0.3",
+                           "--timeout", "10"], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    env["CUDA_VISIBLE_DEVICES"] = "1"
+    held = subprocess.run([PYTHON, "-m", "gpuguardd.cli.main", "wait", "--stable", "0.3",
+                           "--timeout", "1"], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert held.returncode == EXIT_GATE_TIMEOUT, held.stdout + held.stderr
+    env["CUDA_VISIBLE_DEVICES"] = "0,x1"
+    bad = subprocess.run([PYTHON, "-m", "gpuguardd.cli.main", "wait", "--timeout", "1"],
+                         env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert bad.returncode == 2 and "CUDA_VISIBLE_DEVICES" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_memory_above_free_below_blocks_and_the_option_moves_it(daemon: GuardDaemon) -> None:
+    daemon.host.state.gpus[0].base_used = 512 * 1024 * 1024  # held by nobody
+    daemon.host.publish()
+    start(daemon)
+    (result,) = daemon.manager("Wait", "a{sv}", "3", "gpus", "au", "1", "0", "timeout_ms", "u",
+                               "500", "stable_ms", "u", "100")
+    assert result["free"] is False
+    assert result["gpus"][0]["waiting_on"] == ["memory in use at or above 256 MiB"]
+    (passed,) = daemon.manager("Wait", "a{sv}", "4", "gpus", "au", "1", "0", "timeout_ms", "u",
+                               "5000", "stable_ms", "u", "200", "free_below_mib", "u", "1024")
+    assert passed["free"] is True
+
+
+def test_bad_options_are_refused_by_name(daemon: GuardDaemon) -> None:
+    start(daemon)
+    for key, value in (("free_below_mib", "0"), ("stable_ms", "3600001")):
+        try:
+            daemon.manager("Wait", "a{sv}", "1", key, "u", value)
+        except AssertionError as exc:
+            assert key in str(exc) and "out of range" in str(exc)
+        else:
+            raise AssertionError(f"{key}={value} was accepted")
+
+
+def test_without_nvml_it_fails_closed_unless_unverified_is_allowed(daemon: GuardDaemon) -> None:
+    daemon.host.state.init_error = 9  # driver not loaded
+    daemon.host.publish()
+    start(daemon)
+    closed = daemon.ctl("wait", "--timeout", "1", "--stable", "0")
+    assert closed.returncode == EXIT_GATE_TIMEOUT, closed.stdout + closed.stderr
+    assert "NVML unavailable" in closed.stdout
+    allowed = daemon.ctl("wait", "--timeout", "5", "--stable", "0", "--allow-unverified")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
