@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,6 +33,7 @@ from typing import Any
 import pytest
 
 from tests.dbus_harness import BusDaemon, wait_until
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_DIR = ROOT / "cockpit" / "dist"
@@ -58,12 +58,6 @@ def require_cockpit_tools() -> None:
     except ImportError:
         pytest.fail("Python playwright is missing: make venv installs the test extras")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _demote(uid: int | None) -> list[str]:

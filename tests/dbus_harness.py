@@ -37,8 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import helpers
 from tests.conftest import GiB, GpuHost
 
+# The bus tests import these with the rest of the harness.
+wait_until = helpers.wait_until
+unwrap_busctl = helpers.unwrap_busctl
 ROOT = Path(__file__).resolve().parent.parent
 # The interpreter gpuguardd and gpuguardctl run on; point it at /usr/bin/python3 (with
 # PYTHONPATH for pynvml) to test against the distribution's dbus-fast.
@@ -122,16 +126,6 @@ def private_holder(host: GpuHost, used: int = 2 * GiB, *extra: str,
                       nvml=(index, used))
     return proc.pid
 
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 class BusDaemon:
@@ -223,16 +217,6 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 60,
     done = subprocess.run(full, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     return Result(done.returncode, done.stdout, done.stderr)
 
-
-def unwrap_busctl(value: Any) -> Any:
-    """busctl --json=short wraps each variant as {"type": ..., "data": ...}."""
-    if isinstance(value, dict) and set(value) == {"type", "data"}:
-        return unwrap_busctl(value["data"])
-    if isinstance(value, dict):
-        return {k: unwrap_busctl(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [unwrap_busctl(v) for v in value]
-    return value
 
 
 @dataclass
@@ -355,6 +339,13 @@ class GuardDaemon:
     def ctl(self, *args: str, as_nobody: bool = False, timeout: float = 60) -> Result:
         return run([PYTHON, "-m", "gpuguardd.cli.main", *args], env=self.env,
                    timeout=timeout, as_nobody=as_nobody)
+
+
+def dry_sweep(guard: GuardDaemon, reason: str) -> str:
+    """A dry run of the whole host with `reason`; its report id."""
+    report_id: str = guard.manager("Sweep", "a{sv}", "2", "dry_run", "b", "true", "reason", "s",
+                                   reason)[0]["id"]
+    return report_id
 
 
 class BusctlError(AssertionError):

@@ -15,15 +15,11 @@ from collections.abc import Iterator
 import pytest
 
 from tests.dbus_harness import NOBODY, PYTHON, GuardDaemon, wait_until
+from tests.helpers import free_port
 from tests.unit.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get(url: str, accept: str = "") -> tuple[int, str, str]:

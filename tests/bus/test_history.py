@@ -15,6 +15,7 @@ from tests.dbus_harness import (
     MANAGER,
     MANAGER_PATH,
     GuardDaemon,
+    dry_sweep,
     private_gpu,
     private_holder,
     wait_until,
@@ -23,11 +24,6 @@ from tests.fulldisk import PAGE, fill, tiny_tmpfs
 
 pytest_plugins = ["tests.dbus_harness"]
 
-
-def dry_sweep(guard: GuardDaemon, reason: str) -> str:
-    result = guard.manager("Sweep", "a{sv}", "2", "dry_run", "b", "true", "reason", "s", reason)
-    report_id: str = result[0]["id"]
-    return report_id
 
 
 def state_file(guard: GuardDaemon) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.dbus_harness import GuardDaemon, private_holder, wait_until
+from tests.dbus_harness import GuardDaemon, dry_sweep, private_holder, wait_until
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -13,11 +13,6 @@ pytest_plugins = ["tests.dbus_harness"]
 def history(guard: GuardDaemon, count: int) -> list[str]:
     return [r["id"] for r in guard.manager("GetHistory", "u", str(count))[0]]
 
-
-def dry_sweep(guard: GuardDaemon, reason: str) -> str:
-    report_id: str = guard.manager("Sweep", "a{sv}", "2", "dry_run", "b", "true", "reason", "s",
-                                   reason)[0]["id"]
-    return report_id
 
 
 def test_get_history_follows_every_new_report(guard: GuardDaemon) -> None:

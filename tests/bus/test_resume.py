@@ -23,17 +23,10 @@ from tests.dbus_harness import (
     private_holder,
     wait_until,
 )
+from tests.helpers import alive
 
 pytest_plugins = ["tests.dbus_harness"]
 
-
-def alive(pid: int) -> bool:
-    """A live process (a zombie has ended: its parent, the test host, reaps it later)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def inflight_dir(daemon: GuardDaemon) -> Path:

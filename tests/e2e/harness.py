@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.helpers import unwrap_busctl, wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 INNER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -105,15 +107,18 @@ def remove_cgroups(paths: Sequence[Path]) -> None:
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float,
              interval: float = 0.1) -> T:
-    """Poll `check` until it returns something other than None/False; HarnessError on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Poll `check` until it returns something other than None/False (0 and "" count: a
+    PID, a text); HarnessError on timeout."""
+    seen: list[T] = []
+
+    def done() -> bool:
         value = check()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() >= deadline:
-            raise HarnessError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+        if value is None or value is False:
+            return False
+        seen.append(value)
+        return True
+    wait_until(done, timeout, what, interval, error=HarnessError)
+    return seen[-1]
 
 
 @dataclass
@@ -584,13 +589,3 @@ def host_fingerprint(paths: Sequence[str]) -> dict[str, tuple[int, int]]:
                 seen[full] = (st.st_size, st.st_mtime_ns)
     return seen
 
-
-def unwrap_busctl(value: object) -> object:
-    """busctl --json values ({"type": "s", "data": ...} for variants) as plain Python."""
-    if isinstance(value, dict):
-        if set(value) == {"type", "data"}:
-            return unwrap_busctl(value["data"])
-        return {k: unwrap_busctl(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [unwrap_busctl(v) for v in value]
-    return value

@@ -4,19 +4,13 @@ dcgm-exporter, gpuguard's own NVML handles) hold every node too and must not hid
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 from typing import Any
 
 from tests.conftest import GiB, GpuHost, MiB
-
-
-def cli_json(host: GpuHost, *args: str) -> tuple[int, Any, str]:
-    result = host.cli(*args, "--json")
-    assert result.stdout, result.stderr
-    return result.returncode, json.loads(result.stdout), result.stderr
+from tests.helpers import cli_json
 
 
 def cuda(host: GpuHost, gpu: int | None, used: int = 2 * GiB, *extra: str) -> Any:

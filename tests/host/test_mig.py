@@ -9,16 +9,15 @@ access node, numbered as this test's mig-minors file says).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.conftest import GiB, GpuHost, Proc
+from tests.helpers import cli_json
 
 MIG_A = "MIG-aaaaaaaa-1111-4000-8000-00000000000a"
 MIG_B = "MIG-bbbbbbbb-2222-4000-8000-00000000000b"
@@ -82,11 +81,6 @@ def setup_mig(host: GpuHost, config: str = "") -> MigHost:
     host.publish()
     return MigHost(host, caps, a, b)
 
-
-def cli_json(host: GpuHost, *args: str) -> tuple[int, Any, str]:
-    result = host.cli(*args, "--json")
-    assert result.stdout, result.stderr
-    return result.returncode, json.loads(result.stdout), result.stderr
 
 
 def test_sweep_of_one_instance_ends_its_tenant_only_and_verifies_its_memory(mig_host: MigHost) -> None:

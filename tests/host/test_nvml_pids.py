@@ -19,7 +19,8 @@ from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import summary
 from tests.conftest import HOLDER, GiB, GpuHost
 from tests.fakenvml import build_library
-from tests.host.test_gpu_attribution import cli_json, cuda
+from tests.helpers import cli_json
+from tests.host.test_gpu_attribution import cuda
 
 GARBAGE = (0, 4294967295, 2**22 + 1)  # no pid: 0, -1 as unsigned, past any pid_max
 

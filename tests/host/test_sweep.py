@@ -30,10 +30,6 @@ def sweep_json(host: GpuHost, *args: str) -> tuple[int, dict[str, Any], str]:
     return result.returncode, json.loads(result.stdout), result.stderr
 
 
-def gone(pid: int) -> bool:
-    stat = procfs.read_stat(pid)
-    return stat is None or stat.state == "Z"
-
 
 def test_sweep_of_one_gpu_ends_its_holders_and_verifies_memory(gpu_host: GpuHost) -> None:
     host = gpu_host

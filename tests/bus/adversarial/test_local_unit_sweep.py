@@ -10,7 +10,6 @@ rule in unitsweep.py: the daemon's SweepUnit and the local sweep both adopt and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 
@@ -26,6 +25,7 @@ from tests.dbus_harness import (
     private_holder,
     wait_until,
 )
+from tests.helpers import gone
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -40,13 +40,6 @@ def systemd(system_bus: BusDaemon, gpu_host: GpuHost) -> Iterator[FakeSystemd]:
     finally:
         fake.close()
 
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def local_sweep(host: GpuHost, address: str, *args: str) -> subprocess.CompletedProcess[str]:
