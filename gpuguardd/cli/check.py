@@ -116,7 +116,8 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
         if known is not None and known in BAD_STATES:
             detail = BAD_STATES[known]
             if known == GpuState.LEAKED:
-                detail = f"{human_bytes(used)} {detail}"
+                kind = (instance or gpu).leak_kind
+                detail = f"{human_bytes(used)} {detail}" + (f" ({printable(kind)})" if kind else "")
             error = gpu.error
             if error and known != GpuState.LEAKED:
                 detail += f": {printable(error)}"

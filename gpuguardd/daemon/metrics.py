@@ -28,8 +28,8 @@ from prometheus_client.metrics_core import (
 )
 
 from gpuguardd import __version__
-from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
-from gpuguardd.engine.models import GpuSummary
+from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.engine.models import GpuSummary, MigSummary
 from gpuguardd.engine.report import Report
 from gpuguardd.safefiles import write_atomic
 from gpuguardd.systemd.rules import trigger
@@ -37,6 +37,7 @@ from gpuguardd.systemd.rules import trigger
 TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
 KINDS = tuple(kind.value for kind in HolderKind)
+LEAK_KINDS = tuple(kind.value for kind in LeakKind)
 SIGNALS = ("SIGTERM", "SIGKILL")
 PROCESS_STATES = ("R", "S", "D", "Z", "T", "t", "X", "I")
 # Sweeps finish in milliseconds (nothing to do) to minutes (grace + kill + verify timeouts).
@@ -60,6 +61,10 @@ def spared_why(why: str) -> str:
         if why.startswith(prefix):
             return label
     return "other"
+
+
+def _with_instances(summary: GpuSummary) -> list[GpuSummary | MigSummary]:
+    return [summary, *(summary.mig_instances or [])]
 
 
 def _one_of(value: object, allowed: Iterable[str], default: str = "other") -> str:
@@ -173,7 +178,10 @@ class Metrics:
             index = summary.index
             gpus.append({"gpu": str(index), "UUID": summary.uuid, "state": summary.state.value,
                          "memory_used": summary.memory_used,
-                         "holders": kinds.get(index, {})})
+                         "holders": kinds.get(index, {}),
+                         # (UUID, leak kind, bytes): the GPU's and each MIG instance's leak
+                         "leaks": [(u.uuid, _one_of(u.leak_kind, LEAK_KINDS), u.memory_used)
+                                   for u in _with_instances(summary) if u.state == GpuState.LEAKED]})
         with self._lock:
             self._nvml_up = nvml_available
             self._gpus = gpus
@@ -223,6 +231,13 @@ class Metrics:
             for name in GPU_STATES:
                 state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
         yield leaked
+        by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
+                                    "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
+                                    labels=["gpu", "UUID", "kind"])
+        for gpu in self._gpus:
+            for uuid, kind, used in gpu["leaks"]:
+                by_kind.add_metric([gpu["gpu"], uuid, kind], used)
+        yield by_kind
         yield holders
         yield state
         yield GaugeMetricFamily("gpuguard_last_sweep_timestamp_seconds",

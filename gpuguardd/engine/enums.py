@@ -43,6 +43,16 @@ class GpuState(WireEnum):
     SUSPENDED = "suspended"
 
 
+class LeakKind(WireEnum):
+    """What a leak looks like (engine/leaks.py): memory in use with no process listed at all;
+    memory NVML attributes to processes that no longer exist; processes that outlived a sweep
+    stuck in D state in the driver. Only a GPU reset or a reboot frees any of them."""
+
+    NO_PROCESS = "no-process"
+    DEAD_PIDS = "dead-pids"
+    STUCK = "stuck-in-driver"
+
+
 class HolderKind(WireEnum):
     COMPUTE = "compute"  # has a CUDA context: holds /dev/nvidia-uvm, or NVML lists it
     MANAGEMENT = "management"  # NVML-style handles only: nvidia-smi, exporters, gpuguardd

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguardd.config import Config
-from gpuguardd.engine import nvmlprocs, procfs, slurm
+from gpuguardd.engine import leaks, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_matches,
     container_scope_label,
@@ -390,16 +390,19 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
     summaries = []
     for gpu in scan.nvml.gpus:
         holders = [h for h in scan.holders if gpu.index in h.gpus]
+        # NVML's list counts as in use unless every pid on it is gone (leaks.py: dead-pids).
+        kind = leaks.kind_of(gpu, scan.nvml.pids_local)
+        leak_kind = ""
         if gpu.suspended:
             state = GpuState.SUSPENDED  # never leaked: its figures are not current
         elif gpu.lost:
             state = GpuState.LOST
         elif gpu.unknown:
             state = GpuState.UNKNOWN
-        elif gpu.processes or any(_makes_in_use(h, gpu.index) for h in holders):
+        elif kind is None or any(_makes_in_use(h, gpu.index) for h in holders):
             state = GpuState.IN_USE
         elif gpu.memory_used > released_below_bytes:
-            state = GpuState.LEAKED
+            state, leak_kind = GpuState.LEAKED, kind.value
         else:
             state = GpuState.IDLE
         summaries.append(GpuSummary(
@@ -407,27 +410,31 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
             minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,
             memory_total=gpu.memory_total, memory_used=gpu.memory_used,
             holder_count=len(holders), state=state, error=gpu.error, mig_mode=gpu.mig_mode,
-            mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes)))
+            mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes,
+                                        scan.nvml.pids_local),
+            leak_kind=leak_kind))
     return summaries
 
 
-def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
-                  ) -> list[MigSummary]:
+def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int,
+                  pids_local: bool = True) -> list[MigSummary]:
     """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
     a GPU of its own, on its own memory and tenants."""
     out = []
     for instance in gpu.mig:
         tenants = [h for h in holders if instance.uuid in h.mig]
+        kind = leaks.kind_of(instance, pids_local)
+        leak_kind = ""
         if gpu.suspended:
             state = GpuState.SUSPENDED
         elif gpu.lost:
             state = GpuState.LOST
         elif gpu.unknown or (instance.error and not instance.memory_total):
             state = GpuState.UNKNOWN  # never idle on a figure that could not be read
-        elif instance.processes or any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants):
+        elif kind is None or any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants):
             state = GpuState.IN_USE  # as _makes_in_use: management holders never make it busy
         elif instance.memory_used > released_below_bytes:
-            state = GpuState.LEAKED
+            state, leak_kind = GpuState.LEAKED, kind.value
         else:
             state = GpuState.IDLE
         out.append(MigSummary(uuid=instance.uuid, gpu_instance_id=instance.gpu_instance_id,
@@ -435,5 +442,5 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
                               device_path=instance.device_path,
                               memory_total=instance.memory_total,
                               memory_used=instance.memory_used, holder_count=len(tenants),
-                              state=state))
+                              state=state, leak_kind=leak_kind))
     return out

@@ -73,6 +73,8 @@ class GpuInfo:
 class MigSummary(WireRecord):
     """One MIG instance as its GPU object's MigInstances shows it (facade.mig_summaries)."""
 
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"leak_kind"})
+
     uuid: str = ""
     gpu_instance_id: int = 0
     compute_instance_id: int = 0
@@ -82,6 +84,7 @@ class MigSummary(WireRecord):
     holder_count: int = 0
     # Read back without a state it could be trusted with: never "idle".
     state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
 
 
 @dataclass
@@ -89,7 +92,7 @@ class GpuSummary(WireRecord):
     """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
     gpus` show it (facade.gpu_summaries)."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind"})
 
     index: int
     uuid: str = ""
@@ -105,6 +108,7 @@ class GpuSummary(WireRecord):
     # None: not known (no NVML: the GPUs come from device nodes alone).
     mig_mode: bool | None = None
     mig_instances: list[MigSummary] | None = None
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
 
 
 @dataclass

@@ -132,12 +132,13 @@ class GpuResult(WireRecord):
 class Leak(WireRecord):
     """Memory still in use on a GPU (or MIG instance) with no process holding it."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_uuid"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_uuid", "kind"})
 
     gpu: int
     uuid: str = ""
     bytes: int = 0
     mig_uuid: str = ""
+    kind: str = ""  # a LeakKind (engine/leaks.py); absent from records older than the kinds
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
-from gpuguardd.engine import procfs
+from gpuguardd.engine import leaks, procfs
 from gpuguardd.engine.attribution import container_matches
 from gpuguardd.engine.enums import HolderKind, Outcome
 from gpuguardd.engine.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
@@ -567,10 +567,13 @@ class Sweep:
                 not_released.append(key)
                 memory = _memory_of(view)
                 assert memory is not None
-                if not memory.processes:
+                kind = leaks.kind_of(memory, self._pids_local) or leaks.stuck_kind(
+                    memory.processes, (s.pid for s in report.survived if s.state == "D"))
+                if kind is not None:
                     report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
                                              bytes=memory.memory_used,
-                                             mig_uuid=view[1].uuid if view[1] is not None else ""))
+                                             mig_uuid=view[1].uuid if view[1] is not None else "",
+                                             kind=kind.value))
         report.verified = verified and not not_released
         if report.survived:
             report.outcome = Outcome.SURVIVORS

@@ -15,7 +15,7 @@ import pytest
 from gpuguardd.bus import marshal
 from gpuguardd.cli import output
 from gpuguardd.daemon.history import History
-from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind, Outcome
+from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind, LeakKind, Outcome
 from gpuguardd.engine.models import GpuSummary, Holder, MigSummary, Scope
 from gpuguardd.engine.report import (
     GpuResult,
@@ -135,6 +135,7 @@ def test_enums_are_their_values_everywhere() -> None:
     assert {o.value for o in Outcome} == {"freed", "nothing-to-do", "survivors",
                                           "memory-not-released", "dry-run", "error", "unverified",
                                           "interrupted"}
+    assert {k.value for k in LeakKind} == {"no-process", "dead-pids", "stuck-in-driver"}
     assert {s.value for s in GpuState} == {"idle", "in-use", "leaked", "lost", "unknown",
                                             "suspended"}
     holder = Holder(pid=1, kind=HolderKind.COMPUTE, gpus_from=GpusFrom.NODES).to_dict()
