@@ -266,10 +266,11 @@ class DBusBackend:
     # -- watch ---------------------------------------------------------------------------
 
     def watch(self, on_signal: Callable[[str, list[Any]], None],
-              on_owner: Callable[[str], None] | None = None) -> None:
+              on_owner: Callable[[str], None] | None = None,
+              on_ready: Callable[[], None] | None = None) -> None:
         """Call on_signal(member, plain args) for each Manager signal the contract defines, as
         it defines it (another member or signature: a later version's, not ours to guess at),
-        until interrupted."""
+        until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
         async def listen(bus: MessageBus) -> None:
             rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
                     f"interface='{MANAGER_INTERFACE}'")
@@ -304,6 +305,8 @@ class DBusBackend:
             found = await name_owner(bus, BUS_NAME)
             if found and not owner[0]:
                 owner[0] = found
+            if on_ready is not None:
+                on_ready()
             await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
             raise DaemonUnavailable(f"the connection to {self._where()} was closed")
         self._run(listen)

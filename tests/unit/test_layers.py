@@ -12,6 +12,7 @@ The layers (docs/architecture.md, "The layers"):
   daemon    the service: live state, runner, history, entry point
   cli       gpuguardctl
   exporter  gpuguard-exporter (a bus client, like the CLI)
+  notify    gpuguard-notify (a bus client: the Manager's signals as desktop notifications)
   leaves    errors, config, log, escaping, safetext, safefiles, numbers: shared by all, import no layer
 """
 
@@ -27,7 +28,7 @@ import gpuguardd
 
 PACKAGE = "gpuguardd"
 ROOT = Path(gpuguardd.__file__).resolve().parent
-LAYERS = ("engine", "bus", "systemd", "daemon", "cli", "exporter")
+LAYERS = ("engine", "bus", "systemd", "daemon", "cli", "exporter", "notify")
 LEAVES = ("errors", "config", "log", "escaping", "safetext", "safefiles", "numbers")
 ALL_LAYERS = frozenset(f"{PACKAGE}.{name}" for name in LAYERS)
 
@@ -40,6 +41,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "bus": frozenset({"gpuguardd.daemon", "gpuguardd.cli"}),
     "exporter": frozenset({"gpuguardd.daemon", "gpuguardd.engine"}),
     "systemd": frozenset({"gpuguardd.daemon", "gpuguardd.cli"}),
+    "notify": frozenset({"gpuguardd.daemon", "gpuguardd.engine", "gpuguardd.systemd",
+                         "gpuguardd.exporter"}),
 }
 
 
@@ -49,6 +52,7 @@ PURE: dict[str, frozenset[str]] = {
     "gpuguardd.systemd.rules": frozenset({"dbus_fast", "gpuguardd.bus"}),
     "gpuguardd.systemd.adoption": frozenset({"dbus_fast", "gpuguardd.bus"}),
     "gpuguardd.systemd.unitsweep": frozenset({"dbus_fast", "gpuguardd.bus"}),
+    "gpuguardd.notify.events": frozenset({"dbus_fast", "gpuguardd.bus"}),
 }
 
 

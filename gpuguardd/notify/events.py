@@ -1,0 +1,112 @@
+"""Which of gpuguardd's signals become a notification, and their text (the extension's rules:
+gnome-shell-extension/src/state.js, extension.js).
+
+  * LeakSuspected: memory held on a GPU with no process holding it.
+  * SweepFinished with survivors, or with the memory not released.
+  * SweepFinished that ended processes of this user: which, and who asked for the sweep.
+    The report names ended processes by pid and command; they are this user's if, when the
+    sweep started (SweepStarted), a process of this uid had that pid and command
+    (`own_processes`, from /proc: the notifier runs as the user and sees its own processes).
+
+Every text from the bus was chosen by whoever started a process: it is escaped by the CLI's
+rule (escaping.py), then, where the server renders the body as markup, as markup too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+from xml.sax.saxutils import escape as markup_escape
+
+from gpuguardd.cli.output import human_bytes
+from gpuguardd.escaping import escape_text
+from gpuguardd.numbers import is_digits
+
+# org.freedesktop.Notifications urgency hint values (the spec's "Urgency Levels").
+NORMAL, CRITICAL = 1, 2
+_SHOWN = 5  # processes named in one notification; the rest are counted
+
+
+@dataclass(frozen=True)
+class Notice:
+    summary: str
+    body: str
+    urgency: int = NORMAL
+
+    def for_server(self, markup: bool) -> tuple[str, str]:
+        """(summary, body) for a server that renders the body as markup or not (the summary
+        is plain text by the spec)."""
+        return self.summary, markup_escape(self.body) if markup else self.body
+
+
+def _names(entries: list[dict[str, Any]]) -> str:
+    shown = [f"{escape_text(e.get('comm', ''))} ({int(e.get('pid', 0))})" for e in entries[:_SHOWN]]
+    more = len(entries) - _SHOWN
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def own_processes(uid: int, proc: str = "/proc") -> dict[int, str]:
+    """{pid: comm} of the processes of `uid` now (those it may read)."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return found
+    for name in names:
+        if not is_digits(name):
+            continue
+        try:
+            if os.stat(f"{proc}/{name}").st_uid != uid:
+                continue
+            with open(f"{proc}/{name}/comm", "rb") as handle:
+                found[int(name)] = handle.read(64).decode("utf-8", "replace").rstrip("\n")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+class Events:
+    """Signals in (member, fields by the contract's argument names), notices out."""
+
+    def __init__(self, uid: int, proc: str = "/proc") -> None:
+        self.uid = uid
+        self.proc = proc
+        # sweep id -> this user's {pid: comm} when it started
+        self._mine_at_start: dict[str, dict[int, str]] = {}
+
+    def signal(self, member: str, fields: dict[str, Any]) -> list[Notice]:
+        if member == "SweepStarted":
+            # Bounded: a sweep whose end we never hear of (gpuguardd died) is dropped later.
+            if len(self._mine_at_start) >= 64:
+                self._mine_at_start.pop(next(iter(self._mine_at_start)))
+            self._mine_at_start[str(fields["id"])] = own_processes(self.uid, self.proc)
+            return []
+        if member == "LeakSuspected":
+            return [Notice(f"GPU {int(fields['gpu'])}: memory leaked",
+                           f"{human_bytes(int(fields['bytes']))} in use with no process holding "
+                           "the GPU.", CRITICAL)]
+        if member == "SweepFinished":
+            return self._finished(str(fields["id"]), fields["report"])
+        return []
+
+    def _finished(self, sweep_id: str, report: dict[str, Any]) -> list[Notice]:
+        mine = self._mine_at_start.pop(sweep_id, {})
+        if report.get("dry_run"):
+            return []
+        notices = []
+        outcome = report.get("outcome", "")
+        if outcome == "survivors":
+            notices.append(Notice("A GPU sweep left something behind",
+                                  f"Still running: {_names(report.get('survived', []))}", CRITICAL))
+        elif outcome == "memory-not-released":
+            notices.append(Notice("A GPU sweep left something behind",
+                                  "The processes are gone, but the GPU memory was not released.",
+                                  CRITICAL))
+        ended = [t for t in report.get("terminated", [])
+                 if mine.get(int(t.get("pid", 0))) == t.get("comm")]
+        if ended:
+            asker = escape_text(report.get("requested_by", "") or "unknown")
+            notices.append(Notice("Your GPU processes were ended",
+                                  f"{_names(ended)}, by a sweep asked by {asker}"))
+        return notices

@@ -1,0 +1,133 @@
+"""gpuguard-notify's entry point: gpuguardd's signals in, org.freedesktop.Notifications out.
+
+It listens through the CLI's D-Bus client (cli/client.py: DBusBackend.watch, which follows
+gpuguardd going away and coming back and takes only gpuguardd's own signals), and sends each
+notice (events.py) to the notification server on the user's session bus. While gpuguardd is
+not running at all it asks again every RETRY_SEC; a notification server that is missing or
+refuses a notice costs that notice, logged, not the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from gpuguardd import __version__
+from gpuguardd.bus import contract
+from gpuguardd.bus.names import MANAGER_INTERFACE
+from gpuguardd.cli.client import DBusBackend
+from gpuguardd.errors import DaemonUnavailable
+from gpuguardd.notify.events import Events, Notice
+
+log = logging.getLogger("gpuguard.notify")
+
+RETRY_SEC = 10.0
+APP_NAME = "GPU Guard"
+ICON = "dialog-warning-symbolic"
+_SERVER = "org.freedesktop.Notifications"
+_SERVER_PATH = "/org/freedesktop/Notifications"
+
+
+class Notifier:
+    """Sends notices on the session bus at `address` (None: $DBUS_SESSION_BUS_ADDRESS)."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address or os.environ.get("DBUS_SESSION_BUS_ADDRESS", "")
+        self._bus: MessageBus | None = None
+        self._markup = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def send(self, notice: Notice) -> None:
+        """From a bus callback on the running loop: send without blocking the listener."""
+        task = asyncio.get_running_loop().create_task(self._send(notice))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self) -> MessageBus:
+        if self._bus is None or not self._bus.connected:
+            if not self.address:
+                raise ConnectionError("no session bus: DBUS_SESSION_BUS_ADDRESS is not set")
+            self._bus = await MessageBus(bus_address=self.address).connect()
+            reply = await self._bus.call(Message(destination=_SERVER, path=_SERVER_PATH,
+                                                 interface=_SERVER, member="GetCapabilities"))
+            # Servers that render markup in the body need it escaped as markup too.
+            self._markup = bool(reply and reply.message_type == MessageType.METHOD_RETURN
+                                and "body-markup" in reply.body[0])
+        return self._bus
+
+    async def _send(self, notice: Notice) -> None:
+        try:
+            bus = await self._connect()
+            summary, body = notice.for_server(self._markup)
+            reply = await bus.call(Message(
+                destination=_SERVER, path=_SERVER_PATH, interface=_SERVER, member="Notify",
+                signature="susssasa{sv}i",
+                body=[APP_NAME, 0, ICON, summary, body, [], {"urgency": Variant("y", notice.urgency)}, -1]))
+        except (OSError, EOFError, ValueError) as exc:
+            log.warning("notification %r not sent: %s", notice.summary, exc)
+            self._bus = None
+            return
+        if reply is None or reply.message_type == MessageType.ERROR:
+            why = reply.body if reply is not None else "no reply"
+            log.warning("notification %r refused: %s %s", notice.summary,
+                        reply.error_name if reply is not None else "", why)
+
+
+def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
+    """Until the connection to the system bus ends (DaemonUnavailable)."""
+    signals = contract.interface(MANAGER_INTERFACE).signals
+
+    def on_signal(member: str, args: list[Any]) -> None:
+        fields = dict(zip(signals[member].arg_names, args))
+        try:
+            notices = events.signal(member, fields)
+        except (KeyError, TypeError, ValueError) as exc:
+            # A signal of this contract's signature but odd content: skip it, keep listening.
+            log.warning("%s not understood: %s", member, exc)
+            return
+        for notice in notices:
+            log.info("%s: %s", notice.summary, notice.body)
+            notifier.send(notice)
+
+    def on_owner(owner: str) -> None:
+        log.info("gpuguardd %s", "is back" if owner else "stopped; waiting for it to return")
+
+    def on_ready() -> None:
+        log.info("listening to gpuguardd on %s", bus_address or "the system bus")
+
+    DBusBackend(bus_address, interactive=False).watch(on_signal, on_owner, on_ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpuguard-notify", description=(
+        "Desktop notifications of gpuguardd's events: a leak, a sweep that left something "
+        "behind, your processes ended by a sweep."))
+    parser.add_argument("--bus-address", help="gpuguardd's bus (default: the system bus, or "
+                        "$GPUGUARD_BUS_ADDRESS)")
+    parser.add_argument("--session-address", help="the notification server's bus (default: "
+                        "$DBUS_SESSION_BUS_ADDRESS)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    notifier = Notifier(args.session_address)
+    events = Events(os.getuid())
+    while True:
+        try:
+            listen(args.bus_address, notifier, events)
+        except DaemonUnavailable as exc:
+            log.info("%s; trying again in %.0f s", exc, RETRY_SEC)
+        except KeyboardInterrupt:
+            return 0
+        time.sleep(RETRY_SEC)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
