@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.bus.test_dbus_compat import PlainBus
 from tests.conftest import GiB
 from tests.dbus_harness import (
     PRIVATE_MINOR,
@@ -35,19 +36,6 @@ from tests.dbus_harness import (
 
 pytest_plugins = ["tests.dbus_harness"]
 
-SESSION_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"""
 # Notifications stay on screen until the test closes them into the history.
 DUNSTRC = """[global]
 font = Liberation Sans 10
@@ -69,12 +57,8 @@ class Desktop:
                 pytest.fail(f"{tool} is required (make deps installs dunst and xvfb)")
         self.dir = Path(tempfile.mkdtemp(prefix="gg-notify-desktop-"))
         self.procs: list[subprocess.Popen[bytes]] = []
-        config = self.dir / "session.conf"
-        socket = self.dir / "session"
-        config.write_text(SESSION_CONFIG.format(socket=socket))
-        self.address = f"unix:path={socket}"
-        self._start(["dbus-daemon", f"--config-file={config}", "--nofork", "--nopidfile"])
-        wait_until(socket.exists, 10, "the session bus")
+        self.session = PlainBus()  # a session-type bus where everyone may do anything
+        self.address = self.session.address
         read, write = os.pipe()
         self._start(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x600x24", "-nolisten",
                      "tcp"], pass_fds=(write,))
@@ -118,6 +102,7 @@ class Desktop:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.session.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
