@@ -14,6 +14,7 @@ import fnmatch
 import math
 import os
 import re
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +70,13 @@ class Config:
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     dry_run: bool = False
+    # [Recovery] (engine/reset.py, daemon/recovery.py, docs/recovery.md): the reset command
+    # (the GPU's PCI bus id appended), its bound, and the AutoReset policy, off by default.
+    reset_command: str = "nvidia-smi -r -i"  # command_argv() splits it
+    reset_timeout_sec: float = 120.0
+    auto_reset: bool = False
+    leak_grace_sec: float = 300.0
+    reset_interval_sec: float = 3600.0
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     allow_majors: tuple[int, ...] = ()
@@ -123,6 +131,7 @@ MAX_TIMESPAN_SEC = 24 * 3600.0
 # write its report in bounded time, and no value may overflow a timer.
 MAX_GRACE_SEC = 3600.0
 MAX_KILL_TIMEOUT_SEC = 600.0
+MAX_RESET_TIMEOUT_SEC = 600.0
 MAX_VERIFY_TIMEOUT_SEC = 3600.0
 MAX_POLL_INTERVAL_SEC = 3600.0
 MAX_NVML_TIMEOUT_SEC = 600.0
@@ -130,7 +139,8 @@ MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
 MAX_GATE_STABLE_SEC = 3600.0
 MAX_HISTORY = 1_000_000
 MAX_MAJOR = 4095  # Linux device majors are 12 bits
-_TIME_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)")
+# ASCII digits only: \d and float() also take other scripts' digits (numbers.py).
+_TIME_PART = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)")
 
 
 def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
@@ -198,6 +208,25 @@ def _timespan_field(maximum: float, minimum: float = 0.0) -> Callable[[str], flo
     return parse
 
 
+def command_argv(text: str) -> tuple[str, ...]:
+    """A command line (shell-style quoting, no shell): a program found on PATH or by its
+    absolute path, then its arguments."""
+    try:
+        words = tuple(shlex.split(text))
+    except ValueError as exc:
+        raise ValueError(f"invalid command {text!r}: {exc}") from None
+    if not words:
+        raise ValueError("empty command")
+    if "/" in words[0] and not words[0].startswith("/"):
+        raise ValueError(f"{words[0]!r} is neither a name found on PATH nor an absolute path")
+    return words
+
+
+def _command(text: str) -> str:
+    command_argv(text)
+    return text.strip()
+
+
 def _split_list(text: str) -> list[str]:
     return text.split()
 
@@ -228,6 +257,11 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
     ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
     ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
+    ("Recovery", "ResetCommand"): ("reset_command", _command, False),
+    ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(MAX_RESET_TIMEOUT_SEC, 1.0), False),
+    ("Recovery", "AutoReset"): ("auto_reset", parse_bool, False),
+    ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
+    ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
     ("Watch", "Units"): ("watch_units", _split_list, True),
     ("Devices", "Paths"): ("device_paths", _absolute_list, True),
     ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),

@@ -11,7 +11,7 @@ import { Spinner } from "@patternfly/react-core/dist/esm/components/Spinner/inde
 import { Title } from "@patternfly/react-core/dist/esm/components/Title/index.js";
 import { ExpandableRowContent, Table, Tbody, Td, Th, Thead, Tr } from "@patternfly/react-table/dist/esm/components/Table/index.js";
 
-import { formatTime, scopeText, shortId } from "./model.js";
+import { errorMessage, formatTime, scopeText, shortId } from "./model.js";
 import { GpuCards } from "./gpus.jsx";
 import { HoldersTable } from "./holders.jsx";
 import { OutcomeLabel, ReportDetails } from "./report.jsx";
@@ -151,6 +151,17 @@ function History({ history, error }) {
     );
 }
 
+// "Reset GPU…": asks first (a reset ends whatever still runs there), then the daemon decides
+// (it refuses while anything holds the GPU); the outcome goes to the events.
+function resetGpu(model, gpu) {
+    if (!window.confirm(cockpit.format(_("Reset GPU $0? Its memory is freed; the daemon refuses while anything holds it."), gpu.Index)))
+        return;
+    model.resetGpu(gpu.Index)
+            .then(report => model.addEvent(report.outcome === "reset" ? "success" : "warning",
+                                           cockpit.format(_("GPU $0: $1 $2"), gpu.Index, report.outcome, report.error || "")))
+            .catch(error => model.addEvent("danger", errorMessage(error)));
+}
+
 export function App({ model }) {
     const state = useModel(model);
     const [dialog, setDialog] = useState(false);
@@ -190,7 +201,8 @@ export function App({ model }) {
                             ? <EmptyState headingLevel="h3" titleText={_("No GPUs")} variant="sm" className="gg-no-gpus">
                                 <EmptyStateBody>{manager.NvmlError || _("NVML lists no GPU on this machine.")}</EmptyStateBody>
                             </EmptyState>
-                            : <GpuCards gpus={gpus} holders={state.holders} history={state.history} lastSweep={manager.LastSweep} />}
+                            : <GpuCards gpus={gpus} holders={state.holders} history={state.history} lastSweep={manager.LastSweep}
+                                        onReset={state.admin ? gpu => resetGpu(model, gpu) : null} />}
                         <Title headingLevel="h2" className="gg-section-title">{_("Holders")}</Title>
                         {state.holdersError && <Alert variant="danger" isInline title={state.holdersError} />}
                         {state.holders === null && !state.holdersError

@@ -1,5 +1,6 @@
 // The GPU cards: name, UUID, state, memory, holders by kind, the last sweep, MIG instances.
 import React from "react";
+import { Button } from "@patternfly/react-core/dist/esm/components/Button/index.js";
 import { Card, CardBody, CardHeader, CardTitle } from "@patternfly/react-core/dist/esm/components/Card/index.js";
 import { Gallery } from "@patternfly/react-core/dist/esm/layouts/Gallery/index.js";
 import { Label } from "@patternfly/react-core/dist/esm/components/Label/index.js";
@@ -79,6 +80,7 @@ function MigInstances({ instances }) {
                             <span className="gg-mono">{mig.uuid}</span>
                             {" "}
                             <StateLabel state={mig.state} />
+                            {mig.leak_kind && <span className="gg-leak-kind gg-muted"> {mig.leak_kind}</span>}
                         </div>
                         <div className="gg-muted">
                             {cockpit.format(_("GPU instance $0, compute instance $1"), mig.gpu_instance_id, mig.compute_instance_id)}
@@ -95,7 +97,7 @@ function MigInstances({ instances }) {
     );
 }
 
-export function GpuCards({ gpus, holders, history, lastSweep }) {
+export function GpuCards({ gpus, holders, history, lastSweep, onReset }) {
     return (
         <Gallery hasGutter minWidths={{ default: "22rem" }} className="gg-gpus">
             {gpus.map(gpu => {
@@ -112,6 +114,10 @@ export function GpuCards({ gpus, holders, history, lastSweep }) {
                         <CardBody>
                             <div className="gg-mono gg-muted gg-uuid">{gpu.Uuid}</div>
                             <div className="gg-state-text">{info.text()}</div>
+                            {gpu.LeakKind && <div className="gg-leak-kind">{cockpit.format(_("Leak kind: $0"), gpu.LeakKind)}</div>}
+                            {/* Where a reset may help: a leak on a whole GPU; the daemon refuses if anything holds it. */}
+                            {onReset && gpu.State === "leaked" && !gpu.MigMode &&
+                                <Button variant="secondary" size="sm" className="gg-reset" onClick={() => onReset(gpu)}>{_("Reset GPU…")}</Button>}
                             {gpu.Error && <div className="gg-error-text">{gpu.Error}</div>}
                             <div className="gg-card-label">{_("Memory")}</div>
                             {/* An unknown GPU's memory figures mean nothing (the daemon could not read them). */}

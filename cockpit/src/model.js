@@ -334,6 +334,15 @@ export class GuardModel {
                 .then(([report]) => unwrap(report));
     }
 
+    // A GPU reset (ResetGpu), as a sweep: administrative access, a client of its own. The
+    // command and the verification take minutes at most.
+    resetGpu(index) {
+        const client = cockpit.dbus(NAME, { bus: "system", superuser: "require" });
+        return client.call(MANAGER_PATH, MANAGER_IFACE, "ResetGpu", [index, {}], { timeout: 15 * 60000 })
+                .then(([report]) => unwrap(report))
+                .finally(() => client.close());
+    }
+
     // A real sweep: only through a client with administrative access (superuser "require"),
     // opened for this call and closed after it.
     sweep(fields) {

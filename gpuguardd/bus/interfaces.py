@@ -323,6 +323,9 @@ class ManagerBackend(Gate, Protocol):
 
     def history(self, count: int) -> list[dict[str, Any]]: ...
 
+    async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]:
+        """A GPU reset the caller is authorized for (daemon/recovery.py): its report."""
+
     async def reload(self, caller: Caller) -> None: ...
 
     def get_metrics(self) -> str:
@@ -383,6 +386,9 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     @checked_by(_unit_option)
     async def SweepUnit(self, unit: str, options: Options) -> VarDict:
         return self.typed_report(await self.backend.sweep(await self.caller(), options))
+
+    async def ResetGpu(self, gpu: int, options: Options) -> VarDict:
+        return self.typed_report(await self.backend.reset_gpu(await self.caller(), gpu, options))
 
     async def GetHistory(self, count: int) -> list[VarDict]:
         sized = [self._sized_report(r) for r in self.backend.history(count)]

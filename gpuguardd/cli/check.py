@@ -13,12 +13,14 @@ cannot be called free). Nothing is signalled and nothing is written.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.cli.output import human_bytes
-from gpuguardd.engine.enums import GpuState, HolderKind
+from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
 from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
+from gpuguardd.engine.report import REPORT_RESET, Report
 from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -48,6 +50,8 @@ class Problem:
 class CheckResult:
     checked: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    # Notes, not problems: selected GPUs a reset recovered lately (recovered_by_reset).
+    recovered: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -55,7 +59,24 @@ class CheckResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "gpus": self.checked,
-                "problems": [p.to_dict() for p in self.problems]}
+                "problems": [p.to_dict() for p in self.problems], "recovered": self.recovered}
+
+
+def recovered_by_reset(result: CheckResult, reports: list[Report]) -> list[str]:
+    """Note the checked GPUs that a reset among `reports` (newest first) recovered, one line
+    each: a GPU that came back only through a reset is free, but worth a look."""
+    checked = {c["index"] for c in result.checked}
+    lines = []
+    for report in reports:
+        if report.kind != REPORT_RESET or report.outcome != Outcome.RESET:
+            continue
+        for index in report.scope.gpus:
+            if index in checked and index not in {r["index"] for r in result.recovered}:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.started_usec / 1e6))
+                result.recovered.append({"index": index, "report": report.id,
+                                         "started_usec": report.started_usec})
+                lines.append(f"note: GPU {index} was recovered by reset {report.id[:8]} at {when}")
+    return lines
 
 
 def _known(gpu: GpuSummary) -> KnownGpu:

@@ -42,9 +42,14 @@ OUTCOME_EXIT = {
     Outcome.NOT_RELEASED: EXIT_NOT_RELEASED,
     Outcome.UNVERIFIED: EXIT_UNVERIFIED,
     Outcome.ERROR: EXIT_ERROR,
+    Outcome.RESET: EXIT_OK,
+    Outcome.RESET_REFUSED: EXIT_NOT_FREE,  # something holds the GPU
+    Outcome.RESET_FAILED: EXIT_ERROR,
 }
 
 log = logging.getLogger("gpuguard.cli")
+# How many of the newest reports `check` reads for GPUs a reset recovered.
+RECENT_REPORTS = 20
 
 
 class Backend(Protocol):
@@ -58,6 +63,8 @@ class Backend(Protocol):
     def sweep(self, request: SweepRequest) -> Report: ...
 
     def history(self, count: int) -> list[Report]: ...
+
+    def reset(self, gpu: int, reason: str) -> Report: ...
 
 
 def requester_description() -> str:
@@ -116,6 +123,9 @@ class LocalBackend:
 
             return asyncio.run(self._sweep_unit(request))
         return self.engine.sweep(request)
+
+    def reset(self, gpu: int, reason: str) -> Report:
+        return self.engine.reset_gpu(gpu, requester_description(), reason)
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
@@ -247,6 +257,15 @@ def _gpu(text: str) -> str:
     return text
 
 
+def _gpu_index(text: str) -> int:
+    from gpuguardd.numbers import parse_gpu_index
+
+    try:
+        return parse_gpu_index(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -293,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--slurm-epilog", action="store_true",
                        help="as Slurm's Epilog=: the finished job's leftovers (SLURM_JOB_ID, "
                             "SLURM_JOB_UID, SLURM_JOB_GPUS); the exit status is the drain decision")
+    sweep.add_argument("--reset-leaked", action="store_true",
+                       help="with --slurm-epilog: when only leaked memory (nothing holding it) "
+                            "would drain the node, reset those GPUs first; drain if that fails")
     sweep.add_argument("--deadline", type=_grace, default=None, metavar="SEC",
                        help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
 
@@ -323,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as Slurm's Prolog=: the job's GPUs (SLURM_JOB_GPUS); stdout is the "
                            "drain reason when the exit status is not 0")
 
+    reset = verbs.add_parser("reset", parents=[common],
+                             help="reset a GPU that nothing holds (frees leaked memory)")
+    reset.add_argument("--gpu", required=True, type=_gpu_index, metavar="N",
+                       help="the GPU's NVML index")
+    reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
     history.add_argument("-n", "--count", type=_positive, default=10, help="how many (newest first)")
@@ -359,6 +386,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         parser.error("--slurm-prolog takes the job's GPUs from Slurm: no --gpu or --cuda-visible-devices")
     if args.verb == "sweep" and args.deadline is not None and not args.slurm_epilog:
         parser.error("--deadline only applies with --slurm-epilog")
+    if args.verb == "sweep" and args.reset_leaked and not args.slurm_epilog:
+        parser.error("--reset-leaked only applies with --slurm-epilog")
     try:
         backend = connect(args)
         if args.verb == "status":
@@ -387,6 +416,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             return OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
         if args.verb == "check":
             return run_check(backend, args.gpu, args.json, out)
+        if args.verb == "reset":
+            report = backend.reset(args.gpu, args.reason)
+            output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
+            return OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
         if args.verb == "wait":
             return run_gate(backend, args, out)
         if args.verb == "history":
@@ -423,15 +456,22 @@ def run(argv: Sequence[str] | None = None) -> int:
 def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO) -> int:
     """`gpuguardctl check`: read-only; one line per problem, EXIT_NOT_FREE when there is one."""
     from gpuguardd.cli import output
-    from gpuguardd.cli.check import check
+    from gpuguardd.cli.check import check, recovered_by_reset
 
     result = check(backend.status(), backend.gpus(), backend.holders(selectors, "", "", True),
                    selectors)
+    try:
+        notes = recovered_by_reset(result, backend.history(RECENT_REPORTS))
+    except (GpuGuardError, DaemonUnavailable) as exc:  # the answer stands without them
+        log.debug("no history for the check's notes: %s", exc)
+        notes = []
     if as_json:
         output.print_json(result.to_dict(), out)
     else:
         for problem in result.problems:
             out.write(problem.message + "\n")
+        for note in notes:  # stderr: stdout stays one line per problem
+            sys.stderr.write(note + "\n")
     return EXIT_OK if result.ok else EXIT_NOT_FREE
 
 
@@ -518,11 +558,35 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
         return code
     output.print_report(report, sys.stderr)
     code = OUTCOME_EXIT.get(report.outcome, EXIT_ERROR)
+    if code == EXIT_NOT_RELEASED and args.reset_leaked and reset_leaks(backend, report, job_id):
+        code = EXIT_OK
     if args.json:
         output.print_json(report.to_dict(), out)
     elif code != EXIT_OK:
         out.write(slurm.summary(job_id, report) + "\n")
     return code
+
+
+def reset_leaks(backend: Backend, report: Report, job_id: str) -> bool:
+    """The epilog's recovery: reset each whole GPU the sweep left leaked, when leaks alone kept
+    its memory (no survivor, no MIG instance: a reset would take every tenant's instance).
+    True when every reset was done and verified."""
+    unreleased = {g.index for g in report.gpus if not g.released}
+    leaked = {leak.gpu for leak in report.leaks if not leak.mig_uuid}
+    if report.survived or not leaked or unreleased - leaked or any(leak.mig_uuid for leak in report.leaks):
+        return False
+    from gpuguardd.cli import output
+
+    for gpu in sorted(leaked):
+        try:
+            reset = backend.reset(gpu, f"slurm epilog of job {job_id}: leaked memory")
+        except (GpuGuardError, DaemonUnavailable) as exc:
+            log.error("GPU %d: reset failed: %s", gpu, exc)
+            return False
+        output.print_report(reset, sys.stderr)
+        if reset.outcome != Outcome.RESET:
+            return False
+    return True
 
 
 def main() -> None:

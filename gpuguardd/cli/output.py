@@ -14,7 +14,7 @@ from typing import Any, TextIO
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
 from gpuguardd.engine import models
 from gpuguardd.engine.models import GpuSummary, Holder
-from gpuguardd.engine.report import Report, ReportScope, Spared, Survivor, Target, Terminated
+from gpuguardd.engine.report import REPORT_RESET, Report, ReportScope, Spared, Survivor, Target, Terminated
 from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
 
@@ -122,8 +122,11 @@ def _row(entry: Terminated | Survivor | Spared | Target) -> str:
 def print_report(report: Report, out: TextIO) -> None:
     what = describe_scope(report.scope)
     dry = " (dry run)" if report.dry_run else ""
-    _line(out, f"Sweep {_shown(report, 'id')[:8]} of {what}{dry}, "
+    kind = "Reset" if report.kind == REPORT_RESET else "Sweep"
+    _line(out, f"{kind} {_shown(report, 'id')[:8]} of {what}{dry}, "
                f"requested by {_shown(report, 'requested_by')}")
+    for step in report.steps:
+        _line(out, f"  step: {step}")
     if report.dry_run:
         for target in report.targets:
             _line(out, f"  would end   {_row(target)}")
@@ -142,7 +145,7 @@ def print_report(report: Report, out: TextIO) -> None:
         _line(out, f"  {what}: {_size(gpu, 'memory_used_before')} used before, {after} after{flag}")
     for leak in report.leaks:
         _line(out, f"  LEAK: GPU {_shown(leak, 'gpu')} keeps {_size(leak, 'bytes')} "
-                   "with no process holding it")
+                   "with no process holding it" + (f" ({leak.kind})" if leak.kind else ""))
     for warning in report.warnings:
         _line(out, f"  warning: {warning}")
     _line(out, f"Outcome: {_shown(report, 'outcome')} in {_shown(report, 'duration_ms')} ms")

@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import (
 from gpuguardd import __version__
 from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind, Outcome
 from gpuguardd.engine.models import GpuSummary, MigSummary
-from gpuguardd.engine.report import Report
+from gpuguardd.engine.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
 from gpuguardd.systemd.rules import trigger
 
@@ -38,6 +38,7 @@ TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
 KINDS = tuple(kind.value for kind in HolderKind)
 LEAK_KINDS = tuple(kind.value for kind in LeakKind)
+RESET_OUTCOMES = (Outcome.RESET.value, Outcome.RESET_REFUSED.value, Outcome.RESET_FAILED.value)
 SIGNALS = ("SIGTERM", "SIGKILL")
 PROCESS_STATES = ("R", "S", "D", "Z", "T", "t", "X", "I")
 # Sweeps finish in milliseconds (nothing to do) to minutes (grace + kill + verify timeouts).
@@ -105,6 +106,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sweeps: dict[tuple[str, str], int] = {}
+        self._resets: dict[str, int] = {}
         self._dry_runs = 0
         self._terminated: dict[str, int] = {}
         self._survived: dict[str, int] = {}
@@ -122,6 +124,11 @@ class Metrics:
 
     def observe_report(self, report: Report) -> None:
         with self._lock:
+            if report.kind == REPORT_RESET:
+                # A GPU reset is no sweep: counted by outcome alone (a fixed set).
+                outcome = _one_of(report.outcome.value, RESET_OUTCOMES)
+                self._resets[outcome] = self._resets.get(outcome, 0) + 1
+                return
             if report.dry_run:
                 # Anyone may dry-run, as often as they like: counted apart, never in a series
                 # of real sweeps (their counts, durations, processes or last-sweep time).
@@ -238,6 +245,11 @@ class Metrics:
             for uuid, kind, used in gpu["leaks"]:
                 by_kind.add_metric([gpu["gpu"], uuid, kind], used)
         yield by_kind
+        resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
+                                     labels=["outcome"])
+        for outcome in RESET_OUTCOMES:
+            resets.add_metric([outcome], self._resets.get(outcome, 0))
+        yield resets
         yield holders
         yield state
         yield GaugeMetricFamily("gpuguard_last_sweep_timestamp_seconds",

@@ -24,6 +24,7 @@ from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweeps
 from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
+from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
@@ -105,6 +106,9 @@ class Service:
                              history, self.runner, self.unit_watch, lambda: self.engine.config,
                              lambda: self.engine.config.watch_units, self.inventory.fresh_scan)
         self.resume_work: list[Awaitable[Report | None]] = []
+        # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are.
+        self.recovery = Recovery(engine, sweep_executor, self._keep, self,
+                                 sweeping=lambda: self.runner.busy)
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
@@ -233,6 +237,25 @@ class Service:
         report = await self.runner.run(request)
         return report.to_dict()
 
+    async def reset_gpu(self, caller: Caller, gpu: int, options: dict[str, Any]) -> Wire:
+        # Authorized by the interface (the XML's rule for ResetGpu).
+        snap = self.inventory.snapshot
+        if snap.available and snap.by_index(gpu) is None:
+            known = ", ".join(str(g.index) for g in snap.gpus) or "none"
+            raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
+        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""))
+        return report.to_dict()
+
+    async def _keep(self, report: Report) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io_executor, self.store.append, report)
+
+    def reset_finished(self, report: Report) -> None:
+        self.metrics.observe_report(report)
+        self._publish_metrics()
+        self.inventory.request_rescan()
+        self.on_change()
+
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
 
@@ -303,6 +326,7 @@ class Service:
                 gpu.refresh(summary)
         self.metrics.observe_inventory(snapshot.available, summaries, self.inventory.holders)
         self._publish_metrics()
+        self.recovery.observe(summaries)
         self.on_change()
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None:

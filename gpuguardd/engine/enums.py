@@ -29,6 +29,11 @@ class Outcome(WireEnum):
     # gpuguardd died (a crash, a kill, an upgrade's restart) while the sweep ran; the report's
     # `finished_by` names the sweep that finished it after the restart (daemon/resume.py).
     INTERRUPTED = "interrupted"
+    # A GPU reset's record (report kind "reset", engine/reset.py): done and verified, refused
+    # before anything was touched (the report's error says why), or tried and not verified.
+    RESET = "reset"
+    RESET_REFUSED = "reset-refused"
+    RESET_FAILED = "reset-failed"
 
 
 class GpuState(WireEnum):

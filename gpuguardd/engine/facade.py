@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpuguardd.config import Config
+from gpuguardd.config import Config, command_argv
 from gpuguardd.engine import leaks, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_matches,
@@ -40,6 +40,7 @@ from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.report import Report
+from gpuguardd.engine.reset import GpuReset, ResetSettings
 from gpuguardd.engine.selectors import INDEX, MIG_UUID, KnownGpu, selector
 from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 from gpuguardd.errors import InvalidArgument
@@ -311,6 +312,15 @@ class Engine:
                 report.id[:8], report.outcome, len(report.terminated), len(report.survived),
                 len(report.spared), report.duration_ms)
         return report
+
+    def reset_gpu(self, index: int, requested_by: str, reason: str = "") -> Report:
+        """Reset GPU `index` if nothing holds it (reset.py): the report, of kind "reset"."""
+        config = self.config
+        settings = ResetSettings(command=command_argv(config.reset_command), timeout_sec=config.reset_timeout_sec,
+                                 verify_timeout_sec=config.verify_timeout_sec,
+                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
+                                 lock_directory=os.path.join(config.runtime_directory, "locks"))
+        return GpuReset(index, self.nvml, self.scan, settings, requested_by, reason).run()
 
 
 def node_gpus(device_map: DeviceMap) -> dict[int, str]:

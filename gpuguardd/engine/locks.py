@@ -24,15 +24,18 @@ class GpuLocks:
         # True if the last acquire() had to wait for another sweep: what was scanned before
         # is stale then.
         self.waited = False
+        self.busy = False  # the last acquire(wait=False) found a GPU locked
 
-    def acquire(self, gpus: Iterable[object]) -> str | None:
-        """Lock the GPUs in a fixed order (no deadlock). Returns a warning if locking is off."""
+    def acquire(self, gpus: Iterable[object], wait: bool = True) -> str | None:
+        """Lock the GPUs in a fixed order (no deadlock). Returns a warning if locking is off.
+        wait=False (a GPU reset, which must never run beside a sweep): holds nothing and sets
+        `busy` when another holds one of them."""
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
         except OSError as exc:
             return f"cannot create lock directory {self.directory}: {exc.strerror}; sweeps are not serialized"
         names = sorted({str(g) for g in gpus})
-        self.waited = False
+        self.waited = self.busy = False
         for name in names:
             path = os.path.join(self.directory, f"gpu-{name}.lock")
             try:
@@ -45,6 +48,11 @@ class GpuLocks:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    self.release()
+                    self.busy = True
+                    return None
                 self.waited = True
                 fcntl.flock(fd, fcntl.LOCK_EX)
             self._fds.append(fd)

@@ -50,6 +50,14 @@ def _error_text(exc: BaseException) -> str:
     return f"NVML: {exc.__class__.__name__}: {exc}"
 
 
+class NvmlCallFailed(Exception):
+    """An NVML call of device_call failed; `unsupported`: the GPU or driver lacks it."""
+
+    def __init__(self, message: str, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported
+
+
 class _Progress:
     """How far a snapshot job got, read by the caller when the job does not return in time."""
 
@@ -107,6 +115,7 @@ class Nvml:
         # The last GPU count and driver NVML gave: what a hung snapshot still knows.
         self._last_count: int | None = None
         self._last_driver = ""
+        self._paused = ""  # why NVML is closed for a GPU reset (pause()); "" while it is not
         # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
         self._sysfs = sysfs
 
@@ -148,6 +157,50 @@ class Nvml:
             self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
         except NvmlHung:
             pass  # exiting anyway: the process takes the stuck call with it
+
+    # -- what a GPU reset needs (engine/reset.py) ------------------------------------------
+
+    def device_call(self, index: int, call: Callable[[Any], Any], what: str) -> Any:
+        """`call(handle)` for GPU `index` on the worker thread, NVML initialised, within the
+        timeout; an NVML error is NvmlCallFailed (NvmlHung past the timeout)."""
+        def job() -> Any:
+            with self._lock:
+                if not self._ensure_init():
+                    raise NvmlCallFailed(self.last_error)
+                try:
+                    return call(pynvml.nvmlDeviceGetHandleByIndex(index))
+                except pynvml.NVMLError as exc:
+                    raise NvmlCallFailed(_error_text(exc), isinstance(
+                        exc, (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound))) from None
+        return self._worker.run(job, self.timeout, what)
+
+    def pause(self, reason: str) -> None:
+        """Close the NVML session (its handles keep the GPUs' device nodes open, and a reset
+        refuses a GPU anyone has open) and answer snapshots with every GPU unknown for
+        `reason` until resume(): nothing re-opens it meanwhile."""
+        def job() -> None:
+            with self._lock:
+                self._paused = reason
+                if self._initialized and pynvml is not None:
+                    self._initialized = False
+                    try:
+                        pynvml.nvmlShutdown()
+                    except pynvml.NVMLError:
+                        pass
+        self._worker.run(job, self.timeout, "nvmlShutdown")
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = ""  # the next call initialises NVML again
+
+    def _paused_snapshot(self) -> NvmlSnapshot:
+        gpus = []
+        for index in range(self._last_count or 0):
+            gpu = GpuInfo(index=index, unknown=True, error=self._paused)
+            self._recall(gpu)
+            gpus.append(gpu)
+        return NvmlSnapshot(available=True, error=self._paused, driver_version=self._last_driver,
+                            gpus=gpus)
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
         """GPUs, memory and process lists, within `timeout` seconds whatever the driver does.
@@ -217,6 +270,8 @@ class Nvml:
 
     def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
         with self._lock:
+            if self._paused:
+                return self._paused_snapshot()
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
             try:

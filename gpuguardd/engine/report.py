@@ -143,7 +143,7 @@ class Leak(WireRecord):
 
 @dataclass
 class Report(WireRecord):
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumes", "finished_by"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumes", "finished_by", "kind", "steps"})
 
     # Every field has a value from the start, so that the declaration order can be the wire's.
     id: str = ""
@@ -168,3 +168,10 @@ class Report(WireRecord):
     # (Outcome.INTERRUPTED; daemon/resume.py). Optional: absent from every other report.
     resumes: str = ""
     finished_by: str = ""
+    # What the record is of: absent for a sweep, REPORT_RESET for a GPU reset (engine/reset.py),
+    # whose every step is in `steps` as the journal has it. Optional: absent from sweeps.
+    kind: str = ""
+    steps: list[str] = field(default_factory=list)
+
+
+REPORT_RESET = "reset"

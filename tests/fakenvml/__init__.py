@@ -209,6 +209,10 @@ class FakeGpu:
     # process lists are empty unless mig_parent_lists is "aggregate" (what root sees).
     mig: bool | None = None
     mig_parent_lists: Literal["empty", "aggregate"] = "empty"
+    # Persistence mode at start (nvmlDeviceSetPersistenceMode then keeps its own record, which
+    # tests/fakenvml/nvidia-smi reads); nvlink: active NVLink links (None: no NVLink).
+    persistence: bool = False
+    nvlink: int | None = None
 
     def __post_init__(self) -> None:
         if self.minor is None:
@@ -246,6 +250,12 @@ class FakeGpu:
             line += f" reserved={self.reserved}"
         if self.mig is not None:
             line += f" mig={'on' if self.mig else 'off'} mig_parent_lists={self.mig_parent_lists}"
+        if self.persistence:
+            line += " persistence=on"
+        if self.nvlink is not None:
+            if not 0 <= self.nvlink <= 18:
+                raise ValueError(f"GPU {self.index}: nvlink must be 0-18 active links, got {self.nvlink}")
+            line += f" nvlink={self.nvlink}"
         return line + " lost" if self.lost else line
 
 

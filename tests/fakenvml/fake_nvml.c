@@ -280,9 +280,12 @@ struct fake_gpu {
     nvmlReturn_t handle_error;
     int mig_mode;          /* MIG_UNSUPPORTED, or NVML_DEVICE_MIG_DISABLE/_ENABLE */
     int parent_aggregate;  /* in MIG mode, the parent's lists show every instance's procs */
+    int persistence;       /* persistence=on|off; STATE.persistence.N overrides (Set...) */
+    int nvlinks;           /* nvlink=N active links; -1: no NVLink (NOT_SUPPORTED) */
 };
 
 #define MIG_UNSUPPORTED (-1)
+#define NVLINK_MAX_LINKS 18 /* NVML_NVLINK_MAX_LINKS */
 #define MIG_DISABLE 0 /* NVML_DEVICE_MIG_DISABLE */
 #define MIG_ENABLE 1  /* NVML_DEVICE_MIG_ENABLE */
 /* nvmlDeviceGetMaxMigDeviceCount on A100, H100 and H200: at most seven
@@ -502,6 +505,7 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
     gpu = &st->gpus[st->gpu_count];
     memset(gpu, 0, sizeof *gpu);
     gpu->mig_mode = MIG_UNSUPPORTED;
+    gpu->nvlinks = -1;
 
     while ((tok = strtok_r(NULL, DELIMS, save)) != NULL) {
         char *value = strchr(tok, '=');
@@ -574,6 +578,18 @@ static int parse_gpu(struct parse_ctx *ctx, struct state *st, char **save)
                 parse_error(ctx, "mig must be on or off, got", value);
                 return 0;
             }
+        } else if (strcmp(tok, "persistence") == 0) {
+            if (strcmp(value, "on") != 0 && strcmp(value, "off") != 0) {
+                parse_error(ctx, "persistence must be on or off, got", value);
+                return 0;
+            }
+            gpu->persistence = strcmp(value, "on") == 0;
+        } else if (strcmp(tok, "nvlink") == 0) {
+            if (!parse_ull(value, &v) || v > NVLINK_MAX_LINKS) {
+                parse_error(ctx, "bad nvlink (active links, 0-18)", value);
+                return 0;
+            }
+            gpu->nvlinks = (int)v;
         } else if (strcmp(tok, "mig_parent_lists") == 0) {
             if (strcmp(value, "aggregate") == 0)
                 gpu->parent_aggregate = 1;
@@ -1864,5 +1880,80 @@ nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice
         rc = NVML_ERROR_NOT_SUPPORTED;
     if (rc == NVML_SUCCESS)
         *device = gpu;
+    return leave(rc);
+}
+
+/* ---- persistence mode and NVLink (a GPU reset) -------------------------
+ *
+ * persistence=on on a gpu record is the mode at start;
+ * nvmlDeviceSetPersistenceMode writes it to STATE.persistence.N (N the
+ * index), which wins from then on, so the change outlives this process as
+ * the driver's does, and tests/fakenvml/nvidia-smi (the fake reset, which
+ * refuses while the mode is on, as the real one does) reads it there.
+ * nvlink=N makes links 0..N-1 active; without it the GPU has no NVLink and
+ * nvmlDeviceGetNvLinkState answers NOT_SUPPORTED. */
+
+static void persistence_path(char *buf, size_t size, unsigned int index)
+{
+    const char *path = getenv("FAKE_NVML_STATE");
+    if (path == NULL || *path == '\0')
+        path = DEFAULT_STATE_PATH;
+    snprintf(buf, size, "%s.persistence.%u", path, index);
+}
+
+static int persistence_of(const struct fake_gpu *gpu)
+{
+    char path[NODE_PATH_SIZE + 32];
+    FILE *f;
+    int c;
+    persistence_path(path, sizeof path, (unsigned int)(gpu - g_state.gpus));
+    f = fopen(path, "r");
+    if (f == NULL)
+        return gpu->persistence;
+    c = fgetc(f);
+    fclose(f);
+    return c == '1';
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, unsigned int *mode)
+{
+    struct fake_gpu *gpu = NULL;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && mode == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *mode = (unsigned int)persistence_of(gpu);
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceSetPersistenceMode(nvmlDevice_t device, unsigned int mode)
+{
+    struct fake_gpu *gpu = NULL;
+    char path[NODE_PATH_SIZE + 32];
+    FILE *f;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && mode > 1)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS) {
+        persistence_path(path, sizeof path, (unsigned int)(gpu - g_state.gpus));
+        f = fopen(path, "w");
+        if (f == NULL || fprintf(f, "%u\n", mode) < 0)
+            rc = NVML_ERROR_UNKNOWN;
+        if (f != NULL && fclose(f) != 0)
+            rc = NVML_ERROR_UNKNOWN;
+    }
+    return leave(rc);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, unsigned int *isActive)
+{
+    struct fake_gpu *gpu = NULL;
+    nvmlReturn_t rc = enter_device(__func__, device, &gpu);
+    if (rc == NVML_SUCCESS && gpu->nvlinks < 0)
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    if (rc == NVML_SUCCESS && (isActive == NULL || link >= NVLINK_MAX_LINKS))
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    if (rc == NVML_SUCCESS)
+        *isActive = link < (unsigned int)gpu->nvlinks;
     return leave(rc);
 }

@@ -1,5 +1,5 @@
 """Ghost memory, classified (engine/leaks.py), as the GPU objects, sweep reports, metrics and
-`gpuguardctl check` show it."""
+`gpuguardctl check` show it; and which holders a GPU reset may go past (engine/reset.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from gpuguardd.engine import leaks
 from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind
 from gpuguardd.engine.facade import gpu_summaries
 from gpuguardd.engine.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, ScanResult
+from gpuguardd.engine.reset import refusal
 
 GiB = 1 << 30
 DEAD = 4_000_000  # above any pid_max: never a process here
@@ -72,3 +73,26 @@ def test_check_and_metrics_name_the_kind() -> None:
     assert 'gpuguard_leaked_memory_by_kind_bytes{UUID="GPU-a",gpu="0",kind="dead-pids"} 3.221225472e+09' \
         in text, text
 
+
+def test_a_reset_goes_past_gpuguardd_and_persistenced_only() -> None:
+    gpu = GpuInfo(index=1, uuid="GPU-b", processes={DEAD: GiB})
+    snap = NvmlSnapshot(available=True, gpus=[gpu])
+    persistenced = Holder(pid=10, comm="nvidia-persistenced", exe="/usr/bin/nvidia-persistenced",
+                          node_gpus=[0, 1])
+    own = Holder(pid=11, comm="gpuguardd", node_gpus=[0, 1])
+    assert refusal(gpu, snap, [persistenced, own], frozenset({11})) == ""
+    smi = Holder(pid=12, comm="nvidia-smi", exe="/usr/bin/nvidia-smi", node_gpus=[1], unit="x.service")
+    assert refusal(gpu, snap, [smi], frozenset()) == "pid 12 (nvidia-smi, management) holds it in unit x.service"
+    dcgm = Holder(pid=13, comm="nv-hostengine", exe="/usr/bin/nv-hostengine", node_gpus=[1])
+    assert "stop DCGM first" in refusal(gpu, snap, [dcgm], frozenset())
+    # A compute holder whose GPU nobody can name may be on this one.
+    unplaced = Holder(pid=14, comm="python", kind=HolderKind.COMPUTE)
+    assert "pid 14" in refusal(gpu, snap, [unplaced], frozenset())
+    # Another GPU's management client is no matter.
+    other = Holder(pid=15, comm="nvidia-smi", node_gpus=[0])
+    assert refusal(gpu, snap, [other], frozenset()) == ""
+    alive = GpuInfo(index=1, uuid="GPU-b", processes={LIVE: GiB})
+    assert "NVML lists live process(es) on it" in refusal(alive, NvmlSnapshot(available=True, gpus=[alive]),
+                                                         [], frozenset())
+    foreign = NvmlSnapshot(available=True, gpus=[gpu], pids_local=False)
+    assert "another PID namespace" in refusal(gpu, foreign, [], frozenset())

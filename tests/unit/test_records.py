@@ -134,7 +134,7 @@ def test_enums_are_their_values_everywhere() -> None:
         assert json.dumps(member) == json.dumps(member.value)
     assert {o.value for o in Outcome} == {"freed", "nothing-to-do", "survivors",
                                           "memory-not-released", "dry-run", "error", "unverified",
-                                          "interrupted"}
+                                          "interrupted", "reset", "reset-refused", "reset-failed"}
     assert {k.value for k in LeakKind} == {"no-process", "dead-pids", "stuck-in-driver"}
     assert {s.value for s in GpuState} == {"idle", "in-use", "leaked", "lost", "unknown",
                                             "suspended"}

@@ -157,13 +157,16 @@ def test_polkit_policy_is_valid_and_has_the_actions() -> None:
     root = ET.parse(DBUS / "org.gpuguard.GpuGuard1.policy").getroot()
     actions = {a.get("id"): a for a in root.findall("action")}
     assert set(actions) == {"org.gpuguard.GpuGuard1.sweep", "org.gpuguard.GpuGuard1.view-details",
-                            "org.gpuguard.GpuGuard1.reload"}
-    for action in actions.values():
+                            "org.gpuguard.GpuGuard1.reload", "org.gpuguard.GpuGuard1.reset-gpu"}
+    for name, action in actions.items():
         defaults = action.find("defaults")
         assert defaults is not None
         assert defaults.findtext("allow_any") == "auth_admin"
         assert defaults.findtext("allow_inactive") == "auth_admin"
-        assert defaults.findtext("allow_active") == "auth_admin_keep"
+        # A reset asks every time: an authorization kept for minutes would let a second one
+        # through unasked.
+        assert defaults.findtext("allow_active") == (
+            "auth_admin" if name.endswith(".reset-gpu") else "auth_admin_keep")
 
 
 def test_bus_policy_lets_only_root_own_the_name() -> None:

@@ -19,6 +19,9 @@ SPANS = {
     "VerifyTimeoutSec": ("Sweep", "1h", "61min"),
     "PollIntervalSec": ("Daemon", "1h", "3601"),
     "NvmlTimeoutSec": ("Daemon", "10min", "601"),
+    "ResetTimeoutSec": ("Recovery", "10min", "601"),
+    "LeakGraceSec": ("Recovery", "24h", "86401"),
+    "ResetIntervalSec": ("Recovery", "24h", "86401"),
 }
 NUMBERS = {
     "ReleasedBelowMiB": ("Sweep", "16777216", "16777217"),

@@ -1,0 +1,101 @@
+"""GPU resets in the daemon: one at a time, recorded like sweeps, and the AutoReset policy.
+
+A reset (engine/reset.py) runs on the sweep executor, never beside another reset; its report
+goes into the history (a report of kind "reset") and the metrics. The policy ([Recovery]
+AutoReset=, off by default) resets a GPU the poll has seen leaked, with nothing holding it,
+for LeakGraceSec: never a GPU in MIG mode (a reset destroys its instances: an operator's
+decision), never while a sweep runs or a start gate waits for it, and at most once per
+ResetIntervalSec a GPU, whatever the outcome, so a GPU that a reset does not cure is not
+reset over and over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+from gpuguardd.config import Config
+from gpuguardd.engine.enums import GpuState
+from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.models import GpuSummary
+from gpuguardd.engine.report import Report
+
+log = logging.getLogger("gpuguard.recovery")
+
+AUTO_RESET_BY = "gpuguardd (AutoReset)"
+
+
+class ResetEvents(Protocol):
+    def reset_finished(self, report: Report) -> None: ...
+
+
+class Recovery:
+    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any],
+                 events: ResetEvents, sweeping: Callable[[], bool],
+                 gate_waiting: Callable[[int], bool] = lambda index: False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.executor = executor
+        self.record = record  # awaitable: keeps the report (history)
+        self.events = events
+        self.sweeping = sweeping
+        self.gate_waiting = gate_waiting
+        self.clock = clock
+        self._lock = asyncio.Lock()
+        self._leaked_since: dict[int, float] = {}
+        self._last_auto: dict[int, float] = {}
+        self._task: asyncio.Task[Any] | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.engine.config
+
+    async def reset(self, index: int, requested_by: str, reason: str = "") -> Report:
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index,
+                                                requested_by, reason)
+            await self.record(report)
+            self.events.reset_finished(report)
+            return report
+
+    # -- the AutoReset policy ------------------------------------------------------------
+
+    def observe(self, summaries: list[GpuSummary]) -> None:
+        """Called with every published inventory: start an automatic reset where it is due."""
+        config = self.config
+        now = self.clock()
+        leaked = {s.index: s for s in summaries if s.state == GpuState.LEAKED and not s.mig_mode}
+        for index in list(self._leaked_since):
+            if index not in leaked:
+                del self._leaked_since[index]
+        if not config.auto_reset:
+            return
+        for index, summary in sorted(leaked.items()):
+            since = self._leaked_since.setdefault(index, now)
+            if now - since < config.leak_grace_sec or self.busy():
+                continue
+            last = self._last_auto.get(index)
+            if last is not None and now - last < config.reset_interval_sec:
+                continue
+            if self.sweeping() or self.gate_waiting(index):
+                continue
+            self._last_auto[index] = now
+            reason = (f"{summary.leak_kind or 'leaked'}: {summary.memory_used // (1024 * 1024)} MiB "
+                      f"leaked for {now - since:.0f} s")
+            log.warning("GPU %d: %s with nothing holding it: resetting it ([Recovery] AutoReset)",
+                        index, reason)
+            self._task = asyncio.ensure_future(self._auto(index, reason))
+
+    def busy(self) -> bool:
+        return (self._task is not None and not self._task.done()) or self._lock.locked()
+
+    async def _auto(self, index: int, reason: str) -> None:
+        try:
+            await self.reset(index, AUTO_RESET_BY, reason)
+        except Exception as exc:  # logged; the policy tries again after ResetIntervalSec
+            log.error("automatic reset of GPU %d failed: %s: %s", index, type(exc).__name__, exc)

@@ -1,0 +1,282 @@
+"""Resetting one GPU that nothing holds, through the driver's supported path, and proving it.
+
+NVML has no public call that resets a GPU (nvml.h: nvmlDeviceResetGpuLockedClocks and kin
+reset settings, not the device); the driver's supported reset is `nvidia-smi -r`
+(--gpu-reset), which the nvidia-smi manual documents as requiring that no process use the
+GPU, that persistence mode be off ("Can't reset while persistence mode is enabled"
+otherwise), and that NVLink-connected GPUs and NVSwitch fabrics be reset together. So a
+reset here is: refuse unless nothing holds the GPU; turn persistence mode off through NVML
+(nvmlDeviceSetPersistenceMode: nvidia-persistenced, when it runs, is the one NVML asks, and
+it lets go of the GPU); close gpuguardd's own NVML session (its handles keep the device open);
+run [Recovery] ResetCommand with the GPU's PCI bus id; restore persistence mode; and poll NVML
+until the GPU answers with its memory back. Every step is logged and kept in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpuguardd.engine import leaks, procfs
+from gpuguardd.engine.enums import HolderKind, Outcome
+from gpuguardd.engine.locks import GpuLocks
+from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
+from gpuguardd.engine.nvmlworker import NvmlHung
+from gpuguardd.engine.report import REPORT_RESET, GpuResult, Leak, Report, ReportScope
+
+log = logging.getLogger("gpuguard.reset")
+
+# Holders a reset may go past: NVML asks nvidia-persistenced to let go when persistence mode
+# is turned off (its manual), so it is paused, not refused.
+PAUSABLE = frozenset({"nvidia-persistenced"})
+# DCGM's host engine keeps its handles until it is stopped (DCGM documents no per-GPU release).
+HOSTENGINE = frozenset({"nv-hostengine"})
+NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
+# Bytes of the command's output kept in a step. Steps, like every report text, are kept as
+# they are and escaped where shown (the journal's formatter, gpuguardctl's printer).
+_OUTPUT_MAX = 300
+PAUSED = "NVML closed for a GPU reset"
+
+
+@dataclass(frozen=True)
+class ResetSettings:
+    command: tuple[str, ...]
+    timeout_sec: float
+    verify_timeout_sec: float
+    released_below_bytes: int
+    lock_directory: str
+    poll_sec: float = 0.1
+
+
+def _name(holder: Holder) -> str:
+    return os.path.basename(holder.exe) or holder.comm
+
+
+def _touches(holder: Holder, gpu: GpuInfo) -> bool:
+    """Whether `holder` has GPU `gpu` open (its node, NVML's word or a MIG instance of it), or
+    computes somewhere nobody can name (it may be this GPU)."""
+    if gpu.index in holder.gpus or gpu.index in holder.node_gpus or gpu.index in holder.nvml_gpus:
+        return True
+    if set(holder.mig) & {m.uuid for m in gpu.mig}:
+        return True
+    return holder.kind == HolderKind.COMPUTE and not holder.gpus
+
+
+def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int],
+            exists: Callable[[int], bool] = leaks.pid_exists) -> str:
+    """Why GPU `gpu` must not be reset now ("" when it may): anything but gpuguardd itself
+    and pausable management daemons holding it, or a process NVML still lists alive."""
+    if snap.pids_local:
+        alive = sorted(pid for pid in gpu.processes if exists(pid))
+        if alive:
+            return (f"NVML lists live process(es) on it ({', '.join(map(str, alive[:5]))}): "
+                    "end them first (gpuguardctl sweep)")
+    elif gpu.processes:
+        return ("NVML lists processes on it by PIDs of another PID namespace, which may be "
+                "alive there")
+    for holder in holders:
+        if holder.pid in own or not _touches(holder, gpu) or _name(holder) in PAUSABLE:
+            continue
+        who = f"pid {holder.pid} ({holder.comm}, {holder.kind})"
+        if _name(holder) in HOSTENGINE:
+            return f"DCGM's nv-hostengine holds it ({who}): stop DCGM first"
+        return f"{who} holds it" + (f" in unit {holder.unit}" if holder.unit else "")
+    return ""
+
+
+class GpuReset:
+    """One reset of GPU `index`: run() returns its report (never raises for the GPU's sake)."""
+
+    def __init__(self, index: int, nvml: Nvml, scan: Callable[[], ScanResult],
+                 settings: ResetSettings, requested_by: str, reason: str = "",
+                 run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run) -> None:
+        self.index = index
+        self.nvml = nvml
+        self.scan = scan
+        self.settings = settings
+        self._run = run
+        self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=requested_by, reason=reason,
+                             scope=ReportScope(gpus=[index]), kind=REPORT_RESET,
+                             outcome=Outcome.RESET_REFUSED)
+        self._started = time.monotonic()
+
+    def step(self, text: str, level: int = logging.INFO) -> None:
+        self.report.steps.append(text)
+        log.log(level, "reset %s GPU %d: %s", self.report.id[:8], self.index, text)
+
+    def run(self) -> Report:
+        log.info("reset %s of GPU %d requested by %s%s", self.report.id[:8], self.index,
+                 self.report.requested_by, f" (reason: {self.report.reason})" if self.report.reason else "")
+        locks = GpuLocks(self.settings.lock_directory)
+        try:
+            problem = locks.acquire([self.index], wait=False)
+            if locks.busy:
+                self._refuse("a sweep covers it now")
+            else:
+                if problem:
+                    self.report.warnings.append(problem)
+                self._reset()
+        except (NvmlHung, NvmlCallFailed, OSError) as exc:
+            self.report.outcome = Outcome.RESET_FAILED
+            self.report.error = str(exc)
+            self.step(f"failed: {exc}", logging.ERROR)
+        finally:
+            locks.release()
+        self.report.duration_ms = int((time.monotonic() - self._started) * 1000)
+        level = logging.INFO if self.report.outcome == Outcome.RESET else logging.WARNING
+        log.log(level, "reset %s of GPU %d: %s%s", self.report.id[:8], self.index,
+                 self.report.outcome, f" ({self.report.error})" if self.report.error else "")
+        return self.report
+
+    def _refuse(self, why: str) -> None:
+        self.report.outcome = Outcome.RESET_REFUSED
+        self.report.error = why
+        self.step(f"refused: {why}", logging.WARNING)
+
+    def _reset(self) -> None:
+        scan = self.scan()
+        gpu = scan.nvml.by_index(self.index)
+        if not scan.nvml.available or gpu is None:
+            self._refuse(f"no GPU {self.index} ({scan.nvml.error or 'NVML does not list it'})")
+            return
+        own = frozenset({os.getpid(), *procfs.ancestors(os.getpid())})
+        why = refusal(gpu, scan.nvml, scan.holders, own)
+        if not why and not gpu.pci_bus_id:
+            why = "its PCI bus id is unknown"
+        if not why:
+            why = self._nvlink_refusal()
+        if why:
+            self._refuse(why)
+            return
+        before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
+                           memory_total=gpu.memory_total)
+        self.report.gpus = [before]
+        kind = leaks.kind_of(gpu, scan.nvml.pids_local)
+        shown = ""
+        if kind is not None and gpu.memory_used > self.settings.released_below_bytes:
+            self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
+                                      kind=kind.value)]
+            shown = f" ({kind.value})"
+        self.step(f"nothing holds it; {gpu.memory_used // (1024 * 1024)} MiB in use{shown}")
+        if gpu.mig_mode:
+            self.step(f"MIG mode: its {len(gpu.mig)} instance(s) are gone after the reset; "
+                      "recreate them as the site does (nvidia-mig-parted)", logging.WARNING)
+        restore = self._persistence_off()
+        try:
+            self.nvml.pause(PAUSED)
+            self.step("closed gpuguardd's NVML session")
+            ok = self._command(gpu.pci_bus_id)
+        finally:
+            self.nvml.resume()
+            if restore:
+                self._persistence_on()
+        if not ok:
+            self.report.outcome = Outcome.RESET_FAILED
+            return
+        self._verify(before)
+
+    def _nvlink_refusal(self) -> str:
+        def active(handle: object) -> list[int]:
+            import pynvml
+
+            links = []
+            for link in range(NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        links.append(link)
+                except pynvml.NVMLError_InvalidArgument:
+                    break  # past the GPU's last link
+            return links
+        try:
+            links = self.nvml.device_call(self.index, active, "nvmlDeviceGetNvLinkState")
+        except NvmlCallFailed as exc:
+            if exc.unsupported:
+                return ""  # no NVLink on this GPU
+            raise
+        if links:
+            return (f"NVLink link(s) {','.join(map(str, links))} are active: the driver resets "
+                    "NVLink peers and NVSwitch fabrics only together (nvidia-smi -r on all of "
+                    "them, or a reboot)")
+        return ""
+
+    def _persistence_off(self) -> bool:
+        """Turn persistence mode off if it is on; whether it has to be restored."""
+        import pynvml
+
+        try:
+            mode = self.nvml.device_call(self.index, pynvml.nvmlDeviceGetPersistenceMode,
+                                         "nvmlDeviceGetPersistenceMode")
+        except NvmlCallFailed as exc:
+            self.step(f"persistence mode unknown ({exc})")
+            return False
+        if mode != pynvml.NVML_FEATURE_ENABLED:
+            self.step("persistence mode is off")
+            return False
+        self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
+            h, pynvml.NVML_FEATURE_DISABLED), "nvmlDeviceSetPersistenceMode")
+        self.step("turned persistence mode off (nvidia-persistenced lets go)")
+        return True
+
+    def _persistence_on(self) -> None:
+        import pynvml
+
+        try:
+            self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
+                h, pynvml.NVML_FEATURE_ENABLED), "nvmlDeviceSetPersistenceMode")
+            self.step("restored persistence mode")
+        except (NvmlCallFailed, NvmlHung) as exc:
+            self.report.warnings.append(f"persistence mode could not be restored: {exc}")
+            self.step(f"could not restore persistence mode: {exc}", logging.ERROR)
+
+    def _command(self, bus_id: str) -> bool:
+        argv = [*self.settings.command, bus_id]
+        shown = " ".join(argv)
+        self.step(f"running {shown}")
+        try:
+            done = self._run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=self.settings.timeout_sec,
+                             check=False)
+        except subprocess.TimeoutExpired:
+            self.report.error = f"{shown} did not finish within {self.settings.timeout_sec:g} s"
+            self.step(self.report.error, logging.ERROR)
+            return False
+        except OSError as exc:
+            self.report.error = f"cannot run {shown}: {exc.strerror or exc}"
+            self.step(self.report.error, logging.ERROR)
+            return False
+        said = done.stdout[-_OUTPUT_MAX:].decode("utf-8", "replace").strip()
+        if done.returncode != 0:
+            self.report.error = f"{shown} failed (exit status {done.returncode})" + (f": {said}" if said else "")
+            self.step(self.report.error, logging.ERROR)
+            return False
+        self.step("the reset command succeeded" + (f": {said}" if said else ""))
+        return True
+
+    def _verify(self, before: GpuResult) -> None:
+        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        while True:
+            snap = self.nvml.snapshot()
+            gpu = snap.by_index(self.index)
+            answers = gpu is not None and not (gpu.lost or gpu.unknown)
+            if gpu is not None and answers:
+                before.memory_used_after = gpu.memory_used
+                before.released = gpu.memory_used <= self.settings.released_below_bytes
+            if before.released or time.monotonic() >= deadline:
+                break
+            time.sleep(self.settings.poll_sec)
+        if before.released:
+            self.report.outcome = Outcome.RESET
+            self.report.verified = True
+            self.step(f"verified: the GPU answers, {before.memory_used_after // (1024 * 1024)} MiB in use")
+            return
+        self.report.outcome = Outcome.RESET_FAILED
+        self.report.error = ("the GPU does not answer after the reset" if not answers else
+                             f"{before.memory_used_after // (1024 * 1024)} MiB still in use after the reset")
+        self.step(self.report.error, logging.ERROR)
