@@ -223,8 +223,8 @@ install-data: man
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
 	@# Slurm: the epilog and the report-only UnkillableStepProgram (docs/fleet.md).
-	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d
-	set -e; for f in epilog.d/50-gpuguard unkillable-step; do \
+	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d $(DESTDIR)$(DATADIR)/gpuguard/slurm/prolog.d
+	set -e; for f in epilog.d/50-gpuguard prolog.d/50-gpuguard unkillable-step; do \
 		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' slurm/$$f > build/install/slurm-script; \
 		$(INSTALL) -m 755 build/install/slurm-script $(DESTDIR)$(DATADIR)/gpuguard/slurm/$$f; \
 	done

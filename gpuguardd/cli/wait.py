@@ -215,6 +215,9 @@ def run_wait(backend: Any, args: argparse.Namespace, out: TextIO, exit_timeout: 
             for g in result.get("gpus", [])) or "no GPU"
         out.write(f"{prefix}free after {waited:.1f} s: {names}\n")
         return 0
-    lines = [line for line in describe(result, time.time_ns() // 1000)]
-    out.write(f"{prefix}not free after {waited:.0f} s: " + "; ".join(lines) + "\n")
+    text = f"{prefix}not free after {waited:.0f} s: " + "; ".join(describe(result, time.time_ns() // 1000))
+    if args.slurm_prolog:
+        from gpuguardd.engine.slurm import MAX_REASON
+        text = text[:MAX_REASON]  # a node's drain reason: one short line in sinfo
+    out.write(text + "\n")
     return exit_timeout

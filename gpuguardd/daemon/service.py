@@ -26,7 +26,7 @@ from gpuguardd.daemon.live import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
-from gpuguardd.daemon.runner import SweepRunner
+from gpuguardd.daemon.runner import InFlight, SweepRunner
 from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.engine.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
@@ -71,10 +71,9 @@ class Service:
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # The start gate (gate.py): judged on every inventory observation; sweeps in flight
-        # (unresolved ones: every GPU) keep their GPUs from being free.
+        # keep their GPUs from being free (sweep_gpus).
         self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
-                                lambda: [f.scope.gpus if f.scope else None
-                                         for f in self.runner.in_flight],
+                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
                                 self.inventory.scan_age, self.inventory.request_rescan)
         config = engine.config
         self.manager = ManagerInterface(self, {
@@ -126,6 +125,17 @@ class Service:
         self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
         self.unit_watch.config_changed()
         self.inventory.request_rescan()
+
+    def sweep_gpus(self, flight: InFlight) -> list[int] | None:
+        """The GPUs a sweep in flight covers, for the start gate: its scope's, else (a unit
+        sweep) the GPUs the unit watch saw the unit hold or name; None (every GPU) when
+        neither is known yet."""
+        scope = flight.scope
+        if scope is not None and scope.gpus:
+            return list(scope.gpus)
+        unit = scope.unit if scope is not None else flight.request.unit
+        record = self.unit_watch.records.get(unit) if unit else None
+        return sorted(record.all_gpus) if record is not None and record.all_gpus else None
 
     def poll_interval(self) -> float:
         """NVML's poll interval: fast while a start gate waits (gate.py), else configured."""

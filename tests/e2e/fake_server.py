@@ -77,7 +77,7 @@ def worker(index: int, gpu: int, stubborn: bool, escaper: bool, escape_now: bool
         time.sleep(3600)
 
 
-def register(entries: list[tuple[int, int, int]]) -> None:
+def register(entries: list[tuple[int, int, int]], release: str = "") -> None:
     """Add (gpu, pid, bytes) to the fake NVML's state, as the driver lists CUDA contexts.
 
     Read-modify-replace under a lock: several servers may start at once.
@@ -86,7 +86,7 @@ def register(entries: list[tuple[int, int, int]]) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with open(STATE) as handle:
             text = handle.read()
-        text += "".join(f"proc {gpu} {pid} {used} compute release_delay_ms=200\n"
+        text += "".join(f"proc {gpu} {pid} {used} compute release_delay_ms=200{release}\n"
                         for gpu, pid, used in entries)
         tmp = f"{STATE}.{os.getpid()}"
         with open(tmp, "w") as handle:
@@ -115,6 +115,11 @@ def main() -> None:
     parser.add_argument("--stubborn", type=int, action="append", default=[])
     parser.add_argument("--escaper", type=int, default=-1)
     parser.add_argument("--escape-now", action="store_true")
+    # The driver's unkind release (tests/fakenvml): memory back over this long after the exit,
+    # then this much in use again for --wobble-ms before it settles.
+    parser.add_argument("--release-ms", type=int, default=0)
+    parser.add_argument("--wobble-mib", type=int, default=0)
+    parser.add_argument("--wobble-ms", type=int, default=0)
     args = parser.parse_args()
     gpus = args.gpu or [0]
     set_comm(f"{args.name.partition('-')[0][:8]}-main")
@@ -136,7 +141,10 @@ def main() -> None:
         os.close(read_end)
         pids[f"worker{index}"] = pid
         entries.append((gpu, pid, args.mib * MiB))
-    register(entries)
+    release = "".join(f" {key}={value}" for key, value in (
+        ("release_ms", args.release_ms), ("wobble", args.wobble_mib * MiB),
+        ("wobble_ms", args.wobble_ms)) if value)
+    register(entries, release)
     os.makedirs("/run/fake-server", exist_ok=True)
     with open(f"/run/fake-server/{args.name}.pids", "w") as handle:
         handle.write(" ".join(f"{k}={v}" for k, v in pids.items()) + "\n")

@@ -49,6 +49,7 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
         f"{unitdir}/gpuguard-exporter.socket",
         "usr/lib/sysusers.d/gpuguard-exporter.conf",
         "usr/share/gpuguard/slurm/epilog.d/50-gpuguard",
+        "usr/share/gpuguard/slurm/prolog.d/50-gpuguard",
         "usr/share/gpuguard/slurm/unkillable-step",
         f"usr/share/dbus-1/system.d/{DBUS_NAME}.conf",
         f"usr/share/dbus-1/system-services/{DBUS_NAME}.service",

@@ -107,3 +107,13 @@ def test_tracker_follows_gpus_that_come_and_go() -> None:
     tracker.observe(2.0, 2, [gpu(0)], [], None, [1])
     assert set(tracker.states) == {(0, "")}
     assert tracker.states[(0, "")].free_since == 1.0
+
+
+def test_running_sweeps_cover_their_gpus_or_every_gpu_when_unknown() -> None:
+    from gpuguardd.daemon.gate import sweeping_indices
+
+    assert sweeping_indices([], [0, 1, 2]) == set()
+    assert sweeping_indices([[1]], [0, 1, 2]) == {1}
+    # Not resolved yet, or a unit whose GPUs nobody saw: every GPU waits for it.
+    assert sweeping_indices([[1], None], [0, 1, 2]) == {0, 1, 2}
+    assert sweeping_indices([[]], [0, 1]) == {0, 1}
