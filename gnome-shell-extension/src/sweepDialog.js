@@ -12,19 +12,22 @@ import {format, formatBytes} from './state.js';
 
 const SHOWN_MAX = 12;  // plan lines shown; the rest are counted
 
-function planText(report) {
+// (the dialog's description, the plan's lines) for a dry run's report.
+function plan(report) {
     const targets = report.targets ?? [];
     if (!targets.length)
-        return _('Nothing to end: no process holds this GPU that a sweep would touch.');
-    const lines = targets.slice(0, SHOWN_MAX).map(t => format(_('%s (PID %d) %s %s'),
-        escapeText(t.comm ?? ''), t.pid, escapeText(t.container || t.unit || ''),
-        Number(t.gpu_memory) ? formatBytes(t.gpu_memory) : ''));
+        return [_('Nothing to end: no process holds this GPU that a sweep would touch.'), ''];
+    const lines = targets.slice(0, SHOWN_MAX).map(t => [
+        format(_('%s (PID %d)'), escapeText(t.comm ?? ''), t.pid),
+        escapeText(t.container || t.unit || ''),
+        Number(t.gpu_memory) ? formatBytes(t.gpu_memory) : '',
+    ].filter(Boolean).join(' · '));
     if (targets.length > SHOWN_MAX)
         lines.push(format(_('… and %d more'), targets.length - SHOWN_MAX));
     const spared = (report.spared ?? []).length;
     if (spared)
         lines.push(format(_('%d protected processes are left alone.'), spared));
-    return [_('These processes will be ended (SIGTERM, then SIGKILL):'), ...lines].join('\n');
+    return [_('These processes will be ended (SIGTERM, then SIGKILL):'), lines.join('\n')];
 }
 
 function resultText(report) {
@@ -71,8 +74,7 @@ class GpuGuardSweepDialog extends ModalDialog.ModalDialog {
             this._content.description = format(_('The plan could not be made: %s'), escapeText(errorText(error)));
             return;
         }
-        this._content.description = '';
-        this._plan.text = planText(report);
+        [this._content.description, this._plan.text] = plan(report);
         if ((report.targets ?? []).length) {
             this.setButtons([this._cancel, {
                 label: _('Sweep'),
@@ -84,6 +86,7 @@ class GpuGuardSweepDialog extends ModalDialog.ModalDialog {
 
     _sweep() {
         this.setButtons([{label: _('Close'), action: () => this.close()}]);
+        this._plan.text = '';
         this._content.description = _('Sweeping…');
         this._client.sweep(this._index, false, (report, error) => {
             if (error && isRefusal(error))

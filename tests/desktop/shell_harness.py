@@ -139,22 +139,28 @@ class GnomeShell:
         return self.gdbus("org.gpuguard.TestHelper", "/org/gpuguard/TestHelper",
                           "org.gpuguard.TestHelper.Describe").returncode == 0
 
-    def describe(self) -> dict[str, Any]:
+    def helper(self, method: str, *args: str) -> Any:
+        """Call the test helper; its string reply (ASCII JSON) decoded."""
         result = self.gdbus("org.gpuguard.TestHelper", "/org/gpuguard/TestHelper",
-                            "org.gpuguard.TestHelper.Describe")
+                            f"org.gpuguard.TestHelper.{method}", *args)
         assert result.returncode == 0, result.stderr
-        # gdbus prints ('<json>',) with the JSON as a GVariant string literal.
         text = result.stdout.strip()
+        if text == "()":
+            return None
+        # gdbus prints ('<json>',) with the JSON as a GVariant string literal.
         assert text.startswith("('") and text.endswith("',)"), text
-        literal = text[2:-3].encode().decode("unicode_escape")
-        data: dict[str, Any] = json.loads(literal)
+        return json.loads(text[2:-3].encode().decode("unicode_escape"))
+
+    def describe(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.helper("Describe")
         return data
 
     def menu(self, open_it: bool) -> None:
-        method = "OpenMenu" if open_it else "CloseMenu"
-        result = self.gdbus("org.gpuguard.TestHelper", "/org/gpuguard/TestHelper",
-                            f"org.gpuguard.TestHelper.{method}")
-        assert result.returncode == 0, result.stderr
+        self.helper("OpenMenu" if open_it else "CloseMenu")
+
+    def dialog(self) -> dict[str, Any] | None:
+        found: dict[str, Any] | None = self.helper("DescribeDialog")
+        return found
 
     def extension_state(self, uuid: str = UUID) -> float:
         result = self.gdbus("org.gnome.Shell", "/org/gnome/Shell",

@@ -7,7 +7,10 @@ the indicator shows is read from its actors by the test helper extension.
 
 Checks: the extension is enabled (state 1) and the shell logs no JS ERROR; the indicator
 follows a holder appearing and leaving within 2 s, gpuguardd going away (greyed) and coming
-back, a leak (its icon, and a notification); the menu opened lists the GPUs. Its screenshots
+back, a leak (its icon, and a notification); the menu opened lists the GPUs. "Sweep GPU N…"
+shows the dry run's plan, and the sweep asked for with interactive authorization: refused by
+polkit (the tests' fake one, tests/dbus_harness.py) it says so; allowed, it ends the holder and
+says how it went. Its screenshots
 (the open menu; the indicator with the leak's notification) go to the test's own directory,
 or with GPUGUARD_DESKTOP_SHOTS=docs to docs/desktop-menu.png and docs/desktop-indicator.png.
 """
@@ -26,7 +29,18 @@ from typing import Any
 import pytest
 
 from tests.conftest import GiB
-from tests.dbus_harness import GPU, MANAGER_PATH, GuardDaemon, SignalRecorder, leak_on, wait_until
+from tests.dbus_harness import (
+    COMM,
+    GPU,
+    MANAGER_PATH,
+    FakePolkit,
+    GuardDaemon,
+    SignalRecorder,
+    leak_on,
+    private_gpu,
+    private_holder,
+    wait_until,
+)
 from tests.desktop.shell_harness import ROOT, UUID, GnomeShell
 
 pytest_plugins = ["tests.dbus_harness"]
@@ -131,3 +145,42 @@ def test_indicator_follows_gpuguardd(shell: GnomeShell, guard: GuardDaemon,
                FOLLOW_SEC, "the leak notification")
     shell.screenshot(shots / "desktop-indicator.png", crop="1280x360+0+0")
     assert (shots / "desktop-indicator.png").stat().st_size > 1000
+
+
+SWEEP = "org.gpuguard.GpuGuard1.sweep"
+NOBODY_UID = 65534  # the shell's user (shell_harness.NOBODY)
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
+def test_sweep_shows_the_plan_then_sweeps(shell: GnomeShell, guard: GuardDaemon, system_bus: Any,
+                                          tmp_path: Path, allowed: bool) -> None:
+    host = guard.host
+    index = private_gpu(host)
+    pid = private_holder(host)
+    polkit = FakePolkit(system_bus.address, tmp_path, {NOBODY_UID: [SWEEP] if allowed else []})
+    try:
+        daemon_says(guard, index, "in-use")
+        wait_until(lambda: f"Sweep GPU {index}…" in indicator(shell)["items"], 5, "the sweep item")
+        shell.helper("ActivateMenuItem", f"Sweep GPU {index}…")
+        plan = wait_until(lambda: (d := shell.dialog()) and "Sweep" in d["buttons"] and d, 10,
+                          "the plan and its Sweep button")
+        assert plan["title"] == f"Sweep GPU {index}"
+        assert plan["description"].startswith("These processes will be ended"), plan
+        assert plan["plan"] == f"{COMM} (PID {pid}) · 2.0 GiB", plan
+        assert os.path.exists(f"/proc/{pid}"), "the dry run ended the holder"
+        if allowed and SHOTS:
+            time.sleep(1)  # the dialog's first frames after its text changed
+            shell.screenshot(ROOT / SHOTS / "desktop-sweep.png", crop="520x280+380+260")
+        shell.helper("PressDialogButton", "Sweep")
+        expected = "Done: 1 processes ended, memory freed." if allowed \
+            else "Not authorized: the sweep was refused."
+        wait_until(lambda: (shell.dialog() or {}).get("description") == expected, 20,
+                   f"the dialog saying {expected!r}")
+        asked = [r for r in polkit.requests() if r["action"] == SWEEP]
+        assert asked and asked[-1]["uid"] == NOBODY_UID
+        assert asked[-1]["flags"] & 1, "the sweep did not allow interactive authorization"
+        assert os.path.exists(f"/proc/{pid}") != allowed
+        shell.helper("PressDialogButton", "Close")
+        wait_until(lambda: shell.dialog() is None, 5, "the dialog closed")
+    finally:
+        polkit.close()

@@ -10,7 +10,19 @@ const XML = `<node><interface name="org.gpuguard.TestHelper">
   <method name="Describe"><arg type="s" direction="out"/></method>
   <method name="OpenMenu"/>
   <method name="CloseMenu"/>
+  <method name="ActivateMenuItem"><arg type="s" direction="in"/></method>
+  <method name="DescribeDialog"><arg type="s" direction="out"/></method>
+  <method name="PressDialogButton"><arg type="s" direction="in"/></method>
 </interface></node>`;
+
+// The extension's open dialog (a ModalDialog in the shell's modal dialog group), if any.
+function openDialog() {
+    return Main.layoutManager.modalDialogGroup.get_children().find(d => d._content) ?? null;
+}
+
+function ascii(text) {
+    return text.replace(/[\u007f-\uffff]/g, c => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+}
 
 class Helper {
     enable() {
@@ -27,8 +39,33 @@ class Helper {
 
     // ASCII JSON: gdbus prints the reply as a GVariant text literal, which the test decodes.
     Describe() {
-        return this._describe().replace(/[\u007f-\uffff]/g,
-            c => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+        return ascii(this._describe());
+    }
+
+    ActivateMenuItem(label) {
+        const item = Main.panel.statusArea[UUID].menu._getMenuItems().find(i => i.label?.text === label);
+        if (!item)
+            throw new Error(`no menu item ${label}`);
+        item.activate(null);
+    }
+
+    DescribeDialog() {
+        const dialog = openDialog();
+        if (!dialog)
+            return 'null';
+        return ascii(JSON.stringify({
+            title: dialog._content.title,
+            description: dialog._content.description,
+            plan: dialog._plan.text,
+            buttons: dialog.buttonLayout.get_children().map(b => b.label),
+        }));
+    }
+
+    PressDialogButton(label) {
+        const button = openDialog()?.buttonLayout.get_children().find(b => b.label === label);
+        if (!button)
+            throw new Error(`no dialog button ${label}`);
+        button.emit('clicked', 1);
     }
 
     _describe() {
