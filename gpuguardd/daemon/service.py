@@ -105,9 +105,11 @@ class Service:
                              history, self.runner, self.unit_watch, lambda: self.engine.config,
                              lambda: self.engine.config.watch_units, self.inventory.fresh_scan)
         self.resume_work: list[Awaitable[Report | None]] = []
-        # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are.
+        # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are. While
+        # anyone waits at the start gate a job is about to start: no automatic reset then.
         self.recovery = Recovery(engine, sweep_executor, self._keep, self,
-                                 sweeping=lambda: self.runner.busy)
+                                 sweeping=lambda: self.runner.busy,
+                                 gate_waiting=lambda index: self.gate.waiters > 0)
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
