@@ -67,6 +67,34 @@ function lastSweepOf(history, lastSweep, index) {
     return null;
 }
 
+// The start gate's verdict (FreeSinceUsec, WaitingOn: gpuguardd judges it, as for
+// `gpuguardctl wait`): "free for N s", ticking, or what the GPU waits on. Nothing from a
+// daemon older than the gate.
+function Readiness({ gpu }) {
+    const since = gpu.FreeSinceUsec || 0;
+    const [now, setNow] = React.useState(Date.now());
+    React.useEffect(() => {
+        if (!since)
+            return undefined;
+        setNow(Date.now());
+        const timer = window.setInterval(() => setNow(Date.now()), 1000);
+        return () => window.clearInterval(timer);
+    }, [since]);
+    if (gpu.FreeSinceUsec === undefined && gpu.WaitingOn === undefined)
+        return null;
+    const waits = gpu.WaitingOn || [];
+    return (
+        <>
+            <div className="gg-card-label">{_("Next job")}</div>
+            <div className="gg-readiness" data-free={since ? "true" : "false"}>
+                {since
+                    ? cockpit.format(_("free for $0 s"), Math.max(0, Math.floor((now - since / 1000) / 1000)))
+                    : cockpit.format(_("waiting on: $0"), waits.join("; ") || _("nothing known yet"))}
+            </div>
+        </>
+    );
+}
+
 function MigInstances({ instances }) {
     if (!instances || !instances.length)
         return null;
@@ -129,6 +157,7 @@ export function GpuCards({ gpus, holders, history, lastSweep, onReset }) {
                                 {cockpit.format(cockpit.ngettext("$0 process", "$0 processes", gpu.HolderCount ?? 0), gpu.HolderCount ?? 0)}
                                 {kinds && `: ${kinds}`}
                             </div>
+                            <Readiness gpu={gpu} />
                             <div className="gg-card-label">{_("Last sweep")}</div>
                             <div className="gg-last-sweep">
                                 {last
