@@ -42,6 +42,9 @@ NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
 # they are and escaped where shown (the journal's formatter, gpuguardctl's printer).
 _OUTPUT_MAX = 300
 PAUSED = "NVML closed for a GPU reset"
+# What the NVIDIA driver asks of a caller that changes a GPU (its privileged check is
+# capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
+NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
 
 
 @dataclass(frozen=True)
@@ -219,8 +222,13 @@ class GpuReset:
         if mode != pynvml.NVML_FEATURE_ENABLED:
             self.step("persistence mode is off")
             return False
-        self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
-            h, pynvml.NVML_FEATURE_DISABLED), "nvmlDeviceSetPersistenceMode")
+        try:
+            self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
+                h, pynvml.NVML_FEATURE_DISABLED), "nvmlDeviceSetPersistenceMode")
+        except NvmlCallFailed as exc:
+            # The driver grants it to CAP_SYS_ADMIN only, which the shipped unit leaves out.
+            hint = f": the driver allows it only with {NEEDS}" if "Permission" in str(exc) else ""
+            raise NvmlCallFailed(f"cannot turn persistence mode off ({exc}){hint}") from None
         self.step("turned persistence mode off (nvidia-persistenced lets go)")
         return True
 

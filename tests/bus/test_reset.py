@@ -150,3 +150,16 @@ def test_auto_reset_resets_dead_pid_memory_after_the_grace(daemon: GuardDaemon) 
     assert smi_calls(log) == [["-r", "-i", host.state.gpus[gpu].pci_bus_id]]
     wait_until(lambda: daemon.property_is(path, GPU, "State", "idle"), 10, "idle after it")
     assert "resetting it ([Recovery] AutoReset)" in daemon.stderr()
+
+
+def test_without_the_privilege_the_reset_fails_having_touched_nothing(
+        daemon: GuardDaemon, recorder: SignalRecorder) -> None:
+    # What the driver answers a caller without CAP_SYS_ADMIN (the shipped unit's lot).
+    gpu, log = start(daemon, persistence=True)
+    daemon.host.state.fail = {"nvmlDeviceSetPersistenceMode": 4}  # NVML_ERROR_NO_PERMISSION
+    daemon.host.publish()
+    leak_on(daemon, recorder, gpu, 3 * GiB)
+    report = daemon.manager("ResetGpu", "ua{sv}", str(gpu), "0")[0]
+    assert report["outcome"] == "reset-failed" and "CAP_SYS_ADMIN" in report["error"], report
+    assert smi_calls(log) == [], "never asked nvidia-smi"
+    assert daemon.get_property(f"{MANAGER_PATH}/gpu/{gpu}", GPU, "State") == "leaked"
