@@ -182,5 +182,10 @@ def test_sweep_shows_the_plan_then_sweeps(shell: GnomeShell, guard: GuardDaemon,
         assert os.path.exists(f"/proc/{pid}") != allowed
         shell.helper("PressDialogButton", "Close")
         wait_until(lambda: shell.dialog() is None, 5, "the dialog closed")
+        if allowed:
+            # The menu's last sweep: outcome, when, who asked (the shell's user, by the bus).
+            last = wait_until(lambda: [i for i in indicator(shell)["items"] if i.startswith("memory freed, ")],
+                              5, "the last sweep in the menu")
+            assert f"asked by uid {NOBODY_UID} (nobody)" in last[0], last
     finally:
         polkit.close()
