@@ -441,6 +441,29 @@ def test_leaked_and_unknown_gpus(daemon: GuardDaemon, cockpit_ws: Callable[..., 
     assert_not_reloaded(page)
 
 
+def test_a_leak_shows_its_kind_and_an_admin_resets_the_gpu(
+        daemon: GuardDaemon, cockpit_ws: Callable[..., CockpitWs], browser_page: Callable[..., Any]) -> None:
+    """The card names the leak's kind and offers "Reset GPU…" (confirmed in a dialog); the
+    reset runs through the fake nvidia-smi on the daemon's PATH and the card goes idle."""
+    host = daemon.host
+    host.write_config(FAST_POLL)
+    daemon.extra_env["PATH"] = f"{dbus_harness.ROOT / 'tests' / 'fakenvml'}:{os.environ['PATH']}"
+    daemon.start()
+    page = open_gpuguard(cockpit_ws(), browser_page)
+    card0 = page.locator("section.gg-gpu[data-index='0']")
+    expect(card0.locator(".gg-state")).to_have_text("idle")
+    expect(card0.locator(".gg-reset")).to_have_count(0)
+    host.state.gpus[0].base_used = 5 * GiB
+    host.publish()
+    expect(card0.locator(".gg-leak-kind")).to_have_text("Leak kind: no-process")
+    page.once("dialog", lambda dialog: dialog.accept())
+    card0.locator(".gg-reset").click()
+    expect(card0.locator(".gg-state")).to_have_text("idle", timeout=20000)
+    expect(page.locator(".gg-event", has_text="GPU 0: reset")).to_have_count(1)
+    expect(card0.locator(".gg-leak-kind")).to_have_count(0)
+    host.state.gpus[0].base_used = 0  # what the reset left in the state file
+
+
 def test_daemon_installed_but_not_running(browser_page: Callable[..., Any], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """gpuguardd installed (D-Bus could start it: the bus lists the name as activatable) but not
