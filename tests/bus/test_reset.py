@@ -24,6 +24,7 @@ from tests.dbus_harness import (
     private_gpu,
     wait_until,
 )
+from tests.host.test_mig import setup_mig
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -163,3 +164,26 @@ def test_without_the_privilege_the_reset_fails_having_touched_nothing(
     assert report["outcome"] == "reset-failed" and "CAP_SYS_ADMIN" in report["error"], report
     assert smi_calls(log) == [], "never asked nvidia-smi"
     assert daemon.get_property(f"{MANAGER_PATH}/gpu/{gpu}", GPU, "State") == "leaked"
+
+
+def test_a_mig_gpu_is_reset_only_once_no_instance_has_a_tenant(daemon: GuardDaemon) -> None:
+    mig = setup_mig(daemon.host, "[Daemon]\nPollIntervalSec=0.25\n")
+    host = daemon.host
+    log = host.root / "smi.log"
+    daemon.extra_env.update({"PATH": f"{FAKE_SMI_DIR}:{os.environ['PATH']}",
+                             "FAKE_NVIDIA_SMI_LOG": str(log)})
+    daemon.start()
+    refused = daemon.manager("ResetGpu", "ua{sv}", "1", "0")[0]
+    assert refused["outcome"] == "reset-refused" and "live process(es)" in refused["error"]
+    assert smi_calls(log) == []
+
+    for tenant in (mig.a, mig.b):
+        tenant.stop()
+    host.state.procs = []
+    host.publish()
+    wait_until(lambda: daemon.manager("ListHolders", "a{sv}", "1", "gpus", "as", "1", "1")[0] == [],
+               20, "no tenant left", interval=0.25)
+    report = daemon.manager("ResetGpu", "ua{sv}", "1", "0")[0]
+    assert report["outcome"] == "reset", report
+    assert any("MIG mode: its 3 instance(s) are gone" in step for step in report["steps"])
+    assert smi_calls(log) == [["-r", "-i", host.state.gpus[1].pci_bus_id]]
