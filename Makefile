@@ -273,6 +273,9 @@ uninstall:
 		echo "systemctl disable --now gpuguardd.service"; \
 		systemctl disable --now gpuguardd.service 2>/dev/null || true; \
 	fi
+	@# The unit keeps its runtime directory across restarts (RuntimeDirectoryPreserve=yes):
+	@# with the daemon gone for good, nothing in it is left to finish.
+	rm -rf $(DESTDIR)/run/gpuguard
 	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
 		$(DESTDIR)$(UNITDIR)/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service \
 		$(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter \

@@ -44,7 +44,6 @@ from gpuguardd.systemd.rules import (
     STOPPED_STATES,
     WATCH_PREFIX,
     UnitState,
-    trigger,
 )
 
 # The pieces' names, also from here (where they were before adoption.py and rules.py).
@@ -128,9 +127,7 @@ class UnitSweeps:
         # stop hook a report that signalled nothing. A real sweep with a "hook:" reason is
         # root's or a polkit-authorised caller's (the service checked).
         dry_run = self.dry_run_default() if request.dry_run is None else request.dry_run
-        # The daemon's own bare forms only (rules.trigger): a non-root caller's
-        # "hook:<unit> via uid N" is a sweep of its own, never the stop's.
-        automatic = trigger(request.requested_by) in ("hook", "watch") and not dry_run
+        automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX)) and not dry_run
         state = await self.systemd.state(unit) if self.systemd.available else None
         if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
