@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
 from gpuguardd.engine import models
-from gpuguardd.engine.models import GpuSummary, Holder
+from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
 from gpuguardd.engine.report import REPORT_RESET, Report, ReportScope, Spared, Survivor, Target, Terminated
 from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
@@ -46,19 +46,24 @@ def print_json(data: Any, out: TextIO) -> None:
     out.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def _state(record: GpuSummary | MigSummary) -> str:
+    """The state as shown, a leak with its kind: "leaked (dead-pids)"."""
+    return _shown(record, "state") + (f" ({record.leak_kind})" if record.leak_kind else "")
+
+
 def print_gpus(gpus: Sequence[GpuSummary], out: TextIO) -> None:
     rows = []
     for gpu in gpus:
         memory = (f"{human_bytes(gpu.memory_used)} / {human_bytes(gpu.memory_total)}"
                   if gpu.memory_total else "unknown")
         rows.append([str(gpu.index), gpu.name, gpu.uuid, gpu.pci_bus_id, memory,
-                     str(gpu.holder_count), _shown(gpu, "state")])
+                     str(gpu.holder_count), _state(gpu)])
         # MIG instances under their GPU, by the UUID users name them with.
         for mig in gpu.mig_instances or []:
             memory = f"{human_bytes(mig.memory_used)} / {human_bytes(mig.memory_total)}"
             rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}",
                          "MIG instance", mig.uuid, mig.device_path or "-", memory,
-                         str(mig.holder_count), _shown(mig, "state")])
+                         str(mig.holder_count), _state(mig)])
     table(["GPU", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 
 

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 
+from gpuguardd.cli import output
 from gpuguardd.cli.check import check
 from gpuguardd.daemon.metrics import Metrics
 from gpuguardd.engine import leaks
@@ -57,6 +59,14 @@ def test_a_mig_instance_is_classified_on_its_own() -> None:
 def test_stuck_processes_are_a_kind_of_their_own() -> None:
     assert leaks.stuck_kind([LIVE, DEAD], [LIVE]) == LeakKind.STUCK
     assert leaks.stuck_kind([DEAD], [LIVE]) is None
+
+
+def test_gpus_shows_the_kind_with_the_state() -> None:
+    gpu = GpuInfo(index=0, uuid="GPU-a", memory_total=80 * GiB, memory_used=3 * GiB)
+    out = io.StringIO()
+    output.print_gpus(gpu_summaries(ScanResult(holders=[], nvml=NvmlSnapshot(
+        available=True, gpus=[gpu])), 256 << 20), out)
+    assert "leaked (no-process)" in out.getvalue()
 
 
 def test_check_and_metrics_name_the_kind() -> None:
