@@ -118,6 +118,9 @@ class Nvml:
         self._paused = ""  # why NVML is closed for a GPU reset (pause()); "" while it is not
         # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
         self._sysfs = sysfs
+        # The session was closed because every GPU slept (_snapshot): what was seen of the GPUs
+        # still describes them when it opens again.
+        self._released = False
 
     @property
     def timeout(self) -> float:
@@ -140,7 +143,9 @@ class Nvml:
             return False
         self._initialized = True
         self._identity.clear()
-        self._seen.clear()
+        if not self._released:
+            self._seen.clear()
+        self._released = False
         self.last_error = ""
         return True
 
@@ -272,6 +277,13 @@ class Nvml:
         with self._lock:
             if self._paused:
                 return self._paused_snapshot()
+            sysfs = self.sysfs
+            # Only the nvidia driver's own devices: an unrelated device that happens to sit
+            # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
+            bound = runtimepm.nvidia_bus_ids(sysfs)
+            if bound and self._last_count in (None, len(bound)) \
+                    and all(runtimepm.asleep(sysfs, bus) for bus in bound):
+                return self._all_asleep(bound)
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
             try:
@@ -290,10 +302,6 @@ class Nvml:
             self._last_driver, self._last_count = driver, count
             self.last_error = ""
             gpus = []
-            sysfs = self.sysfs
-            # Only the nvidia driver's own devices: an unrelated device that happens to sit
-            # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
-            bound = runtimepm.nvidia_bus_ids(sysfs)
             for index in range(count):
                 progress.gpu = index
                 identity = self._identity.get(index)
@@ -309,17 +317,40 @@ class Nvml:
                     self._seen[index] = gpus[-1]
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
+    def _all_asleep(self, bound: list[str]) -> NvmlSnapshot:
+        """Every GPU the nvidia driver has is asleep: the NVML session is closed (nvmlInit
+        attaches every GPU, opening its device node, and an open session keeps a GPU from
+        suspending: btop issue 1831, the COSMIC applet's issue 38) and the snapshot is made
+        without NVML, the GPUs in bus order (NVML's), as last read. It opens again once one
+        wakes."""
+        if self._initialized and pynvml is not None:
+            self._initialized = False
+            self._released = True
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError:
+                pass
+        self._last_count = len(bound)
+        driver = self._last_driver or runtimepm.driver_version(self.sysfs)
+        return NvmlSnapshot(available=True, driver_version=driver,
+                            gpus=[self._asleep(index, bus) for index, bus in enumerate(bound)])
+
     def _asleep(self, index: int, bus_id: str) -> GpuInfo:
-        """A runtime-suspended GPU as it was last read: its identity and last memory figures
-        (none before its first read), its process lists empty (nothing runs on a GPU the
-        kernel powered down)."""
+        """A runtime-suspended GPU as it was last read, found by its bus id: its identity
+        and last memory figures (none before its first read), its process lists empty
+        (nothing runs on a GPU the kernel powered down)."""
         domain, _, rest = bus_id.partition(":")
         # NVML's spelling ("00000000:01:00.0") until NVML itself has named it.
         gpu = GpuInfo(index=index, suspended=True, pci_bus_id=f"{int(domain, 16):08X}:{rest.upper()}")
-        self._recall(gpu)
-        seen = self._seen.get(index)
-        if seen is not None and seen.uuid == gpu.uuid:
+        seen = next((g for g in self._seen.values() if bus_key(g.pci_bus_id) == bus_id), None)
+        if seen is not None:
+            gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = seen.uuid, seen.name, seen.minor, seen.pci_bus_id
             gpu.memory_total, gpu.memory_used = seen.memory_total, seen.memory_used
+            gpu.mig_mode = seen.mig_mode
+            gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id,
+                                   compute_instance_id=m.compute_instance_id,
+                                   memory_total=m.memory_total, memory_used=m.memory_used)
+                       for m in seen.mig]
         return gpu
 
     def _gpu(self, index: int, with_processes: bool) -> GpuInfo:

@@ -13,6 +13,9 @@ COSMIC system monitor applet fixed the same way (D-Brox/cosmic-ext-applet-system
 38, PR 39: "an NVML query against an already-suspended dGPU resumes it"), and beszel found of
 nvmlDeviceGetMemoryInfo in particular (henrygd/beszel PR 1587: it restarts the driver's
 suspend timer). So nvml.py asks here first and makes no NVML call naming a GPU found asleep.
+Nor does it keep an NVML session while every GPU sleeps: nvmlInit attaches every GPU, opening
+its device node, and resumes a suspended one (btop issue 1831); an open session keeps a GPU's
+runtime PM usage count up (the COSMIC applet's issue 38).
 
 Which GPU is which bus id without asking NVML: the bus id NVML gave when the GPU was last read
 (nvml.py keeps it), or, before any read since nvmlInit, the devices the nvidia driver is bound
@@ -35,6 +38,7 @@ _MAX_READ = 64  # the attribute is one short word and a newline
 _WORDS = frozenset(("active", "resuming", "suspended", "suspending", "error", "unsupported"))
 # A PCI address as the kernel spells it in sysfs: domain:bus:device.function, lower-case hex.
 _BDF = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 
 
 def runtime_status(sysfs: str, bus_id: str) -> str:
@@ -56,6 +60,16 @@ def runtime_status(sysfs: str, bus_id: str) -> str:
 
 def asleep(sysfs: str, bus_id: str) -> bool:
     return runtime_status(sysfs, bus_id) in ASLEEP
+
+
+def driver_version(sysfs: str) -> str:
+    """The nvidia module's version (module/nvidia/version), what NVML would say, or ""."""
+    try:
+        with open(os.path.join(sysfs, "module/nvidia/version"), "rb") as handle:
+            text = handle.read(_MAX_READ).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return text if _VERSION.fullmatch(text) else ""
 
 
 def nvidia_bus_ids(sysfs: str) -> list[str]:

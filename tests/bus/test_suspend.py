@@ -9,6 +9,7 @@ at 0.1 s adds nothing but time), with 100 property reads and holder listings mea
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -74,3 +75,49 @@ def test_suspended_gpu_is_never_asked(daemon: GuardDaemon, tmp_path: Path) -> No
     assert daemon.get_property(asleep, GPU, "MemoryTotal") == 80 * GiB  # its last known figure
     holder.stop()
     assert daemon.get_property(asleep, GPU, 'PciBusId') == '00000000:01:00.0'
+
+
+def open_nodes(pid: int, dev: Path) -> set[str]:
+    """The test's device nodes among what process `pid` has open (the fake NVML opens them at
+    nvmlInit and closes them at nvmlShutdown, as libnvidia-ml does)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(dev) + "/"):
+            found.add(target.rsplit("/", 1)[1])
+    return found
+
+
+def test_no_nvml_session_while_every_gpu_sleeps(daemon: GuardDaemon, tmp_path: Path) -> None:
+    sysfs = tmp_path / "sys"
+    sysfs_view(sysfs, {"0000:01:00.0": "suspended", "0000:02:00.0": "suspended"})
+    (sysfs / "module/nvidia").mkdir(parents=True)
+    (sysfs / "module/nvidia/version").write_text("550.54.15\n")
+    calls = tmp_path / "nvml-calls"
+    daemon.host.write_config(f"PollIntervalSec=0.1\n[Devices]\nSysfsPath={sysfs}\n")
+    daemon.start(env={CALLS_ENV: str(calls)})
+    assert daemon.proc is not None
+    pid, dev = daemon.proc.pid, daemon.host.dev
+    gpus = [f"{MANAGER_PATH}/gpu/{index}" for index in (0, 1)]
+    for path in gpus:
+        wait_until(lambda path=path: daemon.property_is(path, GPU, "State", "suspended"), 10, path)
+    time.sleep(2)  # 20 polls
+    assert open_nodes(pid, dev) == set(), "an NVML session holds the sleeping GPUs' nodes"
+    assert calls_per_gpu(calls) == {}
+    assert daemon.ctl("status").returncode == 0
+    assert daemon.get_property(MANAGER_PATH, "org.gpuguard.GpuGuard1.Manager", "DriverVersion") == "550.54.15"
+
+    # One wakes: the session opens (every node, as nvmlInit does), the awake GPU is read.
+    sysfs_view(sysfs, {"0000:02:00.0": "active"})
+    wait_until(lambda: daemon.property_is(gpus[1], GPU, "State", "idle"), 10, "GPU 1 read")
+    assert "nvidia1" in open_nodes(pid, dev)
+    assert calls_per_gpu(calls).get(0, 0) == 0
+    # Both asleep again: the session closes, and GPU 1 keeps what was read of it.
+    sysfs_view(sysfs, {"0000:02:00.0": "suspended"})
+    wait_until(lambda: daemon.property_is(gpus[1], GPU, "State", "suspended"), 10, "GPU 1 asleep")
+    wait_until(lambda: not open_nodes(pid, dev), 5, "the NVML session closed")
+    assert daemon.get_property(gpus[1], GPU, "MemoryTotal") == 80 * GiB
+    assert daemon.get_property(gpus[1], GPU, "Uuid") == daemon.host.state.gpus[1].uuid

@@ -37,3 +37,12 @@ def test_the_nvidia_drivers_devices_in_bus_order(tmp_path: Path) -> None:
         (bound / name).mkdir(parents=True)
     assert runtimepm.nvidia_bus_ids(str(tmp_path)) == ["0000:01:00.0", "0000:41:00.0"]
     assert runtimepm.nvidia_bus_ids(str(tmp_path / "none")) == []
+
+
+def test_the_driver_version_from_sysfs(tmp_path: Path) -> None:
+    (tmp_path / "module/nvidia").mkdir(parents=True)
+    (tmp_path / "module/nvidia/version").write_text("550.54.15\n")
+    assert runtimepm.driver_version(str(tmp_path)) == "550.54.15"
+    (tmp_path / "module/nvidia/version").write_text("550\u0660.1\n")
+    assert runtimepm.driver_version(str(tmp_path)) == ""
+    assert runtimepm.driver_version(str(tmp_path / "none")) == ""
