@@ -149,15 +149,20 @@ class Nvml:
         self.last_error = ""
         return True
 
+    def _close(self) -> None:
+        """End the open session (caller holds the lock); its error is ignored: the session is
+        over either way, and the next snapshot initialises NVML again."""
+        if self._initialized and pynvml is not None:
+            self._initialized = False
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError:
+                pass
+
     def shutdown(self) -> None:
         def job() -> None:
             with self._lock:
-                if self._initialized and pynvml is not None:
-                    try:
-                        pynvml.nvmlShutdown()
-                    except pynvml.NVMLError:
-                        pass
-                    self._initialized = False
+                self._close()
         try:
             self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
         except NvmlHung:
@@ -186,12 +191,7 @@ class Nvml:
         def job() -> None:
             with self._lock:
                 self._paused = reason
-                if self._initialized and pynvml is not None:
-                    self._initialized = False
-                    try:
-                        pynvml.nvmlShutdown()
-                    except pynvml.NVMLError:
-                        pass
+                self._close()
         self._worker.run(job, self.timeout, "nvmlShutdown")
 
     def resume(self) -> None:
@@ -291,11 +291,7 @@ class Nvml:
                 count = pynvml.nvmlDeviceGetCount()
             except pynvml.NVMLError as exc:
                 # The driver went away under us (unloaded, reset): start over next time.
-                self._initialized = False
-                try:
-                    pynvml.nvmlShutdown()
-                except pynvml.NVMLError:
-                    pass
+                self._close()
                 self.last_error = _error_text(exc)
                 return NvmlSnapshot(available=False, error=self.last_error)
             progress.driver, progress.count = driver, count
@@ -323,13 +319,9 @@ class Nvml:
         suspending: btop issue 1831, the COSMIC applet's issue 38) and the snapshot is made
         without NVML, the GPUs in bus order (NVML's), as last read. It opens again once one
         wakes."""
-        if self._initialized and pynvml is not None:
-            self._initialized = False
+        if self._initialized:
             self._released = True
-            try:
-                pynvml.nvmlShutdown()
-            except pynvml.NVMLError:
-                pass
+            self._close()
         self._last_count = len(bound)
         driver = self._last_driver or runtimepm.driver_version(self.sysfs)
         return NvmlSnapshot(available=True, driver_version=driver,
