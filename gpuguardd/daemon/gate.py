@@ -7,31 +7,49 @@ while callers use it. A waiter sleeps on the next observation (or on the moment 
 become stable enough), never on a timer of its own, so twenty waiters cost what one does;
 while anyone waits the inventory polls NVML every FAST_POLL_SEC (the service's interval).
 
-Before a Wait answers "free" it asks for a holder scan that starts after the targets had been
-stable long enough, and judges again on it: between scans only NVML's side is polled, and a
-process that holds a device node without NVML listing it would otherwise be missed.
+A waiter wakes only when the verdict on one of its targets changes (a holder gone, the clock
+restarted), not on every poll. Nor does the daemon poll NVML fast while a live compute process
+holds every target someone waits for: nothing can be free before it exits, and its exit is
+seen at once through a pidfd on the event loop (then the poll runs now, and fast). So twenty
+waiters on a busy GPU cost what none do; fast polling runs only while a waited-for target is
+held by no process, when memory coming back and settling is what decides.
+Compute holders come from the last holder scan; while anyone waits, one that has exited since
+(its pid gone, or another process's) no longer counts, and a rescan is asked for, so a gate is
+not held for a scan's own schedule.
+
+Before a Wait answers "free" it has a holder scan confirm it, one asked for within the targets'
+steady time (started a little ahead, by the last scan's duration, so that it ends about when the
+steady time does): between scans only NVML's side is polled, and a process that holds a device
+node without NVML listing it would otherwise be missed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gpuguardd.config import Config
+from gpuguardd.engine import procfs
 from gpuguardd.engine.enums import HolderKind
 from gpuguardd.engine.gate import GateRule, GateState, GateTracker, MiB, Target, blockers, holder_line, targets_of
 from gpuguardd.engine.models import GpuSummary, Holder, NvmlSnapshot
 
 log = logging.getLogger("gpuguard.gate")
 
-FAST_POLL_SEC = 0.025  # NVML poll interval while someone waits (bench_gate.py measures it)
-MAX_WAIT_SEC = 20.0  # one Wait call: under D-Bus's default 25 s call timeout
-# A waiter arriving after the last holder scan is older than this asks for one: holders NVML
-# does not list (or that it lists before the scan attributes them) are found only by scans.
-RESCAN_FOR_WAITER_SEC = 2.0
+FAST_POLL_SEC = 0.025  # NVML poll interval while a waiter's target is held by no process
+MAX_WAIT_SEC = 20.0
+# The confirming scan starts this many scan durations (plus the minimum) before the steady time
+# is over, so that the pass is not a scan late.
+SCAN_LEAD_FACTOR = 2.0
+SCAN_LEAD_MIN_SEC = 0.01  # one Wait call: under D-Bus's default 25 s call timeout
+# A waiter arriving after the last holder scan is older than this asks for one, so that what
+# it is shown waiting on is current: holders NVML does not list are found only by scans (a pass
+# is confirmed by a scan of its own anyway). Clients call again every 20 s or so: not shorter.
+RESCAN_FOR_WAITER_SEC = 30.0
 MAX_TRACKERS = 16  # rules kept at once: each costs an evaluation per poll
 TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropped
 
@@ -61,17 +79,22 @@ def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequen
 class GateService:
     def __init__(self, config: Callable[[], Config], scan: Callable[[], Awaitable[object]],
                  wake: Callable[[], None], sweep_scopes: Callable[[], list[list[int] | None]],
-                 scan_age: Callable[[], float], rescan: Callable[[], None]) -> None:
+                 scan_age: Callable[[], float], rescan: Callable[[], None],
+                 scan_cost: Callable[[], float]) -> None:
         self.config = config
         self.scan = scan  # a holder scan that starts now; publishes through observe()
         self.scan_age = scan_age  # seconds since the last holder scan was published
         self.rescan = rescan  # a holder scan soon, not waited for
+        self.scan_cost = scan_cost  # seconds the last holder scan took
         self.wake = wake  # makes the inventory poll now (and then fast while waiters > 0)
         self.sweep_scopes = sweep_scopes
         self.waiters = 0
         self._trackers: dict[GateRule, tuple[GateTracker, float]] = {}
         self._last: tuple[list[GpuSummary], list[Holder], NvmlSnapshot] | None = None
-        self._observed = asyncio.Event()
+        # Each waiter: its rule, its targets' keys (empty: any change) and the event it sleeps on.
+        self._listeners: list[tuple[GateRule, frozenset[tuple[int, str]], asyncio.Event]] = []
+        self.fast = False  # poll NVML fast (module docstring)
+        self._pidfds: dict[int, int] = {}  # pid of a holder waited on -> its pidfd
 
     # -- observations --------------------------------------------------------------------
 
@@ -81,24 +104,86 @@ class GateService:
 
     def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary],
                 holders: list[Holder]) -> None:
-        """An inventory observation: every rule in use judges it; waiters wake up."""
+        """An inventory observation: every rule in use judges it; the waiters whose targets'
+        verdict changed wake up."""
+        if self.waiters:
+            holders = self._live(holders)
         self._last = (summaries, holders, snapshot)
         self._tracker(self.default_rule())
         now = time.monotonic()
+        changed: dict[GateRule, set[tuple[int, str]]] = {}
         for rule, (tracker, used) in list(self._trackers.items()):
             if rule != self.default_rule() and now - used > TRACKER_IDLE_SEC:
                 del self._trackers[rule]
                 continue
-            self._feed(tracker)
-        self._observed.set()
-        self._observed = asyncio.Event()
+            changed[rule] = self._feed(tracker)
+        for rule, keys, event in self._listeners:
+            if not keys or keys & changed.get(rule, set()):
+                event.set()
+        self._watch()
 
-    def _feed(self, tracker: GateTracker) -> None:
+    def _watch(self) -> None:
+        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target
+        (module docstring)."""
+        held: set[int] = set()
+        fast = False
+        for rule, keys, _ in self._listeners:
+            found = self._trackers.get(rule)
+            states = found[0].states if found else {}
+            for key in keys or states:
+                state = states.get(key)
+                if state is None or not state.held_by:
+                    fast = True
+                else:
+                    held.update(state.held_by)
+        loop = asyncio.get_running_loop()
+        for pid in set(self._pidfds) - held:
+            self._unwatch(loop, pid)
+        for pid in held - set(self._pidfds):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._exited(pid)
+                continue
+            except (AttributeError, OSError):  # no pidfds here (Linux < 5.3): poll instead
+                fast = True
+                continue
+            self._pidfds[pid] = fd
+            loop.add_reader(fd, self._exited, pid)
+        self.fast = fast
+
+    def _unwatch(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
+        fd = self._pidfds.pop(pid, None)
+        if fd is not None:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    def _exited(self, pid: int) -> None:
+        """A holder waited on exited: look again now (and rescan the holders)."""
+        self._unwatch(asyncio.get_running_loop(), pid)
+        self.fast = True
+        self.rescan()
+        self.wake()
+
+    def _live(self, holders: list[Holder]) -> list[Holder]:
+        """The holders without compute holders that exited since the scan (same pid, same
+        start time, or gone); a rescan is asked for when there is one."""
+        kept = []
+        for holder in holders:
+            if holder.kind == HolderKind.COMPUTE:
+                stat = procfs.read_stat(holder.pid)
+                if stat is None or (holder.start_time and stat.start_time != holder.start_time):
+                    self.rescan()
+                    continue
+            kept.append(holder)
+        return kept
+
+    def _feed(self, tracker: GateTracker) -> set[tuple[int, str]]:
         if self._last is None:
-            return
+            return set()
         summaries, holders, snapshot = self._last
         sweeping = sweeping_indices(self.sweep_scopes(), [g.index for g in summaries])
-        tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders,
+        return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders,
                         None if snapshot.available else (snapshot.error or "not loaded"), sweeping)
 
     def _tracker(self, rule: GateRule) -> GateTracker:
@@ -141,36 +226,46 @@ class GateService:
         started = time.monotonic()
         deadline = started + min(timeout_sec, MAX_WAIT_SEC)
         self.waiters += 1
-        self.wake()
         if self.scan_age() > RESCAN_FOR_WAITER_SEC:
             self.rescan()
+        event = asyncio.Event()
+        listener = (rule, frozenset(t.key for t in self._targets(gpus, mig)), event)
+        self._listeners.append(listener)
+        self._tracker(rule)
+        self._watch()
+        if self.fast:
+            self.wake()  # poll now, then fast; a held target waits on its holder's pidfd
+        asked_scan = -1.0  # when the last confirming scan was asked for (monotonic)
         try:
             while True:
-                tracker = self._tracker(rule)
-                outcome = self._outcome(tracker, gpus, mig, started)
+                event.clear()  # before judging: an observation from here on wakes the wait
+                outcome = self._outcome(self._tracker(rule), gpus, mig, started)
                 now = time.monotonic()
                 ready = not outcome.waiting_on and all(s.free_since is not None for s in outcome.gpus)
                 short = min((stable_sec - s.stable_for(now) for s in outcome.gpus), default=0.0)
-                if ready and short <= 0:
+                # Confirmed: by a holder scan asked for within the current steady time, started
+                # ahead by its own duration so that it ends when the steady time does.
+                since = max((s.free_since or now for s in outcome.gpus), default=started)
+                lead = min(stable_sec, SCAN_LEAD_FACTOR * self.scan_cost() + SCAN_LEAD_MIN_SEC)
+                if ready and asked_scan < since and short <= lead:
+                    asked_scan = time.monotonic()
                     await self.scan()
-                    confirmed = self._outcome(self._tracker(rule), gpus, mig, started)
-                    now = time.monotonic()
-                    if not confirmed.waiting_on and all(s.stable_for(now) >= stable_sec and not s.waiting_on
-                                for s in confirmed.gpus):
-                        confirmed.free = True
-                        return confirmed
                     continue
+                if ready and short <= 0:
+                    outcome.free = True
+                    return outcome
                 left = deadline - now
                 if left <= 0:
                     return outcome
-                observed = self._observed
-                pause = min(left, short) if ready else left
+                pause = min(left, short if asked_scan >= since else short - lead) if ready else left
                 try:
-                    await asyncio.wait_for(observed.wait(), pause)
+                    await asyncio.wait_for(event.wait(), max(0.0, pause))
                 except asyncio.TimeoutError:
                     pass
         finally:
             self.waiters -= 1
+            self._listeners.remove(listener)
+            self._watch()
 
     def _outcome(self, tracker: GateTracker, gpus: Sequence[int], mig: Sequence[str],
                  started: float) -> WaitOutcome:

@@ -123,7 +123,7 @@ class Daemon:
         service.on_change = lambda: self.notifier.status(service.status_line())
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
-        self._spawn(service.inventory.run(lambda: self.engine.config.poll_interval_sec))
+        self._spawn(service.inventory.run(service.poll_interval))
         self._spawn(service.resume.run(service.resume_work))
         interval = watchdog_interval()
         if interval:

@@ -74,7 +74,8 @@ class Service:
         # keep their GPUs from being free (sweep_gpus).
         self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
                                 lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
-                                self.inventory.scan_age, self.inventory.request_rescan)
+                                self.inventory.scan_age, self.inventory.request_rescan,
+                                lambda: self.inventory.scan_cost)
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
@@ -140,8 +141,9 @@ class Service:
         return sorted(record.all_gpus) if record is not None and record.all_gpus else None
 
     def poll_interval(self) -> float:
-        """NVML's poll interval: fast while a start gate waits (gate.py), else configured."""
-        return FAST_POLL_SEC if self.gate.waiters else self.engine.config.poll_interval_sec
+        """NVML's poll interval: fast while a start gate waits on a target no process holds
+        (gate.py), else configured."""
+        return FAST_POLL_SEC if self.gate.fast else self.engine.config.poll_interval_sec
 
     def status_line(self) -> str:
         snap = self.inventory.snapshot

@@ -67,6 +67,7 @@ class GateState:
     waiting_on: list[str] = field(default_factory=list)
     free_since: float | None = None  # monotonic seconds; None while something blocks it
     free_since_usec: int = 0  # the same moment on CLOCK_REALTIME, for clients to show
+    held_by: list[int] = field(default_factory=list)  # pids of compute holders that may be on it
 
     def stable_for(self, now: float) -> float:
         return 0.0 if self.free_since is None else max(0.0, now - self.free_since)
@@ -93,6 +94,11 @@ def _on_target(holder: Holder, target: Target) -> bool:
     return True
 
 
+def compute_on(target: Target, holders: Sequence[Holder]) -> list[Holder]:
+    """The compute holders that may be on `target`."""
+    return [h for h in holders if h.kind == HolderKind.COMPUTE and _on_target(h, target)]
+
+
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
     """Why `target` is not free now ([] when nothing blocks it). `record` is its summary (None:
@@ -100,7 +106,7 @@ def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Se
     reasons: list[str] = []
     if sweeping:
         reasons.append("a sweep of its GPU is running")
-    on = [h for h in holders if h.kind == HolderKind.COMPUTE and _on_target(h, target)]
+    on = compute_on(target, holders)
     reasons += [holder_line(h) for h in on[:MAX_NAMED_HOLDERS]]
     if len(on) > MAX_NAMED_HOLDERS:
         reasons.append(f"and {len(on) - MAX_NAMED_HOLDERS} more compute holder(s)")
@@ -168,15 +174,18 @@ class GateTracker:
 
     def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
                 holders: Sequence[Holder], nvml_error: str | None,
-                sweeping: Iterable[int], extra: Iterable[Target] = ()) -> None:
+                sweeping: Iterable[int], extra: Iterable[Target] = ()) -> set[tuple[int, str]]:
         """One observation. `sweeping`: the GPU indices running sweeps cover; `extra`: targets
-        to follow although the summaries do not list them (NVML is gone)."""
+        to follow although the summaries do not list them (NVML is gone). Returns the keys
+        whose verdict (free since, or what it waits on) changed."""
         covered = set(sweeping)
+        changed: set[tuple[int, str]] = set()
         targets = {t.key: t for t in [*targets_of(gpus), *extra]}
         for key in list(self._stability):
             if key not in targets:
                 del self._stability[key]
                 self.states.pop(key, None)
+                changed.add(key)
         for key, target in targets.items():
             record = record_of(target, gpus)
             reasons = blockers(target, record, holders, self.rule, nvml_error,
@@ -184,5 +193,10 @@ class GateTracker:
             used = record.memory_used if record is not None else 0
             stability = self._stability.setdefault(key, Stability())
             stability.observe(now, wall_usec, used, bool(reasons), self.rule.tolerance)
+            old = self.states.get(key)
+            if old is None or old.free_since != stability.free_since or old.waiting_on != reasons:
+                changed.add(key)
             self.states[key] = GateState(target, used, reasons, stability.free_since,
-                                         stability.free_since_usec)
+                                         stability.free_since_usec,
+                                         [h.pid for h in compute_on(target, holders)])
+        return changed

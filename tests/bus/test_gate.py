@@ -66,6 +66,7 @@ def test_wait_passes_only_after_slow_release_and_wobble_settle(daemon: GuardDaem
     pid = hold(daemon, 0, 20 * GiB, release_delay_ms=300, release_ms=600, wobble=128 * 2**20,
                wobble_ms=800)
     other = hold(daemon, 1, 20 * GiB)
+    daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")  # a scan after both started
     wait_until(lambda: daemon.get_property(GPU0, GPU, "WaitingOn") != ["not judged yet"]
                and any(f"pid {pid}" in w for w in daemon.get_property(GPU0, GPU, "WaitingOn")),
                15, "GPU 0 waits on the holder")
