@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.conftest import GiB
 from tests.dbus_harness import GPU, MANAGER_PATH, PYTHON, GuardDaemon, wait_until
-from tests.fakenvml import EVENTS_ENV
+from tests.fakenvml import CALLS_ENV, EVENTS_ENV, calls_per_gpu
 
 pytest_plugins = ["tests.dbus_harness"]
 
@@ -159,3 +159,30 @@ def test_without_nvml_it_fails_closed_unless_unverified_is_allowed(daemon: Guard
     assert "NVML unavailable" in closed.stdout
     allowed = daemon.ctl("wait", "--timeout", "5", "--stable", "0", "--allow-unverified")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
+def test_waiting_on_a_held_gpu_polls_nothing_more_and_its_exit_is_seen_at_once(
+        daemon: GuardDaemon) -> None:
+    """Behind a live holder nothing can be free: no fast polling (a pidfd on the holder), and
+    its exit is seen at once although PollIntervalSec is long."""
+    calls = daemon.workdir / "nvml-calls"
+    daemon.host.write_config("[Daemon]\nPollIntervalSec=30\n" + GATE)
+    daemon.start(env={CALLS_ENV: str(calls)})
+    pid = hold(daemon, 0, 4 * GiB)
+    daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")
+    waiters = [ctl_wait(daemon, "--gpu", "0", "--timeout", "30", "--stable", "0.5")
+               for _ in range(4)]
+    time.sleep(3)  # every waiter in its Wait call
+    before = calls_per_gpu(calls).get(0, 0)
+    time.sleep(2)
+    during = calls_per_gpu(calls).get(0, 0) - before
+    # Polling fast (40 a second) would make this hundreds of calls; a poll every 30 s, a few.
+    assert during < 20, during
+    assert all(w.poll() is None for w in waiters)
+    killed = time.monotonic_ns()
+    os.kill(pid, 9)
+    for waiter in waiters:
+        code, result, ended = finish(waiter)
+        assert code == 0, result
+        # The exit, then 0.5 s steady: nowhere near the 30 s poll interval.
+        assert ended - killed < 3_000_000_000, (ended - killed) / 1e9
