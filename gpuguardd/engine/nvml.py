@@ -316,9 +316,9 @@ class Nvml:
     def _all_asleep(self, bound: list[str]) -> NvmlSnapshot:
         """Every GPU the nvidia driver has is asleep: the NVML session is closed (nvmlInit
         attaches every GPU, opening its device node, and an open session keeps a GPU from
-        suspending: btop issue 1831, the COSMIC applet's issue 38) and the snapshot is made
-        without NVML, the GPUs in bus order (NVML's), as last read. It opens again once one
-        wakes."""
+        suspending: btop issue 1831, cosmic-ext-applet-system-monitor issue 38) and the
+        snapshot is made without NVML, the GPUs in bus order (NVML's), as last read. It opens
+        again once one wakes."""
         if self._initialized:
             self._released = True
             self._close()

@@ -15,7 +15,7 @@ nvmlDeviceGetMemoryInfo in particular (henrygd/beszel PR 1587: it restarts the d
 suspend timer). So nvml.py asks here first and makes no NVML call naming a GPU found asleep.
 Nor does it keep an NVML session while every GPU sleeps: nvmlInit attaches every GPU, opening
 its device node, and resumes a suspended one (btop issue 1831); an open session keeps a GPU's
-runtime PM usage count up (the COSMIC applet's issue 38).
+runtime PM usage count up (cosmic-ext-applet-system-monitor issue 38).
 
 Which GPU is which bus id without asking NVML: the bus id NVML gave when the GPU was last read
 (nvml.py keeps it), or, before any read since nvmlInit, the devices the nvidia driver is bound

@@ -1,6 +1,6 @@
 """The real GNOME Shell 43 (Debian 12), headless, as a non-root user, for the extension's tests.
 
-Checked recipe (../shared/E2E-NOTES.md, GNOME part): `gnome-shell --wayland --headless
+Checked recipe (the notes on the e2e container, GNOME part): `gnome-shell --wayland --headless
 --virtual-monitor 1280x800 --no-x11` as nobody (setpriv), with a HOME and XDG_RUNTIME_DIR
 (0700) of its own, inside `dbus-run-session` on a session bus whose policy lets root's test
 clients in; DBUS_SYSTEM_BUS_ADDRESS points the shell's Gio.DBus.system at the tests' private
