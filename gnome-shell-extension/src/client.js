@@ -35,6 +35,7 @@ export class GpuGuardClient {
         this._cancellable = new Gio.Cancellable();
         this._manager = null;
         this._gpus = [];
+        this._handlers = [];  // [object, handler id]: disconnected by destroy()
         this.holders = [];
         this._known = new Map();  // pid -> {uid, comm} of holders seen
         this._listing = false;
@@ -53,21 +54,28 @@ export class GpuGuardClient {
                         logError(e, 'gpuguard: no proxy for gpuguardd');
                     return;
                 }
-                this._manager.connect('notify::g-name-owner', () => this._ownerChanged());
-                this._manager.connect('g-properties-changed', (_p, changed) => {
+                this._connect(this._manager, 'notify::g-name-owner', () => this._ownerChanged());
+                this._connect(this._manager, 'g-properties-changed', (_p, changed) => {
                     const keys = changed.deepUnpack();
                     if ('GpuCount' in keys)
                         this._syncGpus();
                     this._onChange();
                 });
-                this._manager.connect('g-signal', (_p, _sender, name, params) =>
+                this._connect(this._manager, 'g-signal', (_p, _sender, name, params) =>
                     this._signal(name, params));
                 this._ownerChanged();
             });
     }
 
+    _connect(object, signal, handler) {
+        this._handlers.push([object, object.connect(signal, handler)]);
+    }
+
     destroy() {
         this._cancellable.cancel();
+        for (const [object, id] of this._handlers)
+            object.disconnect(id);
+        this._handlers = [];
         this._manager = null;
         this._gpus = [];
     }
@@ -133,7 +141,7 @@ export class GpuGuardClient {
                         logError(e, `gpuguard: GPU ${index}`);
                     return;
                 }
-                proxy.connect('g-properties-changed', (_q, changed) => {
+                this._connect(proxy, 'g-properties-changed', (_q, changed) => {
                     if ('HolderCount' in changed.deepUnpack())
                         this.refreshHolders();
                     this._onChange();
@@ -186,9 +194,7 @@ export class GpuGuardClient {
                 return;
             if (sweepLeftBehind(report))
                 this._onEvent('left-behind', {report});
-            // A pid is this user's if it was listed with this uid and the same command.
-            const ended = endedOf(report, this._known, this.uid)
-                .filter(t => this._known.get(Number(t.pid))?.comm === t.comm);
+            const ended = endedOf(report, this._known, this.uid);
             if (ended.length)
                 this._onEvent('ended-mine', {report, ended});
         }

@@ -36,13 +36,21 @@ export default class GpuGuardExtension extends ExtensionBase {
         const [, bytes] = file.load_contents(null);
         const xml = new TextDecoder().decode(bytes);
         this._client = new GpuGuardClient(xml, () => this._indicator?.sync(), announce);
-        this._indicator = new Indicator(this._client,
-            index => new SweepDialog(this._client, index).open());
+        this._indicator = new Indicator(this._client, index => {
+            this._dialog?.close();
+            this._dialog = new SweepDialog(this._client, index);
+            this._dialog.connect('closed', () => {
+                this._dialog = null;
+            });
+            this._dialog.open();
+        });
         Main.panel.addToStatusArea(this.metadata.uuid, this._indicator);
         this._client.start();
     }
 
     disable() {
+        this._dialog?.close();
+        this._dialog = null;
         this._client?.destroy();
         this._client = null;
         this._indicator?.destroy();

@@ -83,10 +83,12 @@ export function sweepLeftBehind(report) {
     return report.outcome === 'survivors' || report.outcome === 'memory-not-released';
 }
 
-// The processes of user `uid` that a sweep ended: its report names them by pid, and the uid
-// comes from the holders listed before (`known`: pid -> holder).
+// The processes of user `uid` that a sweep ended: by the report's uid of each, or, from a
+// gpuguardd whose reports lack it, the holders listed before (`known`: pid -> holder, the
+// same command).
 export function endedOf(report, known, uid) {
-    return (report.terminated ?? []).filter(t => known.get(Number(t.pid))?.uid === uid);
+    return (report.terminated ?? []).filter(t => t.uid !== undefined ? t.uid === uid
+        : known.get(Number(t.pid))?.uid === uid && known.get(Number(t.pid))?.comm === t.comm);
 }
 
 // printf-style %s and %d in order, as translators write them (String.prototype.format is

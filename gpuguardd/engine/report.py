@@ -71,11 +71,14 @@ class Terminated(WireRecord):
     """A process that ended during the sweep, and the signal of ours that ended it ("" for
     none: it exited on its own)."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"exit_status", "zombie_parent"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"exit_status", "zombie_parent", "uid"})
 
     pid: int
     comm: str = ""
     unit: str = ""
+    # Its owner, as the sweep's scan read it (None: unreadable): whose process was ended, for
+    # a desktop to tell its user (gpuguard-notify, the GNOME Shell extension).
+    uid: int | None = None
     signal: str = ""
     exited_after_ms: int = 0
     exit_status: str = ""  # as the kernel still had it: "killed by SIGTERM", "exited with status 0"

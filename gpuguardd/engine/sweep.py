@@ -446,7 +446,8 @@ class Sweep:
         # otherwise SIGTERM is credited only if it could have ended the process.
         status = _exit_status(holder.pid, handle.start_time) if handle.alive() else ""
         signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
-        entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit, signal=signal_name,
+        entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit,
+                           uid=holder.uid if holder.uid >= 0 else None, signal=signal_name,
                            exited_after_ms=max(0, int((seen - sent_at) * 1000)), exit_status=status)
         if handle.alive():
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked

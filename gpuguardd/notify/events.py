@@ -4,9 +4,11 @@ gnome-shell-extension/src/state.js, extension.js).
   * LeakSuspected: memory held on a GPU with no process holding it.
   * SweepFinished with survivors, or with the memory not released.
   * SweepFinished that ended processes of this user: which, and who asked for the sweep.
-    The report names ended processes by pid and command; they are this user's if, when the
-    sweep started (SweepStarted), a process of this uid had that pid and command
-    (`own_processes`, from /proc: the notifier runs as the user and sees its own processes).
+    The report gives each ended process's uid where the sweep's scan could read it. From a
+    gpuguardd that does not, a process is this user's if, when the sweep started
+    (SweepStarted), a process of this uid had that pid and command (`own_processes`, from
+    /proc: the notifier runs as the user and sees its own processes); a sweep may end a
+    process before that signal arrives, so this is the fallback only.
 
 Every text from the bus was chosen by whoever started a process: it is escaped by the CLI's
 rule (escaping.py), then, where the server renders the body as markup, as markup too.
@@ -104,7 +106,8 @@ class Events:
                                   "The processes are gone, but the GPU memory was not released.",
                                   CRITICAL))
         ended = [t for t in report.get("terminated", [])
-                 if mine.get(int(t.get("pid", 0))) == t.get("comm")]
+                 if (t["uid"] == self.uid if "uid" in t
+                     else mine.get(int(t.get("pid", 0))) == t.get("comm"))]
         if ended:
             asker = escape_text(report.get("requested_by", "") or "unknown")
             notices.append(Notice("Your GPU processes were ended",

@@ -52,7 +52,10 @@ const result = {
     order: sortHolders(holders, 1000).map(h => h.pid),
     lines: sortHolders(holders, 1000).map(holderLine),
     left: ['freed', 'survivors', 'memory-not-released', 'unverified'].map(o => sweepLeftBehind({outcome: o})),
-    ended: endedOf({terminated: [{pid: 11}, {pid: 10}, {pid: 99}]}, known, 1000).map(t => t.pid),
+    ended: endedOf({terminated: [{pid: 11, comm: 'mine\u202egnp'}, {pid: 10, comm: 'other'}, {pid: 99},
+                                 {pid: 12, comm: 'reused'}]}, known, 1000).map(t => t.pid),
+    endedByUid: endedOf({terminated: [{pid: 11, comm: 'mine\u202egnp', uid: 0},
+                                      {pid: 50, comm: 'fast', uid: 1000}]}, known, 1000).map(t => t.pid),
     format: format('GPU %%d: %%s, 100%%%%', 3.7, 'x'),
 };
 const text = JSON.stringify(result);
@@ -98,6 +101,7 @@ def test_logic_under_each_engine(engine: str, built: Path, tmp_path: Path) -> No
     assert got["lines"][1] == "big (12) · 9.0 GiB"
     assert got["left"] == [False, True, True, False]
     assert got["ended"] == [11]
+    assert got["endedByUid"] == [50]
     assert got["format"] == "GPU 3: x, 100%"
 
 

@@ -40,6 +40,16 @@ def test_a_sweep_that_ended_mine_names_them_and_who_asked(tmp_path: Path) -> Non
                               "train\\u202egnp (10), by a sweep asked by uid 1000 (alice) :1.42")]
 
 
+def test_the_reports_uid_decides_where_it_has_one(tmp_path: Path) -> None:
+    me = os.getuid()
+    events = Events(me, fake_proc(tmp_path, {10: "train"}))
+    events.signal("SweepStarted", {"id": "s1", "scope": {}})
+    notices = events.signal("SweepFinished", {"id": "s1", "outcome": "freed", "report": report(
+        terminated=[{"pid": 10, "comm": "train", "uid": me + 1},  # seen at the start, not mine
+                    {"pid": 20, "comm": "fast", "uid": me}])})    # gone before SweepStarted
+    assert [n.body for n in notices] == ["fast (20), by a sweep asked by uid 1000 (alice) :1.42"]
+
+
 def test_what_is_said_of_leaks_and_sweeps_left_behind() -> None:
     events = Events(os.getuid(), "/nonexistent")
     leak = events.signal("LeakSuspected", {"gpu": 1, "uuid": "GPU-x", "bytes": 3 << 30})
