@@ -166,7 +166,7 @@ def test_polkit_policy_is_valid_and_has_the_actions() -> None:
         # A reset asks every time: an authorization kept for minutes would let a second one
         # through unasked.
         assert defaults.findtext("allow_active") == (
-            "auth_admin" if name.endswith(".reset-gpu") else "auth_admin_keep")
+            "auth_admin" if str(name).endswith(".reset-gpu") else "auth_admin_keep")
 
 
 def test_bus_policy_lets_only_root_own_the_name() -> None:
