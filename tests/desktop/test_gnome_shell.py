@@ -69,6 +69,7 @@ def shell(guard: GuardDaemon, system_bus: Any, extension_43: Path) -> Iterator[G
         log = desktop.log()
         desktop.close()
     assert "JS ERROR" not in log, f"the shell logged a JS error:\n{log}"
+    assert "JS WARNING" not in log, f"the shell logged a JS warning:\n{log}"
 
 
 def indicator(shell: GnomeShell) -> dict[str, Any]:
