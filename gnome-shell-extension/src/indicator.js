@@ -5,7 +5,7 @@ import GLib from 'gi://GLib';
 import GObject from 'gi://GObject';
 import St from 'gi://St';
 
-import {_, PanelMenu, PopupMenu} from './compat.js';
+import {_, ngettext, PanelMenu, PopupMenu} from './compat.js';
 import {escapeText} from './escape.js';
 import {format, formatBytes, holderLine, iconFor, sortHolders, worstState, ABSENT} from './state.js';
 
@@ -93,9 +93,10 @@ class GpuGuardIndicator extends PanelMenu.Button {
             return;
         }
         for (const gpu of gpus) {
-            const line = format(_('GPU %d: %s, %s of %s, %d holders, %s'),
+            const holders = format(ngettext('%d holder', '%d holders', gpu.holder_count), gpu.holder_count);
+            const line = format(_('GPU %d: %s, %s of %s, %s, %s'),
                 gpu.index, escapeText(gpu.name), formatBytes(gpu.memory_used),
-                formatBytes(gpu.memory_total), gpu.holder_count, stateName(gpu.state));
+                formatBytes(gpu.memory_total), holders, stateName(gpu.state));
             this.menu.addMenuItem(infoItem(line, gpu.state in STATE_STYLES ? STATE_STYLES[gpu.state] : ''));
         }
         if (!gpus.length)

@@ -6,7 +6,7 @@ import GObject from 'gi://GObject';
 import St from 'gi://St';
 
 import {isRefusal, errorText} from './client.js';
-import {_, Dialog, ModalDialog} from './compat.js';
+import {_, Dialog, ModalDialog, ngettext} from './compat.js';
 import {escapeText} from './escape.js';
 import {format, formatBytes} from './state.js';
 
@@ -26,7 +26,8 @@ function plan(report) {
         lines.push(format(_('… and %d more'), targets.length - SHOWN_MAX));
     const spared = (report.spared ?? []).length;
     if (spared)
-        lines.push(format(_('%d protected processes are left alone.'), spared));
+        lines.push(format(ngettext('%d protected process is left alone.',
+            '%d protected processes are left alone.', spared), spared));
     return [_('These processes will be ended (SIGTERM, then SIGKILL):'), lines.join('\n')];
 }
 
@@ -35,15 +36,18 @@ function resultText(report) {
     const survived = (report.survived ?? []).length;
     switch (report.outcome) {
     case 'freed':
-        return format(_('Done: %d processes ended, memory freed.'), ended);
+        return format(ngettext('Done: %d process ended, memory freed.',
+            'Done: %d processes ended, memory freed.', ended), ended);
     case 'nothing-to-do':
         return _('Nothing to do.');
     case 'survivors':
-        return format(_('%d processes survived the sweep.'), survived);
+        return format(ngettext('%d process survived the sweep.',
+            '%d processes survived the sweep.', survived), survived);
     case 'memory-not-released':
         return _('The processes are gone, but the memory was not released.');
     case 'unverified':
-        return format(_('%d processes ended; the memory could not be verified.'), ended);
+        return format(ngettext('%d process ended; the memory could not be verified.',
+            '%d processes ended; the memory could not be verified.', ended), ended);
     default:
         return format(_('The sweep ended: %s %s'), escapeText(report.outcome ?? ''),
             escapeText(report.error ?? ''));

@@ -173,7 +173,7 @@ def test_sweep_shows_the_plan_then_sweeps(shell: GnomeShell, guard: GuardDaemon,
             time.sleep(1)  # the dialog's first frames after its text changed
             shell.screenshot(ROOT / SHOTS / "desktop-sweep.png", crop="520x280+380+260")
         shell.helper("PressDialogButton", "Sweep")
-        expected = "Done: 1 processes ended, memory freed." if allowed \
+        expected = "Done: 1 process ended, memory freed." if allowed \
             else "Not authorized: the sweep was refused."
         wait_until(lambda: (shell.dialog() or {}).get("description") == expected, 20,
                    f"the dialog saying {expected!r}")
