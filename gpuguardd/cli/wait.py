@@ -14,6 +14,7 @@ NVML indices (CUDA's order equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID); UUIDs a
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -110,20 +111,43 @@ class Waiter:
                 return False, result, waited
 
 
+class _Once(logging.Filter):
+    """Lets each distinct warning through once: --local scans again every poll, and each scan
+    repeats what it found odd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+
 def local_call(backend: Any, selectors: list[str] | None, free_below: int, stable_sec: float,
                allow_unverified: bool, tolerance: int) -> Callable[[float], dict[str, Any]]:
-    """--local: the gate's rule on the local engine's scans (no daemon, no sweeps to wait for)."""
-    from gpuguardd.engine.gate import GateRule, GateTracker, Target, targets_of
+    """--local: the gate's rule on the local engine's scans, one a poll (no daemon: no sweeps
+    to wait for)."""
+    from gpuguardd.cli.check import _selected
+    from gpuguardd.engine.facade import gpu_summaries
+    from gpuguardd.engine.gate import GateRule, GateTracker, Target, blockers, targets_of
 
-    tracker = GateTracker(GateRule(free_below, tolerance, allow_unverified))
-    status = backend.status()
+    rule = GateRule(free_below, tolerance, allow_unverified)
+    tracker = GateTracker(rule)
+    engine = backend.engine
     wanted = selectors or []
+    once = _Once()
+    logging.getLogger("gpuguard").addFilter(once)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(once)
 
     def chosen(gpus: list[Any]) -> list[Target]:
         every = targets_of(gpus)
         if not wanted:
             return every
-        from gpuguardd.cli.check import _selected
         picked = []
         for gpu, instance in _selected(gpus, wanted):
             picked += [t for t in every if t.index == gpu.index
@@ -133,20 +157,24 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     def call(seconds: float) -> dict[str, Any]:
         end = time.monotonic() + seconds
         while True:
-            gpus = backend.gpus()
-            holders = backend.holders([], "", "", True)
-            error = None if status.get("nvml_available") else str(status.get("nvml_error") or "unavailable")
-            tracker.observe(time.monotonic(), time.time_ns() // 1000, gpus if error is None else [],
-                            holders, error, ())
+            scan = engine.scan()
+            error = None if scan.nvml.available else (scan.nvml.error or "unavailable")
+            gpus = gpu_summaries(scan, engine.config.released_below_mib * 1024 * 1024) \
+                if error is None else []
+            tracker.observe(time.monotonic(), time.time_ns() // 1000, gpus, scan.holders, error, ())
             now = time.monotonic()
-            targets = chosen(gpus) if error is None else []
+            targets = chosen(gpus)
             states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
-            waiting_on = [] if targets or (error is None and not wanted) else \
-                [f"NVML unavailable ({error})" if error else "none of the GPUs asked for is listed"]
+            waiting_on: list[str] = []
+            if error is not None:  # no GPU list: fail closed, or holders alone (as the daemon)
+                for index in [int(w) for w in wanted if w.isdigit()] or [-1]:
+                    waiting_on += blockers(Target(index, ""), None, scan.holders, rule, error, False)
+            elif wanted and not targets:
+                waiting_on.append("none of the GPUs asked for is listed by NVML")
             free = not waiting_on and all(s.stable_for(now) >= stable_sec and not s.waiting_on
                                           for s in states)
             result = {"free": free, "gpus": [s.to_dict(now) for s in states],
-                      "waiting_on": waiting_on}
+                      "waiting_on": sorted(set(waiting_on))}
             if free or now >= end:
                 return result
             time.sleep(min(LOCAL_POLL_SEC, max(0.0, end - now)))
