@@ -102,8 +102,8 @@ def test_no_nvml_session_while_every_gpu_sleeps(daemon: GuardDaemon, tmp_path: P
     assert daemon.proc is not None
     pid, dev = daemon.proc.pid, daemon.host.dev
     gpus = [f"{MANAGER_PATH}/gpu/{index}" for index in (0, 1)]
-    for path in gpus:
-        wait_until(lambda path=path: daemon.property_is(path, GPU, "State", "suspended"), 10, path)
+    wait_until(lambda: all(daemon.property_is(path, GPU, "State", "suspended") for path in gpus),
+               10, "both GPUs suspended")
     time.sleep(2)  # 20 polls
     assert open_nodes(pid, dev) == set(), "an NVML session holds the sleeping GPUs' nodes"
     assert calls_per_gpu(calls) == {}
