@@ -14,9 +14,6 @@ def test_local_wait_passes_a_free_gpu_and_times_out_on_a_held_one(gpu_host: GpuH
     held = gpu_host.cli("wait", "--gpu", "1", "--stable", "0.3", "--timeout", "1")
     assert held.returncode == 8, held.stdout + held.stderr
     assert f"compute holder pid {holder.pid}" in held.stdout
-    # Each distinct warning once, however many scans the wait made.
-    lines = held.stderr.splitlines()
-    assert len(lines) == len(set(lines)), held.stderr
 
 
 def test_local_wait_fails_closed_without_nvml(gpu_host: GpuHost) -> None:
@@ -27,3 +24,4 @@ def test_local_wait_fails_closed_without_nvml(gpu_host: GpuHost) -> None:
     assert "NVML unavailable" in closed.stdout
     allowed = gpu_host.cli("wait", "--stable", "0", "--timeout", "2", "--allow-unverified")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
