@@ -1,4 +1,4 @@
-"""The start gate through the real daemon on a private dbus-daemon (issue 20): Manager.Wait,
+"""The start gate through the real daemon on a private dbus-daemon: Manager.Wait,
 the Gpu objects' FreeSinceUsec and WaitingOn, and `gpuguardctl wait` over them, against a
 fake NVML whose memory comes back slowly and wobbles (tests/fakenvml)."""
 
@@ -137,6 +137,10 @@ def test_memory_above_free_below_blocks_and_the_option_moves_it(daemon: GuardDae
     (passed,) = daemon.manager("Wait", "a{sv}", "4", "gpus", "au", "1", "0", "timeout_ms", "u",
                                "5000", "stable_ms", "u", "200", "free_below_mib", "u", "1024")
     assert passed["free"] is True
+    # Anyone may call it (the XML's rule: public), through the shipped bus policy.
+    (anyone,) = daemon.manager("Wait", "a{sv}", "2", "gpus", "au", "1", "0", "timeout_ms", "u",
+                               "100", as_nobody=True)
+    assert anyone["free"] is False and anyone["gpus"][0]["index"] == 0
 
 
 def test_bad_options_are_refused_by_name(daemon: GuardDaemon) -> None:

@@ -1,4 +1,4 @@
-"""The start gate on the Cockpit page (issue 20): each GPU card says what the GPU waits on
+"""The start gate on the Cockpit page: each GPU card says what the GPU waits on
 before the next job can start, or how long it has been free, as gpuguardd's FreeSinceUsec
 and WaitingOn say (the rule `gpuguardctl wait` passes on)."""
 

@@ -1,4 +1,4 @@
-"""The start gate on a real systemd (issue 20): `gpuguardctl hook install --start` makes a unit's
+"""The start gate on a real systemd: `gpuguardctl hook install --start` makes a unit's
 ExecStart wait until its own GPUs are free, so "stop A, start B" on the same GPU is safe.
 
 Unit A's workers ignore SIGTERM and their memory lingers after they die (the fake NVML releases

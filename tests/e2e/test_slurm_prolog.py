@@ -1,4 +1,4 @@
-"""The start gate as Slurm's Prolog= (issue 20), against the real Slurm of test_slurm.py: the
+"""The start gate as Slurm's Prolog=, against the real Slurm of test_slurm.py: the
 shipped prolog (slurm/prolog.d/50-gpuguard) holds a job whose GPU still has its predecessor's
 memory until the memory is back and steady, and a prolog that times out drains the node with
 gpuguard's reason (what still holds the GPU), not Slurm's bare "Prolog error"."""

@@ -1,4 +1,4 @@
-"""`gpuguardctl wait --local` (issue 20): the start gate's rule on the local engine's scans,
+"""`gpuguardctl wait --local`: the start gate's rule on the local engine's scans,
 for root when no gpuguardd runs; the same verdicts as the daemon's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fake NVML's unkind release (issue 20): memory that comes back over time after the
+"""The fake NVML's unkind release: memory that comes back over time after the
 process exits, memory that grows back before it settles, both inside a MIG instance too, and
 the events file that says when the library found the process gone (its own clock)."""
 

@@ -1,4 +1,4 @@
-"""The start gate's client side (issue 20): `hook install --start` writes its own drop-in next
+"""The start gate's client side: `hook install --start` writes its own drop-in next
 to the stop hook's, and `gpuguardctl wait` takes its GPUs from CUDA_VISIBLE_DEVICES as CUDA
 does, refusing what names no GPU."""
 
