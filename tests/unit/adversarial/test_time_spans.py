@@ -22,10 +22,13 @@ SPANS = {
     "ResetTimeoutSec": ("Recovery", "10min", "601"),
     "LeakGraceSec": ("Recovery", "24h", "86401"),
     "ResetIntervalSec": ("Recovery", "24h", "86401"),
+    "StableSec": ("Gate", "1h", "3601"),
 }
 NUMBERS = {
     "ReleasedBelowMiB": ("Sweep", "16777216", "16777217"),
     "HistoryMax": ("Daemon", "1000000", "1000001"),
+    "FreeBelowMiB": ("Gate", "16777216", "16777217"),
+    "ToleranceMiB": ("Gate", "16777216", "16777217"),
 }
 
 
