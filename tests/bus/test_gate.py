@@ -190,3 +190,34 @@ def test_waiting_on_a_held_gpu_polls_nothing_more_and_its_exit_is_seen_at_once(
         assert code == 0, result
         # The exit, then 0.5 s steady: nowhere near the 30 s poll interval.
         assert ended - killed < 3_000_000_000, (ended - killed) / 1e9
+
+
+def test_a_mig_instance_is_gated_alone(daemon: GuardDaemon) -> None:
+    """Instance A's tenant exits and its memory comes back over time, then wobbles; B stays
+    busy. A gate on A passes once A's own memory settled; one on the whole GPU does not."""
+    from tests.host.test_mig import MIG_A, MIG_B, setup_mig
+
+    mig = setup_mig(daemon.host, "[Daemon]\nPollIntervalSec=2\n" + GATE)
+    for proc in daemon.host.state.procs:
+        if proc.pid == mig.a.pid:
+            proc.release_ms, proc.wobble, proc.wobble_ms = 600, 64 * 2**20, 500
+    daemon.host.publish()
+    daemon.extra_env[EVENTS_ENV] = str(daemon.workdir / "nvml-events")
+    daemon.start()
+    daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")
+    (held,) = daemon.manager("Wait", "a{sv}", "2", "gpus", "as", "1", MIG_A, "timeout_ms", "u", "300")
+    assert held["free"] is False
+    assert [g["mig_uuid"] for g in held["gpus"]] == [MIG_A]
+    assert any(f"pid {mig.a.pid}" in w for w in held["gpus"][0]["waiting_on"])
+    waiter = ctl_wait(daemon, "--gpu", MIG_A, "--timeout", "30")
+    time.sleep(1.0)
+    mig.a.stop()
+    code, result, ended = finish(waiter)
+    assert code == 0, result
+    settled = dead_ns(daemon, mig.a.pid) + (200 + 600 + 500) * 1_000_000
+    assert ended >= settled + 1_000_000_000 - 50_000_000, (ended - settled) / 1e9
+    # B's tenant and leak keep the whole GPU, and B, from being free.
+    for wanted in (["1"], [MIG_B]):
+        (whole,) = daemon.manager("Wait", "a{sv}", "2", "gpus", "as", str(len(wanted)), *wanted,
+                                  "timeout_ms", "u", "300")
+        assert whole["free"] is False, whole
