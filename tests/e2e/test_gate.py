@@ -57,6 +57,9 @@ def gated(guard: Installed) -> Iterator[Installed]:
     for unit in ("gate-b.service", "gate-c.service", "gate-d.service",
                  "sglang-gate-a.service", "sglang-gate-hold.service"):
         m.systemctl("stop", unit, check=False)
+        # KillMode=process left the gated units' workers (no stop hook on them): end them, so
+        # no later test finds them.
+        m.run(["gpuguardctl", "sweep", "--unit", unit, "--grace", "1s"], check=False)
         m.run(["rm", "-f", f"/etc/systemd/system/{unit}"])
     m.run(f"gpuguardctl hook remove --start gate- >/dev/null; rm -f {EVENTS} "
           "/etc/systemd/system/gpuguardd.service.d/gate-events.conf")
@@ -127,3 +130,33 @@ def test_a_gate_that_times_out_fails_the_start_with_the_reason(gated: Installed)
     journal = m.journal("-u", "gate-d.service")
     assert "not free after 3 s" in journal, journal
     assert f"compute holder pid {pids['worker0']}" in journal, journal
+
+
+def test_sweep_leftovers_then_wait(guard: Installed) -> None:
+    """A predecessor without the stop hook: `wait --sweep-leftovers UNIT` ends what it left,
+    then waits for its memory."""
+    m = guard.machine
+    write_unit(guard, "rot-e.service", 0, "--workers=2 --mib=4096 --stubborn=1")
+    m.systemctl("daemon-reload")
+    try:
+        m.systemctl("start", "rot-e.service")
+        pids = guard.server_pids("rot-e.service")
+        workers = [v for k, v in pids.items() if k.startswith("worker")]
+        wait_for("gpuguardd to see the workers",
+                 lambda: set(workers) <= {h["pid"] for h in guard.holders()}, 20, 0.3)
+        m.systemctl("stop", "rot-e.service")  # KillMode=process: the workers stay
+        assert all(guard.alive(p) for p in workers)
+        done = m.run(["gpuguardctl", "wait", "--gpu", "0", "--stable", "1s", "--timeout", "60s",
+                      "--sweep-leftovers", "rot-e.service"], check=False, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "gpuguard: free after" in done.stdout
+        assert not any(guard.alive(p) for p in workers)
+        report = guard.reports_for("rot-e.service")[0]
+        assert report["outcome"] == "freed", report
+        assert report["reason"] == "gate: leftovers of rot-e.service"
+        assert {t["pid"] for t in report["terminated"]} == set(workers)
+    finally:
+        m.systemctl("stop", "rot-e.service", check=False)
+        m.run(["gpuguardctl", "sweep", "--unit", "rot-e.service", "--grace", "1s"], check=False)
+        m.run(["rm", "-f", "/etc/systemd/system/rot-e.service"])
+        m.systemctl("daemon-reload")
