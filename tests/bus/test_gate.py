@@ -221,3 +221,43 @@ def test_a_mig_instance_is_gated_alone(daemon: GuardDaemon) -> None:
         (whole,) = daemon.manager("Wait", "a{sv}", "2", "gpus", "as", str(len(wanted)), *wanted,
                                   "timeout_ms", "u", "300")
         assert whole["free"] is False, whole
+
+
+def test_on_a_terminal_it_shows_progress_then_one_line(daemon: GuardDaemon) -> None:
+    import pty
+    import select
+
+    start(daemon)
+    pid = hold(daemon, 0, 4 * GiB)
+    daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")
+    main, sub = pty.openpty()
+    proc = subprocess.Popen([PYTHON, "-m", "gpuguardd.cli.main", "wait", "--gpu", "0",
+                             "--stable", "0.5", "--timeout", "20"], env=daemon.env,
+                            stdin=sub, stdout=sub, stderr=sub)
+    os.close(sub)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        killed = False
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(main, 4096)
+                except OSError:  # the other side closed: the process ended
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            if not killed and seen.count(b"\r\x1b[K") >= 2:  # it has drawn progress twice
+                os.kill(pid, 9)
+                killed = True
+        proc.wait(timeout=10)
+    finally:
+        os.close(main)
+    text = seen.decode(errors="replace")
+    assert proc.returncode == 0, text
+    # Each GPU's memory and what it waits on, redrawn in place; then one line when it passes.
+    assert f"GPU 0: 4.0 GiB used; compute holder pid {pid}" in text, text
+    assert "free and steady for" in text, text
+    assert text.rstrip().splitlines()[-1].startswith("gpuguard: free after "), text
