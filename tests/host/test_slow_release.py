@@ -126,4 +126,5 @@ def test_memory_that_outlasts_verify_timeout_is_reported_as_a_leak(gpu_host: Gpu
     _, code, report = sweep_lingering(host, 30_000, "500ms")
     assert code == 4
     assert report["outcome"] == "memory-not-released"
-    assert report["leaks"] == [{"gpu": 1, "uuid": host.state.gpus[1].uuid, "bytes": 6 * GiB}]
+    assert report["leaks"] == [{"gpu": 1, "uuid": host.state.gpus[1].uuid, "bytes": 6 * GiB,
+                                "kind": "no-process"}]

@@ -174,7 +174,8 @@ def test_memory_that_is_never_released_is_reported(gpu_host: GpuHost) -> None:
     assert code == 4, stderr
     assert report["outcome"] == "memory-not-released"
     assert [t["pid"] for t in report["terminated"]] == [proc.pid]
-    assert report["leaks"] == [{"gpu": 0, "uuid": host.state.gpus[0].uuid, "bytes": 6 * GiB}]
+    assert report["leaks"] == [{"gpu": 0, "uuid": host.state.gpus[0].uuid, "bytes": 6 * GiB,
+                                "kind": "no-process"}]
     assert report["gpus"][0]["memory_used_after"] == 6 * GiB
 
 
