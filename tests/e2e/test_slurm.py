@@ -138,8 +138,11 @@ def slurm(guard: Installed) -> Iterator[Installed]:
         m.run("scancel --full --user " + USER, check=False)
         for unit in ("e2e-slurmd.service", "e2e-slurmctld.service", "munge.service"):
             m.systemctl("stop", unit, check=False)
+        # The jobs' pid files too: the next cluster numbers its jobs from 1 again, and would
+        # find this one's slurm-1.pids before its own job 1 had even started.
         m.run("rm -rf /etc/slurm/slurm.conf /etc/slurm/gres.conf /etc/slurm/cgroup.conf "
-              "/etc/slurm/epilog.d /var/lib/gg-slurm /run/gg-slurm /var/log/gg-slurm", check=False)
+              "/etc/slurm/epilog.d /var/lib/gg-slurm /run/gg-slurm /var/log/gg-slurm "
+              "/run/fake-server/slurm-*.pids", check=False)
         m.run("rmdir /sys/fs/cgroup/gg-escaped 2>/dev/null", check=False)
         if version == "v1":
             # What slurmd left of its cgroup tree (slurm_<node>), deepest first; then read-only
