@@ -47,6 +47,17 @@ OUTCOME_EXIT = {
     Outcome.RESET_FAILED: EXIT_ERROR,
 }
 
+
+
+def error_exit(exc: GpuGuardError) -> int:
+    """The exit status of a failure, for every verb: the one table beside OUTCOME_EXIT."""
+    if isinstance(exc, (ConfigError, InvalidArgument)):
+        return EXIT_USAGE
+    if isinstance(exc, NotAuthorized):
+        return EXIT_NOT_AUTHORIZED
+    return EXIT_ERROR
+
+
 log = logging.getLogger("gpuguard.cli")
 # How many of the newest reports `check` reads for GPUs a reset recovered.
 RECENT_REPORTS = 20
@@ -437,18 +448,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             if not isinstance(backend, DBusBackend):
                 raise InvalidArgument("watch needs gpuguardd")
             return run_watch(backend, args.json, out)
-    except ConfigError as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
-    except InvalidArgument as exc:
-        log.error("%s", exc)
-        return EXIT_USAGE
-    except NotAuthorized as exc:
-        log.error("not authorized: %s", exc)
-        return EXIT_NOT_AUTHORIZED
-    except (GpuGuardError, DaemonUnavailable) as exc:
-        log.error("%s", exc)
-        return EXIT_ERROR
+    except GpuGuardError as exc:
+        log.error("%s%s", "not authorized: " if isinstance(exc, NotAuthorized) else "", exc)
+        return error_exit(exc)
     parser.error(f"unknown verb {args.verb!r}")
     return EXIT_USAGE
 
@@ -497,7 +499,7 @@ def run_gate(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         line = f"gpuguard: job {job if is_digits(job) else '?'}: prolog failed: {escape_text(str(exc))}"
         log.error("%s", line)
         out.write(line[:240] + "\n")
-        return EXIT_USAGE if isinstance(exc, InvalidArgument) else EXIT_ERROR
+        return error_exit(exc)
 
 
 def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
@@ -550,8 +552,7 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
             raise result[0]
         report = result[0]
     except (GpuGuardError, DaemonUnavailable) as exc:
-        code = EXIT_USAGE if isinstance(exc, InvalidArgument) else \
-            EXIT_NOT_AUTHORIZED if isinstance(exc, NotAuthorized) else EXIT_ERROR
+        code = error_exit(exc)
         line = slurm.summary(job_id, Report(outcome=Outcome.ERROR, error=str(exc)))
         log.error("%s", line)
         out.write(line + "\n")
