@@ -140,7 +140,7 @@ class SweepRunner:
         flight = InFlight(request, sweep_budget_sec(self.engine.config, request))
         self.in_flight.append(flight)
         request.report_id = request.report_id or uuid.uuid4().hex
-        dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
+        dry_run = request.is_dry_run(self.engine.config.dry_run)
         kept = False
         try:
             # On disk before the first signal, so that a successor finishes what a crash cuts

@@ -238,8 +238,7 @@ class Service:
             slurm_uid=options.get("slurm_uid", -1))
         # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
         # to what it authorized: that is what runs (and what the watch sees).
-        dry_run = self.engine.config.dry_run if request.dry_run is None else request.dry_run
-        request.dry_run = dry_run
+        dry_run = request.dry_run = request.is_dry_run(self.engine.config.dry_run)
         request.requested_by = requested_by(caller, request.reason, request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
         await self.runner.validate(request)

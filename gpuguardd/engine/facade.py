@@ -230,7 +230,7 @@ class Engine:
         if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
             raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
         grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
-        dry_run = config.dry_run if request.dry_run is None else request.dry_run
+        dry_run = request.is_dry_run(config.dry_run)
         slurm.check_request(request)
         if unit and not container:
             # docker-<id>.scope and kin: the host unit of a container (attribution.py).

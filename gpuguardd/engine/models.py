@@ -209,6 +209,11 @@ class SweepRequest:
     report_id: str = ""
     resumes: str = ""
 
+    def is_dry_run(self, default: bool) -> bool:
+        """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`)
+        decides; the engine, the daemon's runner and service, and unit sweeps all ask here."""
+        return default if self.dry_run is None else self.dry_run
+
 
 @dataclass(frozen=True)
 class Scope:

@@ -126,7 +126,7 @@ class UnitSweeps:
         # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the
         # stop hook a report that signalled nothing. A real sweep with a "hook:" reason is
         # root's or a polkit-authorised caller's (the service checked).
-        dry_run = self.dry_run_default() if request.dry_run is None else request.dry_run
+        dry_run = request.is_dry_run(self.dry_run_default())
         automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX)) and not dry_run
         state = await self.systemd.state(unit) if self.systemd.available else None
         if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
