@@ -25,6 +25,9 @@ class ProcStat:
     ppid: int
     flags: int
     start_time: int
+    # How the process ended, as waitpid() would say (field 52; a zombie's is its real one),
+    # None where the kernel does not show it.
+    exit_code: int | None = None
 
     @property
     def is_kernel_thread(self) -> bool:
@@ -50,7 +53,8 @@ def read_stat(pid: int) -> ProcStat | None:
     fields = data[close_paren + 2:].split()
     try:
         return ProcStat(pid=pid, comm=comm, state=fields[0].decode(), ppid=int(fields[1]),
-                        flags=int(fields[6]), start_time=int(fields[19]))
+                        flags=int(fields[6]), start_time=int(fields[19]),
+                        exit_code=int(fields[49]) if len(fields) > 49 else None)
     except (IndexError, ValueError):
         return None
 
@@ -181,6 +185,29 @@ def read_uid(pid: int) -> int | None:
     try:
         return int(fields[0])
     except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Signals:
+    """A process's signal dispositions (status: SigIgn, SigCgt) and its PIDs in each PID
+    namespace from the outermost (NSpid)."""
+
+    ignored: int
+    caught: int
+    nspids: tuple[int, ...]
+
+
+def read_signals(pid: int) -> Signals | None:
+    read = _read_bounded(f"{PROC}/{pid}/status", 4 * STATUS_HEAD_MAX)
+    if read is None:
+        return None
+    fields = dict(line.split(b":", 1) for line in read[0].splitlines() if b":" in line)
+    try:
+        return Signals(ignored=int(fields.get(b"SigIgn", b"0").strip(), 16),
+                       caught=int(fields.get(b"SigCgt", b"0").strip(), 16),
+                       nspids=tuple(int(p) for p in fields.get(b"NSpid", b"").split()))
+    except ValueError:
         return None
 
 

@@ -183,30 +183,20 @@ def _survivor_reason(pid: int) -> tuple[str, str]:
 def _ignores_sigterm(pid: int) -> bool:
     """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
     handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as handle:
-            fields = dict(line.split(b":", 1) for line in handle.read().splitlines() if b":" in line)
-        ignored = int(fields.get(b"SigIgn", b"0").strip(), 16)
-        caught = int(fields.get(b"SigCgt", b"0").strip(), 16)
-        nspids = fields.get(b"NSpid", b"").split()
-    except (OSError, ValueError):
+    signals = procfs.read_signals(pid)
+    if signals is None:
         return False
     bit = 1 << (signal.SIGTERM - 1)
-    return bool(ignored & bit) or (len(nspids) > 1 and nspids[-1] == b"1" and not caught & bit)
+    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
+                                           and not signals.caught & bit)
 
 
 def _exit_status(pid: int, start_time: int) -> str:
     """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-        fields = data[data.rfind(b")") + 2:].split()
-        # Fields 3 (state), 22 (start time) and 52 (exit code, as waitpid() reports it).
-        if fields[0] != b"Z" or int(fields[19]) != start_time:
-            return ""
-        code = int(fields[49])
-    except (OSError, IndexError, ValueError):
+    stat = procfs.read_stat(pid)
+    if stat is None or stat.state != "Z" or stat.start_time != start_time or stat.exit_code is None:
         return ""
+    code = stat.exit_code
     if not os.WIFSIGNALED(code):
         return f"exited with status {os.WEXITSTATUS(code)}"
     try:
