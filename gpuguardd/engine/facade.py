@@ -21,7 +21,7 @@ from gpuguardd.engine.attribution import (
     validate_container_label,
 )
 from gpuguardd.engine.devices import DeviceMap, build_device_map
-from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
+from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind, Outcome
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
@@ -395,26 +395,36 @@ def _makes_in_use(holder: Holder, index: int) -> bool:
     return index in holder.gpus and holder.kind == HolderKind.COMPUTE and not holder.protected
 
 
+def classify(*, suspended: bool, lost: bool, unknown: bool, busy: bool,
+             leak: LeakKind | None, used: int, released_below_bytes: int
+             ) -> tuple[GpuState, str]:
+    """The one GPU-state ladder, for a GPU and a MIG instance alike: its state and leak kind.
+    `busy`: a compute holder keeps it (_makes_in_use); `leak`: leaks.kind_of, None while a
+    process NVML lists still lives. A figure that is not current or not read is never idle."""
+    if suspended:
+        return GpuState.SUSPENDED, ""  # never leaked: its figures are not current
+    if lost:
+        return GpuState.LOST, ""
+    if unknown:
+        return GpuState.UNKNOWN, ""
+    if leak is None or busy:
+        return GpuState.IN_USE, ""
+    if used > released_below_bytes:
+        return GpuState.LEAKED, leak.value
+    return GpuState.IDLE, ""
+
+
 def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummary]:
     """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
     summaries = []
     for gpu in scan.nvml.gpus:
         holders = [h for h in scan.holders if gpu.index in h.gpus]
         # NVML's list counts as in use unless every pid on it is gone (leaks.py: dead-pids).
-        kind = leaks.kind_of(gpu, scan.nvml.pids_local)
-        leak_kind = ""
-        if gpu.suspended:
-            state = GpuState.SUSPENDED  # never leaked: its figures are not current
-        elif gpu.lost:
-            state = GpuState.LOST
-        elif gpu.unknown:
-            state = GpuState.UNKNOWN
-        elif kind is None or any(_makes_in_use(h, gpu.index) for h in holders):
-            state = GpuState.IN_USE
-        elif gpu.memory_used > released_below_bytes:
-            state, leak_kind = GpuState.LEAKED, kind.value
-        else:
-            state = GpuState.IDLE
+        state, leak_kind = classify(
+            suspended=gpu.suspended, lost=gpu.lost, unknown=gpu.unknown,
+            busy=any(_makes_in_use(h, gpu.index) for h in holders),
+            leak=leaks.kind_of(gpu, scan.nvml.pids_local), used=gpu.memory_used,
+            released_below_bytes=released_below_bytes)
         summaries.append(GpuSummary(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
             minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,
@@ -433,20 +443,13 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
     out = []
     for instance in gpu.mig:
         tenants = [h for h in holders if instance.uuid in h.mig]
-        kind = leaks.kind_of(instance, pids_local)
-        leak_kind = ""
-        if gpu.suspended:
-            state = GpuState.SUSPENDED
-        elif gpu.lost:
-            state = GpuState.LOST
-        elif gpu.unknown or (instance.error and not instance.memory_total):
-            state = GpuState.UNKNOWN  # never idle on a figure that could not be read
-        elif kind is None or any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants):
-            state = GpuState.IN_USE  # as _makes_in_use: management holders never make it busy
-        elif instance.memory_used > released_below_bytes:
-            state, leak_kind = GpuState.LEAKED, kind.value
-        else:
-            state = GpuState.IDLE
+        state, leak_kind = classify(
+            suspended=gpu.suspended, lost=gpu.lost,
+            unknown=gpu.unknown or bool(instance.error and not instance.memory_total),
+            # As _makes_in_use: management holders never make it busy.
+            busy=any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants),
+            leak=leaks.kind_of(instance, pids_local), used=instance.memory_used,
+            released_below_bytes=released_below_bytes)
         out.append(MigSummary(uuid=instance.uuid, gpu_instance_id=instance.gpu_instance_id,
                               compute_instance_id=instance.compute_instance_id,
                               device_path=instance.device_path,
