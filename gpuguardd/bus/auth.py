@@ -18,7 +18,7 @@ from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.connection import bus_daemon_call
-from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
+from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.safetext import user_name
 
@@ -66,7 +66,7 @@ class Authorizer:
         self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Denials are logged once per uid and action (ratelimit.py): any user can ask again
         # and again, and the journal is the admin's.
-        self._denials = PerKey(DENIAL_LOG_INTERVAL_SEC)
+        self._denials = RateLimit(DENIAL_LOG_INTERVAL_SEC)
         # (sender, action, interactive) -> (when polkit answered, granted), for
         # POLKIT_DECISION_SEC; bounded like _uids. Calls that come while polkit is being asked
         # wait for that one answer.
@@ -75,9 +75,9 @@ class Authorizer:
         self._asking: dict[tuple[str, str, bool], asyncio.Future[bool]] = {}
 
     def _log_denial(self, level: int, caller: Caller, action: str, what: str, *args: object) -> None:
-        count = self._denials.admit((caller.uid, action, what))
-        if count is not None:
-            log.log(level, what + "%s", *args, held_back(count))
+        admission = self._denials.admit((caller.uid, action, what))
+        if admission.allowed:
+            log.log(level, what + "%s", *args, held_back(admission.held_back))
 
     async def caller(self, msg: Message) -> Caller:
         sender = msg.sender

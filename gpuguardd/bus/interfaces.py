@@ -38,7 +38,7 @@ from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
 from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
-from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, PerKey, held_back
+from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
@@ -47,7 +47,7 @@ VarDict = dict[str, Variant]
 Options = dict[str, Any]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_REFUSALS = PerKey(DENIAL_LOG_INTERVAL_SEC)
+_REFUSALS = RateLimit(DENIAL_LOG_INTERVAL_SEC)
 # The caller of the call being handled, once asked for (each call runs in its own task).
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguard_caller", default=None)
 _ACCESS = {"read": PropertyAccess.READ, "write": PropertyAccess.WRITE,
@@ -208,9 +208,9 @@ class ContractInterface(ServiceInterface):
                 raise DBusError(error_name("Failed"), "gpuguardd is stopping; call again when "
                                 "it is back") from None
             except NotAuthorized as exc:
-                count = _REFUSALS.admit((member.name, exc.uid))
-                if count is not None:  # once per method and uid: any user may ask again and again
-                    log.info("%s refused: %s%s", member.name, exc, held_back(count))
+                admission = _REFUSALS.admit((member.name, exc.uid))
+                if admission.allowed:  # once per method and uid: any user may ask again and again
+                    log.info("%s refused: %s%s", member.name, exc, held_back(admission.held_back))
                 raise DBusError(error_name(exc.dbus_name), str(exc)) from None
             except GpuGuardError as exc:
                 raise DBusError(error_name(exc.dbus_name), str(exc)) from None

@@ -17,7 +17,7 @@ from gpuguardd.bus.auth import Authorizer, Caller
 from gpuguardd.bus.connection import GuardBus, current_call
 from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
-from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, PerKey
+from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
@@ -66,7 +66,7 @@ class Service:
         self.io_executor = io_executor
         self.reloader = reloader
         self.auth = Authorizer(bus)
-        self.fresh_scans = PerKey(FRESH_SCAN_INTERVAL_SEC)
+        self.fresh_scans = RateLimit(FRESH_SCAN_INTERVAL_SEC)
         self.inventory = Inventory(engine, scan_executor, self)
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
@@ -195,7 +195,7 @@ class Service:
         # joins a running scan or the last one; concurrent fresh calls share one scan anyway
         # (Inventory.scan). So no caller makes the daemon walk /proc more than once a second.
         fresh = bool(options.get("fresh", False))
-        if fresh and not caller.is_root and self.fresh_scans.admit(caller.uid) is None:
+        if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
             fresh = False
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)

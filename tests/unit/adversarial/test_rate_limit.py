@@ -3,16 +3,16 @@ tests/bus/adversarial/test_rate_limit.py)."""
 
 from __future__ import annotations
 
-from gpuguardd.bus.ratelimit import PerKey, held_back
+from gpuguardd.bus.ratelimit import Admission, RateLimit, held_back
 
 
-def test_per_key_bounds_and_counts() -> None:
+def test_rate_limit_bounds_and_counts() -> None:
     now = [100.0]
-    limit = PerKey(1.0, max_keys=3, clock=lambda: now[0])
-    assert limit.admit("a") == 0
-    assert limit.admit("a") is None and limit.admit("a") is None
+    limit = RateLimit(1.0, max_keys=3, clock=lambda: now[0])
+    assert limit.admit("a") == Admission(True, 0)
+    assert limit.admit("a") == Admission(False) and not limit.admit("a").allowed
     now[0] += 1.0
-    assert limit.admit("a") == 2  # let through again, with the two held back
+    assert limit.admit("a") == Admission(True, 2)  # let through again, with the two held back
     for key in range(10):
         limit.admit(key)
     assert len(limit) == 3  # bounded: the least recently seen went
