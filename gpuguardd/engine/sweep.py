@@ -106,7 +106,7 @@ def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
     return False, ""
 
 
-def on_nvml_word_alone(holder: Holder) -> bool:
+def holds_no_device_here(holder: Holder) -> bool:
     """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
     namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
     nothing any more and is never signalled (the sweep reports it with its parent)."""
@@ -156,7 +156,7 @@ def in_scope(holder: Holder, scope: Scope) -> bool:
 
 
 def is_target(holder: Holder, scope: Scope) -> bool:
-    return (in_scope(holder, scope) and not holder.protected and not on_nvml_word_alone(holder)
+    return (in_scope(holder, scope) and not holder.protected and not holds_no_device_here(holder)
             and (holder.kind == HolderKind.COMPUTE or scope.include_management))
 
 
@@ -312,7 +312,7 @@ class Sweep:
                 continue
             if holder.protected:
                 self.report.spared.append(Spared.of(holder, holder.protected_why))
-            elif on_nvml_word_alone(holder):
+            elif holds_no_device_here(holder):
                 self.report.spared.append(Spared.of(
                     holder, "NVML lists it, but it holds no NVIDIA device here "
                             "(another PID namespace's pid, or a reused one?)"))
