@@ -20,9 +20,15 @@ APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
 # Fleet: Prometheus metrics (the client library, the real node_exporter and Prometheus
 # servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
 APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
+# The desktop (docs/desktop.md): GNOME Shell 43 headless for the extension's tests
+# (gjs comes with it, gnome-extensions packs the zips, imagemagick crops the screenshots),
+# dunst on Xvfb for gpuguard-notify's. Installed without recommends: with them gnome-shell
+# brings gdm3 and a whole desktop (1.2 GB instead of 400 MB).
+APT_NO_RECOMMENDS := gnome-shell xvfb imagemagick dunst
 
 .PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
-	install-python install-data uninstall dist deb rpm demo e2e cockpit install-cockpit
+	install-python install-data uninstall dist deb rpm demo e2e cockpit install-cockpit \
+	gnome-extension install-gnome-extension
 
 all: test
 
@@ -40,6 +46,14 @@ help:
 # the fake NVML library, systemd-nspawn). Installed only where missing, so a developer machine
 # that has them is not touched.
 deps:
+	@missing=""; for p in $(APT_NO_RECOMMENDS); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing (no recommends):$$missing"; \
+		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
 	@missing=""; for p in $(APT_PACKAGES); do \
 		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
 	done; \
@@ -162,6 +176,13 @@ DBUS_INTERFACEDIR ?= $(DATADIR)/dbus-1/interfaces
 POLKIT_ACTIONDIR ?= $(DATADIR)/polkit-1/actions
 COMPLETIONDIR ?= $(DATADIR)/bash-completion/completions
 COCKPITDIR ?= $(DATADIR)/cockpit/gpuguard
+USERUNITDIR ?= $(PREFIX)/lib/systemd/user
+EXTENSIONDIR ?= $(DATADIR)/gnome-shell/extensions
+GNOME_EXTENSION := gpuguard@gpuguard.org
+# Which layout of the GNOME Shell extension installs (gnome-shell-extension/build.py): 43 for
+# GNOME 43 and 44, 45 for 45 and later; by default the one for the gnome-shell installed here.
+GNOME_SHELL_LAYOUT ?= $(shell v=$$(gnome-shell --version 2>/dev/null | sed -n 's/^GNOME Shell \([0-9]*\).*/\1/p'); \
+	if [ -n "$$v" ] && [ "$$v" -lt 45 ]; then echo 43; else echo 45; fi)
 # `make install` keeps gpuguard's modules out of the system's site-packages (PEP 668: that
 # belongs to the distribution's package manager); its two programs put this first on sys.path.
 PYTHONDIR ?= $(PREFIX)/lib/gpuguard/python
@@ -206,6 +227,7 @@ install-python:
 	$(call entry_point,gpuguardd.cli.main,$(DESTDIR)$(BINDIR)/gpuguardctl)
 	$(call entry_point,gpuguardd.daemon.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
 	$(call entry_point,gpuguardd.exporter.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
+	$(call entry_point,gpuguardd.notify.main,$(DESTDIR)$(BINDIR)/gpuguard-notify)
 
 # Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
 # from dh-python and %pyproject_install). The paths in the unit and the example drop-ins
@@ -222,6 +244,10 @@ install-data: man
 	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
+	@# gpuguard-notify: a user service, off until a user enables it (docs/desktop.md).
+	sed 's|/usr/bin/gpuguard-notify|$(BINDIR)/gpuguard-notify|g' systemd/user/gpuguard-notify.service \
+		> build/install/gpuguard-notify.service
+	$(INSTALL) -D -m 644 build/install/gpuguard-notify.service $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service
 	@# Slurm: the epilog and the report-only UnkillableStepProgram (docs/fleet.md).
 	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d $(DESTDIR)$(DATADIR)/gpuguard/slurm/prolog.d
 	set -e; for f in epilog.d/50-gpuguard prolog.d/50-gpuguard unkillable-step; do \
@@ -259,12 +285,25 @@ install-cockpit:
 		cockpit/dist/gpuguard.css cockpit/dist/gpuguard.js.LEGAL.txt $(DESTDIR)$(COCKPITDIR)/
 	$(INSTALL) -m 644 cockpit/dist/assets/* $(DESTDIR)$(COCKPITDIR)/assets/
 
+# The GNOME Shell extension: both layouts and the zips extensions.gnome.org takes (needs
+# gnome-extensions, from gnome-shell), in build/gnome-shell-extension.
+gnome-extension:
+	python3 gnome-shell-extension/build.py build/gnome-shell-extension --pack
+
+# One layout (GNOME_SHELL_LAYOUT), where GNOME Shell looks for system-wide extensions; the
+# .deb and the .rpm use this too.
+install-gnome-extension:
+	python3 gnome-shell-extension/build.py build/gnome-shell-extension >/dev/null
+	$(INSTALL) -d $(DESTDIR)$(EXTENSIONDIR)/$(GNOME_EXTENSION)
+	$(INSTALL) -m 644 build/gnome-shell-extension/$(GNOME_SHELL_LAYOUT)/$(GNOME_EXTENSION)/* \
+		$(DESTDIR)$(EXTENSIONDIR)/$(GNOME_EXTENSION)/
+
 # The page is (re)built where npm has installed its build tools, or where it is missing: a tree
 # that carries the built page and no node_modules (a release tarball) builds and installs
 # without node or the npm registry.
 PAGE := $(if $(wildcard cockpit/node_modules/.installed),cockpit,$(if $(wildcard cockpit/dist/gpuguard.js),,cockpit))
 
-install: $(PAGE) install-python install-data install-cockpit
+install: $(PAGE) install-python install-data install-cockpit install-gnome-extension
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "gpuguard $(VERSION) installed; start it with: systemctl enable --now gpuguardd.service"
 
@@ -277,6 +316,7 @@ uninstall:
 	@# with the daemon gone for good, nothing in it is left to finish.
 	rm -rf $(DESTDIR)/run/gpuguard
 	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
+		$(DESTDIR)$(BINDIR)/gpuguard-notify $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service \
 		$(DESTDIR)$(UNITDIR)/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service \
 		$(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter \
 		$(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf \
@@ -284,8 +324,10 @@ uninstall:
 		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
 		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
 	set -e; for page in $(notdir $(MAN_PAGES)); do rm -f $(DESTDIR)$(MANDIR)/man$${page##*.}/$$page; done
-	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard $(DESTDIR)$(COCKPITDIR)
+	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard $(DESTDIR)$(COCKPITDIR) \
+		$(DESTDIR)$(EXTENSIONDIR)/$(GNOME_EXTENSION)
 	rmdir $(DESTDIR)$(DATADIR)/cockpit 2>/dev/null || true
+	rmdir $(DESTDIR)$(EXTENSIONDIR) $(DESTDIR)$(DATADIR)/gnome-shell 2>/dev/null || true
 	rmdir $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(PREFIX)/lib/gpuguard $(DESTDIR)$(LIBEXECDIR)/gpuguard 2>/dev/null || true
 	@# The configuration goes only if it is still the one make install put there.
 	@conf=$(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
@@ -364,7 +406,8 @@ deb: $(PAGE)
 	cd $(DEB_SRC) && $(CLEAN_ENV) dpkg-buildpackage -us -uc -b
 	mkdir -p $(DIST_ABS)
 	cp $(DIST_ABS)/deb-build/gpuguard_$(VERSION)_all.deb \
-		$(DIST_ABS)/deb-build/cockpit-gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
+		$(DIST_ABS)/deb-build/cockpit-gpuguard_$(VERSION)_all.deb \
+		$(DIST_ABS)/deb-build/gnome-shell-extension-gpuguard_$(VERSION)_all.deb $(DIST_ABS)/
 	# TMPDIR: lintian leaves its mldbm-elf-* caches behind; keep them in the build tree.
 	$(CLEAN_ENV) TMPDIR=$(DIST_ABS)/deb-build lintian --fail-on error \
 		$(DIST_ABS)/deb-build/gpuguard_$(VERSION)_*.changes
@@ -387,5 +430,6 @@ rpm: $(PAGE)
 		--define "gpuguard_version $(VERSION)" packaging/rpm/gpuguard.spec
 	mkdir -p $(DIST_ABS)
 	cp $(RPM_TOP)/RPMS/noarch/gpuguard-$(VERSION)-*.noarch.rpm \
-		$(RPM_TOP)/RPMS/noarch/cockpit-gpuguard-$(VERSION)-*.noarch.rpm $(DIST_ABS)/
+		$(RPM_TOP)/RPMS/noarch/cockpit-gpuguard-$(VERSION)-*.noarch.rpm \
+		$(RPM_TOP)/RPMS/noarch/gnome-shell-extension-gpuguard-$(VERSION)-*.noarch.rpm $(DIST_ABS)/
 	@echo "built" $(DIST)/gpuguard-$(VERSION)-*.noarch.rpm $(DIST)/cockpit-gpuguard-$(VERSION)-*.noarch.rpm

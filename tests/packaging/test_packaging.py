@@ -34,7 +34,12 @@ DROPIN_DIRS = sorted(p.name for p in (ROOT / "systemd" / "dropins").glob("*.serv
 if TYPE_CHECKING:
     from tests.conftest import GpuHost
 
-MAN_PAGES = ("man1/gpuguardctl.1", "man5/gpuguard.conf.5", "man7/gpuguard-dbus.7", "man8/gpuguardd.8")
+MAN_PAGES = ("man1/gpuguardctl.1", "man1/gpuguard-notify.1", "man5/gpuguard.conf.5", "man7/gpuguard-dbus.7",
+             "man8/gpuguardd.8")
+EXTENSION = "usr/share/gnome-shell/extensions/gpuguard@gpuguard.org"
+# The GNOME Shell extension's files, in either layout (gnome-shell-extension/build.py).
+EXTENSION_FILES = ("client.js", "compat.js", "escape.js", "extension.js", "indicator.js", "metadata.json",
+                   "org.gpuguard.GpuGuard1.xml", "state.js", "stylesheet.css", "sweepDialog.js")
 
 
 def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
@@ -42,6 +47,8 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
     files = {
         "etc/gpuguard/gpuguard.conf",
         "usr/bin/gpuguardctl",
+        "usr/bin/gpuguard-notify",
+        "usr/lib/systemd/user/gpuguard-notify.service",
         "usr/libexec/gpuguard/gpuguardd",
         "usr/libexec/gpuguard/gpuguard-exporter",
         f"{unitdir}/gpuguardd.service",
@@ -65,6 +72,11 @@ def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
 def cockpit_files(datadir: str = "usr/share") -> set[str]:
     """The built Cockpit page (make cockpit), as `make install` and cockpit-gpuguard install it."""
     return {f"{datadir}/cockpit/gpuguard/{f}" for f in tree(ROOT / "cockpit" / "dist")}
+
+
+def extension_files(datadir: str = "usr/share") -> set[str]:
+    """The GNOME Shell extension as `make install` and gnome-shell-extension-gpuguard install it."""
+    return {f"{datadir}/gnome-shell/extensions/gpuguard@gpuguard.org/{f}" for f in EXTENSION_FILES}
 
 
 def tree(root: Path) -> set[str]:
@@ -178,12 +190,12 @@ def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) 
     dest = tmp_path / "root"
     make("install", f"DESTDIR={dest}")
     python = {f"usr/lib/gpuguard/python/{m}" for m in MODULES}
-    assert tree(dest) == data_files() | python | cockpit_files()
+    assert tree(dest) == data_files() | python | cockpit_files() | extension_files()
     assert (dest / "usr/share/cockpit/gpuguard/manifest.json").read_bytes() == \
         (ROOT / "cockpit/src/manifest.json").read_bytes()
     assert (dest / "usr/lib/gpuguard/python/gpuguardd/__pycache__").is_dir(), "byte-compiled"
     for program in ("usr/bin/gpuguardctl", "usr/libexec/gpuguard/gpuguardd",
-                    "usr/libexec/gpuguard/gpuguard-exporter"):
+                    "usr/libexec/gpuguard/gpuguard-exporter", "usr/bin/gpuguard-notify"):
         assert os.access(dest / program, os.X_OK)
         text = (dest / program).read_text()
         assert text.startswith("#!/usr/bin/python3\n")
@@ -221,7 +233,7 @@ def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, 
     make("install", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
     python = {f"lib/gpuguard/python/{m}" for m in MODULES}
     expected = {f.removeprefix("usr/") for f in data_files() if not f.startswith("etc/")} | python
-    expected |= cockpit_files("share")
+    expected |= cockpit_files("share") | extension_files("share")
     assert tree(prefix) == expected
     unit = (prefix / "lib/systemd/system/gpuguardd.service").read_text()
     assert f"ExecStart={prefix}/libexec/gpuguard/gpuguardd\n" in unit
@@ -249,6 +261,11 @@ def test_make_install_honours_prefix_and_runs_on_the_system_python(tools: None, 
     assert exporter.stdout.strip() == f"gpuguard-exporter {__version__}"
     unit = (prefix / "lib/systemd/system/gpuguard-exporter.service").read_text()
     assert f"ExecStart={prefix}/libexec/gpuguard/gpuguard-exporter --idle-exit 60s\n" in unit
+    notifier = subprocess.run([str(prefix / "bin/gpuguard-notify"), "--version"], env=clean,
+                              capture_output=True, text=True, check=False)
+    assert notifier.stdout.strip() == f"gpuguard-notify {__version__}", notifier.stderr
+    user_unit = (prefix / "lib/systemd/user/gpuguard-notify.service").read_text()
+    assert f"ExecStart={prefix}/bin/gpuguard-notify\n" in user_unit
     make("uninstall", f"PREFIX={prefix}", f"SYSCONFDIR={tmp_path}/etc")
     assert tree(prefix) == set()
 
@@ -347,6 +364,29 @@ def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     assert hooks.HEADER in postrm
 
 
+def test_gnome_shell_extension_deb(tmp_path: Path) -> None:
+    deb = build("deb").with_name(f"gnome-shell-extension-gpuguard_{__version__}_all.deb")
+    assert deb_field(deb, "Package") == "gnome-shell-extension-gpuguard"
+    depends = [d.strip() for d in deb_field(deb, "Depends").split(",")]
+    for dep in ("gnome-shell (>= 43)", "gnome-shell (<< 45)", f"gpuguard (= {__version__})"):
+        assert dep in depends, depends
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    files = {line.split()[5].removeprefix("./") for line in listing.splitlines() if not line.startswith("d")}
+    docs = {f"usr/share/doc/gnome-shell-extension-gpuguard/{f}" for f in ("changelog.gz", "copyright")}
+    assert files == {f"{EXTENSION}/{f}" for f in EXTENSION_FILES} | docs, files
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(tmp_path)], check=True)
+    metadata = json.loads((tmp_path / EXTENSION / "metadata.json").read_text())
+    assert metadata["shell-version"] == ["43", "44"] and metadata["uuid"] == "gpuguard@gpuguard.org"
+    assert "function init(metadata)" in (tmp_path / EXTENSION / "extension.js").read_text(), "the 43 layout"
+    # The user service ships with gpuguard, never enabled for everyone.
+    control = tmp_path / "control"
+    subprocess.run(["dpkg-deb", "-e", str(build("deb")), str(control)], check=True)
+    postinst = (control / "postinst").read_text()
+    assert "deb-systemd-helper --quiet --user was-enabled 'gpuguard-notify.service'" in postinst
+    assert "deb-systemd-helper --user enable 'gpuguard-notify.service'" in postinst.split("was-enabled", 1)[1], \
+        "enabled only where a user had it enabled before (an upgrade)"
+
+
 def lintian_tags() -> list[tuple[str, str]]:
     changes = next(build_dir("deb").glob("gpuguard_*.changes"))
     done = subprocess.run(["lintian", "--pedantic", "--info", "--display-experimental",
@@ -354,7 +394,8 @@ def lintian_tags() -> list[tuple[str, str]]:
                           capture_output=True, text=True, check=False, timeout=300,
                           # lintian leaves mldbm-elf-* caches in TMPDIR: not in the host's /tmp.
                           env={**os.environ, "TMPDIR": str(changes.parent)})
-    tags = re.findall(r"^([EWIPX]): (?:cockpit-)?gpuguard(?: source)?(?: \(\w+\))?: (\S+)", done.stdout, re.M)
+    tags = re.findall(r"^([EWIPX]): (?:cockpit-|gnome-shell-extension-)?gpuguard(?: source)?(?: \(\w+\))?: (\S+)",
+                      done.stdout, re.M)
     assert done.returncode == 0 or tags, done.stdout + done.stderr
     return tags
 
@@ -417,6 +458,19 @@ def test_rpm_cockpit_subpackage() -> None:
     assert "cockpit-bridge >= 287" in requires, requires
     assert f"gpuguard = {__version__}-1" in requires, requires
     assert "/usr/share/cockpit/" not in rpm_query("-l"), "the page is the subpackage's alone"
+
+
+def test_rpm_gnome_shell_extension_subpackage() -> None:
+    rpm = str(build("rpm").with_name(f"gnome-shell-extension-gpuguard-{__version__}-1.noarch.rpm"))
+
+    def query(*args: str) -> str:
+        return subprocess.run(["rpm", "-qp", *args, rpm], capture_output=True, text=True, check=True).stdout
+
+    files = set(query("-l").split())
+    assert {f"/{EXTENSION}/{f}" for f in EXTENSION_FILES} <= files, files
+    requires = query("-R")
+    assert "gnome-shell >= 45" in requires and f"gpuguard = {__version__}-1" in requires, requires
+    assert "/usr/share/gnome-shell/" not in rpm_query("-l"), "the extension is the subpackage's alone"
 
 
 def test_spec_default_version_is_the_package_version() -> None:
