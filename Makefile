@@ -45,23 +45,21 @@ help:
 # Debian packages the suite drives for real (dbus-daemon, busctl, gdbus, fuser, lsof, gcc for
 # the fake NVML library, systemd-nspawn). Installed only where missing, so a developer machine
 # that has them is not touched.
+# $(call apt_install,PACKAGES,APT-GET OPTIONS): those of PACKAGES not installed yet.
+define apt_install
+	@missing=""; for p in $(1); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing $(2)"; \
+		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) $$missing >/dev/null; \
+	fi
+endef
+
 deps:
-	@missing=""; for p in $(APT_NO_RECOMMENDS); do \
-		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		echo "installing (no recommends):$$missing"; \
-		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
-	fi
-	@missing=""; for p in $(APT_PACKAGES); do \
-		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		echo "installing:$$missing"; \
-		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-	fi
+	$(call apt_install,$(APT_NO_RECOMMENDS),--no-install-recommends)
+	$(call apt_install,$(APT_PACKAGES),)
 	@# npm: Debian's package, unless the nodejs installed bundles its own (NodeSource's does).
 	@if ! command -v npm >/dev/null; then \
 		echo "installing: npm"; \
