@@ -208,7 +208,20 @@ export class GpuGuardClient {
             dry_run: new GLib.Variant('b', dryRun),
             reason: new GLib.Variant('s', 'GNOME Shell extension'),
         };
-        this._manager.call('Sweep', new GLib.Variant('(a{sv})', [options]),
+        this._ask('Sweep', new GLib.Variant('(a{sv})', [options]), callback);
+    }
+
+    // ResetGpu of GPU `index` (its own polkit action, auth_admin: asked every time);
+    // callback(report, error).
+    reset(index, callback) {
+        const options = {reason: new GLib.Variant('s', 'GNOME Shell extension')};
+        this._ask('ResetGpu', new GLib.Variant('(ua{sv})', [index, options]), callback);
+    }
+
+    // A Manager call that may ask for authentication (polkit asks through the shell's own
+    // agent), with no timeout of its own: a sweep or a reset takes as long as it takes.
+    _ask(method, parameters, callback) {
+        this._manager.call(method, parameters,
             Gio.DBusCallFlags.ALLOW_INTERACTIVE_AUTHORIZATION, 2 ** 31 - 1, this._cancellable,
             (proxy, result) => {
                 let report = null, error = null;

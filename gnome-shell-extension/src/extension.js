@@ -10,6 +10,7 @@ import {_, ExtensionBase, Main} from './compat.js';
 import {escapeText} from './escape.js';
 import {Indicator} from './indicator.js';
 import {format, formatBytes} from './state.js';
+import {ResetDialog} from './resetDialog.js';
 import {SweepDialog} from './sweepDialog.js';
 
 function announce(kind, data) {
@@ -36,14 +37,15 @@ export default class GpuGuardExtension extends ExtensionBase {
         const [, bytes] = file.load_contents(null);
         const xml = new TextDecoder().decode(bytes);
         this._client = new GpuGuardClient(xml, () => this._indicator?.sync(), announce);
-        this._indicator = new Indicator(this._client, index => {
+        const open = Dialog => index => {
             this._dialog?.close();
-            this._dialog = new SweepDialog(this._client, index);
+            this._dialog = new Dialog(this._client, index);
             this._dialog.connect('closed', () => {
                 this._dialog = null;
             });
             this._dialog.open();
-        });
+        };
+        this._indicator = new Indicator(this._client, open(SweepDialog), open(ResetDialog));
         Main.panel.addToStatusArea(this.metadata.uuid, this._indicator);
         this._client.start();
     }

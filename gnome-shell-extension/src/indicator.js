@@ -58,10 +58,11 @@ function infoItem(text, styleClass = '') {
 
 export const Indicator = GObject.registerClass(
 class GpuGuardIndicator extends PanelMenu.Button {
-    _init(client, onSweep) {
+    _init(client, onSweep, onReset) {
         super._init(0.0, _('GPU Guard'));
         this._client = client;
         this._onSweep = onSweep;
+        this._onReset = onReset;
         this._icon = new St.Icon({
             icon_name: iconFor(ABSENT),
             style_class: 'system-status-icon',
@@ -126,6 +127,12 @@ class GpuGuardIndicator extends PanelMenu.Button {
             for (const gpu of gpus) {
                 const item = new PopupMenu.PopupMenuItem(format(_('Sweep GPU %d…'), gpu.index));
                 item.connect('activate', () => this._onSweep(gpu.index));
+                this.menu.addMenuItem(item);
+            }
+            // A leaked GPU (memory in use, nothing holding it): the daemon may reset it.
+            for (const gpu of gpus.filter(g => g.state === 'leaked')) {
+                const item = new PopupMenu.PopupMenuItem(format(_('Reset GPU %d…'), gpu.index));
+                item.connect('activate', () => this._onReset(gpu.index));
                 this.menu.addMenuItem(item);
             }
         }

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.bus.test_reset import smi_calls
+from tests.bus.test_reset import start as start_with_fake_smi
 from tests.conftest import GiB
 from tests.dbus_harness import (
     COMM,
@@ -188,5 +190,41 @@ def test_sweep_shows_the_plan_then_sweeps(shell: GnomeShell, guard: GuardDaemon,
             last = wait_until(lambda: [i for i in indicator(shell)["items"] if i.startswith("memory freed, ")],
                               5, "the last sweep in the menu")
             assert f"asked by uid {NOBODY_UID} (nobody)" in last[0], last
+    finally:
+        polkit.close()
+
+
+RESET = "org.gpuguard.GpuGuard1.reset-gpu"
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
+def test_a_leaked_gpu_offers_a_reset_that_polkit_decides(
+        shell: GnomeShell, guard: GuardDaemon, system_bus: Any, recorder: SignalRecorder,
+        tmp_path: Path, allowed: bool) -> None:
+    # gpuguardd again with the fake nvidia-smi first on PATH (tests/bus/test_reset.py): the
+    # indicator follows the daemon going away and coming back.
+    guard.stop()
+    index, smi_log = start_with_fake_smi(guard, "LeakGraceSec=0\n")
+    polkit = FakePolkit(system_bus.address, tmp_path, {NOBODY_UID: [RESET] if allowed else []})
+    try:
+        leak_on(guard, recorder, index, 5 * GiB)
+        wait_until(lambda: f"Reset GPU {index}…" in indicator(shell)["items"], 10, "the reset item")
+        assert f"Reset GPU {1 - index}…" not in indicator(shell)["items"]  # only a leaked GPU
+        shell.helper("ActivateMenuItem", f"Reset GPU {index}…")
+        shown = wait_until(lambda: (d := shell.dialog()) and "Reset" in d["buttons"] and d, 10,
+                           "the reset dialog and its Reset button")
+        assert shown["title"] == f"Reset GPU {index}"
+        assert smi_calls(smi_log) == [], "nothing is reset before the user says so"
+        shell.helper("PressDialogButton", "Reset")
+        expected = "Done: the GPU was reset and its memory is back." if allowed \
+            else "Not authorized: the reset was refused."
+        wait_until(lambda: (shell.dialog() or {}).get("description") == expected, 30,
+                   f"the dialog saying {expected!r}")
+        asked = [r for r in polkit.requests() if r["action"] == RESET]
+        assert asked and asked[-1]["uid"] == NOBODY_UID
+        assert asked[-1]["flags"] & 1, "the reset did not allow interactive authorization"
+        assert bool(smi_calls(smi_log)) == allowed
+        shell.helper("PressDialogButton", "Close")
+        wait_until(lambda: shell.dialog() is None, 5, "the dialog closed")
     finally:
         polkit.close()

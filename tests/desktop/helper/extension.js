@@ -56,7 +56,7 @@ class Helper {
         return ascii(JSON.stringify({
             title: dialog._content.title,
             description: dialog._content.description,
-            plan: dialog._plan.text,
+            plan: dialog._plan ? dialog._plan.text : '',  // the reset dialog has no plan
             buttons: dialog.buttonLayout.get_children().map(b => b.label),
         }));
     }
