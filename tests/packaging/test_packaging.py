@@ -39,7 +39,8 @@ MAN_PAGES = ("man1/gpuguardctl.1", "man1/gpuguard-notify.1", "man5/gpuguard.conf
 EXTENSION = "usr/share/gnome-shell/extensions/gpuguard@gpuguard.org"
 # The GNOME Shell extension's files, in either layout (gnome-shell-extension/build.py).
 EXTENSION_FILES = ("client.js", "compat.js", "escape.js", "extension.js", "indicator.js", "metadata.json",
-                   "org.gpuguard.GpuGuard1.xml", "state.js", "stylesheet.css", "sweepDialog.js")
+                   "org.gpuguard.GpuGuard1.xml", "resetDialog.js", "state.js", "stylesheet.css",
+                   "sweepDialog.js")
 
 
 def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
