@@ -24,7 +24,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from typing import cast
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
@@ -68,14 +69,12 @@ def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") ->
 class Resume:
     def __init__(self, inflight: InFlightSweeps, history: History, runner: SweepRunner,
                  units: UnitSweeps, config: Callable[[], Config],
-                 patterns: Callable[[], Sequence[str]],
                  scan: Callable[[], Awaitable[ScanResult]]) -> None:
         self.inflight = inflight
         self.history = history
         self.runner = runner
         self.units = units
         self.config = config
-        self.patterns = patterns
         self.scan = scan
 
     async def _io(self, fn: Callable[..., object], *args: object) -> object:
@@ -84,8 +83,7 @@ class Resume:
     async def claim(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short and claim the sweeps that
         finish it; the awaitables returned run them (Service.start spawns them)."""
-        found = await asyncio.get_running_loop().run_in_executor(self.runner.io_executor,
-                                                                 self.inflight.load)
+        found = cast(list[InFlightSweep], await self._io(self.inflight.load))
         known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
         work: list[Awaitable[Report | None]] = []
         for sweep in found:
@@ -150,7 +148,7 @@ class Resume:
         await self.recover_units()
 
     async def _hooked(self, unit: str) -> bool:
-        if matches(unit, self.patterns()):
+        if matches(unit, self.config().watch_units):
             return True
         return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
                    for path in await self.units.systemd.dropins(unit))

@@ -104,7 +104,7 @@ class Service:
         # the name is owned (Daemon.run).
         self.resume = Resume(inflight,
                              history, self.runner, self.unit_watch, lambda: self.engine.config,
-                             lambda: self.engine.config.watch_units, self.inventory.fresh_scan)
+                             self.inventory.fresh_scan)
         self.resume_work: list[Awaitable[Report | None]] = []
         # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are. While
         # anyone waits at the start gate a job is about to start: no automatic reset then.
