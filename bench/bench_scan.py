@@ -49,12 +49,12 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.engine import holders, procfs, scanshare, scanworker
+from gpuguardd.engine import holders, procfs, scanhelpers, scanworker
 from gpuguardd.engine.devices import DeviceMap, build_device_map, driver_majors
-from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.holders import find_holders
-from gpuguardd.engine.models import NvmlSnapshot
-from gpuguardd.engine.scanshare import HelperEntry, WorkQueue, scan_workers
+from gpuguardd.engine.scanhelpers import HelperEntry, WorkQueue, scan_workers
+from gpuguardd.records.models import NvmlSnapshot
 
 FIND = "gpuguard find_holders"
 FIND_SHARED = "gpuguard find_holders, 2 processes"
@@ -184,7 +184,7 @@ def forked_pass(device_map: DeviceMap, pids: list[int], processes: int) -> list[
                 text = answer.read()
             if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) != 0:
                 raise BenchError(f"the forked pass {child} failed")
-            entries.extend(scanshare._parse(json.loads(text), {})[1])
+            entries.extend(scanhelpers._parse(json.loads(text), {})[1])
         return entries
     finally:
         queue.close()

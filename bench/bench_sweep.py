@@ -48,10 +48,10 @@ from common import BenchError, Population
 
 from gpuguardd.config import Config
 from gpuguardd.engine.devices import driver_majors
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Report
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Report
 from tests.fakenvml import (
     STATE_ENV,
     FakeNvmlBuildError,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 # A caller's fresh=true ListHolders scans: at most one per this, per uid. A second one sooner
-# is served from the last scan when that one is fresh by live.py's rule (or joins the next).
+# is served from the last scan when that one is fresh by inventory.py's rule (or joins the next).
 FRESH_SCAN_INTERVAL_SEC = 1.0
 # A caller's refusals (the same uid, the same action): logged at most once per this, with the
 # number held back since.

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.cli.output import human_bytes
-from gpuguardd.engine.enums import GpuState, HolderKind, Outcome
-from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
-from gpuguardd.engine.report import REPORT_RESET, Report
-from gpuguardd.engine.selectors import KnownGpu, selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
+from gpuguardd.records.enums import GpuState, HolderKind, Outcome
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
+from gpuguardd.records.report import REPORT_RESET, Report
+from gpuguardd.records.selectors import KnownGpu, selector
 
 # States of a GPU (or MIG instance) that make it unfit for the next job, and why.
 BAD_STATES = {

@@ -25,10 +25,10 @@ from gpuguardd.bus.names import (
     PROPERTIES_INTERFACE,
     default_address,
 )
-from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
-from gpuguardd.engine.report import Report
-from gpuguardd.engine.selectors import INDEX, KnownGpu, names_mig, selector
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
+from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
+from gpuguardd.records.report import Report
+from gpuguardd.records.selectors import INDEX, KnownGpu, names_mig, selector
 
 CALL_TIMEOUT_SEC = 120.0
 WAIT = "WaitOptions"
@@ -254,7 +254,7 @@ class DBusBackend:
     def history(self, count: int) -> list[Report]:
         async def get(bus: MessageBus) -> list[Report]:
             (reports,) = await self._manager(bus, "GetHistory", count)
-            # Records of any shape: a history may hold what an older version wrote (wire.py).
+            # Records of any shape: a history may hold what an older version wrote (codec.py).
             return [Report.from_dict(marshal.unwrap(r)) for r in reports]
         return self._run(get)
 

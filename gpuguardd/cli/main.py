@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol, TextIO
 
 from gpuguardd import __version__
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
-from gpuguardd.engine.report import Report
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
+from gpuguardd.records.report import Report
 from gpuguardd.safetext import user_name
 from gpuguardd.systemd import hooks
 
@@ -88,7 +88,7 @@ class LocalBackend:
 
     def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
         from gpuguardd.config import load_config
-        from gpuguardd.engine.facade import Engine
+        from gpuguardd.engine.engine import Engine
 
         self.engine = Engine(load_config(config_files))
         self.bus_address = bus_address  # where to ask systemd about units (None: system bus)
@@ -103,7 +103,7 @@ class LocalBackend:
                 "config_files": list(config.sources)}
 
     def gpus(self) -> list[GpuSummary]:
-        from gpuguardd.engine.facade import gpu_summaries, node_gpu_summaries
+        from gpuguardd.engine.gpustate import gpu_summaries, node_gpu_summaries
 
         scan = self.engine.scan()
         if not scan.nvml.available:
@@ -112,7 +112,7 @@ class LocalBackend:
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:
-        from gpuguardd.engine.facade import HolderFilter
+        from gpuguardd.engine.engine import HolderFilter
 
         scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
                                                                container=container))
@@ -140,7 +140,7 @@ class LocalBackend:
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
-        from gpuguardd.engine.models import ScanResult
+        from gpuguardd.records.models import ScanResult
         from gpuguardd.systemd.client import local_systemd  # dbus-fast only where a unit is swept
         from gpuguardd.systemd.unitsweep import UnitSweeps
 
@@ -259,7 +259,7 @@ def _timeout(text: str) -> float:
 def _gpu(text: str) -> str:
     """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
     ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
-    from gpuguardd.engine.selectors import selector
+    from gpuguardd.records.selectors import selector
 
     try:
         selector(text).check()

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from gpuguardd.bus.names import OMITTED_KEY, UID_UNKNOWN
-from gpuguardd.engine import models
-from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
-from gpuguardd.engine.report import REPORT_RESET, Report, ReportScope, Spared, Survivor, Target, Terminated
-from gpuguardd.engine.wire import WireRecord
 from gpuguardd.escaping import escape_text, escaped
+from gpuguardd.records import models
+from gpuguardd.records.codec import WireRecord
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
+from gpuguardd.records.report import REPORT_RESET, Report, ReportScope, Spared, Survivor, Target, Terminated
 
 
 def human_bytes(value: int) -> str:
@@ -102,7 +102,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
 
 
 # A report may come from history.jsonl, which an older version wrote or someone edited: it is
-# read leniently (engine/wire.py), and what could not be read (a key missing, a string where a
+# read leniently (records/codec.py), and what could not be read (a key missing, a string where a
 # list was) shows as "?" rather than losing the admin the rest of the history.
 
 def _line(out: TextIO, text: str) -> None:

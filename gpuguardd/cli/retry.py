@@ -18,10 +18,10 @@ import os
 import time
 from collections.abc import Callable
 
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Report
 from gpuguardd.errors import DaemonUnavailable
 from gpuguardd.log import journal_too
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Report
 
 log = logging.getLogger("gpuguard.cli")
 

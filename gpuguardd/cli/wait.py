@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from gpuguardd.engine.selectors import selector
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
+from gpuguardd.records.selectors import selector
 
 # Values that make CUDA (or the NVIDIA container runtime) see no GPU at all.
 NO_GPUS = {"", "none", "void", "NoDevFiles"}
@@ -132,8 +132,8 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     """--local: the gate's rule on the local engine's scans, one a poll (no daemon: no sweeps
     to wait for)."""
     from gpuguardd.cli.check import _selected
-    from gpuguardd.engine.facade import gpu_summaries
     from gpuguardd.engine.gate import GateRule, GateTracker, Target, blockers, targets_of
+    from gpuguardd.engine.gpustate import gpu_summaries
 
     rule = GateRule(free_below, tolerance, allow_unverified)
     tracker = GateTracker(rule)

@@ -11,8 +11,8 @@ from gpuguardd.bus import contract
 from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import describe_scope, human_bytes
-from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.escaping import escaped
+from gpuguardd.records.report import Report, ReportScope
 
 
 def describe(member: str, fields: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """The start gate as the daemon serves it: FreeSinceUsec/WaitingOn and Manager.Wait.
 
 The rule is engine/gate.py's. Here it is fed with every observation of the live inventory
-(live.py), once per rule in use: the configured one ([Gate] FreeBelowMiB, ToleranceMiB), which
+(`inventory.py`), once per rule in use: the configured one ([Gate] FreeBelowMiB, ToleranceMiB), which
 the Gpu objects publish, and one for each other threshold a caller of Wait asked for, kept
 while callers use it. A waiter sleeps on the next observation (or on the moment its targets
 become stable enough), never on a timer of its own, so twenty waiters cost what one does;
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.enums import HolderKind
 from gpuguardd.engine.gate import GateRule, GateState, GateTracker, MiB, Target, blockers, holder_line, targets_of
-from gpuguardd.engine.models import GpuSummary, Holder, NvmlSnapshot
+from gpuguardd.records.enums import HolderKind
+from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot
 
 log = logging.getLogger("gpuguard.gate")
 

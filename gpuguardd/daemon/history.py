@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from gpuguardd import safetext
-from gpuguardd.engine.report import Report
-from gpuguardd.engine.wire import Wire
+from gpuguardd.records.codec import Wire
+from gpuguardd.records.report import Report
 from gpuguardd.safefiles import fsync_directory, open_nofollow, write_atomic
 
 log = logging.getLogger("gpuguard.history")
@@ -390,7 +390,7 @@ class History:
             return list(itertools.islice(reversed(self._entries), count))
 
     def last(self) -> Report | None:
-        """The newest report, read as leniently as the file may need (wire.py). The status
+        """The newest report, read as leniently as the file may need (codec.py). The status
         line asks at every change, and a report may hold 40,000 targets: it is read once."""
         with self._lock:
             if not self._entries:

@@ -30,8 +30,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Terminated
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
 
 log = logging.getLogger("gpuguard.inflight")

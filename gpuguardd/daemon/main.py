@@ -32,7 +32,7 @@ from gpuguardd.daemon.history import History
 from gpuguardd.daemon.notify import Notifier, watchdog_interval
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.service import Service
-from gpuguardd.engine.facade import Engine, log_device_refusals
+from gpuguardd.engine.engine import Engine, log_device_refusals
 from gpuguardd.errors import ConfigError
 from gpuguardd.log import setup_logging
 

@@ -28,9 +28,9 @@ from prometheus_client.metrics_core import (
 )
 
 from gpuguardd import __version__
-from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind, Outcome
-from gpuguardd.engine.models import GpuSummary, MigSummary
-from gpuguardd.engine.report import REPORT_RESET, Report
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.records.models import GpuSummary, MigSummary
+from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
 from gpuguardd.systemd.rules import trigger
 

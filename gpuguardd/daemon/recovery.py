@@ -19,10 +19,10 @@ from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from gpuguardd.config import Config
-from gpuguardd.engine.enums import GpuState
-from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import GpuSummary
-from gpuguardd.engine.report import Report
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.enums import GpuState
+from gpuguardd.records.models import GpuSummary
+from gpuguardd.records.report import Report
 
 log = logging.getLogger("gpuguard.recovery")
 

@@ -31,10 +31,10 @@ from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
-from gpuguardd.engine.enums import HolderKind, Outcome
-from gpuguardd.engine.models import ScanResult, SweepRequest
-from gpuguardd.engine.report import Report, ReportScope
 from gpuguardd.numbers import is_digits
+from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.hooks import DROPIN_FILE
 from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches

@@ -27,11 +27,11 @@ from typing import Protocol
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Report, ReportScope, Terminated
+from gpuguardd.engine.engine import Engine
 from gpuguardd.errors import GpuGuardError
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Report, ReportScope, Terminated
 
 log = logging.getLogger("gpuguard.runner")
 

@@ -22,17 +22,17 @@ from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweeps
-from gpuguardd.daemon.live import Inventory
+from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import InFlight, SweepRunner
-from gpuguardd.engine.facade import Engine, HolderFilter, filter_holders
+from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
-from gpuguardd.engine.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
-from gpuguardd.engine.report import Report, ReportScope
-from gpuguardd.engine.wire import Wire
 from gpuguardd.errors import InvalidArgument, NotAuthorized
+from gpuguardd.records.codec import Wire
+from gpuguardd.records.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd import hooks
 from gpuguardd.systemd.rules import SLURM_PREFIX
 from gpuguardd.systemd.unitwatch import UnitWatch
@@ -187,7 +187,7 @@ class Service:
         # The last scan when it is fresh for this call: started under 1 s (LIST_MAX_AGE_SEC)
         # before the call arrived and before no event that can change the holders (a sweep, a
         # reload, an NVML process-list change, a unit starting); else a scan that starts after
-        # the call. live.py's docstring has the rule; the contract XML documents it.
+        # the call. inventory.py's docstring has the rule; the contract XML documents it.
         # fresh=true (what gpuguardctl sends: an admin at a prompt wants the truth, not the
         # last second's view) always waits for a scan that starts after the call.
         # fresh=true is rate-limited per caller (ratelimit.py): a non-root uid that had a fresh

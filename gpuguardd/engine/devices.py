@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gpuguardd.engine.mig import MigCap, read_mig_minors
-from gpuguardd.engine.models import DeviceNode
+from gpuguardd.records.models import DeviceNode
 
 _GPU_NAME = re.compile(r"^nvidia(\d+)$")
 _CAPS_NAME = re.compile(r"^nvidia-cap(\d+)$")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from gpuguardd.engine.models import GpuInfo
 from gpuguardd.numbers import is_digits
+from gpuguardd.records.models import GpuInfo
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it

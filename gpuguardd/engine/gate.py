@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gpuguardd.engine.enums import GpuState, HolderKind
-from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
 from gpuguardd.escaping import escape_text
+from gpuguardd.records.enums import GpuState, HolderKind
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 
 MiB = 1024 * 1024
 # Holders named one by one in WaitingOn; more are counted, so a busy GPU's reason stays short.

@@ -6,7 +6,7 @@ gives the node's identity; no readlink is needed because the identity, not the n
 Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
 substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
 details need no second look; a big scan is shared with helper processes (scan_raw,
-engine/scanshare.py), which pin what they read the same way and pass the pidfds on.
+engine/scanhelpers.py), which pin what they read the same way and pass the pidfds on.
 bench/bench_scan.py measures all this against fuser and lsof.
 """
 
@@ -23,11 +23,11 @@ from gpuguardd import safetext
 from gpuguardd.engine import procfs
 from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap
-from gpuguardd.engine.enums import GpusFrom, HolderKind
 from gpuguardd.engine.mig import instances_for_caps
-from gpuguardd.engine.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.engine.process import ProcessHandle
-from gpuguardd.engine.scanshare import WORKER_MIN_PIDS, Helper, HelperEntry, WorkQueue, scan_workers
+from gpuguardd.engine.scanhelpers import WORKER_MIN_PIDS, Helper, HelperEntry, WorkQueue, scan_workers
+from gpuguardd.records.enums import GpusFrom, HolderKind
+from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
 
 PROC = procfs.PROC
 log = logging.getLogger("gpuguard.engine")
@@ -143,7 +143,7 @@ def _close_all(results: Iterable[RawHolding | int]) -> None:
             item.close()
 
 
-# -- the scan on every idle core (engine/scanshare.py) ---------------------------------------
+# -- the scan on every idle core (engine/scanhelpers.py) ---------------------------------------
 
 
 def _match_spec(device_map: DeviceMap) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def _from_helper(entries: list[HelperEntry], device_map: DeviceMap) -> list[RawH
 
 def _shared_scan(todo: list[int], device_map: DeviceMap, use_pidfd: bool, workers: int
                  ) -> list[RawHolding | int]:
-    """The scan of `todo` shared with workers - 1 helpers through one work queue (scanshare)."""
+    """The scan of `todo` shared with workers - 1 helpers through one work queue (scanhelpers)."""
     queue = WorkQueue(todo)
     helpers: list[Helper] = []
     results: list[RawHolding | int] = []

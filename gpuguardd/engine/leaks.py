@@ -19,8 +19,8 @@ import os
 from collections.abc import Callable, Iterable
 
 from gpuguardd.engine import procfs
-from gpuguardd.engine.enums import LeakKind
-from gpuguardd.engine.models import GpuInfo, MigInstance
+from gpuguardd.records.enums import LeakKind
+from gpuguardd.records.models import GpuInfo, MigInstance
 
 
 def pid_exists(pid: int) -> bool:

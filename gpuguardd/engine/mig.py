@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gpuguardd.engine.models import DeviceNode, NvmlSnapshot
+from gpuguardd.records.models import DeviceNode, NvmlSnapshot
 
 DEFAULT_MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIRECTORY = "/dev/nvidia-caps"

@@ -29,8 +29,8 @@ from gpuguardd.engine.driverinfo import (
     fill_from_driver,
     read_driver_gpus,
 )
-from gpuguardd.engine.models import GpuInfo, MigInstance, NvmlSnapshot
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
+from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
 PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
 # How long one snapshot (all NVML calls for every GPU, normally milliseconds) may take before

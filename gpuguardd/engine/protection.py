@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.models import Holder
+from gpuguardd.records.models import Holder
 
 _DELETED = " (deleted)"
 FileId = tuple[int, int]

@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuguardd.engine import leaks, procfs
-from gpuguardd.engine.enums import HolderKind, Outcome
 from gpuguardd.engine.locks import GpuLocks
-from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
-from gpuguardd.engine.report import REPORT_RESET, GpuResult, Leak, Report, ReportScope
+from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, ReportScope
 
 log = logging.getLogger("gpuguard.reset")
 

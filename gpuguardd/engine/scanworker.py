@@ -1,4 +1,4 @@
-"""A helper process of a big holder scan (engine/scanshare.py): chunks of /proc, read here.
+"""A helper process of a big holder scan (engine/scanhelpers.py): chunks of /proc, read here.
 
     python -S -m gpuguardd.engine.scanworker   (a JSON spec on stdin, JSON on stdout)
 

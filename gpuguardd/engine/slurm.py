@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuguardd.engine import procfs
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import GpuSummary, Holder, SweepRequest
-from gpuguardd.engine.report import Report
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
 from gpuguardd.numbers import UID_MAX, parse_job_id, parse_uid, parse_uint
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
+from gpuguardd.records.report import Report
 
 # v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
 # (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:

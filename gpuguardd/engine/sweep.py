@@ -23,10 +23,11 @@ from typing import Protocol, Union
 
 from gpuguardd.engine import leaks, procfs
 from gpuguardd.engine.attribution import container_matches
-from gpuguardd.engine.enums import HolderKind, Outcome
-from gpuguardd.engine.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
-from gpuguardd.engine.report import (
+from gpuguardd.engine.slurm import in_job_scope
+from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
+from gpuguardd.records.report import (
     GpuResult,
     Leak,
     Report,
@@ -36,7 +37,6 @@ from gpuguardd.engine.report import (
     Target,
     Terminated,
 )
-from gpuguardd.engine.slurm import in_job_scope
 
 log = logging.getLogger("gpuguard.sweep")
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.engine.attribution import container_scope_label
-from gpuguardd.engine.enums import HolderKind
-from gpuguardd.engine.models import Holder, NvmlSnapshot
 from gpuguardd.engine.sweep import gpu_scope
 from gpuguardd.numbers import UINT32_MAX, is_digits
+from gpuguardd.records.enums import HolderKind
+from gpuguardd.records.models import Holder, NvmlSnapshot
 from gpuguardd.systemd.rules import UnitState
 
 MAX_UNITS = 1024

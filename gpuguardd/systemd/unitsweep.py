@@ -26,9 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from gpuguardd.engine.attribution import normalize_unit_name
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import ScanResult, SweepRequest
-from gpuguardd.engine.report import Report
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.report import Report
 from gpuguardd.systemd.adoption import (
     MAX_PROCESSES_PER_UNIT,
     MAX_UNITS,

@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
-from gpuguardd.engine.report import Report
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.report import Report
 from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.client import Systemd, local_systemd
 from gpuguardd.systemd.rules import matches, unit_name_from_path

@@ -21,7 +21,7 @@ import pytest
 
 from gpuguardd.bus import contract, dbusxml
 from gpuguardd.bus.contract import Nested
-from gpuguardd.daemon.live import LIST_MAX_AGE_SEC
+from gpuguardd.daemon.inventory import LIST_MAX_AGE_SEC
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import (
     BUS_NAME,

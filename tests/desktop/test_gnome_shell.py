@@ -92,7 +92,7 @@ def follows(shell: GnomeShell, what: str, check: Any) -> float:
 
 def daemon_says(guard: GuardDaemon, gpu: int, state: str) -> None:
     """Wait for gpuguardd's own State of `gpu`: the indicator is timed from there (the daemon
-    may take a few scan durations to see a holder leave: live.py, CHURN_FACTOR)."""
+    may take a few scan durations to see a holder leave: inventory.py, CHURN_FACTOR)."""
     wait_until(lambda: guard.property_is(f"{MANAGER_PATH}/gpu/{gpu}", GPU, "State", state), 10,
                f"gpuguardd: GPU {gpu} {state}")
 

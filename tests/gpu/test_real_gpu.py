@@ -59,8 +59,8 @@ except OSError as _exc:
 
 # After the skips: nothing to import for without a GPU.
 from gpuguardd.config import Config
-from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import Holder, SweepRequest
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.models import Holder, SweepRequest
 
 MiB = 1 << 20
 GiB = 1 << 30

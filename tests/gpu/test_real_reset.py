@@ -37,8 +37,8 @@ if _COUNT == 0:
 
 # After the skips: nothing to import for without a GPU.
 from gpuguardd.config import Config
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.enums import Outcome
 
 INDEX = int(os.environ.get("GPUGUARD_TEST_GPU", "0"))
 HOLD = ("import pynvml, sys, time; pynvml.nvmlInit(); pynvml.nvmlDeviceGetHandleByIndex(int(sys.argv[1])); "

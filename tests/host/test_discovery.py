@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from gpuguardd.config import Config
-from gpuguardd.engine.facade import Engine, HolderFilter
-from gpuguardd.engine.models import Holder
+from gpuguardd.engine.engine import Engine, HolderFilter
+from gpuguardd.records.models import Holder
 from tests.conftest import GiB, GpuHost
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.daemon.history import FILE_NAME, History
-from gpuguardd.engine.report import Report
+from gpuguardd.records.report import Report
 from tests.conftest import require_root
 from tests.fulldisk import PAGE, fill, tiny_tmpfs
 

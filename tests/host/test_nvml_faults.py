@@ -12,9 +12,10 @@ import pytest
 
 from gpuguardd.config import Config
 from gpuguardd.engine.driverinfo import bus_key
-from gpuguardd.engine.facade import Engine, gpu_summaries
-from gpuguardd.engine.models import GpuInfo, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.engine.engine import Engine
+from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.nvml import Nvml
+from gpuguardd.records.models import GpuInfo, NvmlSnapshot, ScanResult, SweepRequest
 from tests.conftest import GiB, GpuHost, MiB
 
 TIMEOUT = 0.3

@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import summary
+from gpuguardd.records.report import Report
 from tests.conftest import HOLDER, GiB, GpuHost
 from tests.fakenvml import build_library
 from tests.helpers import cli_json

@@ -1,4 +1,4 @@
-"""The /proc pass shared with helper processes (engine/holders.py scan_raw, engine/scanshare.py,
+"""The /proc pass shared with helper processes (engine/holders.py scan_raw, engine/scanhelpers.py,
 engine/scanworker.py) gives the one-process answer, its holders pinned by pidfds wherever they
 were read, owns every pidfd it opens or receives, also when its share fails, and scans the
 chunks a failed helper took itself; holder details read from /proc directly say what psutil
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.engine import holders, procfs, scanshare
+from gpuguardd.engine import holders, procfs, scanhelpers
 from gpuguardd.engine.devices import DeviceMap, build_device_map
-from gpuguardd.engine.models import NvmlSnapshot
+from gpuguardd.records.models import NvmlSnapshot
 from tests.conftest import GpuHost
 
 
@@ -96,7 +96,7 @@ def test_helpers_give_the_one_process_answer_and_close_every_pidfd(
     # The holders in a chunk a helper takes: pinned there, the pidfds passed over the socket.
     with monkeypatch.context() as patch:
         _slow_first_share(patch)
-        found, _ = holders.scan_raw(device_map, pids=_free_pids(scanshare.CHUNK_MIN_PIDS) + sorted(pids),
+        found, _ = holders.scan_raw(device_map, pids=_free_pids(scanhelpers.CHUNK_MIN_PIDS) + sorted(pids),
                                     use_pidfd=True, workers=2)
     assert _answer(found) == answers[0]
     assert all(raw.pidfd is not None for raw in found.values())
@@ -112,12 +112,12 @@ def test_a_failed_helper_is_replaced_by_this_process(
                                   allow_majors=(120, 1))
     # Chunks of PIDs that do not exist first, the holders last: a helper that takes chunks
     # and dies takes the holders' chunk with it.
-    given = _free_pids(4 * scanshare.CHUNK_MIN_PIDS) + sorted(pids)
+    given = _free_pids(4 * scanhelpers.CHUNK_MIN_PIDS) + sorted(pids)
     expected = _answer(holders.scan_raw(device_map, pids=given, workers=1)[0])
     assert set(expected) == pids
     # A helper that dies at once, one that answers no JSON, one that answers other JSON.
     real_popen = subprocess.Popen
-    monkeypatch.setattr(scanshare, "_helper_warned", False)
+    monkeypatch.setattr(scanhelpers, "_helper_warned", False)
     caplog.set_level(logging.DEBUG, logger="gpuguard.engine")
 
     def scan_with(script: str) -> dict[int, holders.RawHolding]:
@@ -136,13 +136,13 @@ def test_a_failed_helper_is_replaced_by_this_process(
     # One that takes every chunk left while this process reads its first, and dies: the chunks
     # it took are scanned here after it failed.
     calls = _slow_first_share(monkeypatch)
-    real_results = scanshare.Helper.results
+    real_results = scanhelpers.Helper.results
 
-    def results(helper: scanshare.Helper) -> Any:
+    def results(helper: scanhelpers.Helper) -> Any:
         calls.append("results")
         return real_results(helper)
 
-    monkeypatch.setattr(scanshare.Helper, "results", results)
+    monkeypatch.setattr(scanhelpers.Helper, "results", results)
     greedy = ("import json, os, sys\nspec = json.load(sys.stdin)\n"
               "while len(os.read(spec['queue_fd'], 4)) == 4:\n    pass\n")
     assert _answer(scan_with(greedy)) == expected
@@ -167,13 +167,13 @@ def test_a_failing_share_leaks_no_pidfd_and_no_helper(
 
     monkeypatch.setattr(holders, "_scan_maps", scan_maps)
     started: list[Any] = []
-    real_start = scanshare.Helper.start
+    real_start = scanhelpers.Helper.start
 
-    def start_helper(queue: scanshare.WorkQueue, match: dict[str, Any], pin: bool) -> Any:
+    def start_helper(queue: scanhelpers.WorkQueue, match: dict[str, Any], pin: bool) -> Any:
         started.append(real_start(queue, match, pin))
         return started[-1]
 
-    monkeypatch.setattr(scanshare.Helper, "start", start_helper)
+    monkeypatch.setattr(scanhelpers.Helper, "start", start_helper)
     before = _open_fds()
     for workers in (1, 5):
         with pytest.raises(RuntimeError, match="a bug in this process's share"):
@@ -210,11 +210,11 @@ def test_a_helper_starts_where_the_package_is_not_on_the_default_path(gpu_host: 
     root = str(Path(holders.__file__).resolve().parents[2])
     script = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from gpuguardd.engine import holders, scanshare\n"
+        "from gpuguardd.engine import holders, scanhelpers\n"
         "from gpuguardd.engine.devices import build_device_map\n"
         "device_map = build_device_map((sys.argv[2],), allow_majors=(120, 1))\n"
-        "queue = scanshare.WorkQueue([int(sys.argv[3])])\n"
-        "helper = scanshare.Helper.start(queue, holders._match_spec(device_map), True)\n"
+        "queue = scanhelpers.WorkQueue([int(sys.argv[3])])\n"
+        "helper = scanhelpers.Helper.start(queue, holders._match_spec(device_map), True)\n"
         "answer = helper.results() if helper else None\n"
         "print('failed' if answer is None else\n"
         "      f'{answer[0]} {len(answer[1])} {answer[1][0].pidfd is not None}')\n")

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpuguardd.engine import procfs
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.report import Report
 from gpuguardd.engine.slurm import summary
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.report import Report
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
 
 NOBODY = 65534

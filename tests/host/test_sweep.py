@@ -17,10 +17,10 @@ import pytest
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.facade import Engine
+from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.locks import GpuLocks
-from gpuguardd.engine.models import SweepRequest
 from gpuguardd.engine.sweep import Sweep
+from gpuguardd.records.models import SweepRequest
 from tests.conftest import GiB, GpuHost, MiB
 
 

@@ -339,7 +339,7 @@ def test_errors_outcomes_and_polkit_actions_are_documented() -> None:
     documented_actions = {plain(line) for line in top["AUTHORIZATION"].splitlines()
                           if line.startswith("_org.")}
     assert actions == documented_actions
-    from gpuguardd.engine.enums import Outcome
+    from gpuguardd.records.enums import Outcome
     outcomes = {outcome.value for outcome in Outcome}
     documented_outcomes = {plain(line) for line in top["OUTCOMES"].splitlines() if line.startswith("_")}
     assert outcomes == documented_outcomes

@@ -4,7 +4,7 @@ instance's own state is checked (against real holders: tests/host/test_check.py)
 from __future__ import annotations
 
 from gpuguardd.cli.check import check
-from gpuguardd.engine.models import GpuSummary, Holder
+from gpuguardd.records.models import GpuSummary, Holder
 from tests.conftest import GiB
 
 

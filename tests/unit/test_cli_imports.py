@@ -25,7 +25,7 @@ except SystemExit as exc:
 print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
 """
 
-ENGINE = {"gpuguardd.engine.facade", "gpuguardd.engine.holders", "gpuguardd.engine.nvml",
+ENGINE = {"gpuguardd.engine.engine", "gpuguardd.engine.holders", "gpuguardd.engine.nvml",
           "gpuguardd.engine.sweep", "pynvml"}
 DBUS = {"dbus_fast", "gpuguardd.cli.client", "gpuguardd.bus.marshal"}
 NEVER = {"psutil"}  # the engine reads /proc itself

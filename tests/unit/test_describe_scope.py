@@ -4,8 +4,8 @@ gpuguardctl's reports and watch: a resolved Scope and a report's ReportScope rea
 from __future__ import annotations
 
 from gpuguardd.cli.output import describe_scope as printed
-from gpuguardd.engine.models import Scope, describe_scope
-from gpuguardd.engine.report import ReportScope
+from gpuguardd.records.models import Scope, describe_scope
+from gpuguardd.records.report import ReportScope
 
 MIG = "MIG-1a2b3c4d-0000-4000-8000-00000000000a"
 

@@ -41,7 +41,7 @@ def text_files() -> Iterator[Path]:
 
 def test_the_scan_sees_the_tree() -> None:
     names = {str(p.relative_to(ROOT)) for p in text_files()}
-    assert {"README.md", "NEWS", "docs/contract.md", "gpuguardd/engine/report.py",
+    assert {"README.md", "NEWS", "docs/contract.md", "gpuguardd/records/report.py",
             "dbus/org.gpuguard.GpuGuard1.xml", "man/gpuguard-dbus.7.scd"} <= names
 
 

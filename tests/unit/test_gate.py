@@ -3,9 +3,9 @@ the stability clock that a memory move past the tolerance restarts."""
 
 from __future__ import annotations
 
-from gpuguardd.engine.enums import GpuState, HolderKind
 from gpuguardd.engine.gate import GateRule, GateTracker, Stability, Target, blockers
-from gpuguardd.engine.models import GpuSummary, Holder, MigSummary
+from gpuguardd.records.enums import GpuState, HolderKind
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 
 MiB = 1024 * 1024
 RULE = GateRule(free_below=256 * MiB, tolerance=16 * MiB)

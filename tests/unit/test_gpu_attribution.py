@@ -7,8 +7,8 @@ from __future__ import annotations
 def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:
     """A leftover is adopted for the GPUs its unit held only by the sweep's rule: a CUDA process
     of another tenant holds the unit's GPU node too."""
-    from gpuguardd.engine.enums import GpusFrom, HolderKind
-    from gpuguardd.engine.models import Holder
+    from gpuguardd.records.enums import GpusFrom, HolderKind
+    from gpuguardd.records.models import Holder
     from gpuguardd.systemd.unitwatch import UnitGpuRecords, adoption_candidates
 
     records = UnitGpuRecords()

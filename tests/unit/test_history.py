@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gpuguardd.daemon.history import FILE_NAME, History
-from gpuguardd.engine.report import Report
+from gpuguardd.records.report import Report
 
 
 def record(n: int) -> Report:

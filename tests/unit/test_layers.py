@@ -6,6 +6,7 @@ reaches another only lazily still depends on it. An AST walk needs no new depend
 sees exactly what import-linter would for these rules.
 
 The layers (docs/architecture.md, "The layers"):
+  records   the typed records every layer shares (models, report, codec, enums, selectors)
   engine    finds, attributes and ends GPU holders; no D-Bus, no daemon
   bus       the daemon's D-Bus face (connection, names, interfaces, marshalling, auth)
   systemd   unit rules, the systemd client, the watcher, the drop-in writer
@@ -28,12 +29,14 @@ import gpuguardd
 
 PACKAGE = "gpuguardd"
 ROOT = Path(gpuguardd.__file__).resolve().parent
-LAYERS = ("engine", "bus", "systemd", "daemon", "cli", "exporter", "notify")
+LAYERS = ("records", "engine", "bus", "systemd", "daemon", "cli", "exporter", "notify")
 LEAVES = ("errors", "config", "log", "escaping", "safetext", "safefiles", "numbers")
 ALL_LAYERS = frozenset(f"{PACKAGE}.{name}" for name in LAYERS)
 
 # importer layer -> what it may not import (a layer, or a third-party top-level package).
 FORBIDDEN: dict[str, frozenset[str]] = {
+    # Records are what every layer hands every other: they depend on the leaves alone.
+    "records": ALL_LAYERS - {f"{PACKAGE}.records"},
     "engine": frozenset({"dbus_fast", "gpuguardd.daemon", "gpuguardd.bus", "gpuguardd.systemd",
                          "gpuguardd.cli", "gpuguardd.exporter"}),
     "leaves": ALL_LAYERS,
@@ -162,6 +165,7 @@ def test_the_walk_sees_every_kind_of_import(tmp_path: Path) -> None:
         "cli/i.py": "from gpuguardd.daemon import models\n",  # allowed: the CLI may
         "engine/j.py": "from . import k\nfrom gpuguardd.errors import E\n",  # allowed
         "engine/k.py": "",
+        "records/l.py": "from gpuguardd.engine import holders\n",
         "systemd/rules.py": "from gpuguardd.bus.connection import add_match\n",  # pure
         "systemd/watcher.py": "from gpuguardd.bus.connection import add_match\n",  # allowed
         "stray.py": "",
@@ -170,10 +174,11 @@ def test_the_walk_sees_every_kind_of_import(tmp_path: Path) -> None:
         (package / name).write_text(text)
     problems = violations(package)
     for name in ("engine/a.py", "engine/b.py", "engine/c.py", "daemon/d.py", "daemon/e.py",
-                 "bus/f.py", "exporter/g.py", "systemd/h.py", "config.py", "systemd/rules.py"):
+                 "bus/f.py", "exporter/g.py", "systemd/h.py", "config.py", "systemd/rules.py",
+                 "records/l.py"):
         assert any(p.startswith(f"{PACKAGE}/{name}:") for p in problems), (name, problems)
     assert any(p.startswith(f"{PACKAGE}.stray: in no layer") for p in problems), problems
-    assert len(problems) == 11, problems
+    assert len(problems) == 12, problems
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

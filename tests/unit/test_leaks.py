@@ -10,10 +10,10 @@ from gpuguardd.cli import output
 from gpuguardd.cli.check import check
 from gpuguardd.daemon.metrics import Metrics
 from gpuguardd.engine import leaks
-from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind
-from gpuguardd.engine.facade import gpu_summaries
-from gpuguardd.engine.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, ScanResult
+from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.reset import refusal
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind
+from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, ScanResult
 
 GiB = 1 << 30
 DEAD = 4_000_000  # above any pid_max: never a process here

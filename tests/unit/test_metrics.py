@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
-from gpuguardd.engine.enums import HolderKind
-from gpuguardd.engine.models import GpuSummary, Holder
-from gpuguardd.engine.report import Report
+from gpuguardd.records.enums import HolderKind
+from gpuguardd.records.models import GpuSummary, Holder
+from gpuguardd.records.report import Report
 from tests.conftest import GiB
 
 

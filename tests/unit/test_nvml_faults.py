@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.engine.driverinfo import DriverGpu, fill_from_driver, read_driver_gpus
-from gpuguardd.engine.models import GpuInfo
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
+from gpuguardd.records.models import GpuInfo
 
 
 def test_driver_info_parsing_and_matching(tmp_path: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 from gpuguardd.cli.output import describe_scope, human_bytes, print_holders
-from gpuguardd.engine.enums import HolderKind
-from gpuguardd.engine.models import Holder
-from gpuguardd.engine.report import ReportScope
+from gpuguardd.records.enums import HolderKind
+from gpuguardd.records.models import Holder
+from gpuguardd.records.report import ReportScope
 
 
 def test_sizes() -> None:

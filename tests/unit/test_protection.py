@@ -10,8 +10,8 @@ from pathlib import Path
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.models import Holder
 from gpuguardd.engine.protection import protection_reason
+from gpuguardd.records.models import Holder
 
 
 def holder_for(pid: int, exe: str = "/usr/bin/python3", unit: str = "", container: str = "",

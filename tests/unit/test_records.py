@@ -1,4 +1,4 @@
-"""Typed records (engine/report.py, engine/wire.py) and the vocabularies (engine/enums.py):
+"""Typed records (records/report.py, records/codec.py) and the vocabularies (records/enums.py):
 the wire form is exactly the dicts gpuguard has always sent and stored, and whatever a
 history or a daemon hands back is read without loss and without an error.
 """
@@ -15,9 +15,9 @@ import pytest
 from gpuguardd.bus import marshal
 from gpuguardd.cli import output
 from gpuguardd.daemon.history import History
-from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind, LeakKind, Outcome
-from gpuguardd.engine.models import GpuSummary, Holder, MigSummary, Scope
-from gpuguardd.engine.report import (
+from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary, Scope
+from gpuguardd.records.report import (
     GpuResult,
     Leak,
     Report,

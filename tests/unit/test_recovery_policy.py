@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.recovery import AUTO_RESET_BY, Recovery
-from gpuguardd.engine.enums import GpuState, Outcome
-from gpuguardd.engine.models import GpuSummary
-from gpuguardd.engine.report import Report
+from gpuguardd.records.enums import GpuState, Outcome
+from gpuguardd.records.models import GpuSummary
+from gpuguardd.records.report import Report
 
 
 class Engine:

@@ -11,10 +11,10 @@ import pytest
 
 from gpuguardd.cli import retry
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Report
 from gpuguardd.errors import DaemonUnavailable
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Report
 
 ID = "0123456789abcdef" * 2
 
@@ -109,7 +109,7 @@ def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_progress_is_kept_and_a_late_write_never_undoes_it(tmp_path: Path) -> None:
-    from gpuguardd.engine.report import Terminated
+    from gpuguardd.records.report import Terminated
 
     store = InFlightSweeps(str(tmp_path))
     one, two = Terminated(pid=7, signal="SIGTERM"), Terminated(pid=8, signal="SIGKILL")

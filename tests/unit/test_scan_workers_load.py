@@ -1,4 +1,4 @@
-"""How many cores a big scan may use (engine/scanshare.py others_load): the load other work puts
+"""How many cores a big scan may use (engine/scanhelpers.py others_load): the load other work puts
 on the host, not the scan's own; and the work queue its processes share."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gpuguardd.engine.scanshare import WorkQueue, others_load
+from gpuguardd.engine.scanhelpers import WorkQueue, others_load
 from gpuguardd.engine.scanworker import RECORD, next_chunk
 
 

@@ -1,11 +1,12 @@
-"""GPU selectors (gpuguardd/engine/selectors.py): the one reading of an index, a GPU UUID and a
+"""GPU selectors (gpuguardd/records/selectors.py): the one reading of an index, a GPU UUID and a
 MIG UUID that the engine, gpuguardctl's client and `gpuguardctl check` share."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuguardd.engine.selectors import (
+from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.selectors import (
     GPU_UUID,
     INDEX,
     MIG_UUID,
@@ -14,7 +15,6 @@ from gpuguardd.engine.selectors import (
     names_mig,
     selector,
 )
-from gpuguardd.errors import InvalidArgument
 
 G0 = "GPU-00000000-0000-4000-8000-000000000000"
 G1 = "GPU-00000000-0000-4000-8000-000000000001"

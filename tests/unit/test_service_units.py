@@ -21,11 +21,11 @@ from dbus_fast import Variant
 
 from gpuguardd.bus import dbusxml, marshal
 from gpuguardd.bus.auth import Caller
-from gpuguardd.daemon import live
+from gpuguardd.daemon import inventory as inv
 from gpuguardd.daemon.notify import watchdog_interval
 from gpuguardd.daemon.service import requested_by
-from gpuguardd.engine.models import Holder, NvmlSnapshot, ScanResult
 from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
 
 ROOT = Path(__file__).resolve().parents[2]
 DBUS = ROOT / "dbus"
@@ -192,7 +192,7 @@ def test_activation_file_hands_over_to_systemd() -> None:
                                              "User": "root", "SystemdService": "gpuguardd.service"}
 
 
-# -- ListHolders' freshness rule (live.Inventory.recent) --------------------------------------
+# -- ListHolders' freshness rule (inventory.Inventory.recent) --------------------------------------
 
 class FakeEngine:
     """Counts scans; each lists the holders present when it ran."""
@@ -216,33 +216,33 @@ class Listener:
         pass
 
 
-Scenario = Callable[[live.Inventory, FakeEngine, list[float]], Awaitable[None]]
+Scenario = Callable[[inv.Inventory, FakeEngine, list[float]], Awaitable[None]]
 
 
 def run_on_a_clock(monkeypatch: pytest.MonkeyPatch, scenario: Scenario) -> None:
     """scenario(inventory, its FakeEngine, now): now[0] is the freshness rule's clock."""
     now = [1000.0]
-    monkeypatch.setattr(live, "clock", lambda: now[0])
+    monkeypatch.setattr(inv, "clock", lambda: now[0])
     engine = FakeEngine()
 
     async def run() -> None:
         with ThreadPoolExecutor(1) as executor:
-            await scenario(live.Inventory(engine, executor, Listener()),  # type: ignore[arg-type]
+            await scenario(inv.Inventory(engine, executor, Listener()),  # type: ignore[arg-type]
                            engine, now)
 
     asyncio.run(run())
 
 
 def test_list_holders_reuses_a_fresh_scan_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def scenario(inventory: live.Inventory, engine: FakeEngine, now: list[float]) -> None:
+    async def scenario(inventory: inv.Inventory, engine: FakeEngine, now: list[float]) -> None:
         engine.pids = [10]
         assert [h.pid for h in (await inventory.recent()).holders] == [10]
         assert engine.scans == 1
         engine.pids = [10, 11]  # a holder appears after the scan started
-        now[0] += live.LIST_MAX_AGE_SEC * 0.9
+        now[0] += inv.LIST_MAX_AGE_SEC * 0.9
         assert [h.pid for h in (await inventory.recent()).holders] == [10]  # served again
         assert engine.scans == 1
-        now[0] += live.LIST_MAX_AGE_SEC * 0.2  # the scan is now too old: a new one
+        now[0] += inv.LIST_MAX_AGE_SEC * 0.2  # the scan is now too old: a new one
         assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
         assert engine.scans == 2
         engine.pids = [10, 11, 12]
@@ -260,12 +260,12 @@ def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest
     """A call served a result about to expire starts the next scan in the background; the call
     after the old result's expiry is served the new one without a scan of its own. The rule of
     what may be served is unchanged: the early call still gets the old, fresh result."""
-    async def scenario(inventory: live.Inventory, engine: FakeEngine, now: list[float]) -> None:
+    async def scenario(inventory: inv.Inventory, engine: FakeEngine, now: list[float]) -> None:
         engine.pids = [10]
         await inventory.recent()
         inventory.scan_cost = 0.05  # lead: 4 x 50 ms = 200 ms
         engine.pids = [10, 11]
-        now[0] += live.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
+        now[0] += inv.LIST_MAX_AGE_SEC - 0.3  # outside the lead: nothing started
         assert [h.pid for h in (await inventory.recent()).holders] == [10]
         await asyncio.sleep(0.05)
         assert engine.scans == 1
@@ -281,8 +281,8 @@ def test_list_holders_refreshes_ahead_so_callers_do_not_wait(monkeypatch: pytest
         assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
         assert engine.scans == 2  # served without waiting for a scan
         # A slow scan (a big host) is not run ahead, back to back: callers wait, as before.
-        inventory.scan_cost = live.REFRESH_MAX_SCAN_SEC * 1.5
-        now[0] += live.LIST_MAX_AGE_SEC - 0.25  # within 4 scan durations of the expiry
+        inventory.scan_cost = inv.REFRESH_MAX_SCAN_SEC * 1.5
+        now[0] += inv.LIST_MAX_AGE_SEC - 0.25  # within 4 scan durations of the expiry
         assert [h.pid for h in (await inventory.recent()).holders] == [10, 11]
         await asyncio.sleep(0.05)
         assert engine.scans == 2 and inventory._running is None
@@ -303,7 +303,7 @@ def test_a_scan_older_than_an_invalidation_is_never_served(monkeypatch: pytest.M
 
     async def scenario() -> None:
         with ThreadPoolExecutor(1) as executor:
-            inventory = live.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
+            inventory = inv.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
             first = asyncio.ensure_future(inventory.scan())
             await asyncio.sleep(0)
             inventory.invalidate()  # while the first scan runs: it may have missed the change

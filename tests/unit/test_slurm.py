@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguardd.engine.models import GpuSummary
 from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups
 from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.models import GpuSummary
 
 
 def test_job_of_cgroups_v1_v2_and_others() -> None:
@@ -58,8 +58,8 @@ def test_a_root_job_reaches_only_its_own_cgroup() -> None:
     service and session on the job's GPUs; for a root job only its cgroup is the job's."""
     import os
 
-    from gpuguardd.engine.models import Holder
     from gpuguardd.engine.slurm import in_job_scope, job_of
+    from gpuguardd.records.models import Holder
     outside = Holder(pid=os.getpid(), comm="exporter", uid=0, unit="dcgm-exporter.service")
     assert job_of(os.getpid()) == ""  # this test runs in no Slurm job
     assert not in_job_scope(outside, "42", 0, lambda: True)

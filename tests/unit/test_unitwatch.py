@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.engine.enums import GpusFrom, HolderKind, Outcome
-from gpuguardd.engine.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, SweepRequest
-from gpuguardd.engine.report import Report
+from gpuguardd.records.enums import GpusFrom, HolderKind, Outcome
+from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.report import Report
 from gpuguardd.systemd.unitwatch import (
     UnitGpuRecords,
     UnitState,

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from gpuguardd.config import load_config
-from gpuguardd.engine.facade import Engine
-from gpuguardd.engine.models import SweepRequest
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.models import SweepRequest
 from tests.conftest import ROOT, GiB, GpuHost, Proc
 
 # Holds the nodes given, optionally ignores SIGTERM, and exits with status 7 when its "timer"
@@ -80,7 +80,7 @@ PID2_PROBE = """
 import json, subprocess
 from gpuguardd.engine import procfs
 from gpuguardd.config import Config, load_config
-from gpuguardd.engine.models import Holder
+from gpuguardd.records.models import Holder
 from gpuguardd.engine.protection import protection_reason
 child = subprocess.Popen(["sleep", "30"])
 stat = procfs.read_stat(child.pid)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from gpuguardd.cli.output import print_holders, print_report, print_status
 from gpuguardd.cli.watch import describe
-from gpuguardd.engine.models import Holder
-from gpuguardd.engine.report import Report
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.log import PlainFormatter, SdDaemonFormatter
+from gpuguardd.records.models import Holder
+from gpuguardd.records.report import Report
 
 SCREEN = "\x1b[2J\x1b]0;pwned\x07"  # 14 characters: fits a comm (15)
 

@@ -7,7 +7,7 @@ import io
 from typing import Any
 
 from gpuguardd.cli import output
-from gpuguardd.engine.report import Report
+from gpuguardd.records.report import Report
 
 # Each is a record the loader keeps (it has an id); none has the shape today's daemon writes.
 ODD_RECORDS: list[dict[str, Any]] = [

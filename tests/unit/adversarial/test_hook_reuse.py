@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gpuguardd.engine.models import SweepRequest
+from gpuguardd.records.models import SweepRequest
 from gpuguardd.systemd.unitwatch import UnitState
 from tests.unit.test_unitwatch import Harness
 

@@ -11,11 +11,11 @@ import pytest
 
 from gpuguardd.cli.main import build_parser
 from gpuguardd.config import load_config
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.selectors import INDEX, selector
 from gpuguardd.engine.slurm import check_request, epilog_job
 from gpuguardd.errors import ConfigError, InvalidArgument
 from gpuguardd.numbers import BadNumber, parse_job_id, parse_uid, parse_uint
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.selectors import INDEX, selector
 
 ARABIC_ZERO = "\u0660"
 MATH_ZERO = "\U0001d7ce"

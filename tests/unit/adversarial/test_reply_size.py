@@ -11,8 +11,8 @@ from dbus_fast import Message, Variant
 from gpuguardd import safetext
 from gpuguardd.bus import replysize
 from gpuguardd.bus.replycache import Shared
-from gpuguardd.engine.models import Holder
-from gpuguardd.engine.report import Report
+from gpuguardd.records.models import Holder
+from gpuguardd.records.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH
 

@@ -14,7 +14,7 @@ import pytest
 
 from gpuguardd.daemon.history import FILE_NAME, History
 from gpuguardd.engine.locks import GpuLocks
-from gpuguardd.engine.report import Report
+from gpuguardd.records.report import Report
 
 VICTIM_TEXT = "root:x:0:0:precious, not the daemon's:/root:/bin/bash\n"
 

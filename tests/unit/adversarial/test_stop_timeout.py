@@ -16,9 +16,9 @@ import pytest
 from gpuguardd.config import Config, parse_timespan
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_sec
-from gpuguardd.engine.enums import Outcome
-from gpuguardd.engine.models import SweepRequest
-from gpuguardd.engine.report import Report, ReportScope
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from tests.dbus_harness import ROOT
 
 

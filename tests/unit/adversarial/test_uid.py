@@ -4,7 +4,7 @@ never gives a process, never the engine's -1 (that would go out as an `x` or fai
 from __future__ import annotations
 
 from gpuguardd.bus import marshal
-from gpuguardd.engine.models import Holder
+from gpuguardd.records.models import Holder
 
 
 def test_unknown_uid_is_sent_as_uid_t_minus_one() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpuguardd import safetext
 from gpuguardd.daemon.history import FILE_NAME, History
-from gpuguardd.engine.report import Report
+from gpuguardd.records.report import Report
 
 
 def test_helper_escapes_bad_bytes_and_bounds_length() -> None:

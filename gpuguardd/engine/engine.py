@@ -1,4 +1,4 @@
-"""The engine's front door: configuration + NVML + discovery + sweeps, free of D-Bus.
+"""The Engine: configuration + NVML + discovery + sweeps, free of D-Bus.
 
 The daemon, `gpuguardctl --local` and the tests all drive this class, so there is one code
 path from "who holds the GPUs" to "the memory is back".
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import leaks, nvmlprocs, procfs, slurm
+from gpuguardd.engine import nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_matches,
     container_scope_label,
@@ -21,29 +21,27 @@ from gpuguardd.engine.attribution import (
     validate_container_label,
 )
 from gpuguardd.engine.devices import DeviceMap, build_device_map
-from gpuguardd.engine.enums import GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.engine.gpustate import node_gpus
 from gpuguardd.engine.holders import find_holders
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
-from gpuguardd.engine.models import (
-    GpuInfo,
-    GpuSummary,
+from gpuguardd.engine.nvml import Nvml
+from gpuguardd.engine.process import pidfds_supported
+from gpuguardd.engine.protection import ProtectedFiles, mark_protection
+from gpuguardd.engine.reset import GpuReset, ResetSettings
+from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.models import (
     Holder,
-    MigSummary,
     NvmlSnapshot,
     ScanResult,
     Scope,
     SweepRequest,
     describe_scope,
 )
-from gpuguardd.engine.nvml import Nvml
-from gpuguardd.engine.process import pidfds_supported
-from gpuguardd.engine.protection import ProtectedFiles, mark_protection
-from gpuguardd.engine.report import Report
-from gpuguardd.engine.reset import GpuReset, ResetSettings
-from gpuguardd.engine.selectors import INDEX, MIG_UUID, KnownGpu, selector
-from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
-from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.report import Report
+from gpuguardd.records.selectors import INDEX, MIG_UUID, KnownGpu, selector
 
 log = logging.getLogger("gpuguard.engine")
 
@@ -323,28 +321,6 @@ class Engine:
         return GpuReset(index, self.nvml, self.scan, settings, requested_by, reason).run()
 
 
-def node_gpus(device_map: DeviceMap) -> dict[int, str]:
-    """GPU number -> device node, from the configured nodes alone (when NVML is unavailable,
-    the number is the node's minor, as holders are attributed then)."""
-    found: dict[int, str] = {}
-    for node in device_map.nodes:
-        if node.role == "gpu" and node.minor is not None:
-            found.setdefault(node.minor, node.path)
-    return found
-
-
-def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[GpuSummary]:
-    """`gpuguardctl gpus` without NVML: the GPUs the nodes name, memory unknown (0)."""
-    summaries = []
-    for index, path in sorted(node_gpus(device_map).items()):
-        holders = [h for h in scan.holders if index in h.gpus]
-        summaries.append(GpuSummary(
-            index=index, minor=index, device_path=path, holder_count=len(holders),
-            state=GpuState.IN_USE if any(_makes_in_use(h, index) for h in holders) else GpuState.UNKNOWN,
-            error=scan.nvml.error or "NVML unavailable"))
-    return summaries
-
-
 def log_device_refusals(config: Config) -> None:
     """Log, once per configuration, the [Devices] Paths entries that are refused (each scan
     also puts them in its warnings, which only sweep reports show)."""
@@ -385,75 +361,3 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
                             f"{','.join(map(str, holder.nvml_gpus))}, but it holds no NVIDIA "
                             "device here: never a sweep target on NVML's word alone")
     return warnings
-
-
-def _makes_in_use(holder: Holder, index: int) -> bool:
-    """A holder that keeps GPU `index` busy. Management clients (nvidia-persistenced,
-    dcgm-exporter, gpuguardd's own NVML handles) and protected processes hold every GPU's node
-    on a real host: counting them would make every GPU in-use forever and hide every leak.
-    NVML's own lists (GpuInfo.processes) count whoever is on them."""
-    return index in holder.gpus and holder.kind == HolderKind.COMPUTE and not holder.protected
-
-
-def classify(*, suspended: bool, lost: bool, unknown: bool, busy: bool,
-             leak: LeakKind | None, used: int, released_below_bytes: int
-             ) -> tuple[GpuState, str]:
-    """The one GPU-state ladder, for a GPU and a MIG instance alike: its state and leak kind.
-    `busy`: a compute holder keeps it (_makes_in_use); `leak`: leaks.kind_of, None while a
-    process NVML lists still lives. A figure that is not current or not read is never idle."""
-    if suspended:
-        return GpuState.SUSPENDED, ""  # never leaked: its figures are not current
-    if lost:
-        return GpuState.LOST, ""
-    if unknown:
-        return GpuState.UNKNOWN, ""
-    if leak is None or busy:
-        return GpuState.IN_USE, ""
-    if used > released_below_bytes:
-        return GpuState.LEAKED, leak.value
-    return GpuState.IDLE, ""
-
-
-def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummary]:
-    """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
-    summaries = []
-    for gpu in scan.nvml.gpus:
-        holders = [h for h in scan.holders if gpu.index in h.gpus]
-        # NVML's list counts as in use unless every pid on it is gone (leaks.py: dead-pids).
-        state, leak_kind = classify(
-            suspended=gpu.suspended, lost=gpu.lost, unknown=gpu.unknown,
-            busy=any(_makes_in_use(h, gpu.index) for h in holders),
-            leak=leaks.kind_of(gpu, scan.nvml.pids_local), used=gpu.memory_used,
-            released_below_bytes=released_below_bytes)
-        summaries.append(GpuSummary(
-            index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
-            minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,
-            memory_total=gpu.memory_total, memory_used=gpu.memory_used,
-            holder_count=len(holders), state=state, error=gpu.error, mig_mode=gpu.mig_mode,
-            mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes,
-                                        scan.nvml.pids_local),
-            leak_kind=leak_kind))
-    return summaries
-
-
-def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int,
-                  pids_local: bool = True) -> list[MigSummary]:
-    """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
-    a GPU of its own, on its own memory and tenants."""
-    out = []
-    for instance in gpu.mig:
-        tenants = [h for h in holders if instance.uuid in h.mig]
-        state, leak_kind = classify(
-            suspended=gpu.suspended, lost=gpu.lost,
-            unknown=gpu.unknown or bool(instance.error and not instance.memory_total),
-            # As _makes_in_use: management holders never make it busy.
-            busy=any(h.kind == HolderKind.COMPUTE and not h.protected for h in tenants),
-            leak=leaks.kind_of(instance, pids_local), used=instance.memory_used,
-            released_below_bytes=released_below_bytes)
-        out.append(MigSummary(uuid=instance.uuid, gpu_instance_id=instance.gpu_instance_id,
-                              compute_instance_id=instance.compute_instance_id,
-                              device_path=instance.device_path,
-                              memory_total=instance.memory_total,
-                              memory_used=instance.memory_used, holder_count=len(tenants),
-                              state=state, leak_kind=leak_kind))
-    return out

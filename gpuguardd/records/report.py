@@ -1,4 +1,4 @@
-"""A sweep's report and its entries, as typed records (wire.py: to_dict / from_dict).
+"""A sweep's report and its entries, as typed records (codec.py: to_dict / from_dict).
 
 The fields are the contract's keys (docs/contract.md, "A report"), declared in the order
 the wire has always carried them. Each entry that describes a process is built from the
@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from gpuguardd.engine.enums import HolderKind, Outcome
-from gpuguardd.engine.wire import WireRecord
+from gpuguardd.records.codec import WireRecord
+from gpuguardd.records.enums import HolderKind, Outcome
 
 if TYPE_CHECKING:
-    from gpuguardd.engine.models import Holder, Scope
+    from gpuguardd.records.models import Holder, Scope
 
 
 @dataclass

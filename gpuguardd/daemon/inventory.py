@@ -46,9 +46,10 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from gpuguardd.engine.enums import GpuState
-from gpuguardd.engine.facade import Engine, gpu_summaries
-from gpuguardd.engine.models import GpuSummary, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.engine.engine import Engine
+from gpuguardd.engine.gpustate import gpu_summaries
+from gpuguardd.records.enums import GpuState
+from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot, ScanResult
 
 log = logging.getLogger("gpuguard.live")
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from gpuguardd.engine.enums import GpusFrom, GpuState, HolderKind
-from gpuguardd.engine.wire import WireRecord
+from gpuguardd.records.codec import WireRecord
+from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class GpuInfo:
 
 @dataclass
 class MigSummary(WireRecord):
-    """One MIG instance as its GPU object's MigInstances shows it (facade.mig_summaries)."""
+    """One MIG instance as its GPU object's MigInstances shows it (gpustate.mig_summaries)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"leak_kind"})
 
@@ -90,7 +90,7 @@ class MigSummary(WireRecord):
 @dataclass
 class GpuSummary(WireRecord):
     """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
-    gpus` show it (facade.gpu_summaries)."""
+    gpus` show it (gpustate.gpu_summaries)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind"})
 
@@ -144,7 +144,7 @@ class NvmlSnapshot:
 @dataclass
 class Holder(WireRecord):
     """A process holding an NVIDIA device or listed by NVML; its wire form is a ListHolders
-    entry (docs/contract.md, "A holder"), produced and read back by wire.py."""
+    entry (docs/contract.md, "A holder"), produced and read back by codec.py."""
 
     pid: int
     comm: str = ""
@@ -168,7 +168,7 @@ class Holder(WireRecord):
     protected: bool = False
     protected_why: str = ""
     ppid: int = 0
-    # What only this process needs (wire.py): not sent, not stored.
+    # What only this process needs (codec.py): not sent, not stored.
     start_time: int = field(default=0, metadata={"wire": False})  # ticks after boot, stat field 22
     roles: list[str] = field(default_factory=list, metadata={"wire": False})
 
