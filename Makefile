@@ -2,30 +2,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := python3 python3-venv python3-dev gcc make psmisc lsof dbus-daemon dbus-bin \
-	libglib2.0-bin libxml2-utils systemd-container polkitd pkexec
-# The D-Bus service tests drive busctl (systemd), setpriv (util-linux) and dbus-send (dbus-bin).
-APT_PACKAGES += systemd util-linux
-# Packaging and docs (make man, deb, rpm and their tests): scdoc for the man pages, Debian's
-# build tool chain, rpmbuild, bash-completion; the runtime dependencies from Debian so that the
-# .deb installs without a download (the e2e container has no network) and `make install`'s
-# programs run on the system Python.
-APT_PACKAGES += scdoc man-db dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
-	python3-setuptools python3-wheel python3-build python3-installer lintian rpm bash-completion \
-	python3-dbus-fast python3-sdnotify
-# The Cockpit page (cockpit/, make cockpit): node to build it with esbuild from the npm packages
-# its lockfile pins; its browser tests run Debian's cockpit-ws/cockpit-bridge and headless
-# chromium (fonts for its screenshots). npm itself: see the deps target.
-APT_PACKAGES += nodejs cockpit-ws cockpit-bridge chromium fonts-liberation
-# Fleet: Prometheus metrics (the client library, the real node_exporter and Prometheus
-# servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
-APT_PACKAGES += python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge
-# The desktop (docs/desktop.md): GNOME Shell 43 headless for the extension's tests
-# (gjs comes with it, gnome-extensions packs the zips, imagemagick crops the screenshots),
-# dunst on Xvfb for gpuguard-notify's. Installed without recommends: with them gnome-shell
-# brings gdm3 and a whole desktop (1.2 GB instead of 400 MB).
-APT_NO_RECOMMENDS := gnome-shell xvfb imagemagick dunst
-
 .PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
 	install-python install-data uninstall dist deb rpm demo e2e cockpit install-cockpit \
 	gnome-extension install-gnome-extension
@@ -42,30 +18,10 @@ help:
 	@echo "make dist       the release tarball, dist/gpuguard-<version>.tar.gz (packaging/README.md)"
 	@echo "make deb rpm    the packages; make install, uninstall; make man; make cockpit"
 
-# Debian packages the suite drives for real (dbus-daemon, busctl, gdbus, fuser, lsof, gcc for
-# the fake NVML library, systemd-nspawn). Installed only where missing, so a developer machine
-# that has them is not touched.
-# $(call apt_install,PACKAGES,APT-GET OPTIONS): those of PACKAGES not installed yet.
-define apt_install
-	@missing=""; for p in $(1); do \
-		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		echo "installing:$$missing $(2)"; \
-		if [ "$$(id -u)" != 0 ]; then echo "run as root to install:$$missing" >&2; exit 1; fi; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) $$missing >/dev/null; \
-	fi
-endef
-
+# The Debian packages the suite, the builds and the demo drive for real: the list, and why
+# each is there, is packaging/deps.sh, which installs only those missing (as root).
 deps:
-	$(call apt_install,$(APT_NO_RECOMMENDS),--no-install-recommends)
-	$(call apt_install,$(APT_PACKAGES),)
-	@# npm: Debian's package, unless the nodejs installed bundles its own (NodeSource's does).
-	@if ! command -v npm >/dev/null; then \
-		echo "installing: npm"; \
-		if [ "$$(id -u)" != 0 ]; then echo "run as root to install: npm" >&2; exit 1; fi; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null; \
-	fi
+	packaging/deps.sh
 
 $(BIN)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -22,7 +22,7 @@ from gpuguardd import __version__
 from tests.leftovers import at_session_end
 
 ROOT = Path(__file__).resolve().parent.parent
-# Tools of `make deb`/`make rpm`/`make man`, installed by `make deps` (APT_PACKAGES).
+# Tools of `make deb`/`make rpm`/`make man`, installed by `make deps` (packaging/deps.sh).
 TOOLS = ("dpkg-buildpackage", "dh", "lintian", "rpmbuild", "scdoc", "man")
 
 _built: dict[str, Path] = {}

@@ -517,6 +517,8 @@ def test_the_unpacked_tarball_makes_the_same_tarball_and_carries_the_interface(t
     assert links == [], f"links in the release tree: {links}"
     assert (unpacked / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes() == \
         (ROOT / "dbus/org.gpuguard.GpuGuard1.xml").read_bytes()
+    # `make deps` in the release tree, as a distribution's CI may run it.
+    assert os.access(unpacked / "packaging/deps.sh", os.X_OK)
 
 
 def test_sdist_and_its_wheel_carry_the_interface(tools: None, tmp_path: Path) -> None:
