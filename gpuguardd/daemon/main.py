@@ -120,7 +120,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._sighup)
-        service.on_change = lambda: self.notifier.status(service.status_line())
+        service.publisher.on_change = lambda: self.notifier.status(service.status_line())
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))

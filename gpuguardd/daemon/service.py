@@ -1,5 +1,6 @@
-"""What the daemon's D-Bus calls mean: authorization, holders, sweeps, history, reload, and
-publishing the live inventory as the Manager's properties and one Gpu object per GPU.
+"""What the daemon's D-Bus calls mean (the Manager's backend): authorization, holders,
+sweeps, resets, the start gate, history, metrics and reload; and the daemon's parts put
+together. What it tells the bus as things happen is publisher.py's.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
 from gpuguardd.bus.connection import GuardBus, current_call
-from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
-from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
+from gpuguardd.bus.interfaces import ManagerInterface
+from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
-from gpuguardd.daemon.metrics import Metrics, write_textfile
+from gpuguardd.daemon.metrics import Metrics
+from gpuguardd.daemon.publisher import Publisher
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import InFlight, SweepRunner
@@ -31,8 +33,8 @@ from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
-from gpuguardd.records.models import GpuSummary, NvmlSnapshot, ScanResult, SweepRequest
-from gpuguardd.records.report import Report, ReportScope
+from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.report import Report
 from gpuguardd.systemd import hooks
 from gpuguardd.systemd.rules import SLURM_PREFIX
 from gpuguardd.systemd.unitwatch import UnitWatch
@@ -67,15 +69,6 @@ class Service:
         self.reloader = reloader
         self.auth = Authorizer(bus)
         self.fresh_scans = RateLimit(FRESH_SCAN_INTERVAL_SEC)
-        self.inventory = Inventory(engine, scan_executor, self)
-        inflight = InFlightSweeps(engine.config.runtime_directory)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
-        # The start gate (gate.py): judged on every inventory observation; sweeps in flight
-        # keep their GPUs from being free (sweep_gpus).
-        self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
-                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
-                                self.inventory.scan_age, self.inventory.request_rescan,
-                                lambda: self.inventory.scan_cost)
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
@@ -86,14 +79,25 @@ class Service:
             # Typed once, through the cache GetHistory and SweepFinished share (not exported
             # yet: no PropertiesChanged).
             self.manager.update(LastSweep=self.manager.typed_report(stored))
-        self.metrics = Metrics()
-        self.metrics.note_history(history.last())
-        self.gpus: dict[int, GpuInterface] = {}
+        metrics = Metrics()
+        metrics.note_history(history.last())
+        # What the daemon tells the bus as things happen (publisher.py): the inventory, the
+        # sweeps and the resets report to it.
+        self.publisher = events = Publisher(bus, self.manager, metrics,
+                                            lambda: self.engine.config, io_executor)
+        self.inventory = Inventory(engine, scan_executor, events)
+        inflight = InFlightSweeps(engine.config.runtime_directory)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, events, inflight)
+        # The start gate (gate.py): judged on every inventory observation; sweeps in flight
+        # keep their GPUs from being free (sweep_gpus).
+        self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
+                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
+                                self.inventory.scan_age, self.inventory.request_rescan,
+                                lambda: self.inventory.scan_cost)
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
         self._redacted: dict[int, marshal.VarDict] = {}  # typed holders, cmdline withheld
-        self.on_change: Callable[[], None] = lambda: None
         # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
         self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
@@ -108,9 +112,10 @@ class Service:
         self.resume_work: list[Awaitable[Report | None]] = []
         # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are. While
         # anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor, self._keep, self,
+        self.recovery = Recovery(engine, sweep_executor, self._keep, events,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
+        events.connect(self.inventory, self.gate, self.unit_watch, self.recovery)
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
@@ -263,17 +268,11 @@ class Service:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.io_executor, self.store.append, report)
 
-    def reset_finished(self, report: Report) -> None:
-        self.metrics.observe_report(report)
-        self._publish_metrics()
-        self.inventory.request_rescan()
-        self.on_change()
-
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
-        return self.metrics_text().decode()
+        return self.publisher.metrics_text().decode()
 
     async def wait(self, options: dict[str, Any]) -> Wire:
         """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
@@ -298,78 +297,7 @@ class Service:
         outcome = await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)
         return outcome.to_dict()
 
-    def metrics_text(self) -> bytes:
-        return self.metrics.render()
-
-    def _publish_metrics(self) -> None:
-        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
-        directory = self.engine.config.textfile_directory
-        if not directory:
-            return
-        data = self.metrics_text()
-        future = self.io_executor.submit(write_textfile, directory, data)
-
-        def done(f: Any) -> None:
-            if f.exception() is not None:
-                log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
-        future.add_done_callback(done)
-
     async def reload(self, caller: Caller) -> None:
         # Authorized by the interface (the XML's rule for Reload).
         log.info("reload requested by %s", caller.describe())
         await self.reloader()
-
-    # -- InventoryListener ---------------------------------------------------------------
-
-    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
-        self.unit_watch.observe(self.inventory.holders)
-        self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
-                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
-        self.gate.observe(snapshot, summaries, self.inventory.holders)
-        current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
-        for index in sorted(set(self.gpus) - set(current)):
-            log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
-            self.bus.unexport(gpu_path(index), self.gpus.pop(index))
-        for index, summary in sorted(current.items()):
-            gpu = self.gpus.get(index)
-            if gpu is None:
-                gpu = self.gpus[index] = GpuInterface(summary)
-                self.bus.export(gpu_path(index), gpu)
-            else:
-                gpu.refresh(summary)
-        self.metrics.observe_inventory(snapshot.available, summaries, self.inventory.holders)
-        self._publish_metrics()
-        self.recovery.observe(summaries)
-        self.on_change()
-
-    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
-        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
-                    used // (1024 * 1024))
-        self.manager.LeakSuspected(index, uuid, used)
-
-    # -- SweepEvents ---------------------------------------------------------------------
-
-    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
-        self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
-
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
-        self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
-
-    def sweep_finished(self, report: Report) -> None:
-        data = self.manager.typed_report(report.to_dict())
-        self.manager.SweepFinished(report.id, report.outcome.value, data)
-        self.manager.update(LastSweep=data)
-        self.metrics.observe_report(report)
-        self._publish_metrics()
-        for leak in report.leaks:
-            # A MIG instance is named by its own UUID.
-            self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
-            self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
-        self.inventory.request_rescan()
-        self.on_change()
-
-    def busy_changed(self, busy: bool) -> None:
-        self.manager.update(Busy=busy)
-        self.inventory.wake()  # the start gate judges sweeps in flight: look again now
-        self.on_change()
