@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from typing import Any, Protocol, TextIO
 
 from gpuguardd import __version__
+from gpuguardd.cli import hook
 from gpuguardd.errors import ConfigError, DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.safetext import user_name
-from gpuguardd.systemd import hooks
+from gpuguardd.systemd import dropins
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -126,7 +127,7 @@ class LocalBackend:
     def sweep(self, request: SweepRequest) -> Report:
         # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
         # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
-        request.requested_by = (request.requested_by or hooks.requested_by_for_reason(request.reason)
+        request.requested_by = (request.requested_by or dropins.requested_by_for_reason(request.reason)
                                 or requester_description())
         if request.unit:
             self.engine.resolve_request(request)  # a bad unit name is refused before anything
@@ -368,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("watch", parents=[common],
                      help="print the daemon's signals (sweeps, terminations, leaks) as they come")
 
-    # `hook install|remove|list`: ExecStopPost drop-ins (gpuguardd/hooks.py); needs no daemon.
-    hooks.add_parser(verbs, common)
+    # `hook install|remove|list`: ExecStopPost drop-ins (systemd/dropins.py, cli/hook.py); needs no daemon.
+    hook.add_parser(verbs, common)
     return parser
 
 
@@ -390,7 +391,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     from gpuguardd.cli import output
 
     if args.verb == "hook":
-        return hooks.run_command(args, out)
+        return hook.run_command(args, out)
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
         parser.error("--slurm-epilog takes the job's GPUs from Slurm: no --gpu, --unit or --container")
     if args.verb == "wait" and args.slurm_prolog and (args.gpu or args.cuda_visible_devices):

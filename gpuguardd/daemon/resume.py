@@ -36,7 +36,7 @@ from gpuguardd.records.enums import HolderKind, Outcome
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.adoption import adoption_candidates
-from gpuguardd.systemd.hooks import DROPIN_FILE
+from gpuguardd.systemd.dropins import DROPIN_FILE
 from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
 from gpuguardd.systemd.unitsweep import UnitSweeps
 

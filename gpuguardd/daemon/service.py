@@ -35,7 +35,7 @@ from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report
-from gpuguardd.systemd import hooks
+from gpuguardd.systemd import dropins
 from gpuguardd.systemd.rules import SLURM_PREFIX
 from gpuguardd.systemd.unitwatch import UnitWatch
 
@@ -50,7 +50,7 @@ def requested_by(caller: Caller, reason: str, slurm_job: str = "") -> str:
     anyone else who says "hook:" is named as well, so the journal cannot be misled. Root's
     Slurm epilog (a `slurm_job` request) is "slurm:<job>". These bare forms are what the
     metrics' trigger label is read from (rules.trigger), so only root's requests have them."""
-    hook = hooks.requested_by_for_reason(reason)
+    hook = dropins.requested_by_for_reason(reason)
     if hook:
         return hook if caller.is_root else f"{hook} via {caller.describe()}"
     if slurm_job and caller.is_root:

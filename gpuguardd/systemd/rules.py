@@ -16,7 +16,7 @@ STOPPED_STATES = frozenset({"inactive", "failed"})
 # A unit in these states runs (or is about to): its GPUs are its own.
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})
 
-# requested_by of automatic sweeps: the ExecStopPost drop-in's (hooks.py; only root may be
+# requested_by of automatic sweeps: the ExecStopPost drop-in's (dropins.py; only root may be
 # recorded as it, service.py) and the watcher's. One stop's automatic sweeps share one sweep.
 HOOK_PREFIX = "hook:"
 WATCH_PREFIX = "watch:"

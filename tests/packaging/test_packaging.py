@@ -360,8 +360,8 @@ def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     postrm = (control / "postrm").read_text()
     assert "rm -rf /var/lib/gpuguard" in postrm
     assert "deb-systemd-helper purge 'gpuguardd.service'" in postrm
-    # The purge finds hook drop-ins by the header hooks.py writes.
-    from gpuguardd.systemd import hooks
+    # The purge finds hook drop-ins by the header systemd/dropins.py writes.
+    from gpuguardd.systemd import dropins as hooks
     assert hooks.HEADER in postrm
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.cli import main as cli
-from gpuguardd.systemd import hooks
-from gpuguardd.systemd.hooks import HookError, HookTarget, parse_pattern, render_dropin
+from gpuguardd.systemd import dropins as hooks
+from gpuguardd.systemd.dropins import HookError, HookTarget, parse_pattern, render_dropin
 
 ETC = "etc/systemd/system"
 

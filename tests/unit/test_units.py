@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd.systemd.hooks import parse_pattern, render_dropin
+from gpuguardd.systemd.dropins import parse_pattern, render_dropin
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "gpuguardd.service"

@@ -102,10 +102,11 @@ def test_human_output_escapes_every_field() -> None:
 
 def test_hook_list_escapes_unit_names(tmp_path: Path) -> None:
     """`hook list` shows unit file names from the host's directories."""
-    from gpuguardd.systemd import hooks
+    from gpuguardd.cli.hook import format_list
+    from gpuguardd.systemd import dropins as hooks
     hooks.install("vllm-", str(tmp_path), reload=False)
     units = tmp_path / "etc" / "systemd" / "system"
     (units / f"vllm-{SCREEN}.service").write_text("[Service]\nExecStart=/bin/true\n")
-    text = hooks.format_list(hooks.list_hooks("", str(tmp_path)))
+    text = format_list(hooks.list_hooks("", str(tmp_path)))
     assert_clean(text, lines=2)
     assert "applies to vllm-\\x1b[2J\\x1b]0;pwned\\x07.service" in text
