@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 .PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
-	install-python install-data uninstall dist deb rpm demo e2e cockpit install-cockpit \
+	install-python install-data units uninstall dist deb rpm demo e2e cockpit install-cockpit \
 	gnome-extension install-gnome-extension
 
 all: test
@@ -183,36 +183,36 @@ install-python:
 	$(call entry_point,gpuguardd.exporter.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
 	$(call entry_point,gpuguardd.notify.main,$(DESTDIR)$(BINDIR)/gpuguard-notify)
 
+# The files that call gpuguard's programs by their path (the units, the example drop-ins, the
+# Slurm scripts) are templates, FILE.in; packaging/units.py, the one place that knows their
+# placeholders, fills them in with this LIBEXECDIR and BINDIR, into build/units. Made afresh
+# each time: another make with other directories must not find the last one's.
+UNITS := build/units
+
+units:
+	rm -rf $(UNITS)
+	$(PYTHON) packaging/units.py $(UNITS) BINDIR=$(BINDIR) LIBEXECDIR=$(LIBEXECDIR)
+
 # Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
-# from dh-python and %pyproject_install). The paths in the unit and the example drop-ins
-# follow LIBEXECDIR and BINDIR.
-install-data: man
+# from dh-python and %pyproject_install).
+install-data: man units
 	$(INSTALL) -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DBUS_POLICYDIR) $(DESTDIR)$(DBUS_SERVICEDIR) \
 		$(DESTDIR)$(DBUS_INTERFACEDIR) $(DESTDIR)$(POLKIT_ACTIONDIR) $(DESTDIR)$(COMPLETIONDIR) \
-		$(DESTDIR)$(SYSCONFDIR)/gpuguard build/install
-	sed 's|/usr/libexec/gpuguard/|$(LIBEXECDIR)/gpuguard/|g' systemd/gpuguardd.service \
-		> build/install/gpuguardd.service
-	$(INSTALL) -m 644 build/install/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguardd.service
-	sed 's|/usr/libexec/gpuguard/|$(LIBEXECDIR)/gpuguard/|g' systemd/gpuguard-exporter.service \
-		> build/install/gpuguard-exporter.service
-	$(INSTALL) -m 644 build/install/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
+		$(DESTDIR)$(SYSCONFDIR)/gpuguard
+	$(INSTALL) -m 644 $(UNITS)/systemd/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguardd.service
+	$(INSTALL) -m 644 $(UNITS)/systemd/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
 	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
 	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
 	@# gpuguard-notify: a user service, off until a user enables it (docs/desktop.md).
-	sed 's|/usr/bin/gpuguard-notify|$(BINDIR)/gpuguard-notify|g' systemd/user/gpuguard-notify.service \
-		> build/install/gpuguard-notify.service
-	$(INSTALL) -D -m 644 build/install/gpuguard-notify.service $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service
+	$(INSTALL) -D -m 644 $(UNITS)/systemd/user/gpuguard-notify.service $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service
 	@# Slurm: the epilog and the report-only UnkillableStepProgram (docs/fleet.md).
 	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d $(DESTDIR)$(DATADIR)/gpuguard/slurm/prolog.d
 	set -e; for f in epilog.d/50-gpuguard prolog.d/50-gpuguard unkillable-step; do \
-		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' slurm/$$f > build/install/slurm-script; \
-		$(INSTALL) -m 755 build/install/slurm-script $(DESTDIR)$(DATADIR)/gpuguard/slurm/$$f; \
+		$(INSTALL) -m 755 $(UNITS)/slurm/$$f $(DESTDIR)$(DATADIR)/gpuguard/slurm/$$f; \
 	done
 	set -e; for d in $(DROPIN_DIRS); do \
 		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
-		sed 's|/usr/bin/gpuguardctl|$(BINDIR)/gpuguardctl|g' systemd/dropins/$$d/gpuguard.conf \
-			> build/install/dropin.conf; \
-		$(INSTALL) -m 644 build/install/dropin.conf $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d/gpuguard.conf; \
+		$(INSTALL) -m 644 $(UNITS)/systemd/dropins/$$d/gpuguard.conf $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d/gpuguard.conf; \
 	done
 	$(INSTALL) -m 644 dbus/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf
 	$(INSTALL) -m 644 dbus/$(DBUS_NAME).service $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.helpers import unwrap_busctl, wait_until
+from tests.shipped import shipped
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -296,6 +297,11 @@ class Machine:
     def copy(self, source: Path, inner: str, mode: int = 0o644) -> None:
         self.write(inner, source.read_text(), mode)
 
+    def install_shipped(self, relative: str, inner: str, mode: int = 0o644) -> None:
+        """A templated file of the tree (e.g. "systemd/gpuguardd.service") as the packages
+        install it: filled in with the default paths (tests/shipped.py)."""
+        self.write(inner, shipped(relative), mode)
+
     def systemctl(self, *args: str, check: bool = True, timeout: float = 120
                   ) -> subprocess.CompletedProcess[str]:
         done = self.run(["systemctl", "--no-pager", *args], check=False, timeout=timeout)
@@ -399,12 +405,13 @@ class Installed:
                 f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.daemon.main \"$@\"\n", 0o755)
         m.write("/usr/bin/gpuguardctl", f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.cli.main \"$@\"\n",
                 0o755)
-        m.copy(REPO / "systemd" / "gpuguardd.service", "/usr/lib/systemd/system/gpuguardd.service")
+        m.install_shipped("systemd/gpuguardd.service", "/usr/lib/systemd/system/gpuguardd.service")
         # As the packages do: the drop-ins ship inactive under /usr/share/gpuguard/dropins, and
         # the admin turns them on with `gpuguardctl hook install PREFIX` (into /etc).
         prefixes = []
-        for dropin in sorted((REPO / "systemd" / "dropins").glob("*.service.d/*.conf")):
-            m.copy(dropin, f"/usr/share/gpuguard/dropins/{dropin.parent.name}/{dropin.name}")
+        for dropin in sorted((REPO / "systemd" / "dropins").glob("*.service.d/*.conf.in")):
+            name = f"{dropin.parent.name}/{dropin.stem}"
+            m.install_shipped(f"systemd/dropins/{name}", f"/usr/share/gpuguard/dropins/{name}")
             prefixes.append(dropin.parent.name.removesuffix(".d"))
         m.run("".join(f"gpuguardctl hook install {p} >/dev/null\n" for p in prefixes))
         m.copy(REPO / "dbus" / "org.gpuguard.GpuGuard1.conf",

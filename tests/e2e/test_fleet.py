@@ -78,7 +78,7 @@ def prometheus(guard: Installed) -> Iterator[Installed]:
     m.write("/usr/libexec/gpuguard/gpuguard-exporter",
             f"#!/bin/sh\nexec {VENV_PYTHON} -m gpuguardd.exporter.main \"$@\"\n", 0o755)
     m.copy(REPO / "systemd" / "gpuguard-exporter.socket", "/usr/lib/systemd/system/gpuguard-exporter.socket")
-    m.copy(REPO / "systemd" / "gpuguard-exporter.service", "/usr/lib/systemd/system/gpuguard-exporter.service")
+    m.install_shipped("systemd/gpuguard-exporter.service", "/usr/lib/systemd/system/gpuguard-exporter.service")
     m.copy(REPO / "systemd" / "gpuguard-exporter.sysusers", "/usr/lib/sysusers.d/gpuguard-exporter.conf")
     m.run(["systemd-sysusers", "gpuguard-exporter.conf"])  # as the packages' postinst does
     # The venv's interpreter may live under /root (pyenv); the package uses /usr/bin/python3.

@@ -116,8 +116,7 @@ def slurm(guard: Installed) -> Iterator[Installed]:
         # The machine's own mount of its freezer root (module docstring).
         m.run(["mount", "-o", "remount,bind,rw", FREEZER])
     # The shipped epilog, where the package puts it, linked into the directory Epilog= globs.
-    m.copy(REPO / "slurm" / "epilog.d" / "50-gpuguard",
-           "/usr/share/gpuguard/slurm/epilog.d/50-gpuguard", 0o755)
+    m.install_shipped("slurm/epilog.d/50-gpuguard", "/usr/share/gpuguard/slurm/epilog.d/50-gpuguard", 0o755)
     m.run("mkdir -p /etc/slurm/epilog.d /var/lib/gg-slurm/ctld /var/lib/gg-slurm/d /run/gg-slurm "
           "/var/log/gg-slurm/jobs && chmod 1777 /var/log/gg-slurm/jobs && "
           "ln -sf /usr/share/gpuguard/slurm/epilog.d/50-gpuguard "
@@ -319,7 +318,7 @@ def test_unkillable_step_program_reports_and_ends_nothing(slurm: Installed) -> N
     """The shipped report-only UnkillableStepProgram: holders into the journal, no signal."""
     guard = slurm
     m = guard.machine
-    m.copy(REPO / "slurm" / "unkillable-step", "/usr/share/gpuguard/slurm/unkillable-step", 0o755)
+    m.install_shipped("slurm/unkillable-step", "/usr/share/gpuguard/slurm/unkillable-step", 0o755)
     job = submit(guard, "stay")
     worker = job_pids(guard, job)["worker"]
     wait_for("gpuguardd to see the worker", lambda: any(

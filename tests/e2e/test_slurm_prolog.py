@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import FAKE_NVML_STATE, REPO, Installed, wait_for
+from tests.e2e.harness import FAKE_NVML_STATE, Installed, wait_for
 from tests.e2e.test_slurm import (
     job_pids,
     job_state,
@@ -33,7 +33,7 @@ GiB = 2**30
 def prolog(slurm: Installed) -> Iterator[Installed]:
     """Prolog=/etc/slurm/prolog.d/* with the shipped prolog linked there; undone after."""
     m = slurm.machine
-    m.copy(REPO / "slurm" / "prolog.d" / "50-gpuguard", PROLOG, 0o755)
+    m.install_shipped("slurm/prolog.d/50-gpuguard", PROLOG, 0o755)
     m.run(f"mkdir -p /etc/slurm/prolog.d && ln -sf {PROLOG} /etc/slurm/prolog.d/50-gpuguard && "
           "echo 'Prolog=/etc/slurm/prolog.d/*' >> /etc/slurm/slurm.conf && scontrol reconfigure")
     try:

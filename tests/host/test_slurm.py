@@ -20,10 +20,10 @@ from gpuguardd.engine.slurm import summary
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.report import Report
 from tests.conftest import HOLDER, CgroupDir, GiB, GpuHost, Proc
+from tests.shipped import shipped_file
 
 NOBODY = 65534
-ROOT = Path(__file__).resolve().parents[2]
-EPILOG = ROOT / "slurm" / "epilog.d" / "50-gpuguard"
+EPILOG = "slurm/epilog.d/50-gpuguard"
 
 
 def test_unverified_summary_says_why() -> None:
@@ -134,10 +134,10 @@ def test_the_deadline_bounds_the_epilog(gpu_host: GpuHost) -> None:
 def test_shipped_epilog_script_drains_with_gpuguards_reason(gpu_host: GpuHost, tmp_path: Path) -> None:
     """50-gpuguard as slurmd runs it, with scontrol a recording stand-in (the real one is
     driven in tests/e2e)."""
-    text = EPILOG.read_text()
-    assert text.startswith("#!/bin/sh\n")
     bindir = tmp_path / "bin"
     bindir.mkdir()
+    epilog = shipped_file(EPILOG, tmp_path)
+    assert epilog.read_text().startswith("#!/bin/sh\n")
     (bindir / "gpuguardctl").write_text(
         "#!/bin/sh\necho 'gpuguard: job 9: survivors: pid 1 (x)'\nexit 3\n")
     (bindir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scontrol.args\n")
@@ -145,7 +145,7 @@ def test_shipped_epilog_script_drains_with_gpuguards_reason(gpu_host: GpuHost, t
         tool.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "9", "SLURMD_NODENAME": "gpu-node-1",
            "GPUGUARDCTL": str(bindir / "gpuguardctl"), "SCONTROL": str(bindir / "scontrol")}
-    done = subprocess.run(["/bin/sh", str(EPILOG)], env=env, capture_output=True, text=True,
+    done = subprocess.run(["/bin/sh", str(epilog)], env=env, capture_output=True, text=True,
                           timeout=30, check=False)
     assert done.returncode == 3
     assert (tmp_path / "scontrol.args").read_text().split(" ", 3)[:3] == [
@@ -153,6 +153,6 @@ def test_shipped_epilog_script_drains_with_gpuguards_reason(gpu_host: GpuHost, t
     assert "Reason=gpuguard: job 9: survivors: pid 1 (x)" in (tmp_path / "scontrol.args").read_text()
     (bindir / "gpuguardctl").write_text("#!/bin/sh\nexit 0\n")
     (tmp_path / "scontrol.args").unlink()
-    done = subprocess.run(["/bin/sh", str(EPILOG)], env=env, capture_output=True, text=True,
+    done = subprocess.run(["/bin/sh", str(epilog)], env=env, capture_output=True, text=True,
                           timeout=30, check=False)
     assert done.returncode == 0 and not (tmp_path / "scontrol.args").exists()

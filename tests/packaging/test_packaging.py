@@ -23,6 +23,7 @@ import pytest
 from gpuguardd import __version__
 from gpuguardd.cli import main as cli
 from tests.packages import ROOT, build, build_dir, make, release_tree, require_tools, tarball
+from tests.shipped import shipped, units
 
 COMPLETION = ROOT / "completion" / "gpuguardctl"
 DBUS_NAME = "org.gpuguard.GpuGuard1"
@@ -204,9 +205,17 @@ def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) 
     unit = (dest / "usr/lib/systemd/system/gpuguardd.service").read_text()
     assert "ExecStart=/usr/libexec/gpuguard/gpuguardd\n" in unit
     assert (dest / "etc/gpuguard/gpuguard.conf").read_bytes() == (ROOT / "config/gpuguard.conf").read_bytes()
-    for d in DROPIN_DIRS:
-        assert (dest / f"usr/share/gpuguard/dropins/{d}/gpuguard.conf").read_bytes() == \
-            (ROOT / f"systemd/dropins/{d}/gpuguard.conf").read_bytes()
+    # Every template (packaging/units.py), filled in with the default paths, as the tests read it.
+    installed = {"systemd/gpuguardd.service": "usr/lib/systemd/system/gpuguardd.service",
+                 "systemd/gpuguard-exporter.service": "usr/lib/systemd/system/gpuguard-exporter.service",
+                 "systemd/user/gpuguard-notify.service": "usr/lib/systemd/user/gpuguard-notify.service"}
+    installed |= {f"slurm/{f}": f"usr/share/gpuguard/slurm/{f}"
+                  for f in ("epilog.d/50-gpuguard", "prolog.d/50-gpuguard", "unkillable-step")}
+    installed |= {f"systemd/dropins/{d}/gpuguard.conf": f"usr/share/gpuguard/dropins/{d}/gpuguard.conf"
+                  for d in DROPIN_DIRS}
+    assert sorted(installed) == sorted(str(t.relative_to(ROOT).with_suffix("")) for t in units.templates())
+    for source, target in installed.items():
+        assert (dest / target).read_text() == shipped(source), target
 
     make("uninstall", f"DESTDIR={dest}")
     assert tree(dest) == set(), "make uninstall left files behind"

@@ -1,4 +1,5 @@
 """The shipped systemd files: what the service unit promises, and that systemd accepts it.
+They are read as installed: the templates filled in with the default paths (tests/shipped.py).
 
 Whether the sandbox really lets the daemon work (and the score under a running systemd) is
 proven in tests/e2e, where the unit runs under systemd as PID 1.
@@ -15,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.systemd.dropins import parse_pattern, render_dropin
+from tests.shipped import ROOT, shipped, shipped_file
 
-ROOT = Path(__file__).resolve().parents[2]
-UNIT = ROOT / "systemd" / "gpuguardd.service"
+UNIT = "systemd/gpuguardd.service"
 DROPINS = ROOT / "systemd" / "dropins"
 PREFIXES = ("sglang-", "vllm-", "tgi-", "ollama-", "llama-", "triton-")
 
@@ -47,7 +48,7 @@ def need(tool: str) -> str:
 
 @pytest.fixture(scope="module")
 def unit() -> dict[str, dict[str, list[str]]]:
-    return parse_unit(UNIT.read_text())
+    return parse_unit(shipped(UNIT))
 
 
 def test_service_contract(unit: dict[str, dict[str, list[str]]]) -> None:
@@ -90,7 +91,7 @@ def test_sandbox_keeps_every_process_visible_and_signallable(
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     tool = need("systemd-analyze")
-    done = subprocess.run([tool, "verify", "--man=no", str(UNIT)], capture_output=True,
+    done = subprocess.run([tool, "verify", "--man=no", str(shipped_file(UNIT, tmp_path))], capture_output=True,
                           text=True, check=False)
     problems = done.stderr.splitlines()
     if not os.path.exists("/usr/libexec/gpuguard/gpuguardd"):
@@ -100,18 +101,18 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     assert problems == [], done.stderr
 
 
-def test_security_exposure_offline() -> None:
+def test_security_exposure_offline(tmp_path: Path) -> None:
     tool = need("systemd-analyze")
     done = subprocess.run([tool, "security", "--offline=true", "--man=no", "--no-pager",
-                           str(UNIT)], capture_output=True, text=True, check=False)
+                           str(shipped_file(UNIT, tmp_path))], capture_output=True, text=True, check=False)
     score = re.search(r"Overall exposure level for gpuguardd\.service: ([0-9.]+)", done.stdout)
     assert score, done.stdout + done.stderr
     assert float(score.group(1)) <= 2.0
 
 
 def test_shipped_dropins_are_what_hook_install_writes() -> None:
-    shipped = sorted(p.relative_to(DROPINS).as_posix() for p in DROPINS.rglob("*") if p.is_file())
-    assert shipped == sorted(f"{p}.service.d/gpuguard.conf" for p in PREFIXES)
+    files = sorted(p.relative_to(DROPINS).as_posix() for p in DROPINS.rglob("*") if p.is_file())
+    assert files == sorted(f"{p}.service.d/gpuguard.conf.in" for p in PREFIXES)
     for prefix in PREFIXES:
-        path = DROPINS / f"{prefix}.service.d" / "gpuguard.conf"
-        assert path.read_text() == render_dropin(parse_pattern(prefix)), path
+        path = f"systemd/dropins/{prefix}.service.d/gpuguard.conf"
+        assert shipped(path) == render_dropin(parse_pattern(prefix)), path

@@ -19,12 +19,12 @@ from gpuguardd.daemon.runner import SWEEP_MARGIN_SEC, SweepRunner, sweep_budget_
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report, ReportScope
-from tests.dbus_harness import ROOT
+from tests.shipped import shipped
 
 
 def test_unit_waits_longer_than_a_default_sweep() -> None:
     unit = configparser.ConfigParser(strict=False, interpolation=None)
-    unit.read(ROOT / "systemd" / "gpuguardd.service")
+    unit.read_string(shipped("systemd/gpuguardd.service"))
     stop = parse_timespan(unit["Service"]["TimeoutStopSec"])
     config = Config()
     longest = config.grace_sec + config.kill_timeout_sec + config.verify_timeout_sec
