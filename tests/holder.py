@@ -53,6 +53,16 @@ def map_and_close(path: str) -> int:
     return int(address)
 
 
+def fork_then_exit(signum: int, frame: object) -> None:
+    """The child inherits every fd and mapping, and ends on the next SIGTERM."""
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.stdout.write(f"child {os.getpid()}\n")
+        sys.stdout.flush()
+        return  # back to the parent's sleep, holding what it held
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold", action="append", default=[], help="keep an fd on this node")
@@ -64,6 +74,9 @@ def main() -> None:
     parser.add_argument("--comm", default="")
     parser.add_argument("--spawn-zombie", action="store_true",
                         help="fork a child that exits at once and is never reaped; print its pid")
+    parser.add_argument("--fork-on-term", action="store_true",
+                        help="on SIGTERM, fork a child that keeps holding (printing \"child <pid>\"), "
+                             "then exit: a dying worker that leaves a holder behind")
     args = parser.parse_args()
     if args.setsid:
         os.setsid()
@@ -71,6 +84,8 @@ def main() -> None:
         set_comm(args.comm)
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.fork_on_term:
+        signal.signal(signal.SIGTERM, fork_then_exit)
     fds = [open_node(path) for path in [*args.hold, *(cuda_nodes(args.cuda) if args.cuda else [])]]
     maps = [map_and_close(path) for path in args.mmap]
     extra = ""

@@ -22,14 +22,14 @@ from gpuguardd.engine.attribution import (
 )
 from gpuguardd.engine.devices import DeviceMap, build_device_map
 from gpuguardd.engine.gpustate import node_gpus
-from gpuguardd.engine.holders import find_holders
+from gpuguardd.engine.holders import clock_ticks, find_holders, started_since
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.mig import annotate_device_paths
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset, ResetSettings
-from gpuguardd.engine.sweep import Pinned, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome
 from gpuguardd.records.models import (
@@ -130,13 +130,12 @@ class Engine:
     def device_map(self) -> DeviceMap:
         return _device_map(self.config)
 
-    def _scan_pinned(self, nvml: NvmlSnapshot | None = None
-                     ) -> tuple[Pinned, NvmlSnapshot, list[int], list[str]]:
+    def _scan_pinned(self, nvml: NvmlSnapshot | None = None, pids: list[int] | None = None) -> Scan:
         config = self.config
         snap = nvml if nvml is not None else self.snapshot()
         device_map = _device_map(config)
         annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
-        pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd)
+        pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd, pids=pids)
         own_chain = procfs.ancestors(os.getpid())
         protected = ProtectedFiles.resolve(config)  # once per scan: installs and upgrades
         for holder, _ in pinned:
@@ -264,6 +263,7 @@ class Engine:
         scope, settings, warnings = self.resolve_request(request)
         locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
+            since = clock_ticks()
             first = self._scan_pinned()
             if not settings.dry_run:
                 # Which GPUs the sweep touches is only known from a scan; lock those. If we had
@@ -283,15 +283,12 @@ class Engine:
                         handle.close()
                     first = self._scan_pinned()
                     wanted = self._lock_names(scope, first[0], first[1])
-            pending_first: list[tuple[Pinned, NvmlSnapshot, list[int], list[str]]] = [first]
 
-            def scanner() -> tuple[Pinned, NvmlSnapshot, list[str]]:
-                # The scan that decided the locks is the sweep's first; later rounds rescan.
-                pinned_now, snap, _, scan_warnings = pending_first.pop() if pending_first else self._scan_pinned()
-                return pinned_now, snap, scan_warnings
-
-            sweep = Sweep(scope, settings, scanner, self.snapshot,
-                          requested_by=request.requested_by, reason=request.reason,
+            # After the scan that decided the locks, a process becomes a holder by starting (a
+            # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
+            # context (NVML's lists show it): those are what a later round looks at.
+            sweep = Sweep(scope, settings, first, lambda: self._scan_pinned(pids=started_since(since)),
+                          self.snapshot, requested_by=request.requested_by, reason=request.reason,
                           observer=observer, report_id=request.report_id,
                           resumes=request.resumes)
             sweep.report.warnings.extend(warnings)

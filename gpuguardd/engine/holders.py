@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -351,11 +352,25 @@ def describe(pid: int, nvml: NvmlSnapshot,
     return holder, handle
 
 
+def clock_ticks() -> int:
+    """Now, in the unit of a process's start time (/proc/<pid>/stat): clock ticks since boot."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def started_since(ticks: int) -> list[int]:
+    """The processes started at clock_ticks() `ticks` or later, by start time, so a recycled
+    PID counts as new; and those whose start cannot be read (exited meanwhile)."""
+    return [pid for pid in procfs.list_pids()
+            if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
+
+
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
-                 workers: int | None = None) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
+                 workers: int | None = None, pids: list[int] | None = None
+                 ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
     """All holders with open handles on them (the caller closes them), and unreadable pids.
+    `pids`: look only at these, and at those NVML lists (default: every process).
     `workers`: as scan_raw's."""
-    raw, unreadable = scan_raw(device_map, use_pidfd=use_pidfd, workers=workers)
+    raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd, workers=workers)
     candidates = set(raw)
     if nvml.pids_local:
         for gpu in nvml.gpus:

@@ -81,8 +81,9 @@ Pinned = list[tuple[Holder, ProcessHandle]]
 MemoryKey = Union[int, str]
 # A GPU, and the instance of it the key names (None: the whole GPU).
 MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
-# Returns the holders (protection already decided) with their handles, and the NVML snapshot.
-Scanner = Callable[[], tuple[Pinned, NvmlSnapshot, list[str]]]
+# The holders (protection already decided) with their handles, the NVML snapshot they were
+# described with, the PIDs whose fds could not be read, and the scan's warnings.
+Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
 def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
@@ -223,13 +224,16 @@ def _ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
 
 
 class Sweep:
-    def __init__(self, scope: Scope, settings: SweepSettings, scanner: Scanner,
+    def __init__(self, scope: Scope, settings: SweepSettings, scan: Scan, rescan: Callable[[], Scan],
                  snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
                  observer: SweepObserver | None = None, report_id: str = "",
                  resumes: str = "") -> None:
+        """`scan`: what the sweep works from; `rescan`: after each round of signals, what may
+        have become a holder since (Engine.sweep says what that is)."""
         self.scope = scope
         self.settings = settings
-        self.scanner = scanner
+        self.scan = scan
+        self.rescan = rescan
         self.snapshot = snapshot
         self.observer = observer or NullObserver()
         self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
@@ -254,7 +258,7 @@ class Sweep:
     def run(self) -> Report:
         report = self.report
         self.observer.sweep_started(report.id, report.scope)
-        pinned, nvml, warnings = self.scanner()
+        pinned, nvml, _, warnings = self.scan
         self._pids_local = nvml.pids_local
         report.warnings.extend(warnings)
         targets = self._plan(pinned)
@@ -273,7 +277,7 @@ class Sweep:
             rounds += 1
             self._terminate(targets)
             self._close(pinned)
-            pinned, _, _ = self.scanner()
+            pinned, _, _, _ = self.rescan()
             targets = [(h, p) for h, p in pinned
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             report.targets.extend(Target.of(holder) for holder, _ in targets)

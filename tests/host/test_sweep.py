@@ -21,7 +21,7 @@ from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.sweep import Sweep
 from gpuguardd.records.models import SweepRequest
-from tests.conftest import GiB, GpuHost, MiB
+from tests.conftest import GiB, GpuHost, MiB, Proc
 
 
 def sweep_json(host: GpuHost, *args: str) -> tuple[int, dict[str, Any], str]:
@@ -246,9 +246,7 @@ def test_broken_config_is_reported_with_file_line_and_key(gpu_host: GpuHost) -> 
 
 def test_sweeps_of_the_same_gpu_wait_for_each_other(inproc_nvml: GpuHost) -> None:
     host = inproc_nvml
-    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
-                           runtime_directory=str(host.root / "run"),
-                           verify_timeout_sec=2))
+    engine = _engine(host, verify_timeout_sec=2)
     proc = host.spawn("--hold", host.node("nvidia-uvm"), nvml=(0, GiB))
     other = GpuLocks(str(host.root / "run" / "locks"))
     assert other.acquire([0]) is None  # another sweep (say, another process) holds GPU 0
@@ -271,12 +269,8 @@ def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Scan, let the holder die and its PID be handed to a new process, then sweep the scan."""
     host = inproc_nvml
-    engine = Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
-                           runtime_directory=str(host.root / "run"),
-                           verify_timeout_sec=0.2), use_pidfd=use_pidfd)
     victim = host.spawn("--hold", host.node("nvidia-uvm"))
-    pid = victim.pid
-    impostor: list[subprocess.Popen[bytes]] = []
+    impostor: list[Proc] = []
     real_terminate = Sweep._terminate
 
     def recycle_then_terminate(self: Sweep, targets: Any) -> None:
@@ -284,32 +278,80 @@ def test_a_recycled_pid_is_never_signalled(inproc_nvml: GpuHost, use_pidfd: bool
         # goes to an unrelated process.
         if not impostor:
             victim.stop()
-            impostor.append(spawn_with_pid(pid))
+            impostor.append(spawn_as(host, victim.pid))
         real_terminate(self, targets)
 
     monkeypatch.setattr(Sweep, "_terminate", recycle_then_terminate)
+    report = _engine(host, use_pidfd, verify_timeout_sec=0.2).sweep(SweepRequest())
+    assert impostor and impostor[0].pid == victim.pid
+    assert impostor[0].alive(), "the recycled PID was signalled"
+    assert [t.pid for t in report.terminated] == [victim.pid]
+    assert report.terminated[0].signal == ""  # gone before any signal reached it
+
+
+def _engine(host: GpuHost, use_pidfd: bool | None = None, **settings: Any) -> Engine:
+    return Engine(Config(device_paths=(f"{host.dev}/nvidia*",), allow_majors=(120,),
+                         runtime_directory=str(host.root / "run"), **settings), use_pidfd=use_pidfd)
+
+
+def test_a_holder_forked_by_a_dying_one_is_ended_too(inproc_nvml: GpuHost) -> None:
+    """A worker that forks on SIGTERM leaves a child holding the device: the sweep finds it
+    after the first round (it started since the scan) and ends it."""
+    host = inproc_nvml
+    worker = host.spawn("--hold", host.node("nvidia-uvm"), "--fork-on-term")
+    assert worker.popen.stdout is not None
+    child = 0
     try:
-        report = engine.sweep(SweepRequest())
-        assert impostor and impostor[0].pid == pid
-        assert impostor[0].poll() is None, "the recycled PID was signalled"
-        assert [t.pid for t in report.terminated] == [pid]
-        assert report.terminated[0].signal == ""  # gone before any signal reached it
+        report = _engine(host, verify_timeout_sec=2).sweep(SweepRequest())
+        line = worker.popen.stdout.readline().split()
+        assert line[0] == "child", line
+        child = int(line[1])
+        assert [t.pid for t in report.terminated] == [worker.pid, child]
+        assert report.terminated[1].signal == "SIGTERM" and not report.survived
+        stat = procfs.read_stat(child)
+        assert stat is None or stat.state == "Z"  # an orphan: init reaps it
     finally:
-        for proc in impostor:
-            proc.kill()
-            proc.wait()
+        if child:
+            _kill(child)
 
 
-def spawn_with_pid(pid: int) -> subprocess.Popen[bytes]:
-    """Start `sleep` as `pid`, through ns_last_pid (how CRIU restores PIDs)."""
+def test_a_holder_started_under_a_recycled_pid_is_found(inproc_nvml: GpuHost,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process the first scan saw holding nothing exits mid-sweep and a holder starts under
+    its PID: the sweep tells the two apart by start time, finds the holder and ends it."""
+    host = inproc_nvml
+    target = host.spawn("--hold", host.node("nvidia-uvm"))
+    bystander = host.spawn()
+    newcomer: list[Proc] = []
+    real_terminate = Sweep._terminate
+
+    def recycle_after_the_first_round(self: Sweep, targets: Any) -> None:
+        real_terminate(self, targets)
+        if not newcomer:
+            bystander.stop()
+            newcomer.append(spawn_as(host, bystander.pid, "--hold", host.node("nvidia-uvm")))
+
+    monkeypatch.setattr(Sweep, "_terminate", recycle_after_the_first_round)
+    report = _engine(host, verify_timeout_sec=0.2).sweep(SweepRequest())
+    assert newcomer and newcomer[0].pid == bystander.pid
+    assert [t.pid for t in report.terminated] == [target.pid, bystander.pid]
+    assert not newcomer[0].alive()
+
+
+def spawn_as(host: GpuHost, pid: int, *args: str) -> Proc:
+    """host.spawn(*args) as `pid`, through ns_last_pid (how CRIU restores PIDs)."""
     for _ in range(200):
         with open("/proc/sys/kernel/ns_last_pid", "w") as handle:
             handle.write(str(pid - 1))
-        proc = subprocess.Popen(["sleep", "60"])
+        proc = host.spawn(*args)
         if proc.pid == pid:
             return proc
-        proc.kill()
-        proc.wait()
+        proc.stop()
     pytest.fail(f"could not get PID {pid} back")
 
 
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
