@@ -19,6 +19,18 @@ nodes). Then times, interleaved, after one untimed warm-up round each:
     engine/scanworker.py, in two processes forked from this one: no interpreter start, no
     pinning, no details, no NVML), matched afterwards. The daemon's scan cannot be quicker.
 
+--helpers times the shared scan itself instead, on a big host: Engine.scan() with helpers
+(one process for each core, whatever the load) and without (this process alone), interleaved
+with fuser -v and nothing else, and prints their ratios. For the host of ten thousand
+processes:
+
+    sudo .venv/bin/python bench/bench_scan.py --procs 10000 --fds 100 --light --helpers --repeat 3
+
+--light makes the population cheap enough for that: its plain processes exec `sleep` with
+their files kept (about 0.2 MiB each instead of a forked Python's 0.7 MiB; shorter maps too:
+37 lines). The kernel's pid_max and threads-max, and RLIMIT_NOFILE, are raised for the run
+where the population would not fit, and put back.
+
 Every run's set of holder PIDs must equal the population's holders, or the benchmark fails.
 It prints the median per tool and the ratios gpuguard/fuser and gpuguard/lsof (below 1 means
 gpuguard is faster), and the issue's targets: the whole `gpuguardctl holders --local` no slower
@@ -34,13 +46,16 @@ import io
 import json
 import os
 import pstats
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
@@ -63,16 +78,24 @@ CLI = "gpuguardctl holders --local"
 FUSER = "fuser -v"
 LSOF = "lsof -w -n -P"
 FLOOR = "floor: bare pass, 2 forked"
+SCAN_HELPERS = "Engine.scan(), helpers"
+SCAN_ALONE = "Engine.scan(), no helpers"
+# --light: what the plain processes of the population exec.
+LIGHT = ("sleep", "infinity")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--procs", type=int, default=2000, help="processes in the population")
-    parser.add_argument("--files", type=int, default=50, help="open files per process")
+    parser.add_argument("--files", "--fds", type=int, default=50, help="open files per process")
     parser.add_argument("--holders", type=int, default=200, help="processes holding device nodes")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per tool (median)")
     parser.add_argument("--workers", type=int, default=4, help="processes forking the population")
     parser.add_argument("--profile", action="store_true", help="cProfile one find_holders run")
+    parser.add_argument("--helpers", action="store_true",
+                        help="time Engine.scan() with helpers and without, and fuser -v, only")
+    parser.add_argument("--light", action="store_true",
+                        help="plain processes exec sleep: a tenth of the memory, for big populations")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.procs < 1 or args.files < 0 or args.holders < 0 or args.repeat < 1 or args.workers < 1:
@@ -156,6 +179,68 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine, conf
             CLI: gpuguardctl, FUSER: fuser, LSOF: lsof, FLOOR: floor}
 
 
+def scan_processes(count: int) -> AbstractContextManager[object]:
+    """The daemon's scan shared between `count` processes whatever the load: scan_raw asks
+    scan_workers() (one for each idle core) how many, and gets `count` meanwhile."""
+    return mock.patch.object(holders, "scan_workers", lambda: count)
+
+
+def make_helper_tools(engine: Engine, paths: list[str]) -> dict[str, Callable[[], Measured]]:
+    """Engine.scan() with one process for each core and with this process alone, beside
+    fuser -v. CPU time includes the helpers' (children, reaped by the scan)."""
+    cores = max(2, min(scanhelpers.WORKERS_MAX, len(os.sched_getaffinity(0))))
+
+    def scan(count: int) -> Callable[[], Measured]:
+        def timed() -> Measured:
+            with scan_processes(count):
+                cpu, children = time.process_time(), common.children_cpu()
+                started = time.perf_counter()
+                result = engine.scan()
+                wall = time.perf_counter() - started
+            used = time.process_time() - cpu + common.children_cpu() - children
+            return wall, used, {holder.pid for holder in result.holders}
+        return timed
+
+    def fuser() -> Measured:
+        run = common.run_fuser(paths, "-v")
+        return run.seconds, run.cpu, run.pids
+
+    return {SCAN_HELPERS: scan(cores), SCAN_ALONE: scan(1), FUSER: fuser}
+
+
+@contextmanager
+def room_for(procs: int, files: int) -> Iterator[list[str]]:
+    """kernel.pid_max and kernel.threads-max raised where `procs` more processes (and the
+    host's own, twice over) would not fit, and RLIMIT_NOFILE where a worker of the population
+    could not open `files`; put back afterwards. Yields what was raised."""
+    host = sum(name.isdigit() for name in os.listdir("/proc"))
+    need = procs + 2 * host + 1000
+    saved: list[tuple[Path, str]] = []
+    raised = []
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        for name in ("pid_max", "threads-max"):
+            path = Path("/proc/sys/kernel") / name
+            old = path.read_text().strip()
+            if int(old) < need:
+                try:
+                    path.write_text(f"{need}\n")
+                except OSError as exc:
+                    raise BenchError(f"kernel.{name} {old} is too small for {procs} processes: {exc}") from exc
+                saved.append((path, old))
+                raised.append(f"kernel.{name} {old} -> {need}")
+        if files + 64 > nofile[0]:
+            if files + 64 > nofile[1]:
+                raise BenchError(f"--files {files} needs RLIMIT_NOFILE {files + 64}; the hard limit is {nofile[1]}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files + 64, nofile[1]))
+            raised.append(f"RLIMIT_NOFILE {nofile[0]} -> {files + 64}")
+        yield raised
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+        for path, old in reversed(saved):
+            path.write_text(f"{old}\n")
+
+
 def forked_pass(device_map: DeviceMap, pids: list[int], processes: int) -> list[HelperEntry]:
     """scanworker's pass over `pids` in `processes` children forked from this process, sharing
     one work queue; their reports (no pidfds). Forked, not started: no interpreter start."""
@@ -206,103 +291,146 @@ def profile_find(patterns: tuple[str, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    common.require_environment(("fuser", "lsof"))
+    common.require_environment(("fuser",) if args.helpers else ("fuser", "lsof"))
     workdir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-scan-"))
     population: Population | None = None
     try:
-        # nvidia-uvm with /dev/zero's numbers, so that holders can map it (gpuguard refuses
-        # regular files as devices): every /dev/zero holder on the host is then seen as well.
-        nodes = common.make_nodes(workdir / "dev", uvm=common.UVM_ZERO)
-        patterns = (str(workdir / "dev" / "nvidia*"),)
-        paths = sorted(nodes.values())
-        population = Population(workdir, nodes, args.procs, args.files, args.holders,
-                                workers=args.workers, orphan_cleanup=(workdir / "dev", workdir))
-        population.start()
-        expected = population.holder_pids
-        host = sum(name.isdigit() for name in os.listdir("/proc"))
-        print(f"bench_scan: {args.procs} processes x {args.files} open files, {len(expected)} holding "
-              f"device nodes ({host} processes on the host); population ready in "
-              f"{population.startup_sec:.1f} s; nvidia-uvm is 1,5")
-        config = Config(device_paths=patterns, allow_majors=common.ALLOW_MAJORS, runtime_directory=str(workdir / "run"),
-                        state_directory=str(workdir / "state"))
-        engine = Engine(config)
-        config_file = workdir / "gpuguard.conf"
-        config_file.write_text(
-            f"[Devices]\nPaths=\nPaths={patterns[0]}\n"
-            f"AllowMajors={' '.join(map(str, common.ALLOW_MAJORS))}\n"
-            f"[Daemon]\nRuntimeDirectory={workdir / 'run'}\nStateDirectory={workdir / 'state'}\n")
-        tools = make_tools(patterns, paths, engine, config_file)
-        names = list(tools)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        cpu: dict[str, list[float]] = {name: [] for name in names}
-        aliases: dict[int, str] = {}
-        majors = driver_majors()
-
-        def check(name: str, pids: set[int]) -> None:
-            extra = pids - expected
-            if extra and name in (FIND, FIND_SHARED, SCAN, CLI, FLOOR):
-                found = common.alias_holders(extra, nodes, majors)
-                aliases.update(found)
-                pids = pids - set(found)
-            common.check_same({name: pids}, expected, population.members)
-
-        for name in names:  # warm-up: dentry caches, imports; checked, not timed
-            check(name, tools[name]()[2])
-        for round_number in range(args.repeat):
-            # Rotate the order so no tool always runs first (or right after another).
-            shift = round_number % len(names)
-            for name in names[shift:] + names[:shift]:
-                seconds, cpu_seconds, pids = tools[name]()
-                check(name, pids)
-                times[name].append(seconds)
-                cpu[name].append(cpu_seconds)
-        agreed = " = ".join(names)
-        print(common.table([(name, times[name]) for name in names], cpu=cpu))
-        print(f"same holders: {len(expected)} pids in every run ({agreed} = the population's holders)")
-        print(f"load average while measuring: {' '.join(f'{v:.1f}' for v in os.getloadavg())} "
-              f"({os.cpu_count()} CPUs); the default scan now takes {scan_workers()} process(es) "
-              f"(one for each idle core)")
-        if aliases:
-            print(f"note: gpuguard also reported {len(aliases)} process(es) outside the population, not "
-                  "counted: they hold a device with the same number at another path, which gpuguard "
-                  "matches by design (fuser and lsof match the node's inode): "
-                  + "; ".join(f"{pid}: {why}" for pid, why in sorted(aliases.items())[:5]))
-        ratios: dict[str, float] = {}
-        for peer in (FUSER, LSOF):
-            parts = []
-            for ours in (FIND, SCAN):
-                ratio = common.median(times[ours]) / common.median(times[peer])
-                ratios[f"{ours}/{peer}"] = ratio
-                ratios[f"{ours}/{peer} cpu"] = common.median(cpu[ours]) / common.median(cpu[peer])
-                parts.append(f"{ratio:.2f} ({ours.split(' ', 1)[1]})")
-            print(f"ratio gpuguard/{peer.split()[0]}: " + ", ".join(parts) + " [wall clock; CPU time: "
-                  f"{ratios[f'{FIND}/{peer} cpu']:.2f}, {ratios[f'{SCAN}/{peer} cpu']:.2f}]")
-        cli_ratio = common.median(times[CLI]) / common.median(times[FUSER])
-        ratios[f"{CLI}/{FUSER}"] = cli_ratio
-        scan_ratio = ratios[f"{SCAN}/{FUSER}"]
-        print(f"target gpuguardctl holders --local (whole process) no slower than fuser -v: "
-              f"{'met' if cli_ratio <= 1.0 else 'MISSED'} ({cli_ratio:.2f}x fuser)")
-        floor_ratio = common.median(times[FLOOR]) / common.median(times[FUSER])
-        ratios[f"{FLOOR}/{FUSER}"] = floor_ratio
-        print(f"target the daemon's scan in half fuser's time: "
-              f"{'met' if scan_ratio <= 0.5 else 'MISSED'} (Engine.scan() {scan_ratio:.2f}x fuser; "
-              f"the floor here, the bare pass in 2 forked processes: {floor_ratio:.2f}x)")
-        if args.profile:
-            print("\nprofile of one find_holders run:\n" + profile_find(patterns))
-        common.write_json(args.json, {
-            "benchmark": "scan", "procs": args.procs, "files": args.files,
-            "holders": len(expected), "repeat": args.repeat,
-            "median_sec": {name: common.median(times[name]) for name in names},
-            "median_cpu_sec": {name: common.median(cpu[name]) for name in names},
-            "runs_sec": times, "runs_cpu_sec": cpu, "ratios": ratios,
-            "load_average": os.getloadavg(),
-        })
+        with room_for(args.procs, args.files) as raised:
+            # nvidia-uvm with /dev/zero's numbers, so that holders can map it (gpuguard refuses
+            # regular files as devices): every /dev/zero holder on the host is then seen as well.
+            nodes = common.make_nodes(workdir / "dev", uvm=common.UVM_ZERO)
+            patterns = (str(workdir / "dev" / "nvidia*"),)
+            paths = sorted(nodes.values())
+            population = Population(workdir, nodes, args.procs, args.files, args.holders,
+                                    workers=args.workers, orphan_cleanup=(workdir / "dev", workdir),
+                                    plain_exec=LIGHT if args.light else None,
+                                    start_timeout=max(120.0, args.procs / 50))
+            population.start()
+            expected = population.holder_pids
+            if args.light:
+                check_light(population, args.files)
+            host = sum(name.isdigit() for name in os.listdir("/proc"))
+            light = f"; the plain ones exec {' '.join(LIGHT)}" if args.light else ""
+            print(f"bench_scan: {args.procs} processes x {args.files} open files, {len(expected)} holding "
+                  f"device nodes{light} ({host} processes on the host); population ready in "
+                  f"{population.startup_sec:.1f} s; nvidia-uvm is 1,5"
+                  + (f"; raised for the run: {', '.join(raised)}" if raised else ""))
+            measure(args, workdir, population, nodes, patterns, paths)
         return 0
     finally:
         if population is not None:
             population.stop()
         common.unmount_nodes(workdir / "dev")
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def check_light(population: Population, files: int) -> None:
+    """A plain process exec'd sleep with its files: else there would be nothing to scan."""
+    plain = sorted(set(population.members) - population.holder_pids)
+    for pid in plain[:1] + plain[-1:]:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")[:-1]
+        held = len(os.listdir(f"/proc/{pid}/fd"))
+        if argv != [word.encode() for word in LIGHT] or held < files:
+            raise BenchError(f"plain process {pid} runs {argv} with {held} fds: expected {' '.join(LIGHT)} "
+                             f"with its {files} files")
+
+
+def measure(args: argparse.Namespace, workdir: Path, population: Population, nodes: dict[str, str],
+            patterns: tuple[str, ...], paths: list[str]) -> None:
+    expected = population.holder_pids
+    config = Config(device_paths=patterns, allow_majors=common.ALLOW_MAJORS, runtime_directory=str(workdir / "run"),
+                    state_directory=str(workdir / "state"))
+    engine = Engine(config)
+    config_file = workdir / "gpuguard.conf"
+    config_file.write_text(
+        f"[Devices]\nPaths=\nPaths={patterns[0]}\n"
+        f"AllowMajors={' '.join(map(str, common.ALLOW_MAJORS))}\n"
+        f"[Daemon]\nRuntimeDirectory={workdir / 'run'}\nStateDirectory={workdir / 'state'}\n")
+    tools = make_helper_tools(engine, paths) if args.helpers else make_tools(patterns, paths, engine, config_file)
+    names = list(tools)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    aliases: dict[int, str] = {}
+    majors = driver_majors()
+
+    def check(name: str, pids: set[int]) -> None:
+        extra = pids - expected
+        if extra and name not in (FUSER, LSOF):
+            found = common.alias_holders(extra, nodes, majors)
+            aliases.update(found)
+            pids = pids - set(found)
+        common.check_same({name: pids}, expected, population.members)
+
+    for name in names:  # warm-up: dentry caches, imports; checked, not timed
+        check(name, tools[name]()[2])
+    for round_number in range(args.repeat):
+        # Rotate the order so no tool always runs first (or right after another).
+        shift = round_number % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds, cpu_seconds, pids = tools[name]()
+            check(name, pids)
+            times[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+    agreed = " = ".join(names)
+    print(common.table([(name, times[name]) for name in names], cpu=cpu))
+    print(f"same holders: {len(expected)} pids in every run ({agreed} = the population's holders)")
+    print(f"load average while measuring: {' '.join(f'{v:.1f}' for v in os.getloadavg())} "
+          f"({os.cpu_count()} CPUs); the default scan now takes {scan_workers()} process(es) "
+          f"(one for each idle core)")
+    if aliases:
+        print(f"note: gpuguard also reported {len(aliases)} process(es) outside the population, not "
+              "counted: they hold a device with the same number at another path, which gpuguard "
+              "matches by design (fuser and lsof match the node's inode): "
+              + "; ".join(f"{pid}: {why}" for pid, why in sorted(aliases.items())[:5]))
+    ratios = helper_ratios(times, cpu) if args.helpers else peer_ratios(times, cpu)
+    if args.profile:
+        print("\nprofile of one find_holders run:\n" + profile_find(patterns))
+    common.write_json(args.json, {
+        "benchmark": "scan", "procs": args.procs, "files": args.files,
+        "holders": len(expected), "repeat": args.repeat, "light": args.light,
+        "median_sec": {name: common.median(times[name]) for name in names},
+        "median_cpu_sec": {name: common.median(cpu[name]) for name in names},
+        "runs_sec": times, "runs_cpu_sec": cpu, "ratios": ratios,
+        "load_average": os.getloadavg(),
+    })
+
+
+def ratio(values: dict[str, list[float]], ours: str, peer: str) -> float:
+    return common.median(values[ours]) / common.median(values[peer])
+
+
+def helper_ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
+    """With helpers against without, and each against fuser -v: wall clock and CPU time."""
+    ratios: dict[str, float] = {}
+    for ours, peer in ((SCAN_HELPERS, FUSER), (SCAN_ALONE, FUSER), (SCAN_HELPERS, SCAN_ALONE)):
+        ratios[f"{ours}/{peer}"] = ratio(times, ours, peer)
+        ratios[f"{ours}/{peer} cpu"] = ratio(cpu, ours, peer)
+        print(f"ratio {ours} / {peer}: {ratios[f'{ours}/{peer}']:.2f} wall clock, "
+              f"{ratios[f'{ours}/{peer} cpu']:.2f} CPU time")
+    return ratios
+
+
+def peer_ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
+    """gpuguard against fuser and lsof, and the issue's targets."""
+    ratios: dict[str, float] = {}
+    for peer in (FUSER, LSOF):
+        parts = []
+        for ours in (FIND, SCAN):
+            ratios[f"{ours}/{peer}"] = ratio(times, ours, peer)
+            ratios[f"{ours}/{peer} cpu"] = ratio(cpu, ours, peer)
+            parts.append(f"{ratios[f'{ours}/{peer}']:.2f} ({ours.split(' ', 1)[1]})")
+        print(f"ratio gpuguard/{peer.split()[0]}: " + ", ".join(parts) + " [wall clock; CPU time: "
+              f"{ratios[f'{FIND}/{peer} cpu']:.2f}, {ratios[f'{SCAN}/{peer} cpu']:.2f}]")
+    cli_ratio = ratios[f"{CLI}/{FUSER}"] = ratio(times, CLI, FUSER)
+    scan_ratio = ratios[f"{SCAN}/{FUSER}"]
+    print(f"target gpuguardctl holders --local (whole process) no slower than fuser -v: "
+          f"{'met' if cli_ratio <= 1.0 else 'MISSED'} ({cli_ratio:.2f}x fuser)")
+    floor_ratio = ratios[f"{FLOOR}/{FUSER}"] = ratio(times, FLOOR, FUSER)
+    print(f"target the daemon's scan in half fuser's time: "
+          f"{'met' if scan_ratio <= 0.5 else 'MISSED'} (Engine.scan() {scan_ratio:.2f}x fuser; "
+          f"the floor here, the bare pass in 2 forked processes: {floor_ratio:.2f}x)")
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,20 @@ def test_bench_scan_smoke() -> None:
     assert "the floor here, the bare pass in 2 forked processes: " in out, out
 
 
+def test_bench_scan_helpers_smoke() -> None:
+    """The big-host run (--helpers --light) at a tiny size: helpers and none, fuser beside."""
+    _require("fuser")
+    out = _run("bench_scan.py", "--procs", "450", "--fds", "5", "--holders", "5", "--repeat", "1",
+               "--helpers", "--light")
+    assert "the plain ones exec sleep infinity" in out, out
+    assert "same holders: 5 pids in every run (Engine.scan(), helpers = Engine.scan(), no helpers = " \
+        "fuser -v = the population's holders)" in out, out
+    for ratio in ("Engine.scan(), helpers / fuser -v: ", "Engine.scan(), no helpers / fuser -v: ",
+                  "Engine.scan(), helpers / Engine.scan(), no helpers: "):
+        assert f"ratio {ratio}" in out, out
+    assert "lsof" not in out, out
+
+
 def test_bench_sweep_smoke() -> None:
     _require("fuser", "pkill")
     out = _run("bench_sweep.py", "--holders", "5", "--files", "5", "--repeat", "1")
