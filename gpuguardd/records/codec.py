@@ -62,10 +62,14 @@ class WireRecord:
         back = self._back
         out: Wire = {}
         if back is None:
-            return _writer(type(self))(self)
+            for name, left_out in _layout(type(self)):
+                value = getattr(self, name)
+                if not left_out(value):
+                    out[name] = plain(value)
+            return out
         if back.whole:
             return back.whole[0]
-        for name in _layout(type(self)):
+        for name, _ in _layout(type(self)):
             if name in back.kept:
                 out[name] = back.kept[name]
             elif name in back.present:
@@ -75,15 +79,6 @@ class WireRecord:
 
     @classmethod
     def from_dict(cls, data: object) -> Self:
-        if type(data) is dict:
-            record: Self | None = _fast_reader(cls)(data)
-            if record is not None:
-                return record
-        return cls.read_slowly(data)
-
-    @classmethod
-    def read_slowly(cls, data: object) -> Self:
-        """from_dict for any shape, one key at a time (the fast reader's reference)."""
         specs = _specs(cls)
         values: dict[str, Any] = {}
         unread: set[str] = set()
@@ -153,7 +148,7 @@ def _empty(value: object) -> bool:
 # name -> (reader, stand-in for an unread value, whether __init__ takes it)
 _Spec = tuple[Reader, Callable[[], Any], bool]
 _SPECS: dict[type, dict[str, _Spec]] = {}
-_LAYOUTS: dict[type, tuple[str, ...]] = {}
+_LAYOUTS: dict[type, tuple[tuple[str, Callable[[object], bool]], ...]] = {}
 _BASE_FIELDS = frozenset({"unread", "_back"})
 
 
@@ -163,136 +158,30 @@ def _wire_fields(cls: type) -> list[Field[Any]]:
     return [f for f in fields(cls) if f.name not in _BASE_FIELDS and f.metadata.get("wire", True)]
 
 
-def _layout(cls: type[WireRecord]) -> tuple[str, ...]:
-    """The keys of the wire form, in order."""
+def _layout(cls: type[WireRecord]) -> tuple[tuple[str, Callable[[object], bool]], ...]:
+    """The keys of the wire form, in order, each with when a record built here leaves it
+    out: an OPTIONAL field typed `X | None` while None, another OPTIONAL field while empty,
+    any other field never."""
     layout = _LAYOUTS.get(cls)
     if layout is None:
-        layout = _LAYOUTS[cls] = tuple(f.name for f in _wire_fields(cls))
+        layout = _LAYOUTS[cls] = tuple((f.name, _left_out(cls, f)) for f in _wire_fields(cls))
     return layout
 
 
-_WRITERS: dict[type, Callable[[Any], Wire]] = {}
+def _left_out(cls: type[WireRecord], f: Field[Any]) -> Callable[[object], bool]:
+    if f.name not in cls.OPTIONAL:
+        return _never
+    if str(f.type).replace(" ", "").endswith("|None"):
+        return _is_none
+    return _empty
 
 
-def _writer(cls: type[WireRecord]) -> Callable[[Any], Wire]:
-    """The wire form of a record built here, as one function written for its class (as
-    dataclasses writes __init__): every holder of every scan goes through it, and a loop
-    over the fields with a conversion per value took eight times as long."""
-    writer = _WRITERS.get(cls)
-    if writer is None:
-        namespace = vars(sys.modules[cls.__module__])
-        lines = ["def wire(self):", " out = {}"]
-        for f in _wire_fields(cls):
-            value = _conversion(str(f.type), f"self.{f.name}", namespace)
-            if f.name in cls.OPTIONAL and str(f.type).replace(" ", "").endswith("|None"):
-                lines.append(f" if self.{f.name} is not None: out[{f.name!r}] = {value}")
-            elif f.name in cls.OPTIONAL:
-                lines.append(f" if not _empty(self.{f.name}): out[{f.name!r}] = {value}")
-            else:
-                lines.append(f" out[{f.name!r}] = {value}")
-        lines.append(" return out")
-        scope: dict[str, Any] = {"_empty": _empty, "plain": plain}
-        exec("\n".join(lines), scope)  # the text is made of this class's field names only
-        writer = _WRITERS[cls] = scope["wire"]
-    return writer
+def _never(value: object) -> bool:
+    return False
 
 
-def _conversion(annotation: str, expression: str, namespace: Mapping[str, Any]) -> str:
-    """Python text for the wire value of `expression`, a field of type `annotation`."""
-    text = annotation.replace(" ", "")
-    if text in _SCALARS or (text.endswith("|None") and text[: -len("|None")] in _SCALARS):
-        return expression
-    if text in ("list[int]", "list[str]"):
-        return f"list({expression})"
-    if text.endswith("|None"):
-        return f"plain({expression})"
-    kind = namespace.get(text)
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        return f"{expression}.value"
-    return f"plain({expression})"  # records, lists of records
-
-
-_FAST_READERS: dict[type, Callable[[Wire], Any]] = {}
-
-
-def _fast_reader(cls: type[WireRecord]) -> Callable[[Wire], Any]:
-    """from_dict for a dict of this version's shape, written for the class like _writer: it
-    gives up (None) at the first key it does not know or value of another type, and the
-    general reader takes over. A history of 8 MB is read in well under a second this way;
-    the general one took ~60 us an entry."""
-    reader = _FAST_READERS.get(cls)
-    if reader is None:
-        namespace = vars(sys.modules[cls.__module__])
-        scope: dict[str, Any] = {"cls": cls, "_ReadBack": _ReadBack, "frozenset": frozenset}
-        lines = ["def read(d):", " n = 0", " missing = None"]
-        init: list[str] = []
-        for number, f in enumerate(_wire_fields(cls)):
-            var = f"v{number}"
-            check = _fast_check(str(f.type), var, scope, namespace)
-            stand_in = _specs(cls)[f.name][1]
-            scope[f"s{number}"] = stand_in
-            lines += [f" if {f.name!r} in d:", f"  {var} = d[{f.name!r}]", *(f"  {c}" for c in check),
-                      "  n += 1",
-                      " else:", f"  {var} = s{number}()",
-                      f"  missing = (missing or ()) + ({f.name!r},)"]
-            if not f.init:
-                return _give_up  # (no record has a wire field outside __init__)
-            init.append(f"{f.name}={var}")
-        names = [f.name for f in _wire_fields(cls)]
-        # Every key there (the usual case): one bookkeeping shared by all such records, which
-        # nothing changes.
-        scope["ALL"] = frozenset(names)
-        scope["NONE_UNREAD"] = frozenset()
-        scope["OPTIONAL"] = frozenset(cls.OPTIONAL)
-        scope["ALL_READ"] = _ReadBack(frozenset(names), {})
-        lines += [" if n != len(d): return None",
-                  f" r = cls({', '.join(init)})",
-                  " if missing is None:",
-                  "  object.__setattr__(r, 'unread', NONE_UNREAD)",
-                  "  object.__setattr__(r, '_back', ALL_READ)",
-                  " else:",
-                  "  m = frozenset(missing)",
-                  "  object.__setattr__(r, 'unread', m - OPTIONAL)",
-                  "  object.__setattr__(r, '_back', _ReadBack(ALL - m, {}))",
-                  " return r"]
-        exec("\n".join(lines), scope)  # the text is made of this class's field names only
-        reader = _FAST_READERS[cls] = scope["read"]
-    return reader
-
-
-def _give_up(data: Wire) -> None:
-    return None
-
-
-def _fast_check(annotation: str, var: str, scope: dict[str, Any],
-                namespace: Mapping[str, Any]) -> list[str]:
-    """Lines that return None unless `var` has the type `annotation` names, and make it the
-    field's value."""
-    text = annotation.replace(" ", "")
-    if text.endswith("|None"):
-        inner = _fast_check(text[: -len("|None")], var, scope, namespace)
-        return [f"if {var} is not None:", *(f" {line}" for line in inner)]
-    if text in ("int", "str", "bool"):
-        return [f"if type({var}) is not {text}: return None"]
-    if text in ("list[int]", "list[str]"):
-        item = text[len("list["):-1]
-        return [f"if type({var}) is not list or any(type(i) is not {item} for i in {var}): return None",
-                f"{var} = list({var})"]
-    kind = namespace.get(text)
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        scope[f"E_{kind.__name__}"] = {member.value: member for member in kind}
-        return [f"{var} = E_{kind.__name__}.get({var}) if type({var}) is str else None",
-                f"if {var} is None: return None"]
-    if isinstance(kind, type) and issubclass(kind, WireRecord):
-        scope[f"R_{kind.__name__}"] = kind
-        return [f"if type({var}) is not dict: return None", f"{var} = R_{kind.__name__}.from_dict({var})"]
-    if text.startswith("list[") and text.endswith("]"):
-        item_kind = namespace.get(text[len("list["):-1])
-        if isinstance(item_kind, type) and issubclass(item_kind, WireRecord):
-            scope[f"R_{item_kind.__name__}"] = item_kind
-            return [f"if type({var}) is not list: return None",
-                    f"{var} = [R_{item_kind.__name__}.from_dict(i) for i in {var}]"]
-    raise TypeError(f"no wire reader for the annotation {annotation!r}")
+def _is_none(value: object) -> bool:
+    return value is None
 
 
 def _specs(cls: type) -> dict[str, _Spec]:
