@@ -192,10 +192,9 @@ def _ignores_sigterm(pid: int) -> bool:
                                            and not signals.caught & bit)
 
 
-def _exit_status(pid: int, start_time: int) -> str:
+def _exit_status(stat: procfs.ProcStat | None) -> str:
     """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
-    stat = procfs.read_stat(pid)
-    if stat is None or stat.state != "Z" or stat.start_time != start_time or stat.exit_code is None:
+    if stat is None or stat.state != "Z" or stat.exit_code is None:
         return ""
     code = stat.exit_code
     if not os.WIFSIGNALED(code):
@@ -438,17 +437,18 @@ class Sweep:
         seen = time.monotonic() if seen_at is None else seen_at
         # What is known, not what was hoped: the kernel's exit status while it still has it;
         # otherwise SIGTERM is credited only if it could have ended the process.
-        status = _exit_status(holder.pid, handle.start_time) if handle.alive() else ""
+        stat = procfs.read_stat(holder.pid)
+        if stat is not None and stat.start_time != handle.start_time:
+            stat = None  # reaped, and its PID is another process's now
+        status = _exit_status(stat)
         signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
         entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit,
                            uid=holder.uid if holder.uid >= 0 else None, signal=signal_name,
                            exited_after_ms=max(0, int((seen - sent_at) * 1000)), exit_status=status)
-        if handle.alive():
+        if stat is not None:
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked
             # at verification), but worth naming the parent that should reap it.
-            stat = procfs.read_stat(holder.pid)
-            if stat is not None and stat.start_time == handle.start_time:
-                entry.zombie_parent = stat.ppid
+            entry.zombie_parent = stat.ppid
         self.report.terminated.append(entry)
         self._terminated_pids.add(holder.pid)
         self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
