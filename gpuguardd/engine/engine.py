@@ -217,9 +217,10 @@ class Engine:
             found.append(match[0].mig)
         return tuple(sorted(set(found))), rest
 
-    def resolve_request(self, request: SweepRequest) -> tuple[Scope, SweepSettings, list[str]]:
+    def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None
+                        ) -> tuple[Scope, SweepSettings, list[str]]:
         config = self.config
-        nvml = self.snapshot(with_processes=False)
+        nvml = nvml or self.snapshot(with_processes=False)
         mig, others = self.resolve_mig(request.gpus, nvml)
         gpus, warnings = self.resolve_gpus(others, nvml)
         unit = _checked(normalize_unit_name, request.unit)
@@ -260,11 +261,12 @@ class Engine:
         return names
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None) -> Report:
-        scope, settings, warnings = self.resolve_request(request)
+        since = clock_ticks()
+        nvml = self.snapshot()  # one reading for the request's GPUs and the scan
+        scope, settings, warnings = self.resolve_request(request, nvml)
         locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
-            since = clock_ticks()
-            first = self._scan_pinned()
+            first = self._scan_pinned(nvml)
             if not settings.dry_run:
                 # Which GPUs the sweep touches is only known from a scan; lock those. If we had
                 # to wait for another sweep, look again, and widen the lock if it reaches further.
