@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -299,20 +300,29 @@ def test_a_holder_forked_by_a_dying_one_is_ended_too(inproc_nvml: GpuHost) -> No
     after the first round (it started since the scan) and ends it."""
     host = inproc_nvml
     worker = host.spawn("--hold", host.node("nvidia-uvm"), "--fork-on-term")
-    assert worker.popen.stdout is not None
     child = 0
     try:
         report = _engine(host, verify_timeout_sec=2).sweep(SweepRequest())
-        line = worker.popen.stdout.readline().split()
-        assert line[0] == "child", line
-        child = int(line[1])
+        child = forked_child(worker)
         assert [t.pid for t in report.terminated] == [worker.pid, child]
         assert report.terminated[1].signal == "SIGTERM" and not report.survived
         stat = procfs.read_stat(child)
         assert stat is None or stat.state == "Z"  # an orphan: init reaps it
     finally:
+        child = child or forked_child(worker)
         if child:
-            _kill(child)
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def forked_child(worker: Proc) -> int:
+    """The PID a --fork-on-term holder printed for its child, 0 if none within 5 s."""
+    assert worker.popen.stdout is not None
+    ready, _, _ = select.select([worker.popen.stdout], [], [], 5)
+    line = worker.popen.stdout.readline().split() if ready else []
+    return int(line[1]) if line[:1] == ["child"] else 0
 
 
 def test_a_holder_started_under_a_recycled_pid_is_found(inproc_nvml: GpuHost,
@@ -349,9 +359,3 @@ def spawn_as(host: GpuHost, pid: int, *args: str) -> Proc:
         proc.stop()
     pytest.fail(f"could not get PID {pid} back")
 
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
