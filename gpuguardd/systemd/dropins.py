@@ -129,7 +129,8 @@ def glob_chars(text: str) -> bool:
 
 
 def render_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
-    """The drop-in text; the packaged files in systemd/dropins/ are this, byte for byte."""
+    """The drop-in text; the packaged examples (systemd/dropins/*/gpuguard.conf.in, filled in
+    with the default paths by packaging/units.py) are this, byte for byte."""
     remove = target.name.removesuffix(".service") if target.kind == "prefix" else target.name
     return "\n".join((
         HEADER,
