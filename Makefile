@@ -152,7 +152,6 @@ CLEAN_ENV := env -u PYTHONPATH -u VIRTUAL_ENV -u PYENV_VERSION -u PYTHONHOME \
 
 MAN_SOURCES := $(wildcard man/*.scd)
 MAN_PAGES := $(patsubst man/%.scd,build/man/%,$(MAN_SOURCES))
-DROPIN_DIRS := $(notdir $(wildcard systemd/dropins/*.service.d))
 DBUS_NAME := org.gpuguard.GpuGuard1
 
 man: $(MAN_PAGES)
@@ -162,26 +161,36 @@ build/man/%: man/%.scd gpuguardd/__init__.py
 	sed 's/@VERSION@/$(VERSION)/g' $< | scdoc > $@.tmp
 	mv $@.tmp $@
 
-# $(call entry_point,MODULE,FILE): a program that runs MODULE's main() from PYTHONDIR.
+# $(call entry_point,MODULE,FILE,MODE): one shell command writing a program that runs MODULE's
+# main() from PYTHONDIR (MODULE and FILE may be shell variables).
 define entry_point
-	printf '%s\n' '#!$(INSTALL_PYTHON)' \
-		'# Installed by make install: the gpuguardd package lives in $(PYTHONDIR).' \
-		'import sys' '' 'sys.path.insert(0, "$(PYTHONDIR)")' '' \
-		'from $(1) import main' '' 'main()' > $(2).tmp
-	chmod 755 $(2).tmp
-	mv $(2).tmp $(2)
+printf '%s\n' '#!$(INSTALL_PYTHON)' \
+	'# Installed by make install: the gpuguardd package lives in $(PYTHONDIR).' \
+	'import sys' '' 'sys.path.insert(0, "$(PYTHONDIR)")' '' \
+	"from $(1) import main" '' 'main()' > $(2).tmp && chmod $(3) $(2).tmp && mv $(2).tmp $(2)
 endef
 
+# packaging/files.txt is the one list of the files installed outside the Python package:
+# install-python writes its programs, install-data installs the rest, uninstall removes them.
+# packaging/files.py fills in these directories.
+FILES = $(PYTHON) packaging/files.py $(1) UNITS=$(UNITS) BINDIR=$(BINDIR) LIBEXECDIR=$(LIBEXECDIR) \
+	DATADIR=$(DATADIR) MANDIR=$(MANDIR) SYSCONFDIR=$(SYSCONFDIR) UNITDIR=$(UNITDIR) \
+	SYSUSERSDIR=$(SYSUSERSDIR) USERUNITDIR=$(USERUNITDIR) DBUS_POLICYDIR=$(DBUS_POLICYDIR) \
+	DBUS_SERVICEDIR=$(DBUS_SERVICEDIR) DBUS_INTERFACEDIR=$(DBUS_INTERFACEDIR) \
+	POLKIT_ACTIONDIR=$(POLKIT_ACTIONDIR) COMPLETIONDIR=$(COMPLETIONDIR)
+
 install-python:
-	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBEXECDIR)/gpuguard
+	$(INSTALL) -d $(DESTDIR)$(PYTHONDIR)
 	@# The modules, and the D-Bus interface they are built from (package data, as setup.py builds it).
 	find gpuguardd -name '*.py' -exec $(INSTALL) -D -m 644 {} $(DESTDIR)$(PYTHONDIR)/{} \;
 	$(INSTALL) -m 644 dbus/$(DBUS_NAME).xml $(DESTDIR)$(PYTHONDIR)/gpuguardd/bus/$(DBUS_NAME).xml
 	$(INSTALL_PYTHON) -m compileall -q -d $(PYTHONDIR)/gpuguardd $(DESTDIR)$(PYTHONDIR)/gpuguardd
-	$(call entry_point,gpuguardd.cli.main,$(DESTDIR)$(BINDIR)/gpuguardctl)
-	$(call entry_point,gpuguardd.daemon.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd)
-	$(call entry_point,gpuguardd.exporter.main,$(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter)
-	$(call entry_point,gpuguardd.notify.main,$(DESTDIR)$(BINDIR)/gpuguard-notify)
+	@set -e; programs=$$($(call FILES,programs)); \
+	printf '%s\n' "$$programs" | while read -r mode module target; do \
+		echo "writing $(DESTDIR)$$target (runs $$module)"; \
+		$(INSTALL) -d "$(DESTDIR)$${target%/*}"; \
+		$(call entry_point,$$module,"$(DESTDIR)$$target",$$mode); \
+	done
 
 # The files that call gpuguard's programs by their path (the units, the example drop-ins, the
 # Slurm scripts) are templates, FILE.in; packaging/units.py, the one place that knows their
@@ -194,42 +203,18 @@ units:
 	$(PYTHON) packaging/units.py $(UNITS) BINDIR=$(BINDIR) LIBEXECDIR=$(LIBEXECDIR)
 
 # Everything but the Python code; the .deb and the .rpm use this too (their Python part comes
-# from dh-python and %pyproject_install).
+# from dh-python and %pyproject_install). An existing configuration is the admin's: never
+# overwritten.
 install-data: man units
-	$(INSTALL) -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(DBUS_POLICYDIR) $(DESTDIR)$(DBUS_SERVICEDIR) \
-		$(DESTDIR)$(DBUS_INTERFACEDIR) $(DESTDIR)$(POLKIT_ACTIONDIR) $(DESTDIR)$(COMPLETIONDIR) \
-		$(DESTDIR)$(SYSCONFDIR)/gpuguard
-	$(INSTALL) -m 644 $(UNITS)/systemd/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguardd.service
-	$(INSTALL) -m 644 $(UNITS)/systemd/gpuguard-exporter.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service
-	$(INSTALL) -m 644 systemd/gpuguard-exporter.socket $(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket
-	$(INSTALL) -D -m 644 systemd/gpuguard-exporter.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf
-	@# gpuguard-notify: a user service, off until a user enables it (docs/desktop.md).
-	$(INSTALL) -D -m 644 $(UNITS)/systemd/user/gpuguard-notify.service $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service
-	@# Slurm: the epilog and the report-only UnkillableStepProgram (docs/fleet.md).
-	$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/slurm/epilog.d $(DESTDIR)$(DATADIR)/gpuguard/slurm/prolog.d
-	set -e; for f in epilog.d/50-gpuguard prolog.d/50-gpuguard unkillable-step; do \
-		$(INSTALL) -m 755 $(UNITS)/slurm/$$f $(DESTDIR)$(DATADIR)/gpuguard/slurm/$$f; \
+	@set -e; files=$$($(call FILES,data)); \
+	printf '%s\n' "$$files" | while read -r mode source target flag; do \
+		if [ "$$flag" = config ] && [ -e "$(DESTDIR)$$target" ]; then \
+			echo "keeping the existing $(DESTDIR)$$target"; continue; \
+		fi; \
+		$(INSTALL) -d "$(DESTDIR)$${target%/*}"; \
+		echo "$(INSTALL) -m $$mode $$source $(DESTDIR)$$target"; \
+		$(INSTALL) -m $$mode "$$source" "$(DESTDIR)$$target"; \
 	done
-	set -e; for d in $(DROPIN_DIRS); do \
-		$(INSTALL) -d $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d; \
-		$(INSTALL) -m 644 $(UNITS)/systemd/dropins/$$d/gpuguard.conf $(DESTDIR)$(DATADIR)/gpuguard/dropins/$$d/gpuguard.conf; \
-	done
-	$(INSTALL) -m 644 dbus/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf
-	$(INSTALL) -m 644 dbus/$(DBUS_NAME).service $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service
-	$(INSTALL) -m 644 dbus/$(DBUS_NAME).xml $(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml
-	$(INSTALL) -m 644 dbus/$(DBUS_NAME).policy $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy
-	$(INSTALL) -m 644 completion/gpuguardctl $(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
-	set -e; for page in $(MAN_PAGES); do \
-		$(INSTALL) -d $(DESTDIR)$(MANDIR)/man$${page##*.}; \
-		$(INSTALL) -m 644 $$page $(DESTDIR)$(MANDIR)/man$${page##*.}/; \
-	done
-	@# An existing configuration is the admin's: never overwritten.
-	@if [ -e $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf ]; then \
-		echo "keeping the existing $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf"; \
-	else \
-		echo "$(INSTALL) -m 644 config/gpuguard.conf $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf"; \
-		$(INSTALL) -m 644 config/gpuguard.conf $(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
-	fi
 
 # The built page only: the .deb and the .rpm call this on a copy that has cockpit/dist already.
 install-cockpit:
@@ -269,25 +254,24 @@ uninstall:
 	@# The unit keeps its runtime directory across restarts (RuntimeDirectoryPreserve=yes):
 	@# with the daemon gone for good, nothing in it is left to finish.
 	rm -rf $(DESTDIR)/run/gpuguard
-	rm -f $(DESTDIR)$(BINDIR)/gpuguardctl $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguardd \
-		$(DESTDIR)$(BINDIR)/gpuguard-notify $(DESTDIR)$(USERUNITDIR)/gpuguard-notify.service \
-		$(DESTDIR)$(UNITDIR)/gpuguardd.service $(DESTDIR)$(UNITDIR)/gpuguard-exporter.service \
-		$(DESTDIR)$(UNITDIR)/gpuguard-exporter.socket $(DESTDIR)$(LIBEXECDIR)/gpuguard/gpuguard-exporter \
-		$(DESTDIR)$(SYSUSERSDIR)/gpuguard-exporter.conf \
-		$(DESTDIR)$(DBUS_POLICYDIR)/$(DBUS_NAME).conf $(DESTDIR)$(DBUS_SERVICEDIR)/$(DBUS_NAME).service \
-		$(DESTDIR)$(DBUS_INTERFACEDIR)/$(DBUS_NAME).xml $(DESTDIR)$(POLKIT_ACTIONDIR)/$(DBUS_NAME).policy \
-		$(DESTDIR)$(COMPLETIONDIR)/gpuguardctl
-	set -e; for page in $(notdir $(MAN_PAGES)); do rm -f $(DESTDIR)$(MANDIR)/man$${page##*.}/$$page; done
+	@set -e; files=$$($(call FILES,remove)); \
+	for f in $$files; do echo "rm -f $(DESTDIR)$$f"; rm -f "$(DESTDIR)$$f"; done
+	@# Directories that are gpuguard's alone go whole: also what an older version put there.
 	rm -rf $(DESTDIR)$(PYTHONDIR)/gpuguardd $(DESTDIR)$(DATADIR)/gpuguard $(DESTDIR)$(COCKPITDIR) \
 		$(DESTDIR)$(EXTENSIONDIR)/$(GNOME_EXTENSION)
 	rmdir $(DESTDIR)$(DATADIR)/cockpit 2>/dev/null || true
 	rmdir $(DESTDIR)$(EXTENSIONDIR) $(DESTDIR)$(DATADIR)/gnome-shell 2>/dev/null || true
-	rmdir $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(PREFIX)/lib/gpuguard $(DESTDIR)$(LIBEXECDIR)/gpuguard 2>/dev/null || true
+	rmdir $(DESTDIR)$(PYTHONDIR) $(DESTDIR)$(PREFIX)/lib/gpuguard 2>/dev/null || true
 	@# The configuration goes only if it is still the one make install put there.
-	@conf=$(DESTDIR)$(SYSCONFDIR)/gpuguard/gpuguard.conf; \
-	if [ -e $$conf ] && cmp -s config/gpuguard.conf $$conf; then \
-		echo "rm -f $$conf"; rm -f $$conf; rmdir $(DESTDIR)$(SYSCONFDIR)/gpuguard 2>/dev/null || true; \
-	elif [ -e $$conf ]; then echo "keeping the changed $$conf"; fi
+	@set -e; config=$$($(call FILES,config)); \
+	printf '%s\n' "$$config" | while read -r source target; do \
+		if [ -e "$(DESTDIR)$$target" ] && cmp -s "$$source" "$(DESTDIR)$$target"; then \
+			echo "rm -f $(DESTDIR)$$target"; rm -f "$(DESTDIR)$$target"; \
+		elif [ -e "$(DESTDIR)$$target" ]; then echo "keeping the changed $(DESTDIR)$$target"; fi; \
+	done
+	@# The directories of gpuguard's own the files were in (libexec's gpuguard, ...), once empty.
+	@set -e; dirs=$$($(call FILES,dirs)); \
+	for d in $$dirs; do rmdir "$(DESTDIR)$$d" 2>/dev/null || true; done
 	@# The sweep history stays, as `apt-get remove` keeps it; PURGE=yes removes it too.
 	@if [ "$(PURGE)" = yes ]; then echo "rm -rf $(DESTDIR)/var/lib/gpuguard"; rm -rf $(DESTDIR)/var/lib/gpuguard; \
 	elif [ -d $(DESTDIR)/var/lib/gpuguard ]; then echo "keeping the sweep history in $(DESTDIR)/var/lib/gpuguard (PURGE=yes removes it)"; fi

@@ -1,12 +1,17 @@
-"""Packaging: bash completion, `make install`/`uninstall`, the .deb and the .rpm.
+"""Packaging: bash completion, the list of files, `make install`/`uninstall`, the .deb and the .rpm.
 
 The layout asserted here is the one packaging/README.md documents; the packages are built
 once per session by the Makefile's own targets (tests/packages.py), from the release tarball.
+What goes where outside the Python package is packaging/files.txt, the one list `make install`
+and `make uninstall` are made from: `make install`, the .deb and the .rpm are held to it, and
+it to the tree (every file of the tree that ships is on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
+import importlib.util
 import json
 import os
 import re
@@ -16,7 +21,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -31,44 +36,49 @@ DBUS_NAME = "org.gpuguard.GpuGuard1"
 # the build copies from dbus/ (setup.py, make install).
 INTERFACE_XML = "gpuguardd/bus/org.gpuguard.GpuGuard1.xml"
 MODULES = sorted([str(p.relative_to(ROOT)) for p in (ROOT / "gpuguardd").rglob("*.py")] + [INTERFACE_XML])
-DROPIN_DIRS = sorted(p.name for p in (ROOT / "systemd" / "dropins").glob("*.service.d"))
 if TYPE_CHECKING:
     from tests.conftest import GpuHost
 
-MAN_PAGES = ("man1/gpuguardctl.1", "man1/gpuguard-notify.1", "man5/gpuguard.conf.5", "man7/gpuguard-dbus.7",
-             "man8/gpuguardd.8")
 EXTENSION = "usr/share/gnome-shell/extensions/gpuguard@gpuguard.org"
 # The GNOME Shell extension's files, in either layout (gnome-shell-extension/build.py).
 EXTENSION_FILES = ("client.js", "compat.js", "escape.js", "extension.js", "indicator.js", "metadata.json",
                    "org.gpuguard.GpuGuard1.xml", "resetDialog.js", "state.js", "stylesheet.css",
                    "sweepDialog.js")
 
+# packaging/files.py by path: the name `packaging` is also PyPI's packaging.
+_spec = importlib.util.spec_from_file_location("gpuguard_files", ROOT / "packaging" / "files.py")
+assert _spec is not None and _spec.loader is not None
+files_py = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # for its dataclass
+_spec.loader.exec_module(files_py)
+# The Makefile's directories as packaging/README.md documents them: `make install`'s defaults
+# (PREFIX=/usr), which are Debian's and Fedora's (the .deb has its units in /lib/systemd/system).
+DIRS = {"UNITS": "build/units", "BINDIR": "/usr/bin", "LIBEXECDIR": "/usr/libexec", "DATADIR": "/usr/share",
+        "MANDIR": "/usr/share/man", "SYSCONFDIR": "/etc", "UNITDIR": "/usr/lib/systemd/system",
+        "SYSUSERSDIR": "/usr/lib/sysusers.d", "USERUNITDIR": "/usr/lib/systemd/user",
+        "DBUS_POLICYDIR": "/usr/share/dbus-1/system.d", "DBUS_SERVICEDIR": "/usr/share/dbus-1/system-services",
+        "DBUS_INTERFACEDIR": "/usr/share/dbus-1/interfaces", "POLKIT_ACTIONDIR": "/usr/share/polkit-1/actions",
+        "COMPLETIONDIR": "/usr/share/bash-completion/completions"}
+
+
+def listed(unitdir: str = "usr/lib/systemd/system") -> dict[str, Any]:
+    """packaging/files.txt filled in with DIRS: the destination, relative to /, of each entry."""
+    dirs = {**DIRS, "UNITDIR": f"/{unitdir}"}
+    return {files_py.fill(e.destination, dirs).removeprefix("/"): e for e in files_py.read()}
+
+
+def owned_dirs(unitdir: str = "usr/lib/systemd/system") -> set[str]:
+    """The directories packaging/files.txt makes gpuguard's own, relative to /."""
+    return {d.removeprefix("/") for d in files_py.owned_dirs(files_py.read(), {**DIRS, "UNITDIR": f"/{unitdir}"})}
+
 
 def data_files(unitdir: str = "usr/lib/systemd/system") -> set[str]:
     """Everything but the Python modules, relative to /, as `make install` and the packages lay it out."""
-    files = {
-        "etc/gpuguard/gpuguard.conf",
-        "usr/bin/gpuguardctl",
-        "usr/bin/gpuguard-notify",
-        "usr/lib/systemd/user/gpuguard-notify.service",
-        "usr/libexec/gpuguard/gpuguardd",
-        "usr/libexec/gpuguard/gpuguard-exporter",
-        f"{unitdir}/gpuguardd.service",
-        f"{unitdir}/gpuguard-exporter.service",
-        f"{unitdir}/gpuguard-exporter.socket",
-        "usr/lib/sysusers.d/gpuguard-exporter.conf",
-        "usr/share/gpuguard/slurm/epilog.d/50-gpuguard",
-        "usr/share/gpuguard/slurm/prolog.d/50-gpuguard",
-        "usr/share/gpuguard/slurm/unkillable-step",
-        f"usr/share/dbus-1/system.d/{DBUS_NAME}.conf",
-        f"usr/share/dbus-1/system-services/{DBUS_NAME}.service",
-        f"usr/share/dbus-1/interfaces/{DBUS_NAME}.xml",
-        f"usr/share/polkit-1/actions/{DBUS_NAME}.policy",
-        "usr/share/bash-completion/completions/gpuguardctl",
-    }
-    files |= {f"usr/share/gpuguard/dropins/{d}/gpuguard.conf" for d in DROPIN_DIRS}
-    files |= {f"usr/share/man/{page}" for page in MAN_PAGES}
-    return files
+    return set(listed(unitdir))
+
+
+def config_files() -> set[str]:
+    """The admin's files: kept by make install and uninstall, conffiles, %config(noreplace)."""
+    return {path for path, entry in listed().items() if entry.config}
 
 
 def cockpit_files(datadir: str = "usr/share") -> set[str]:
@@ -181,6 +191,77 @@ def test_completion_asks_gpuguardctl_for_gpus(gpu_host: GpuHost, tmp_path: Path)
                     env=gpu_host.env) == uuids
 
 
+# -- the list of files (packaging/files.txt) -------------------------------------------------
+
+def test_the_list_holds_every_file_of_the_tree_that_ships() -> None:
+    """Each template (packaging/units.py fills them in), man page, D-Bus and polkit file, the
+    completion, the configuration, the other systemd files and a program for each console
+    script, once: a file added to the tree and not to the list fails here."""
+    sources = [e.source for e in files_py.read()]
+    expected = [f"$(UNITS)/{t.relative_to(ROOT).with_suffix('')}" for t in units.templates()]
+    expected += [f"build/man/{p.stem}" for p in (ROOT / "man").glob("*.scd")]
+    expected += [str(p.relative_to(ROOT)) for folder in ("dbus", "completion", "config")
+                 for p in (ROOT / folder).iterdir()]
+    expected += [str(p.relative_to(ROOT)) for p in (ROOT / "systemd").rglob("*") if p.is_file() and p.suffix != ".in"]
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    scripts = dict(line.replace(" ", "").split("=") for line in
+                   setup["options.entry_points"]["console_scripts"].strip().splitlines())
+    expected += [f"program:{target.removesuffix(':main')}" for target in scripts.values()]
+    assert sorted(sources) == sorted(expected)
+    programs = {Path(e.destination).name: e.module for e in files_py.read() if e.module}
+    assert programs == {name: target.removesuffix(":main") for name, target in scripts.items()}
+
+
+def test_the_list_is_the_documented_layout() -> None:
+    files = listed()
+    assert files["usr/lib/systemd/system/gpuguardd.service"].source == "$(UNITS)/systemd/gpuguardd.service"
+    assert files["usr/libexec/gpuguard/gpuguardd"].module == "gpuguardd.daemon.main", "the daemon is not on PATH"
+    assert files["usr/share/man/man8/gpuguardd.8"].source == "build/man/gpuguardd.8"
+    assert {p: e.mode for p, e in files.items() if e.mode != "644"} == {
+        "usr/bin/gpuguardctl": "755", "usr/bin/gpuguard-notify": "755", "usr/libexec/gpuguard/gpuguardd": "755",
+        "usr/libexec/gpuguard/gpuguard-exporter": "755", "usr/share/gpuguard/slurm/epilog.d/50-gpuguard": "755",
+        "usr/share/gpuguard/slurm/prolog.d/50-gpuguard": "755", "usr/share/gpuguard/slurm/unkillable-step": "755"}
+    assert config_files() == {"etc/gpuguard/gpuguard.conf"}
+    # Drop-ins for other units are the admin's choice: none where systemd would read it.
+    assert not [f for f in files if re.match(r"(usr/)?lib/systemd/system/.+\.service\.d/", f)]
+    # gpuguard's own directories, which uninstall removes; never a shared one.
+    dirs = owned_dirs()
+    assert {"etc/gpuguard", "usr/libexec/gpuguard", "usr/share/gpuguard", "usr/share/gpuguard/slurm/epilog.d",
+            "usr/share/gpuguard/dropins/vllm-.service.d"} <= dirs
+    assert all(re.match(r"(etc|usr/libexec|usr/share)/gpuguard(/|$)", d) for d in dirs), dirs
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    ("644 a $(BINDIR)/x\n644 b $(BINDIR)/x", "installed twice"),
+    ("64x a $(BINDIR)/x", "is not octal"),
+    ("644 a /usr/bin/x", "below one of the Makefile's directories"),
+    ("644 a $(DATADIR)/gpuguard/../x", "below one of the Makefile's directories"),
+    ("644 a $(BINDIR)/x conf", "expected MODE SOURCE DESTINATION"),
+    ("755 program:gpuguardd/cli $(BINDIR)/x", "names no module"),
+])
+def test_a_bad_line_is_refused_with_its_number(line: str, error: str) -> None:
+    with pytest.raises(files_py.ListError, match=re.escape(error)) as raised:
+        files_py.parse(f"# comment\n\n{line}\n", "files.txt")
+    assert str(raised.value).startswith(("files.txt:3: ", "files.txt:4: ")), raised.value
+
+
+def test_files_py_wants_every_directory_the_list_names() -> None:
+    """A directory the Makefile does not pass (a new $(NAME) in the list) is an error, not an
+    empty path: `make uninstall` would otherwise remove /gpuguardctl."""
+    script = [sys.executable, str(ROOT / "packaging" / "files.py")]
+    values = [f"{name}={value}" for name, value in DIRS.items() if name != "COMPLETIONDIR"]
+    done = subprocess.run([*script, "remove", *values], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert "no value for COMPLETIONDIR" in done.stderr, done.stderr
+    done = subprocess.run([*script, "remove", *values, "COMPLETIONDIR=/usr/share/bash completion"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "one word" in done.stderr, done.stderr
+    done = subprocess.run([*script, "remove", *values, f"COMPLETIONDIR={DIRS['COMPLETIONDIR']}"],
+                          capture_output=True, text=True, check=True)
+    assert set(done.stdout.split()) == {f"/{f}" for f in data_files() - config_files()}
+
+
 # -- make install / uninstall --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -205,22 +286,20 @@ def test_make_install_destdir_layout_and_uninstall(tools: None, tmp_path: Path) 
     unit = (dest / "usr/lib/systemd/system/gpuguardd.service").read_text()
     assert "ExecStart=/usr/libexec/gpuguard/gpuguardd\n" in unit
     assert (dest / "etc/gpuguard/gpuguard.conf").read_bytes() == (ROOT / "config/gpuguard.conf").read_bytes()
-    # Every template (packaging/units.py), filled in with the default paths, as the tests read it.
-    installed = {"systemd/gpuguardd.service": "usr/lib/systemd/system/gpuguardd.service",
-                 "systemd/gpuguard-exporter.service": "usr/lib/systemd/system/gpuguard-exporter.service",
-                 "systemd/user/gpuguard-notify.service": "usr/lib/systemd/user/gpuguard-notify.service"}
-    installed |= {f"slurm/{f}": f"usr/share/gpuguard/slurm/{f}"
-                  for f in ("epilog.d/50-gpuguard", "prolog.d/50-gpuguard", "unkillable-step")}
-    installed |= {f"systemd/dropins/{d}/gpuguard.conf": f"usr/share/gpuguard/dropins/{d}/gpuguard.conf"
-                  for d in DROPIN_DIRS}
-    assert sorted(installed) == sorted(str(t.relative_to(ROOT).with_suffix("")) for t in units.templates())
-    for source, target in installed.items():
-        assert (dest / target).read_text() == shipped(source), target
+    # Each file of the list as it says: its mode, and its source's contents; every template
+    # (packaging/units.py) filled in with the default paths, as the tests read it.
+    for target, entry in listed().items():
+        assert (dest / target).stat().st_mode & 0o7777 == int(entry.mode, 8), target
+        if entry.source.startswith("$(UNITS)/"):
+            assert (dest / target).read_text() == shipped(entry.source.removeprefix("$(UNITS)/")), target
+        elif entry.module is None:
+            assert (dest / target).read_bytes() == (ROOT / entry.source).read_bytes(), target
 
     make("uninstall", f"DESTDIR={dest}")
     assert tree(dest) == set(), "make uninstall left files behind"
     assert not (dest / "usr/lib/gpuguard").exists()
-    assert not (dest / "etc/gpuguard").exists()
+    left = {d for d in owned_dirs() if (dest / d).exists()}
+    assert left == set(), f"make uninstall left gpuguard's directories {sorted(left)}"
 
 
 def test_make_install_keeps_the_admins_config(tools: None, tmp_path: Path) -> None:
@@ -360,7 +439,7 @@ def test_deb_conffile_and_maintainer_scripts(tmp_path: Path) -> None:
     deb = build("deb")
     control = tmp_path / "control"
     subprocess.run(["dpkg-deb", "-e", str(deb), str(control)], check=True)
-    assert (control / "conffiles").read_text().split() == ["/etc/gpuguard/gpuguard.conf"]
+    assert sorted((control / "conffiles").read_text().split()) == sorted(f"/{f}" for f in config_files())
     postinst = (control / "postinst").read_text()
     assert "deb-systemd-helper enable 'gpuguardd.service'" in postinst
     assert "systemd-sysusers gpuguard-exporter.conf" in postinst
