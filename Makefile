@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 .PHONY: all help deps venv check test lint typecheck suite gpu-test bench clean man install \
-	install-python install-data units uninstall dist deb rpm demo e2e cockpit install-cockpit \
+	install-python install-data units uninstall rpm-files dist deb rpm demo e2e cockpit install-cockpit \
 	gnome-extension install-gnome-extension
 
 all: test
@@ -171,8 +171,8 @@ printf '%s\n' '#!$(INSTALL_PYTHON)' \
 endef
 
 # packaging/files.txt is the one list of the files installed outside the Python package:
-# install-python writes its programs, install-data installs the rest, uninstall removes them.
-# packaging/files.py fills in these directories.
+# install-python writes its programs, install-data installs the rest, uninstall removes them
+# and rpm-files makes the .rpm's %files of it. packaging/files.py fills in these directories.
 FILES = $(PYTHON) packaging/files.py $(1) UNITS=$(UNITS) BINDIR=$(BINDIR) LIBEXECDIR=$(LIBEXECDIR) \
 	DATADIR=$(DATADIR) MANDIR=$(MANDIR) SYSCONFDIR=$(SYSCONFDIR) UNITDIR=$(UNITDIR) \
 	SYSUSERSDIR=$(SYSUSERSDIR) USERUNITDIR=$(USERUNITDIR) DBUS_POLICYDIR=$(DBUS_POLICYDIR) \
@@ -215,6 +215,11 @@ install-data: man units
 		echo "$(INSTALL) -m $$mode $$source $(DESTDIR)$$target"; \
 		$(INSTALL) -m $$mode "$$source" "$(DESTDIR)$$target"; \
 	done
+
+# The .rpm's %files for what install-python (the spec: its console scripts) and install-data
+# put in, on stdout: the spec's %files -f.
+rpm-files:
+	@$(call FILES,rpm)
 
 # The built page only: the .deb and the .rpm call this on a copy that has cockpit/dist already.
 install-cockpit:

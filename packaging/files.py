@@ -1,9 +1,10 @@
 """The one list of the files `make install` puts outside the Python package: packaging/files.txt.
 
 `make install-python` writes its programs, `make install-data` installs the rest, `make
-uninstall` removes them, and the tests hold `make install`, the .deb and the .rpm to it. Each
-line is MODE SOURCE DESTINATION [config], with the Makefile's directories as $(NAME)
-(files.txt's header says more). The Makefile passes every directory it knows:
+uninstall` removes them, `make rpm-files` writes the .rpm's %files from it, and the tests hold
+`make install`, the .deb and the .rpm to it. Each line is MODE SOURCE DESTINATION [config],
+with the Makefile's directories as $(NAME) (files.txt's header says more). The Makefile
+passes every directory it knows:
 
     python3 packaging/files.py data UNITS=build/units BINDIR=/usr/bin ...
 
@@ -13,6 +14,7 @@ remove    DESTINATION of every file uninstall removes unasked (all but the confi
 config    SOURCE DESTINATION of the configuration (installed only where missing, removed
           only while unchanged)
 dirs      gpuguard's own directories, deepest first (uninstall removes them once empty)
+rpm       the %files lines of all of it
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ VARIABLE = re.compile(r"\$\(([A-Z_]+)\)")
 DESTINATION = re.compile(r"\$\(([A-Z_]+)\)/(.+)")
 MODE = re.compile(r"[0-7]{3,4}")
 MODULE = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*")
+MANDIR = "$(MANDIR)/"
 
 
 class ListError(Exception):
@@ -128,6 +131,21 @@ def owned_dirs(entries: Iterable[Entry], values: Mapping[str, str]) -> list[str]
     return sorted(found, key=lambda d: (-d.count("/"), d))
 
 
+def rpm_files(entries: Sequence[Entry], values: Mapping[str, str]) -> list[str]:
+    """%files lines: the directories owned, the configuration %config(noreplace), and the man
+    pages with a * for the compression the package build adds."""
+    lines = [f"%dir {d}" for d in sorted(owned_dirs(entries, values))]
+    for e in entries:
+        path = fill(e.destination, values)
+        if e.config:
+            lines.append(f"%config(noreplace) {path}")
+        elif e.destination.startswith(MANDIR):
+            lines.append(f"{path}*")
+        else:
+            lines.append(path)
+    return lines
+
+
 def report(command: str, entries: Sequence[Entry], values: Mapping[str, str]) -> list[str]:
     files = [(e, fill(e.source, values), fill(e.destination, values)) for e in entries]
     for _, _, destination in files:
@@ -143,10 +161,12 @@ def report(command: str, entries: Sequence[Entry], values: Mapping[str, str]) ->
         return [f"{s} {d}" for e, s, d in files if e.config]
     if command == "dirs":
         return owned_dirs(entries, values)
+    if command == "rpm":
+        return rpm_files(entries, values)
     raise ListError(f"unknown command {command!r}")
 
 
-COMMANDS = ("data", "programs", "remove", "config", "dirs")
+COMMANDS = ("data", "programs", "remove", "config", "dirs", "rpm")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -2,9 +2,9 @@
 
 The layout asserted here is the one packaging/README.md documents; the packages are built
 once per session by the Makefile's own targets (tests/packages.py), from the release tarball.
-What goes where outside the Python package is packaging/files.txt, the one list `make install`
-and `make uninstall` are made from: `make install`, the .deb and the .rpm are held to it, and
-it to the tree (every file of the tree that ships is on it).
+What goes where outside the Python package is packaging/files.txt, the one list `make install`,
+`make uninstall` and the .rpm's %files are made from: `make install`, the .deb and the .rpm
+are held to it, and it to the tree (every file of the tree that ships is on it).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def test_the_list_is_the_documented_layout() -> None:
     assert config_files() == {"etc/gpuguard/gpuguard.conf"}
     # Drop-ins for other units are the admin's choice: none where systemd would read it.
     assert not [f for f in files if re.match(r"(usr/)?lib/systemd/system/.+\.service\.d/", f)]
-    # gpuguard's own directories, which uninstall removes; never a shared one.
+    # gpuguard's own directories, which uninstall removes and the .rpm owns; never a shared one.
     dirs = owned_dirs()
     assert {"etc/gpuguard", "usr/libexec/gpuguard", "usr/share/gpuguard", "usr/share/gpuguard/slurm/epilog.d",
             "usr/share/gpuguard/dropins/vllm-.service.d"} <= dirs
@@ -507,16 +507,22 @@ def rpm_query(*args: str) -> str:
 
 
 def test_rpm_version_layout_and_config() -> None:
+    """The .rpm's %files is made from packaging/files.txt (make rpm-files): it holds exactly the
+    list's files, the Python package and the docs, owns gpuguard's own directories, and marks
+    the list's configuration %config(noreplace)."""
     assert rpm_query("--qf", "%{NAME} %{VERSION} %{ARCH}") == f"gpuguard {__version__} noarch"
     files = set(rpm_query("-l").split())
-    for path in data_files():
-        assert "/" + path in files, path
     sitelib = next(f for f in files if f.endswith("/gpuguardd/__init__.py")).rsplit("/gpuguardd/", 1)[0]
     assert re.fullmatch(r"/usr/lib/python3\.\d+/site-packages", sitelib), sitelib
     assert {f"{sitelib}/{m}" for m in MODULES} <= files
     assert "/usr/bin/gpuguardd" not in files
+    docs = (f"{sitelib}/", f"/usr/share/doc/gpuguard-{__version__}", f"/usr/share/licenses/gpuguard-{__version__}")
+    ours = {re.sub(r"(/usr/share/man/.*)\.gz$", r"\1", f) for f in files if not f.startswith(docs)}
+    expected = {f"/{f}" for f in data_files() | owned_dirs()}
+    assert ours == expected, ours ^ expected
     flags = dict(line.split(" ", 1) for line in
                  rpm_query("--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]").splitlines())
+    assert {f for f, flag in flags.items() if "c" in flag} == {f"/{f}" for f in config_files()}
     assert flags["/etc/gpuguard/gpuguard.conf"] == "cn", "%config(noreplace)"
 
 
