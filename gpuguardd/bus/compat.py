@@ -40,23 +40,15 @@ is there exactly where its gate says so, and that the workaround makes the behav
    added) before it dispatches a method call, synchronously, and creates an async method's
    task right then: a handler that sets a context variable therefore gives each call's task
    its own message (CURRENT_CALL).
-7. A reply's body marshalled once (every version; not a bug, the one way to do it): dbus-fast
-   marshals every message it sends, and a GetHistory reply is thousands of variants, the same
-   for every caller until the history changes. The writer asks each message for its bytes
-   with `_marshall()`, which a Message subclass may override (a cpdef method in the compiled
-   builds, a plain one otherwise): ReusedBody marshals its header and appends body bytes
-   marshalled before (bus/replycache.py decides when they are the same).
-
-8. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
+7. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
    still running when the daemon leaves the bus has dbus-fast send its reply on the closed
    socket; the loop's add_writer fails and asyncio logs a traceback. The daemon answers such
    calls before it disconnects (interfaces.cancel_running_calls); for whatever is still sent
    after, CompatBus.send drops it once the bus is disconnected (debug log), on every version:
    dropping is right everywhere.
 
-Private names used, all here: Message._marshall (7, and tests), the bus's `_writer` (its `sock`
-and `messages`), `_disconnected`, `_emit_interface_added/_removed`,
-`ServiceInterface._get_all_property_values`.
+Private names used, all here: the bus's `_writer` (its `sock` and `messages`),
+`_disconnected`, `_emit_interface_added/_removed`, `ServiceInterface._get_all_property_values`.
 """
 
 from __future__ import annotations
@@ -66,8 +58,6 @@ import collections
 import contextvars
 import logging
 import socket
-import struct
-from collections.abc import Callable
 from typing import Any
 
 from dbus_fast import Message, MessageFlag, MessageType, Variant
@@ -242,53 +232,6 @@ def current_call() -> Message | None:
     return CURRENT_CALL.get()
 
 
-# -- 7. a reply's body marshalled once -------------------------------------------------------
-
-def _body_length(data: bytearray | bytes) -> int:
-    """The body length field of a marshalled message (header byte 0 says the byte order)."""
-    return int(struct.unpack_from("<I" if data[0:1] == b"l" else ">I", data, 4)[0])
-
-
-class ReusedBody(Message):
-    """A method return (or error) that, once marshalled, hands its body bytes to `keep`; given
-    `body_bytes` (an earlier identical body's), it marshals only its header around them.
-
-    Only single-argument array bodies (`aa{sv}`, `as`...): the header is marshalled with an
-    empty array in the body's place, which has the same signature field."""
-
-    body_bytes: bytes | None
-    keep: Callable[[bytes], None] | None
-
-    @classmethod
-    def of(cls, msg: Message, body_bytes: bytes | None,
-           keep: Callable[[bytes], None] | None = None) -> Message:
-        if len(msg.body) != 1 or not msg.signature.startswith("a") or msg.unix_fds:
-            return msg
-        reused = cls(destination=msg.destination, path=msg.path, interface=msg.interface,
-                     member=msg.member, message_type=msg.message_type, flags=msg.flags,
-                     error_name=msg.error_name, reply_serial=msg.reply_serial,
-                     sender=msg.sender, signature=msg.signature, body=msg.body,
-                     serial=msg.serial)
-        reused.body_bytes = body_bytes
-        reused.keep = keep
-        return reused
-
-    def _marshall(self, negotiate_unix_fd: bool = False) -> bytearray:
-        if self.body_bytes is None:
-            whole: bytearray = super()._marshall(negotiate_unix_fd)
-            if self.keep is not None:
-                self.keep(bytes(whole[len(whole) - _body_length(whole):]))
-            return whole
-        body, self.body = self.body, [[]]
-        try:
-            head: bytearray = super()._marshall(negotiate_unix_fd)
-        finally:
-            self.body = body
-        head = head[:len(head) - _body_length(head)]
-        struct.pack_into("<I" if head[0:1] == b"l" else ">I", head, 4, len(self.body_bytes))
-        return head + self.body_bytes
-
-
 # -- the bus ---------------------------------------------------------------------------------
 
 class CompatBus(MessageBus):
@@ -301,7 +244,7 @@ class CompatBus(MessageBus):
     object_manager_path = ""
 
     def send(self, msg: Message) -> Any:
-        if self._disconnected:  # (8)
+        if self._disconnected:  # (7)
             log.debug("not sent, the bus is gone: %s %s", msg.message_type.name, msg.member or "")
             dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             dropped.set_result(None)

@@ -20,7 +20,6 @@ from dbus_fast.service import ServiceInterface
 
 from gpuguardd.bus.compat import CompatBus, current_call, note_call, peer_reply, repair_writer
 from gpuguardd.bus.names import MANAGER_PATH, error_name
-from gpuguardd.bus.replycache import ReplyCache
 
 __all__ = ["BUS_DAEMON", "BUS_DAEMON_PATH", "GuardBus", "SafeBus", "add_match", "bus_daemon_call",
            "current_call", "name_owner", "name_owner_change"]
@@ -83,10 +82,6 @@ class GuardBus(CompatBus):
         # path -> interface name -> {method name: in signature}, for the signature check
         self._signatures: dict[str, dict[str, dict[str, str]]] = {}
         self.add_message_handler(self._note_call)
-        self.reply_cache = ReplyCache()  # replies many callers get alike: marshalled once
-
-    def send(self, msg: Message) -> Any:
-        return super().send(self.reply_cache.reply(msg))
 
     async def connect(self) -> GuardBus:
         await super().connect()

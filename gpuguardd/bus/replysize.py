@@ -12,9 +12,6 @@ a path is at most 4 KiB); what is bounded here is how many of them go into one m
   a compact form (each text cut to COMPACT_TEXT bytes), and whatever still does not fit is left
   out, the last entry sent carrying `omitted_after` (u): how many were left out.
 
-Those replies come back as replycache.Shared: their entries are the shared, never-changed typed
-values, so a reply with the same entries is sent from bytes marshalled once.
-
 Sizes are the marshalled sizes, estimated from above (alignment included), without marshalling.
 """
 
@@ -28,7 +25,6 @@ from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import names
-from gpuguardd.bus.replycache import Shared
 
 log = logging.getLogger("gpuguard.replysize")
 
@@ -114,7 +110,7 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     if sizes is None:
         sizes = [wire_size(h) for h in holders]
     if sum(sizes) + 8 <= budget:
-        return Shared(holders)  # typed once per scan (replycache.py)
+        return holders
     compact = [_compact(h) for h in holders]
     compact_sizes = [wire_size(h) for h in compact]
     kept = _fit(compact, compact_sizes, budget)
@@ -129,7 +125,7 @@ def bound_reports(reports: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     """Newest first, as many as fit; the last sent says how many older ones were left out."""
     if sizes is None:
         sizes = [wire_size(r) for r in reports]
-    kept = Shared(_fit(reports, sizes, budget))  # each typed once (replycache.py)
+    kept = _fit(reports, sizes, budget)
     if len(kept) < len(reports):
         log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
                  len(reports), budget)

@@ -97,7 +97,6 @@ class Service:
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
-        self._redacted: dict[int, marshal.VarDict] = {}  # typed holders, cmdline withheld
         # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
         self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
@@ -212,15 +211,9 @@ class Service:
         if not caller.is_root and any(h.uid != caller.uid for h in holders) \
                 and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
             # Command lines can carry secrets (tokens, passwords in arguments).
-            # Redacted once per scan too: the same caller's next reply is the same objects,
-            # sent from bytes marshalled once (replycache.py).
-            redacted = self._redacted
-            for h in holders:
-                if h.uid != caller.uid and id(h) not in redacted:
-                    redacted[id(h)] = {**typed[id(h)], "cmdline": _NO_CMDLINE}
             return replysize.bound_holders(
-                [typed[id(h)] if h.uid == caller.uid else redacted[id(h)] for h in holders],
-                sizes=sizes)
+                [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
+                 for h in holders], sizes=sizes)
         return replysize.bound_holders([typed[id(h)] for h in holders], sizes=sizes)
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
@@ -229,7 +222,6 @@ class Service:
         if self._typed_for is not result:
             self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
             self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
-            self._redacted = {}
             self._typed_for = result
         return self._typed
 

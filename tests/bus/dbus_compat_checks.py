@@ -182,41 +182,8 @@ async def check_current_call(address: str, mode: str, _pid: int) -> dict[str, An
                       for call, reply in zip(calls, replies)]}
 
 
-async def check_reused_body(address: str, mode: str, _pid: int) -> dict[str, Any]:
-    """7: replies sent from body bytes marshalled once arrive as the marshalled ones do
-    (`raw`: every reply marshalled afresh, the reference)."""
-    from dbus_fast import Variant
-
-    server, client = await connect(address, mode), await connect(address, mode)
-    body = [[{"text": Variant("s", f"gpu-{n}"), "n": Variant("u", n), "list": Variant("at", [n] * 3)}
-             for n in range(40)]]
-    kept: dict[str, bytes] = {}
-    sent: list[str] = []
-
-    def handler(msg: Message) -> bool:
-        if msg.message_type != MessageType.METHOD_CALL or msg.interface != IFACE:
-            return False
-        reply = Message.new_method_return(msg, "aa{sv}", body)
-        if mode == "compat":
-            reply = compat.ReusedBody.of(reply, kept.get("body"),
-                                         lambda data: kept.__setitem__("body", data))
-        sent.append(type(reply).__name__ + (" reused" if kept.get("body") else ""))
-        server.send(reply)  # (a handler's returned reply is sent only if exactly a Message)
-        return True
-
-    server.add_message_handler(handler)
-    replies = []
-    for _ in range(3):
-        reply = await asyncio.wait_for(client.call(Message(
-            destination=server.unique_name, path="/", interface=IFACE, member="Get")), CALL_TIMEOUT)
-        assert reply is not None
-        replies.append([[{k: v.value for k, v in entry.items()} for entry in reply.body[0]]
-                        if reply.message_type == MessageType.METHOD_RETURN else reply.error_name])
-    return {"replies": replies, "sent": sent, "server_connected": connected(server)}
-
-
 async def check_send_after_disconnect(address: str, mode: str, _pid: int) -> dict[str, Any]:
-    """8: a message sent once the connection is closed (a reply of a call the stop cut short)
+    """7: a message sent once the connection is closed (a reply of a call the stop cut short)
     is dropped, not written to the closed socket with the loop's errors logged."""
     bus = await connect(address, mode)
     loop = asyncio.get_running_loop()
@@ -235,7 +202,7 @@ async def check_send_after_disconnect(address: str, mode: str, _pid: int) -> dic
 
 CHECKS = {"version": check_version, "strings": check_strings, "writer": check_writer,
           "peer": check_peer, "object_manager": check_object_manager,
-          "current_call": check_current_call, "reused_body": check_reused_body,
+          "current_call": check_current_call,
           "send_after_disconnect": check_send_after_disconnect}
 
 

@@ -10,7 +10,6 @@ from dbus_fast import Message, Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import replysize
-from gpuguardd.bus.replycache import Shared
 from gpuguardd.records.models import Holder
 from gpuguardd.records.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE
@@ -44,9 +43,9 @@ def test_bound_holders_compacts_then_omits() -> None:
         return {"pid": Variant("u", pid), "cmdline": Variant("s", "c" * 4000),
                 "exe": Variant("s", "/" + "e" * 4000)}
     holders = [holder(pid) for pid in range(100)]
-    # Fits: sent as they are, the very same entries (tagged for the reply cache).
+    # Fits: sent as they are, the very same entries.
     fits = replysize.bound_holders(holders, budget=2 * MiB)
-    assert isinstance(fits, Shared) and all(a is b for a, b in zip(fits, holders, strict=True))
+    assert all(a is b for a, b in zip(fits, holders, strict=True)) and len(fits) == len(holders)
     # Over: every holder is kept, its text cut.
     compact = replysize.bound_holders(holders, budget=100 * 1024)
     assert [h["pid"].value for h in compact] == list(range(100))

@@ -1,5 +1,5 @@
-"""The daemon's replies sent from bytes marshalled once (bus/replycache.py) are never stale: a
-new report, a new holder, a different count or filter each get their own reply."""
+"""The daemon's replies are never stale: a new report, a new holder, a different count or
+filter each get their own reply, however often the same call came before."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ def history(guard: GuardDaemon, count: int) -> list[str]:
 
 
 def test_get_history_follows_every_new_report(guard: GuardDaemon) -> None:
-    ids = [dry_sweep(guard, f"cached {n}") for n in range(3)]
-    for _ in range(3):  # kept on the second call, sent from the kept bytes on the third
+    ids = [dry_sweep(guard, f"sweep {n}") for n in range(3)]
+    for _ in range(3):
         assert history(guard, 10) == ids[::-1]
     assert history(guard, 2) == ids[:0:-1]
-    newest = dry_sweep(guard, "after the cache")
+    newest = dry_sweep(guard, "after the others")
     assert history(guard, 10) == [newest, *ids[::-1]]
     assert history(guard, 2) == [newest, ids[-1]]
     reports: list[dict[str, Any]] = guard.manager("GetHistory", "u", "1")[0]
-    assert reports[0]["reason"] == "after the cache"
+    assert reports[0]["reason"] == "after the others"
 
 
 def test_list_holders_follows_a_new_holder(guard: GuardDaemon) -> None:
@@ -33,7 +33,7 @@ def test_list_holders_follows_a_new_holder(guard: GuardDaemon) -> None:
         return {h["pid"] for h in holders}
 
     first = pids()
-    for _ in range(3):  # kept, then sent from the kept bytes while the scan is fresh
+    for _ in range(3):  # served from one fresh scan
         assert pids() == first
     pid = private_holder(guard.host)
     # fresh=true waits for a scan that started after the call: a new reply, with the holder.
@@ -43,8 +43,8 @@ def test_list_holders_follows_a_new_holder(guard: GuardDaemon) -> None:
 
 
 def test_redacted_and_full_replies_never_mix(guard: GuardDaemon) -> None:
-    """Root sees command lines, another user (without view-details) does not: each reply from
-    its own kept bytes, asked in turn, from one scan and the next."""
+    """Root sees command lines, another user (without view-details) does not, asked in turn,
+    from one scan and the next."""
     pid = private_holder(guard.host)
     wait_until(lambda: pid in {h["pid"] for h in guard.manager("ListHolders", "a{sv}", "0")[0]},
                15, f"ListHolders to list {pid}")
