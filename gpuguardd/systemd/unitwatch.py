@@ -91,11 +91,14 @@ class UnitWatch(UnitSweeps):
         data = json.dumps(self.records.dump(), ensure_ascii=True).encode("ascii")
         if data == self._saved:
             return
+        # Tried once per change of the records, not at every poll: a runtime directory that is
+        # gone (removed by hand, or never made outside systemd) is said once, not every 2 s.
+        self._saved = data
         try:
             write_atomic(self.records_path, [data], prefix=".units.", mode=0o600, fsync=False)
-            self._saved = data
         except OSError as exc:
-            log.warning("cannot keep the unit records in %s: %s", self.records_path, exc)
+            log.warning("cannot keep the unit records in %s: %s", self.records_path,
+                        exc.strerror or exc)
 
     async def start(self) -> None:
         try:
