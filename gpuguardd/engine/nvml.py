@@ -10,10 +10,8 @@ nothing once the worker is known to be stuck.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 try:
@@ -72,19 +70,36 @@ class _Progress:
         # What NvmlHung names: the pynvml function entered last, and the GPU it was for.
         return self.call + (f" (GPU {self.gpu})" if self.gpu is not None else "")
 
-    def profile(self, frame: FrameType, event: str, arg: object) -> None:
-        # A profile hook on the worker thread only: it records each NVML entry point as it is
-        # called, so a hang is reported by name whoever added the call (process lists, MIG
-        # instances) without wrapping every call site. pynvml looks every C function up by
-        # name right before calling it, which names the very entry point (..._v2, ..._v3),
-        # raw ctypes calls through pynvml's lookup included.
-        if event != "call" or frame.f_globals.get("__name__") != "pynvml":
-            return
-        name = frame.f_code.co_name
-        if name == "_nvmlGetFunctionPointer":
-            self.call = str(frame.f_locals.get("name", self.call))[:128]
-        elif name.startswith("nvml"):
-            self.call = name
+
+# The snapshot job running on this thread (an Nvml session's worker), if any: what the lookup
+# below records each NVML entry point in.
+_job = threading.local()
+
+
+def _name_entry_points() -> None:
+    """Make each NVML entry point named in the running job's _Progress as it is called, so a
+    hang is reported by name whoever added the call (process lists, MIG instances) without
+    wrapping every call site. pynvml looks every C function up by name right before calling
+    it (raw ctypes calls through its lookup included), which names the very entry point
+    (..._v2, ..._v3): that one lookup is wrapped, once. A profile hook did this before, at the
+    cost of a callback on every Python call of every snapshot: ~15 ms of CPU a poll, most of
+    an idle daemon's cost."""
+    lookup = getattr(pynvml, "_nvmlGetFunctionPointer", None)
+    if lookup is None or getattr(lookup, "names_entry_points", False):
+        return
+
+    def named(name: str) -> Any:
+        progress = getattr(_job, "progress", None)
+        if progress is not None:
+            progress.call = str(name)[:128]
+        return lookup(name)
+
+    named.names_entry_points = True  # type: ignore[attr-defined]
+    pynvml._nvmlGetFunctionPointer = named
+
+
+if pynvml is not None:
+    _name_entry_points()
 
 
 class Nvml:
@@ -223,11 +238,11 @@ class Nvml:
         return snap
 
     def _traced(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
-        sys.setprofile(progress.profile)
+        _job.progress = progress
         try:
             return self._snapshot(with_processes, progress)
         finally:
-            sys.setprofile(None)
+            _job.progress = None
 
     def _hung_snapshot(self, progress: _Progress, hung: NvmlHung) -> NvmlSnapshot:
         message = hung.describe()
