@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=200.0, help="open loop: calls a second, all clients")
     parser.add_argument("--client-procs", type=int, default=2, help="processes the clients run in")
     parser.add_argument("--idle-sec", type=float, default=60.0, help="idle measurement (0: skip)")
+    parser.add_argument("--nvml-poller", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--holders", type=int, default=20, help="holder processes on the fake GPUs")
     parser.add_argument("--history", type=int, default=200, help="reports in the history")
     parser.add_argument("--starts", type=int, default=5, help="daemon starts timed (median)")
@@ -486,13 +487,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      for name, by_side in closed_rows.items()}
                 results["runs"] = {"open": open_rows, "closed": closed_rows}
             if args.idle_sec > 0:
-                time.sleep(2)  # let the last rescans settle
-                cpu0, wall0 = proc_cpu_seconds(proc.pid), time.monotonic()
-                time.sleep(args.idle_sec)
-                cpu = proc_cpu_seconds(proc.pid) - cpu0
-                wall = time.monotonic() - wall0
-                results["idle"] = {"seconds": wall, "cpu_s": cpu, "cpu_percent": 100 * cpu / wall,
-                                   "rss_mib": proc_rss_mib(proc.pid)}
+                # The peer polls NVML at the default PollIntervalSec (2 s) over the same window.
+                poller = subprocess.Popen([sys.executable, __file__, "--nvml-poller", "2"],
+                                          env=host.env, stdout=subprocess.PIPE, text=True)
+                try:
+                    _readline(poller, 30)
+                    time.sleep(2)  # let the last rescans settle
+                    cpu0, wall0 = proc_cpu_seconds(proc.pid), time.monotonic()
+                    peer0 = proc_cpu_seconds(poller.pid)
+                    time.sleep(args.idle_sec)
+                    cpu = proc_cpu_seconds(proc.pid) - cpu0
+                    peer_cpu = proc_cpu_seconds(poller.pid) - peer0
+                    wall = time.monotonic() - wall0
+                    results["idle"] = {"seconds": wall, "cpu_s": cpu, "cpu_percent": 100 * cpu / wall,
+                                       "rss_mib": proc_rss_mib(proc.pid),
+                                       "peer_cpu_percent": 100 * peer_cpu / wall,
+                                       "peer_rss_mib": proc_rss_mib(poller.pid)}
+                finally:
+                    poller.kill()
+                    poller.wait()
     finally:
         host.close()
         bus.close()
@@ -541,12 +554,32 @@ def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
     idle = results["idle"]
     if idle:
         print(f"idle over {idle['seconds']:.0f} s: CPU {idle['cpu_s']:.2f} s ({idle['cpu_percent']:.3f} %), "
-              f"RSS {idle['rss_mib']:.1f} MiB")
+              f"RSS {idle['rss_mib']:.1f} MiB; a bare NVML poller (pynvml, every 2 s): "
+              f"{idle['peer_cpu_percent']:.3f} % CPU, RSS {idle['peer_rss_mib']:.1f} MiB; ratio "
+              f"{idle['cpu_percent'] / max(idle['peer_cpu_percent'], 1e-9):.2f} x")
     print(f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+
+
+def nvml_poller_main(interval: float) -> None:
+    """The idle peer: what any NVML poller does at gpuguardd's PollIntervalSec, and nothing
+    else: each GPU's memory and compute processes through pynvml, one thread, no bus."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    print("ready", flush=True)
+    while True:
+        time.sleep(interval)
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pynvml.nvmlDeviceGetMemoryInfo(handle)
+            pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.nvml_poller:
+        nvml_poller_main(args.nvml_poller)
+        return 0
     if args.client:
         client_main(args.client)
         return 0

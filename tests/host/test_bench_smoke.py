@@ -74,7 +74,7 @@ def test_bench_sweep_smoke() -> None:
 
 def test_bench_dbus_smoke() -> None:
     _require("dbus-daemon", "gcc", "setpriv")
-    out = _run("bench_dbus.py", "--seconds", "1", "--rounds", "1", "--idle-sec", "0", "--starts", "1",
+    out = _run("bench_dbus.py", "--seconds", "1", "--rounds", "1", "--idle-sec", "2", "--starts", "1",
                "--history", "3", "--holders", "2", "--clients", "4", "--client-procs", "2",
                "--rate", "20")
     assert "reply sizes on the wire: ListHolders " in out, out
@@ -82,6 +82,8 @@ def test_bench_dbus_smoke() -> None:
         assert f"ratio gpuguardd/peer ({method}): " in out, out
     assert "calls that failed" not in out, out
     assert "startup to READY=1: median " in out, out
+    # The idle row's peer ran beside gpuguardd over the same window.
+    assert "a bare NVML poller (pynvml, every 2 s): " in out and " RSS " in out, out
 
 
 def test_bench_startup_smoke() -> None:
