@@ -179,7 +179,11 @@ class Inventory:
             log.error("holder scan failed: %s: %s", type(exc).__name__, exc)
         queued, self._queued = self._queued, None
         if queued is not None:
-            follow = self._start(asyncio.get_running_loop())
+            try:
+                follow = self._start(asyncio.get_running_loop())
+            except RuntimeError:  # the executor is shut down: gpuguardd is stopping
+                queued.cancel()
+                return
             follow.add_done_callback(lambda done: _chain(done, queued))
 
     def request_rescan(self) -> None:

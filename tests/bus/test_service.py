@@ -542,7 +542,10 @@ def test_idle_daemon_uses_no_measurable_cpu(daemon: GuardDaemon) -> None:
     before = cpu()
     time.sleep(4.0)
     used = cpu() - before
-    assert used < 0.12, f"idle gpuguardd used {used:.2f} s of CPU in 4 s"
+    # A poll every 2 s costs milliseconds; what is charged for each wake-up from idle varies by
+    # machine (bench/README.md: ~1 ms here). The bound catches a loop that spins or polls fast
+    # when nothing waits (a busy loop takes ~4 s), not the machine's accounting.
+    assert used < 0.2, f"idle gpuguardd used {used:.2f} s of CPU in 4 s"
 
 
 # -- GPUs coming and going -------------------------------------------------------------------

@@ -316,3 +316,36 @@ def test_a_scan_older_than_an_invalidation_is_never_served(monkeypatch: pytest.M
             assert inventory.last_result is second.result()
 
     asyncio.run(scenario())
+
+
+def test_a_scan_queued_when_the_daemon_stops_is_cancelled_not_a_traceback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuguardd shuts its executors down while a scan may still run; the scan queued behind it
+    cannot start then, and its waiters are cancelled instead of the loop logging a traceback."""
+    engine = FakeEngine()
+    release = threading.Event()
+    plain_scan = engine.scan
+
+    def slow_scan() -> ScanResult:
+        release.wait(10)
+        return plain_scan()
+
+    monkeypatch.setattr(engine, "scan", slow_scan)
+    errors: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        executor = ThreadPoolExecutor(1)
+        inventory = inv.Inventory(engine, executor, Listener())  # type: ignore[arg-type]
+        first = asyncio.ensure_future(inventory.scan())
+        await asyncio.sleep(0)
+        queued = asyncio.ensure_future(inventory.scan())  # behind the running one
+        await asyncio.sleep(0)
+        executor.shutdown(wait=False)
+        release.set()
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+
+    asyncio.run(scenario())
+    assert errors == []
