@@ -26,5 +26,6 @@ def test_bench_gate_smoke() -> None:
     assert "gate latency (memory back on the fake NVML's clock -> Wait reply" in out, out
     assert "gpuguardctl wait to its exit, 1 rounds" in out, out
     assert "gpuguardd CPU with 2 waiters: " in out, out
+    assert "the same daemon with nobody waiting: " in out and "the waiters' cost: " in out, out
     assert "target gate latency at most 50 ms: " in out, out
-    assert "target daemon CPU with 2 waiters under 1 % of a core: " in out, out
+    assert "target 2 waiters cost the daemon under 1 % of a core: " in out, out
