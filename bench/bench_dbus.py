@@ -432,6 +432,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class CpuWindow:
+    """The CPU each of `pids` uses from now until percent(): % of one core over the window."""
+
+    def __init__(self, *pids: int) -> None:
+        self.pids = pids
+        self.started = time.monotonic()
+        self.cpu = [proc_cpu_seconds(pid) for pid in pids]
+
+    def percent(self) -> list[float]:
+        wall = time.monotonic() - self.started
+        return [100 * (proc_cpu_seconds(pid) - cpu) / wall for pid, cpu in zip(self.pids, self.cpu)]
+
+
 def proc_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -493,15 +506,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     _readline(poller, 30)
                     time.sleep(2)  # let the last rescans settle
-                    cpu0, wall0 = proc_cpu_seconds(proc.pid), time.monotonic()
-                    peer0 = proc_cpu_seconds(poller.pid)
+                    window = CpuWindow(proc.pid, poller.pid)
                     time.sleep(args.idle_sec)
-                    cpu = proc_cpu_seconds(proc.pid) - cpu0
-                    peer_cpu = proc_cpu_seconds(poller.pid) - peer0
-                    wall = time.monotonic() - wall0
-                    results["idle"] = {"seconds": wall, "cpu_s": cpu, "cpu_percent": 100 * cpu / wall,
-                                       "rss_mib": proc_rss_mib(proc.pid),
-                                       "peer_cpu_percent": 100 * peer_cpu / wall,
+                    percent, peer_percent = window.percent()
+                    wall = time.monotonic() - window.started
+                    results["idle"] = {"seconds": wall, "cpu_s": percent * wall / 100,
+                                       "cpu_percent": percent, "rss_mib": proc_rss_mib(proc.pid),
+                                       "peer_cpu_percent": peer_percent,
                                        "peer_rss_mib": proc_rss_mib(poller.pid)}
                 finally:
                     poller.kill()

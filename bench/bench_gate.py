@@ -167,14 +167,14 @@ async def waiters_cost(address: str, daemon_pid: int, args: argparse.Namespace) 
     tasks = [asyncio.ensure_future(waiter(bus)) for bus in buses]
     try:
         await asyncio.sleep(0.5)  # every waiter in its call, the daemon polling fast
-        cpu0, wall0 = bench_dbus.proc_cpu_seconds(daemon_pid), time.monotonic()
+        window = bench_dbus.CpuWindow(daemon_pid)
         await asyncio.sleep(args.cpu_sec)
-        cpu1, wall1 = bench_dbus.proc_cpu_seconds(daemon_pid), time.monotonic()
+        [percent] = window.percent()
         await asyncio.gather(*tasks)
     finally:
         for bus in buses:
             bus.disconnect()
-    return 100.0 * (cpu1 - cpu0) / (wall1 - wall0)
+    return percent
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,9 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The peer: the same daemon over the same time with the GPU held and nobody
             # waiting, so that the row measures what the waiters cost and not the machine.
             time.sleep(0.5)
-            cpu0, wall0 = bench_dbus.proc_cpu_seconds(proc.pid), time.monotonic()
+            window = bench_dbus.CpuWindow(proc.pid)
             time.sleep(args.cpu_sec)
-            alone = 100.0 * (bench_dbus.proc_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
+            [alone] = window.percent()
             cost = asyncio.run(waiters_cost(bus.address, proc.pid, args))
             host.forget(held)
     finally:
