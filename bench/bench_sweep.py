@@ -15,7 +15,12 @@ runs of the three sides are interleaved:
     the memory was seen to come back (outcome "freed"). Without gcc, or with --no-nvml, NVML
     is absent and the expected outcome is "unverified";
   * manual: `pkill -e -f <the holders' command line>`, `fuser -k <nodes>`, then `fuser -s
-    <nodes>` every --poll-ms until nothing holds them.
+    <nodes>` every --poll-ms until nothing holds them;
+  * by device: the same without pkill: `fuser -k`, then `fuser -s`, which finds the holders by
+    the nodes they hold, as gpuguard does;
+  * evidence: the holders' fd tables read cold, the way the scan reads them, signalling nothing:
+    what a safe sweep must read before its first signal (a process NVML lists is ended only
+    if it holds a device here). Added to their own exit, the floor of a verified sweep.
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
@@ -47,6 +52,7 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
+from gpuguardd.engine import procfs
 from gpuguardd.engine.devices import driver_majors
 from gpuguardd.engine.engine import Engine
 from gpuguardd.records.enums import Outcome
@@ -68,6 +74,8 @@ EXIT = "processes' own exit (SIGTERM via pidfd)"
 REAPED = "processes reaped (gone for NVML)"
 GPUGUARD = "gpuguard Engine.sweep(): requested -> verified"
 MANUAL = "manual: pkill -f; fuser -k; poll fuser -s"
+BY_DEVICE = "by device: fuser -k; poll fuser -s"
+EVIDENCE = "evidence: the holders' fd tables, read cold"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,10 +184,23 @@ def gpuguard_sweep(population: Population, engine: Engine, nvml: bool,
     return seconds, terminated, report
 
 
-def manual_pipeline(pattern: str, paths: list[str], poll_sec: float,
-                    timeout: float = 30.0) -> tuple[float, set[int], int]:
+def evidence(population: Population, paths: list[str]) -> float:
+    """Seconds to read every holder's fd table as the scan does, on processes nothing has
+    read yet (the kernel builds a /proc/<pid>/fd entry at its first listing)."""
+    nodes = {(st.st_dev, st.st_ino) for st in map(os.stat, paths)}
     started = time.perf_counter()
-    pkill = common.run_pkill(pattern)
+    held = [procfs.char_device_fds(pid) for pid in sorted(population.holder_pids)]
+    seconds = time.perf_counter() - started
+    if any(sum((dev, ino) in nodes for dev, ino, _ in fds) != 3 for fds in held):
+        raise BenchError("a holder's fd table did not show its three device nodes")
+    return seconds
+
+
+def manual_pipeline(pattern: str | None, paths: list[str], poll_sec: float,
+                    timeout: float = 30.0) -> tuple[float, set[int], int]:
+    """`pattern`: pkill -f it first; None: find the holders by device only (fuser -k)."""
+    started = time.perf_counter()
+    pkilled = common.run_pkill(pattern).pids if pattern is not None else set()
     fuser_kill = common.run_fuser(paths, "-k")
     checks = 0
     while True:
@@ -189,7 +210,7 @@ def manual_pipeline(pattern: str, paths: list[str], poll_sec: float,
         if time.perf_counter() - started > timeout:
             raise BenchError(f"the manual pipeline left the devices held after {timeout:.0f} s")
         time.sleep(poll_sec)
-    return time.perf_counter() - started, pkill.pids | fuser_kill.pids, checks
+    return time.perf_counter() - started, pkilled | fuser_kill.pids, checks
 
 
 # -- driver --------------------------------------------------------------------------------------
@@ -226,10 +247,11 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
               "population")
         print("NVML: " + ("fake NVML lists every holder with 2 GiB; verification is real" if nvml
                           else f"absent ({note or '--no-nvml'}); gpuguard's outcome is 'unverified'"))
-        times: dict[str, list[float]] = {EXIT: [], REAPED: [], GPUGUARD: [], MANUAL: []}
+        times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], GPUGUARD: [],
+                                         MANUAL: [], BY_DEVICE: []}
         durations: list[int] = []
         checks: list[int] = []
-        sides = ["exit", "gpuguard", "manual"]
+        sides = ["exit", "evidence", "gpuguard", "manual", "device"]
         for round_number in range(args.repeat):
             shift = round_number % len(sides)
             for side in sides[shift:] + sides[:shift]:
@@ -256,10 +278,12 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                                               population.members)
                         except BenchError as exc:
                             raise BenchError(f"{exc}\n  gpuguard's targets: {report.targets}") from None
+                    elif side == "evidence":
+                        times[EVIDENCE].append(evidence(population, paths))
                     else:
-                        pattern = "sleep " + token.replace(".", "\\.")
+                        pattern = "sleep " + token.replace(".", "\\.") if side == "manual" else None
                         seconds, killed, polls = manual_pipeline(pattern, paths, args.poll_ms / 1000)
-                        times[MANUAL].append(seconds)
+                        times[MANUAL if pattern else BY_DEVICE].append(seconds)
                         checks.append(polls)
                         common.check_same({"pkill/fuser -k killed": killed}, expected, population.members)
                 finally:
@@ -273,7 +297,12 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
               f"{len(times[GPUGUARD])}/{len(times[GPUGUARD])} runs")
         gpuguard, manual = common.median(times[GPUGUARD]), common.median(times[MANUAL])
         exited, reaped = common.median(times[EXIT]), common.median(times[REAPED])
-        print(f"ratio gpuguard/manual: {gpuguard / manual:.2f}")
+        print(f"ratio gpuguard/manual: {gpuguard / manual:.2f}; gpuguard/by device: "
+              f"{gpuguard / common.median(times[BY_DEVICE]):.2f}")
+        floor = common.median(times[EVIDENCE]) + exited
+        print(f"floor of a verified sweep (evidence + own exit): {floor * 1000:.1f} ms; "
+              f"manual/floor {manual / floor:.2f}; gpuguard over the floor: "
+              f"{(gpuguard - floor) * 1000:+.1f} ms")
         overhead_ms = (gpuguard - exited) * 1000
         verdict = "met" if overhead_ms <= TARGET_MS else "MISSED"
         print(f"overhead gpuguard over the processes' own exit: {overhead_ms:+.1f} ms "
@@ -285,7 +314,7 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
             "benchmark": "sweep", "holders": args.holders, "files": args.files,
             "background": args.background, "repeat": args.repeat, "nvml": nvml,
             "median_sec": {name: common.median(values) for name, values in times.items()},
-            "runs_sec": times, "ratio_gpuguard_manual": gpuguard / manual,
+            "runs_sec": times, "ratio_gpuguard_manual": gpuguard / manual, "floor_sec": floor,
             "overhead_ms": overhead_ms, "report_duration_ms": durations,
             "load_average": os.getloadavg(),
         })

@@ -65,7 +65,10 @@ def test_bench_sweep_smoke() -> None:
     _require("fuser", "pkill")
     out = _run("bench_sweep.py", "--holders", "5", "--files", "5", "--repeat", "1")
     assert "same holders: 5 pids in every run" in out, out
-    assert "ratio gpuguard/manual: " in out, out
+    assert "ratio gpuguard/manual: " in out and "; gpuguard/by device: " in out, out
+    # The floor: the holders' fd tables read cold (each showing its three nodes), plus their exit.
+    assert "evidence: the holders' fd tables, read cold" in out, out
+    assert "floor of a verified sweep (evidence + own exit): " in out, out
     assert "overhead gpuguard over the processes' own exit: " in out, out
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.
     expected = "gpuguard outcome freed" if shutil.which("gcc") else "gpuguard outcome unverified"
