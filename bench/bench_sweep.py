@@ -250,7 +250,7 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
         times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], GPUGUARD: [],
                                          MANUAL: [], BY_DEVICE: []}
         durations: list[int] = []
-        checks: list[int] = []
+        checks: dict[str, list[int]] = {MANUAL: [], BY_DEVICE: []}
         sides = ["exit", "evidence", "gpuguard", "manual", "device"]
         for round_number in range(args.repeat):
             shift = round_number % len(sides)
@@ -283,14 +283,16 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                     else:
                         pattern = "sleep " + token.replace(".", "\\.") if side == "manual" else None
                         seconds, killed, polls = manual_pipeline(pattern, paths, args.poll_ms / 1000)
-                        times[MANUAL if pattern else BY_DEVICE].append(seconds)
-                        checks.append(polls)
+                        row = MANUAL if pattern else BY_DEVICE
+                        times[row].append(seconds)
+                        checks[row].append(polls)
                         common.check_same({"pkill/fuser -k killed": killed}, expected, population.members)
                 finally:
                     population.stop()
         print(common.table([(name, values) for name, values in times.items()],
                            {GPUGUARD: f"(report duration_ms, Sweep.run only: {common.median(durations):.0f})",
-                            MANUAL: f"({common.median(checks):.0f} fuser -s checks, {args.poll_ms:g} ms apart)"}))
+                            **{row: f"({common.median(polls):.0f} fuser -s checks, {args.poll_ms:g} ms apart)"
+                               for row, polls in checks.items()}}))
         outcome = "freed (memory seen released by NVML)" if nvml else "unverified (no NVML)"
         print(f"same holders: {args.holders} pids in every run (direct SIGTERM = gpuguard terminated = "
               f"pkill/fuser -k killed = the population's holders); gpuguard outcome {outcome} in "
