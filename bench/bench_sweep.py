@@ -24,8 +24,8 @@ runs of the three sides are interleaved:
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
-It prints the medians, the ratio gpuguard/manual and gpuguard's overhead over the processes'
-own exit time (the issue's target: within 50 ms).
+It prints the medians, the ratios, the floor, gpuguard's overhead over the processes' own exit,
+and the budget's verdict (bench/README.md: no slower than the manual pipeline).
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ from tests.fakenvml import (
 
 WORKDIR_ENV = "GPUGUARD_BENCH_SWEEP_WORKDIR"
 GiB = 1 << 30
-TARGET_MS = 50.0
 
 EXIT = "processes' own exit (SIGTERM via pidfd)"
 REAPED = "processes reaped (gone for NVML)"
@@ -306,9 +305,10 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
               f"manual/floor {manual / floor:.2f}; gpuguard over the floor: "
               f"{(gpuguard - floor) * 1000:+.1f} ms")
         overhead_ms = (gpuguard - exited) * 1000
-        verdict = "met" if overhead_ms <= TARGET_MS else "MISSED"
         print(f"overhead gpuguard over the processes' own exit: {overhead_ms:+.1f} ms "
-              f"({(gpuguard - reaped) * 1000:+.1f} ms over reaped); target <= {TARGET_MS:.0f} ms: {verdict}")
+              f"({(gpuguard - reaped) * 1000:+.1f} ms over reaped)")
+        verdict = "met" if gpuguard <= manual else "MISSED"
+        print(f"budget (bench/README.md), no slower than the manual pipeline: {verdict}")
         if args.profile:
             print("\nprofile of one more gpuguard sweep:\n" + profile_sweep(args, workdir, nodes, engine,
                                                                            nvml, state_path))

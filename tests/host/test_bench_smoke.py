@@ -70,6 +70,7 @@ def test_bench_sweep_smoke() -> None:
     assert "evidence: the holders' fd tables, read cold" in out, out
     assert "floor of a verified sweep (evidence + own exit): " in out, out
     assert "overhead gpuguard over the processes' own exit: " in out, out
+    assert "budget (bench/README.md), no slower than the manual pipeline: " in out, out
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.
     expected = "gpuguard outcome freed" if shutil.which("gcc") else "gpuguard outcome unverified"
     assert expected in out, out
