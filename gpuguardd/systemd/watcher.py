@@ -44,6 +44,7 @@ class UnitWatcher:
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)
         self._pending: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
+        self._stale: set[str] = set()  # signalled while its state was being read: read again
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
 
@@ -124,18 +125,29 @@ class UnitWatcher:
             log.warning("re-subscribing to systemd failed: %s", exc)
 
     def _consider(self, unit: str, job_done: bool) -> None:
-        """Coalesce bursts of signals for one unit into one look at its state."""
+        """Coalesce bursts of signals for one unit into one look at its state. A signal that
+        arrives while the look is reading the state may mean a state the look did not see (the
+        stop's JobRemoved while it read "deactivating"; the unit then unloaded, and no signal
+        comes again): the unit is looked at once more when that look is done."""
         if job_done:
             self._again.add(unit)
         if unit in self._pending:
+            self._stale.add(unit)
             return
         self._pending[unit] = task = asyncio.ensure_future(self._look(unit))
-        task.add_done_callback(lambda _t: self._pending.pop(unit, None))
+        task.add_done_callback(lambda done: self._looked(unit, done))
+
+    def _looked(self, unit: str, task: asyncio.Task[None]) -> None:
+        self._pending.pop(unit, None)
+        if unit in self._stale and not task.cancelled():  # cancelled: gpuguardd is stopping
+            self._stale.discard(unit)
+            self._consider(unit, job_done=False)
 
     async def _look(self, unit: str) -> None:
         await asyncio.sleep(0)  # let the rest of this burst of signals arrive first
         job_done = unit in self._again
         self._again.discard(unit)
+        self._stale.discard(unit)  # what arrived so far, this look reads the state after
         try:
             state = await self.systemd.state(unit)
         except Exception as exc:

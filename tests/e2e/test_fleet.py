@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.harness import REPO, VENV_PYTHON, Installed, interpreter_access, wait_for
+from tests.e2e.harness import REPO, VENV_PYTHON, HarnessError, Installed, interpreter_access, wait_for
 
 TEXTFILES = "/var/lib/prometheus/node-exporter"
 PROM_DIR = "/var/lib/gpuguard-e2e-prometheus"
@@ -262,7 +262,11 @@ def test_watch_sweeps_a_removed_containers_leftovers(guard: Installed) -> None:
         m.run(["kill", "-USR1", str(workers[1])])  # leaves the container's cgroup
         wait_for("the worker to leave", lambda: unit not in guard.cgroup(workers[1]) or None, 10)
         m.systemctl("stop", unit)
-        report = wait_for("the watch's sweep", lambda: guard.reports_for(unit) or None, 30, 0.5)[0]
+        try:
+            report = wait_for("the watch's sweep", lambda: guard.reports_for(unit) or None, 30, 0.5)[0]
+        except HarnessError as exc:
+            raise HarnessError(f"{exc}\n--- gpuguardd ---\n"
+                               f"{m.journal('-n', '40', '-u', 'gpuguardd.service')}") from None
         assert report["requested_by"] == f"watch:{unit}"
         assert report["outcome"] == "freed", report
         assert [t["pid"] for t in report["terminated"]] == [workers[1]]

@@ -19,6 +19,7 @@ from gpuguardd.systemd.unitwatch import (
     UnitGpuRecords,
     UnitState,
     UnitWatch,
+    UnitWatcher,
     adoption_candidates,
     cuda_visible_gpus,
     matches,
@@ -245,3 +246,72 @@ def test_unit_records_that_cannot_be_kept_are_said_once_not_every_poll(
         (tmp_path / "gone").mkdir()
         watch.observe([*held, holder(11, "sglang-a.service", [1])])
     assert (tmp_path / "gone" / "units.json").exists()
+
+
+class SlowSystemd:
+    """systemd whose answer takes a while: the state is the one at the time of asking."""
+
+    def __init__(self, state: UnitState) -> None:
+        self.available = True
+        self.now = state
+        self.answer = asyncio.Event()
+        self.asked: list[str] = []
+
+    async def state(self, unit: str) -> UnitState:
+        seen = self.now
+        self.asked.append(seen.active_state)
+        await self.answer.wait()
+        return seen
+
+
+def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> None:
+    """A transient scope's stop: PropertiesChanged (deactivating) starts a look; the stop's
+    JobRemoved arrives while that look still waits for systemd's answer ("deactivating"), and
+    the scope is unloaded, so no signal comes again. The stop must still be swept."""
+    unit = "docker-0123.scope"
+    systemd = SlowSystemd(UnitState(unit, "deactivating", invocation_id="i1"))
+    stopped: list[UnitState] = []
+
+    async def on_stopped(state: UnitState) -> None:
+        stopped.append(state)
+
+    watcher = UnitWatcher(None, systemd, ["docker-*.scope"], on_stopped)  # type: ignore[arg-type]
+    watcher._last[unit] = "active"
+
+    async def scenario() -> None:
+        watcher._consider(unit, job_done=False)  # PropertiesChanged: deactivating
+        while not systemd.asked:
+            await asyncio.sleep(0)
+        systemd.now = UnitState(unit, "", invocation_id="i1")  # stopped, then unloaded
+        watcher._consider(unit, job_done=True)  # the stop's JobRemoved, mid-look
+        systemd.answer.set()
+        for _ in range(100):
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert systemd.asked == ["deactivating", ""]
+    assert [s.unit for s in stopped] == [unit]
+
+
+def test_watcher_reads_a_burst_of_signals_once() -> None:
+    """Signals that arrive before the look reads the state are that look's: no second look."""
+    unit = "docker-0123.scope"
+    systemd = SlowSystemd(UnitState(unit, "inactive", invocation_id="i1"))
+    systemd.answer.set()
+    stopped: list[UnitState] = []
+
+    async def on_stopped(state: UnitState) -> None:
+        stopped.append(state)
+
+    watcher = UnitWatcher(None, systemd, ["docker-*.scope"], on_stopped)  # type: ignore[arg-type]
+    watcher._last[unit] = "active"
+
+    async def scenario() -> None:
+        for job_done in (False, False, True):
+            watcher._consider(unit, job_done=job_done)
+        for _ in range(100):
+            await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert systemd.asked == ["inactive"]
+    assert [s.unit for s in stopped] == [unit]
