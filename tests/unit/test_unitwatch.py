@@ -264,12 +264,8 @@ class SlowSystemd:
         return seen
 
 
-def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> None:
-    """A transient scope's stop: PropertiesChanged (deactivating) starts a look; the stop's
-    JobRemoved arrives while that look still waits for systemd's answer ("deactivating"), and
-    the scope is unloaded, so no signal comes again. The stop must still be swept."""
-    unit = "docker-0123.scope"
-    systemd = SlowSystemd(UnitState(unit, "deactivating", invocation_id="i1"))
+def running_watcher(systemd: SlowSystemd, unit: str) -> tuple[UnitWatcher, list[UnitState]]:
+    """A watcher of docker-*.scope that has seen `unit` active, and the stops it reports."""
     stopped: list[UnitState] = []
 
     async def on_stopped(state: UnitState) -> None:
@@ -277,6 +273,16 @@ def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> No
 
     watcher = UnitWatcher(None, systemd, ["docker-*.scope"], on_stopped)  # type: ignore[arg-type]
     watcher._last[unit] = "active"
+    return watcher, stopped
+
+
+def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> None:
+    """A transient scope's stop: PropertiesChanged (deactivating) starts a look; the stop's
+    JobRemoved arrives while that look still waits for systemd's answer ("deactivating"), and
+    the scope is unloaded, so no signal comes again. The stop must still be swept."""
+    unit = "docker-0123.scope"
+    systemd = SlowSystemd(UnitState(unit, "deactivating", invocation_id="i1"))
+    watcher, stopped = running_watcher(systemd, unit)
 
     async def scenario() -> None:
         watcher._consider(unit, job_done=False)  # PropertiesChanged: deactivating
@@ -298,13 +304,7 @@ def test_watcher_reads_a_burst_of_signals_once() -> None:
     unit = "docker-0123.scope"
     systemd = SlowSystemd(UnitState(unit, "inactive", invocation_id="i1"))
     systemd.answer.set()
-    stopped: list[UnitState] = []
-
-    async def on_stopped(state: UnitState) -> None:
-        stopped.append(state)
-
-    watcher = UnitWatcher(None, systemd, ["docker-*.scope"], on_stopped)  # type: ignore[arg-type]
-    watcher._last[unit] = "active"
+    watcher, stopped = running_watcher(systemd, unit)
 
     async def scenario() -> None:
         for job_done in (False, False, True):
