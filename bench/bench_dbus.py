@@ -433,16 +433,17 @@ def proc_cpu_seconds(pid: int) -> float:
 
 
 class CpuWindow:
-    """The CPU each of `pids` uses from now until percent(): % of one core over the window."""
+    """The CPU each of `pids` uses from now until close()."""
 
     def __init__(self, *pids: int) -> None:
         self.pids = pids
         self.started = time.monotonic()
         self.cpu = [proc_cpu_seconds(pid) for pid in pids]
 
-    def percent(self) -> list[float]:
+    def close(self) -> tuple[float, list[float]]:
+        """The window's length in seconds, and each pid's CPU over it in % of one core."""
         wall = time.monotonic() - self.started
-        return [100 * (proc_cpu_seconds(pid) - cpu) / wall for pid, cpu in zip(self.pids, self.cpu)]
+        return wall, [100 * (proc_cpu_seconds(pid) - cpu) / wall for pid, cpu in zip(self.pids, self.cpu)]
 
 
 def proc_rss_mib(pid: int) -> float:
@@ -508,8 +509,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(2)  # let the last rescans settle
                     window = CpuWindow(proc.pid, poller.pid)
                     time.sleep(args.idle_sec)
-                    percent, peer_percent = window.percent()
-                    wall = time.monotonic() - window.started
+                    wall, (percent, peer_percent) = window.close()
                     results["idle"] = {"seconds": wall, "cpu_s": percent * wall / 100,
                                        "cpu_percent": percent, "rss_mib": proc_rss_mib(proc.pid),
                                        "peer_cpu_percent": peer_percent,

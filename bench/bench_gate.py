@@ -169,7 +169,7 @@ async def waiters_cost(address: str, daemon_pid: int, args: argparse.Namespace) 
         await asyncio.sleep(0.5)  # every waiter in its call, the daemon polling fast
         window = bench_dbus.CpuWindow(daemon_pid)
         await asyncio.sleep(args.cpu_sec)
-        [percent] = window.percent()
+        _, [percent] = window.close()
         await asyncio.gather(*tasks)
     finally:
         for bus in buses:
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.5)
             window = bench_dbus.CpuWindow(proc.pid)
             time.sleep(args.cpu_sec)
-            [alone] = window.percent()
+            _, [alone] = window.close()
             cost = asyncio.run(waiters_cost(bus.address, proc.pid, args))
             host.forget(held)
     finally:

@@ -280,9 +280,9 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                     elif side == "evidence":
                         times[EVIDENCE].append(evidence(population, paths))
                     else:
-                        pattern = "sleep " + token.replace(".", "\\.") if side == "manual" else None
+                        row = MANUAL if side == "manual" else BY_DEVICE
+                        pattern = "sleep " + token.replace(".", "\\.") if row == MANUAL else None
                         seconds, killed, polls = manual_pipeline(pattern, paths, args.poll_ms / 1000)
-                        row = MANUAL if pattern else BY_DEVICE
                         times[row].append(seconds)
                         checks[row].append(polls)
                         common.check_same({"pkill/fuser -k killed": killed}, expected, population.members)
