@@ -6,7 +6,7 @@
 
 Each run gets a fresh population of `--holders` processes (`sleep` with nvidiaN, nvidiactl and
 nvidia-uvm fds inherited, plus `--files` ordinary files; they exit at once on SIGTERM), and the
-runs of the three sides are interleaved:
+runs of the sides are interleaved:
 
   * own exit: SIGTERM straight through pidfds, until every pidfd polls readable (exited) and
     until every holder is reaped (what NVML's "is it gone" sees). The floor for both others;
@@ -20,7 +20,12 @@ runs of the three sides are interleaved:
     the nodes they hold, as gpuguard does;
   * evidence: the holders' fd tables read cold, the way the scan reads them, signalling nothing:
     what a safe sweep must read before its first signal (a process NVML lists is ended only
-    if it holds a device here). Added to their own exit, the floor of a verified sweep.
+    if it holds a device here). Added to their own exit, the floor of a verified sweep;
+  * skeleton: the least a verified sweep can do, built from gpuguard's own readers: one NVML
+    reading, the pinned /proc scan, the checks no sweep may skip (PID 1, kernel threads, its
+    own chain, protected executables and units), SIGTERM through the pidfds, then NVML until it
+    charges nothing to them. No description, report, lock, log or later round: what Python
+    and the safety rules cost before gpuguard adds anything of its own.
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
@@ -53,8 +58,11 @@ from common import BenchError, Population
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
+from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import driver_majors
 from gpuguardd.engine.engine import Engine
+from gpuguardd.engine.holders import scan_raw
+from gpuguardd.engine.protection import ProtectedFiles
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report
@@ -75,6 +83,7 @@ GPUGUARD = "gpuguard Engine.sweep(): requested -> verified"
 MANUAL = "manual: pkill -f; fuser -k; poll fuser -s"
 BY_DEVICE = "by device: fuser -k; poll fuser -s"
 EVIDENCE = "evidence: the holders' fd tables, read cold"
+SKELETON = "skeleton: scan, safety checks, SIGTERM, NVML"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,7 +124,7 @@ def reexec_with_fake_nvml(argv: list[str]) -> str:
     raise AssertionError("unreachable")
 
 
-# -- the three sides -----------------------------------------------------------------------------
+# -- the sides ---------------------------------------------------------------------------------------
 
 
 def own_exit(population: Population, timeout: float = 30.0) -> tuple[float, float, set[int]]:
@@ -195,6 +204,49 @@ def evidence(population: Population, paths: list[str]) -> float:
     return seconds
 
 
+def skeleton_sweep(engine: Engine, nvml: bool, timeout: float = 30.0) -> tuple[float, set[int]]:
+    """Seconds from the first NVML reading to the last (see the module docstring), and the PIDs
+    signalled. Without NVML it stops at the holders' exit."""
+    config = engine.config
+    started = time.perf_counter()
+    engine.snapshot()
+    found, _ = scan_raw(engine.device_map(), use_pidfd=True)
+    spare = {1, os.getpid(), *procfs.ancestors(os.getpid())}
+    protected = ProtectedFiles.resolve(config)
+    pidfds: dict[int, int] = {}
+    try:
+        for pid, raw in found.items():
+            stat = procfs.read_stat(pid)
+            if (raw.pidfd is None or stat is None or stat.is_kernel_thread or pid in spare
+                    or protected.match(pid) is not None
+                    or config.is_protected_unit(attribute(procfs.read_cgroup(pid)).unit) is not None):
+                raw.close()
+                continue
+            pidfds[pid], raw.pidfd = raw.pidfd, None
+        poller = select.poll()
+        for fd in pidfds.values():
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+            poller.register(fd, select.POLLIN)
+        pending = set(pidfds.values())
+        deadline = started + timeout
+        while pending:
+            for fd, _ in poller.poll(max(0.0, deadline - time.perf_counter()) * 1000):
+                pending.discard(fd)
+                poller.unregister(fd)
+            if pending and time.perf_counter() > deadline:
+                raise BenchError(f"skeleton: {len(pending)} holders did not exit on SIGTERM")
+        while nvml and any(pid in gpu.processes for gpu in engine.snapshot().gpus for pid in pidfds):
+            if time.perf_counter() > deadline:
+                raise BenchError("skeleton: NVML still charges memory to the ended holders")
+            time.sleep(0.001)
+        return time.perf_counter() - started, set(pidfds)
+    finally:
+        for raw in found.values():
+            raw.close()
+        for fd in pidfds.values():
+            os.close(fd)
+
+
 def manual_pipeline(pattern: str | None, paths: list[str], poll_sec: float,
                     timeout: float = 30.0) -> tuple[float, set[int], int]:
     """`pattern`: pkill -f it first; None: find the holders by device only (fuser -k)."""
@@ -246,11 +298,11 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
               "population")
         print("NVML: " + ("fake NVML lists every holder with 2 GiB; verification is real" if nvml
                           else f"absent ({note or '--no-nvml'}); gpuguard's outcome is 'unverified'"))
-        times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], GPUGUARD: [],
-                                         MANUAL: [], BY_DEVICE: []}
+        times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], SKELETON: [],
+                                         GPUGUARD: [], MANUAL: [], BY_DEVICE: []}
         durations: list[int] = []
         checks: dict[str, list[int]] = {MANUAL: [], BY_DEVICE: []}
-        sides = ["exit", "evidence", "gpuguard", "manual", "device"]
+        sides = ["exit", "evidence", "skeleton", "gpuguard", "manual", "device"]
         for round_number in range(args.repeat):
             shift = round_number % len(sides)
             for side in sides[shift:] + sides[:shift]:
@@ -279,6 +331,12 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                             raise BenchError(f"{exc}\n  gpuguard's targets: {report.targets}") from None
                     elif side == "evidence":
                         times[EVIDENCE].append(evidence(population, paths))
+                    elif side == "skeleton":
+                        if nvml:
+                            publish_nvml(population, state_path)
+                        seconds, signalled = skeleton_sweep(engine, nvml)
+                        times[SKELETON].append(seconds)
+                        common.check_same({"skeleton signalled": signalled}, expected, population.members)
                     else:
                         row = MANUAL if side == "manual" else BY_DEVICE
                         pattern = "sleep " + token.replace(".", "\\.") if row == MANUAL else None
@@ -293,13 +351,15 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                             **{row: f"({common.median(polls):.0f} fuser -s checks, {args.poll_ms:g} ms apart)"
                                for row, polls in checks.items()}}))
         outcome = "freed (memory seen released by NVML)" if nvml else "unverified (no NVML)"
-        print(f"same holders: {args.holders} pids in every run (direct SIGTERM = gpuguard terminated = "
-              f"pkill/fuser -k killed = the population's holders); gpuguard outcome {outcome} in "
+        print(f"same holders: {args.holders} pids in every run (direct SIGTERM = skeleton signalled = "
+              f"gpuguard terminated = pkill/fuser -k killed = the population's holders); gpuguard outcome {outcome} in "
               f"{len(times[GPUGUARD])}/{len(times[GPUGUARD])} runs")
         gpuguard, manual = common.median(times[GPUGUARD]), common.median(times[MANUAL])
         exited, reaped = common.median(times[EXIT]), common.median(times[REAPED])
+        skeleton = common.median(times[SKELETON])
         print(f"ratio gpuguard/manual: {gpuguard / manual:.2f}; gpuguard/by device: "
-              f"{gpuguard / common.median(times[BY_DEVICE]):.2f}")
+              f"{gpuguard / common.median(times[BY_DEVICE]):.2f}; skeleton/manual: "
+              f"{skeleton / manual:.2f}; gpuguard over the skeleton: {(gpuguard - skeleton) * 1000:+.1f} ms")
         floor = common.median(times[EVIDENCE]) + exited
         print(f"floor of a verified sweep (evidence + own exit): {floor * 1000:.1f} ms; "
               f"manual/floor {manual / floor:.2f}; gpuguard over the floor: "
@@ -317,6 +377,7 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
             "background": args.background, "repeat": args.repeat, "nvml": nvml,
             "median_sec": {name: common.median(values) for name, values in times.items()},
             "runs_sec": times, "ratio_gpuguard_manual": gpuguard / manual, "floor_sec": floor,
+            "skeleton_sec": skeleton,
             "overhead_ms": overhead_ms, "report_duration_ms": durations,
             "load_average": os.getloadavg(),
         })

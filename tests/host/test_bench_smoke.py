@@ -69,6 +69,10 @@ def test_bench_sweep_smoke() -> None:
     # The floor: the holders' fd tables read cold (each showing its three nodes), plus their exit.
     assert "evidence: the holders' fd tables, read cold" in out, out
     assert "floor of a verified sweep (evidence + own exit): " in out, out
+    # The skeleton signalled exactly the population's holders (or the run fails) and is compared.
+    assert "skeleton: scan, safety checks, SIGTERM, NVML" in out, out
+    assert "skeleton signalled = gpuguard terminated" in out, out
+    assert "; skeleton/manual: " in out and "; gpuguard over the skeleton: " in out, out
     assert "overhead gpuguard over the processes' own exit: " in out, out
     assert "budget (bench/README.md), no slower than the manual pipeline: " in out, out
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.
