@@ -48,6 +48,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,24 +128,28 @@ def reexec_with_fake_nvml(argv: list[str]) -> str:
 # -- the sides ---------------------------------------------------------------------------------------
 
 
+def terminate(pidfds: Iterable[int], deadline: float) -> None:
+    """SIGTERM through each pidfd; return once every one polls readable (its process exited)."""
+    poller = select.poll()
+    pending = set(pidfds)
+    for fd in pending:
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+        poller.register(fd, select.POLLIN)
+    while pending:
+        for fd, _ in poller.poll(max(0.0, deadline - time.perf_counter()) * 1000):
+            pending.discard(fd)
+            poller.unregister(fd)
+        if pending and time.perf_counter() > deadline:
+            raise BenchError(f"{len(pending)} holders did not exit on SIGTERM")
+
+
 def own_exit(population: Population, timeout: float = 30.0) -> tuple[float, float, set[int]]:
     """SIGTERM every holder through its pidfd; seconds until all exited and until all reaped."""
     pidfds = {pid: os.pidfd_open(pid) for pid in sorted(population.holder_pids)}
     try:
-        poller = select.poll()
-        for fd in pidfds.values():
-            poller.register(fd, select.POLLIN)
         started = time.perf_counter()
-        for fd in pidfds.values():
-            signal.pidfd_send_signal(fd, signal.SIGTERM)
-        pending = set(pidfds.values())
         deadline = started + timeout
-        while pending:
-            for fd, _ in poller.poll(max(0.0, deadline - time.perf_counter()) * 1000):
-                pending.discard(fd)
-                poller.unregister(fd)
-            if pending and time.perf_counter() > deadline:
-                raise BenchError(f"{len(pending)} holders did not exit on SIGTERM in {timeout:.0f} s")
+        terminate(pidfds.values(), deadline)
         exited = time.perf_counter() - started
         unreaped = set(pidfds.values())
         while unreaped:
@@ -223,18 +228,8 @@ def skeleton_sweep(engine: Engine, nvml: bool, timeout: float = 30.0) -> tuple[f
                 raw.close()
                 continue
             pidfds[pid], raw.pidfd = raw.pidfd, None
-        poller = select.poll()
-        for fd in pidfds.values():
-            signal.pidfd_send_signal(fd, signal.SIGTERM)
-            poller.register(fd, select.POLLIN)
-        pending = set(pidfds.values())
         deadline = started + timeout
-        while pending:
-            for fd, _ in poller.poll(max(0.0, deadline - time.perf_counter()) * 1000):
-                pending.discard(fd)
-                poller.unregister(fd)
-            if pending and time.perf_counter() > deadline:
-                raise BenchError(f"skeleton: {len(pending)} holders did not exit on SIGTERM")
+        terminate(pidfds.values(), deadline)
         while nvml and any(pid in gpu.processes for gpu in engine.snapshot().gpus for pid in pidfds):
             if time.perf_counter() > deadline:
                 raise BenchError("skeleton: NVML still charges memory to the ended holders")
