@@ -7,7 +7,7 @@ import { TextInput } from "@patternfly/react-core/dist/esm/components/TextInput/
 import { Toolbar, ToolbarContent, ToolbarItem } from "@patternfly/react-core/dist/esm/components/Toolbar/index.js";
 import { Table, Tbody, Td, Th, Thead, Tr } from "@patternfly/react-table/dist/esm/components/Table/index.js";
 
-import { formatBytes } from "./model.js";
+import { processMemory } from "./model.js";
 
 const _ = window.cockpit.gettext;
 const cockpit = window.cockpit;
@@ -73,7 +73,7 @@ export function HoldersTable({ holders, gpus }) {
                                         </div>}
                                 </Td>
                                 <Td dataLabel={columns[5]}>{[...(h.gpus || []), ...(h.mig || [])].join(", ")}</Td>
-                                <Td dataLabel={columns[6]} modifier="nowrap">{h.gpu_memory ? formatBytes(h.gpu_memory) : "—"}</Td>
+                                <Td dataLabel={columns[6]} modifier="nowrap">{processMemory(h.gpu_memory)}</Td>
                                 <Td dataLabel={columns[7]}>{(h.how || []).join(", ")}</Td>
                                 <Td dataLabel={columns[8]} className="gg-command" modifier="breakWord">
                                     {h.cmdline || h.exe || h.comm}

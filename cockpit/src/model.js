@@ -369,6 +369,13 @@ export function formatBytes(bytes) {
     return cockpit.format(_("$0 B"), value);
 }
 
+// A process's GPU memory: the contract's 0 means NVML does not say (it lists no such pid: its
+// PIDs are the host's while gpuguardd runs in a container, or the process has no context), so
+// it shows as unknown, never as "0 B" beside a GPU whose memory is in use.
+export function processMemory(bytes) {
+    return Number(bytes) ? formatBytes(bytes) : "—";
+}
+
 export function formatTime(ms) {
     if (!ms)
         return "";

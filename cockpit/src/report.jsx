@@ -7,7 +7,7 @@ import { List, ListItem } from "@patternfly/react-core/dist/esm/components/List/
 import { Title } from "@patternfly/react-core/dist/esm/components/Title/index.js";
 import { Table, Tbody, Td, Th, Thead, Tr } from "@patternfly/react-table/dist/esm/components/Table/index.js";
 
-import { formatBytes, formatTime, outcomeText, outcomeVariant, scopeText } from "./model.js";
+import { formatBytes, formatTime, outcomeText, outcomeVariant, processMemory, scopeText } from "./model.js";
 
 const _ = window.cockpit.gettext;
 const cockpit = window.cockpit;
@@ -95,7 +95,7 @@ export function ReportDetails({ report, plan }) {
             <Section id="targets" title={plan ? _("Plan: processes the sweep would end") : _("Targets")}
                      rows={report.targets}
                      columns={[pid, comm, unit, [_("Container"), r => r.container || "—"], [_("Kind"), r => r.kind],
-                         [_("GPUs"), r => gpuList(r.gpus)], [_("Memory"), r => formatBytes(r.gpu_memory)],
+                         [_("GPUs"), r => gpuList(r.gpus)], [_("Memory"), r => processMemory(r.gpu_memory)],
                          [_("Executable"), r => r.exe]]} />
             <Section id="terminated" title={_("Terminated")} rows={report.terminated}
                      columns={[pid, comm, unit, [_("Signal"), r => r.signal || _("exited on its own")],

@@ -175,6 +175,12 @@ def choose_gpus(page: Any, *indices: int) -> None:
         page.check(f"#sweep-gpu-{index}")
 
 
+def report_cell(section: Any, pid: int, label: str) -> Any:
+    """The cell under column `label` of the row of `pid` in a report section."""
+    pid_cell = section.page.locator(f"td[data-label='PID']:text-is('{pid}')")
+    return section.locator("tbody tr", has=pid_cell).locator(f"td[data-label='{label}']")
+
+
 def event(page: Any, pid: int) -> Any:
     return page.locator(f".gg-event[data-pid='{pid}']")
 
@@ -185,6 +191,10 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
     event feed, and the new history row opens to the full report."""
     polite = holder(guard.host, 1)
     stubborn = holder(guard.host, 1, 4 * GiB, "--ignore-term")
+    # NVML gives no figure for it: the contract's gpu_memory 0, "NVML does not know" (its PIDs
+    # are the host's while gpuguardd runs in a container, or the figure is not available). The
+    # page says unknown, not "0 B" beside a GPU whose memory is in use.
+    unlisted = holder(guard.host, 1, 0)
     bystander = holder(guard.host, 0)
     page = open_gpuguard(cockpit_ws(), browser_page)
     expect(row(page, stubborn)).to_be_visible()
@@ -197,28 +207,34 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
     page.click("#sweep-preview")
     plan = dialog.locator(".gg-report-section[data-section='targets']")
     expect(plan).to_be_visible()
-    expect(dialog.locator(".gg-plan-summary")).to_contain_text("would end 2 processes; nothing was ended")
-    for pid in (polite, stubborn):
+    expect(dialog.locator(".gg-plan-summary")).to_contain_text("would end 3 processes; nothing was ended")
+    for pid in (polite, stubborn, unlisted):
         expect(plan.locator("td", has_text=str(pid)).first).to_be_visible()
     expect(plan).not_to_contain_text(str(bystander))
+    expect(report_cell(plan, stubborn, "Memory")).to_have_text("4.0 GiB")
+    expect(report_cell(plan, unlisted, "Memory")).to_have_text("—")
+    expect(row(page, unlisted).locator("td[data-label='Memory']")).to_have_text("—")
     time.sleep(0.5)
-    assert all(alive(guard.host, pid) for pid in (polite, stubborn, bystander)), "a preview ended a process"
+    assert all(alive(guard.host, pid) for pid in (polite, stubborn, unlisted, bystander)), \
+        "a preview ended a process"
     expect(row(page, polite)).to_be_visible()
 
     history_before = len(guard.manager("GetHistory", "u", "0")[0])
     page.click("#sweep-run")
     # While it runs (the stubborn holder for its 2 s of grace): the progress from the signals.
     running = page.locator(".gg-running")
-    expect(running).to_contain_text("1 process ended so far")
+    expect(running).to_contain_text("2 processes ended so far")
     expect(running).to_contain_text("GPU 1")
     expect(dialog.locator(".gg-sweep-summary")).to_contain_text("Sweep finished: freed", timeout=30000)
     expect(running).to_have_count(0)
     report = guard.manager("GetHistory", "u", "1")[0][0]
     assert report["outcome"] == "freed" and report["reason"] == "cockpit test", report
     assert report["requested_by"].startswith("uid 0 (root)"), report["requested_by"]
-    assert {t["pid"]: t["signal"] for t in report["terminated"]} == {polite: "SIGTERM", stubborn: "SIGKILL"}
+    assert {t["pid"]: t["signal"] for t in report["terminated"]} == {
+        polite: "SIGTERM", stubborn: "SIGKILL", unlisted: "SIGTERM"}
     assert len(guard.manager("GetHistory", "u", "0")[0]) == history_before + 1
-    wait_until(lambda: not alive(guard.host, polite) and not alive(guard.host, stubborn), 10, "the holders to end")
+    wait_until(lambda: not any(alive(guard.host, pid) for pid in (polite, stubborn, unlisted)), 10,
+               "the holders to end")
     assert alive(guard.host, bystander), "the sweep of GPU 1 ended a process on GPU 0"
     terminated = dialog.locator(".gg-report-section[data-section='terminated']")
     expect(terminated).to_contain_text("SIGKILL")
