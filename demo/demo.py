@@ -66,8 +66,12 @@ def narrate_report(report: dict[str, Any]) -> None:
         where = target.get("unit") or "(none)"
         container = target.get("container") or "host"
         note = "  <- left the unit's cgroup; still its leftover" if target["pid"] in adopted else ""
+        memory = gib(target["gpu_memory"]) if target["gpu_memory"] else "-"  # 0: NVML does not know
         say(f"  pid {target['pid']:<6} {target['comm']:<14} unit {where:<20} {container:<5} "
-            f"GPU {','.join(str(g) for g in target['gpus'])}  {gib(target['gpu_memory'])}{note}")
+            f"GPU {','.join(str(g) for g in target['gpus'])}  {memory}{note}")
+    if any(not target["gpu_memory"] for target in report["targets"]):
+        say("  (-: NVML names processes by their PIDs on the host, which name nothing in this "
+            "container; the GPUs' memory below is what is verified)")
     say("signals sent (through pidfds, so a recycled PID is never hit):")
     for ended in report["terminated"]:
         why = " (it ignored SIGTERM)" if ended["signal"] == "SIGKILL" else ""
