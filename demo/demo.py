@@ -21,7 +21,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import (  # noqa: E402  (the repository root is only on the path now)
+from gpuguardd.escaping import escaped  # noqa: E402  (the repository root is only on the path now)
+from tests.e2e.harness import (  # noqa: E402
     BusSignal,
     HarnessError,
     Installed,
@@ -57,6 +58,7 @@ def gib(value: int) -> str:
 
 
 def narrate_report(report: dict[str, Any]) -> None:
+    report = escaped(report)  # process and unit names, escaped as gpuguardctl shows them
     say(f"report {report['id'][:8]}, requested by {report['requested_by']}, "
         f"{report['duration_ms']} ms")
     say(f"reason: {report['reason']}")
@@ -94,15 +96,16 @@ def narrate_signals(signals: list[BusSignal]) -> None:
     start = signals[0].usec
     for sig in signals:
         at = f"+{(sig.usec - start) // 1000:>5} ms"
+        args = escaped(sig.args)
         if sig.member == "SweepStarted":
-            say(f"{at}  SweepStarted({sig.args[0][:8]}, unit={sig.args[1].get('unit', '')})")
+            say(f"{at}  SweepStarted({args[0][:8]}, unit={args[1].get('unit', '')})")
         elif sig.member == "ProcessTerminated":
-            say(f"{at}  ProcessTerminated({sig.args[0][:8]}, pid={sig.args[1]}, "
-                f"comm={sig.args[2]}, unit={sig.args[3] or '-'}, {sig.args[4]})")
+            say(f"{at}  ProcessTerminated({args[0][:8]}, pid={args[1]}, "
+                f"comm={args[2]}, unit={args[3] or '-'}, {args[4]})")
         elif sig.member == "SweepFinished":
-            say(f"{at}  SweepFinished({sig.args[0][:8]}, {sig.args[1]}, report)")
+            say(f"{at}  SweepFinished({args[0][:8]}, {args[1]}, report)")
         else:
-            say(f"{at}  {sig.member}{tuple(sig.args)}")
+            say(f"{at}  {sig.member}{tuple(args)}")
 
 
 def demo(machine: Machine) -> bool:
@@ -159,7 +162,7 @@ def demo(machine: Machine) -> bool:
     say("on the system bus (busctl monitor, interface org.gpuguard.GpuGuard1.Manager):")
     narrate_signals(signals)
     say("in the history (busctl call ... GetHistory 1):")
-    newest = guard.history(1)[0]
+    newest = escaped(guard.history(1)[0])
     say(f"  {newest['id'][:8]}  {newest['outcome']}  requested by {newest['requested_by']}  "
         f"{len(newest['terminated'])} terminated")
     say("in the journal (journalctl -u gpuguardd):")
