@@ -191,10 +191,10 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
     event feed, and the new history row opens to the full report."""
     polite = holder(guard.host, 1)
     stubborn = holder(guard.host, 1, 4 * GiB, "--ignore-term")
-    # NVML gives no figure for it: the contract's gpu_memory 0, "NVML does not know" (its PIDs
-    # are the host's while gpuguardd runs in a container, or the figure is not available). The
-    # page says unknown, not "0 B" beside a GPU whose memory is in use.
-    unlisted = holder(guard.host, 1, 0)
+    # NVML charges it nothing: gpu_memory 0, which the contract reads as "NVML does not know"
+    # (every process's while gpuguardd runs in a container, where NVML's PIDs are the host's).
+    # The page says unknown, not "0 B" beside a GPU whose memory is in use.
+    unknown = holder(guard.host, 1, 0)
     bystander = holder(guard.host, 0)
     page = open_gpuguard(cockpit_ws(), browser_page)
     expect(row(page, stubborn)).to_be_visible()
@@ -208,14 +208,14 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
     plan = dialog.locator(".gg-report-section[data-section='targets']")
     expect(plan).to_be_visible()
     expect(dialog.locator(".gg-plan-summary")).to_contain_text("would end 3 processes; nothing was ended")
-    for pid in (polite, stubborn, unlisted):
+    for pid in (polite, stubborn, unknown):
         expect(plan.locator("td", has_text=str(pid)).first).to_be_visible()
     expect(plan).not_to_contain_text(str(bystander))
     expect(report_cell(plan, stubborn, "Memory")).to_have_text("4.0 GiB")
-    expect(report_cell(plan, unlisted, "Memory")).to_have_text("—")
-    expect(row(page, unlisted).locator("td[data-label='Memory']")).to_have_text("—")
+    expect(report_cell(plan, unknown, "Memory")).to_have_text("—")
+    expect(row(page, unknown).locator("td[data-label='Memory']")).to_have_text("—")
     time.sleep(0.5)
-    assert all(alive(guard.host, pid) for pid in (polite, stubborn, unlisted, bystander)), \
+    assert all(alive(guard.host, pid) for pid in (polite, stubborn, unknown, bystander)), \
         "a preview ended a process"
     expect(row(page, polite)).to_be_visible()
 
@@ -231,9 +231,9 @@ def test_preview_then_sweep_as_admin(guard: GuardDaemon, cockpit_ws: Callable[..
     assert report["outcome"] == "freed" and report["reason"] == "cockpit test", report
     assert report["requested_by"].startswith("uid 0 (root)"), report["requested_by"]
     assert {t["pid"]: t["signal"] for t in report["terminated"]} == {
-        polite: "SIGTERM", stubborn: "SIGKILL", unlisted: "SIGTERM"}
+        polite: "SIGTERM", stubborn: "SIGKILL", unknown: "SIGTERM"}
     assert len(guard.manager("GetHistory", "u", "0")[0]) == history_before + 1
-    wait_until(lambda: not any(alive(guard.host, pid) for pid in (polite, stubborn, unlisted)), 10,
+    wait_until(lambda: not any(alive(guard.host, pid) for pid in (polite, stubborn, unknown)), 10,
                "the holders to end")
     assert alive(guard.host, bystander), "the sweep of GPU 1 ended a process on GPU 0"
     terminated = dialog.locator(".gg-report-section[data-section='terminated']")
