@@ -22,10 +22,10 @@ runs of the sides are interleaved:
     what a safe sweep must read before its first signal (a process NVML lists is ended only
     if it holds a device here). Added to their own exit, the floor of a verified sweep;
   * skeleton: the least a verified sweep can do, built from gpuguard's own readers: one NVML
-    reading, the pinned /proc scan, the checks no sweep may skip (PID 1, kernel threads, its
-    own chain, protected executables and units), SIGTERM through the pidfds, then NVML until it
-    charges nothing to them. No description, report, lock, log or later round: what Python
-    and the safety rules cost before gpuguard adds anything of its own.
+    reading, the pinned /proc scan, the checks no sweep may skip (engine/protection.py's rule:
+    PID 1, kernel threads, its own chain, protected executables and units), SIGTERM through the
+    pidfds, then NVML until it charges nothing to them. No description, report, lock, log or
+    later round: what Python and the safety rules cost before gpuguard adds anything of its own.
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
@@ -63,9 +63,9 @@ from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import driver_majors
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.holders import scan_raw
-from gpuguardd.engine.protection import ProtectedFiles
+from gpuguardd.engine.protection import ProtectedFiles, protection_reason
 from gpuguardd.records.enums import Outcome
-from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.models import Holder, SweepRequest
 from gpuguardd.records.report import Report
 from tests.fakenvml import (
     STATE_ENV,
@@ -216,18 +216,20 @@ def skeleton_sweep(engine: Engine, nvml: bool, timeout: float = 30.0) -> tuple[f
     started = time.perf_counter()
     engine.snapshot()
     found, _ = scan_raw(engine.device_map(), use_pidfd=True)
-    spare = {1, os.getpid(), *procfs.ancestors(os.getpid())}
+    own_chain = procfs.ancestors(os.getpid())
     protected = ProtectedFiles.resolve(config)
     pidfds: dict[int, int] = {}
     try:
         for pid, raw in found.items():
             stat = procfs.read_stat(pid)
-            if (raw.pidfd is None or stat is None or stat.is_kernel_thread or pid in spare
-                    or protected.match(pid) is not None
-                    or config.is_protected_unit(attribute(procfs.read_cgroup(pid)).unit) is not None):
-                raw.close()
+            if raw.pidfd is None or stat is None:
                 continue
-            pidfds[pid], raw.pidfd = raw.pidfd, None
+            # Only what gpuguard's never-signal rule reads, for that rule itself.
+            where = attribute(procfs.read_cgroup(pid))
+            holder = Holder(pid=pid, comm=stat.comm, state=stat.state, exe=procfs.read_exe(pid) or "",
+                            unit=where.unit, container=where.container)
+            if protection_reason(holder, config, own_chain, protected) is None:
+                pidfds[pid], raw.pidfd = raw.pidfd, None
         deadline = started + timeout
         terminate(pidfds.values(), deadline)
         while nvml and any(pid in gpu.processes for gpu in engine.snapshot().gpus for pid in pidfds):
