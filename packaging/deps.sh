@@ -29,10 +29,12 @@ PACKAGES+=(nodejs cockpit-ws cockpit-bridge chromium fonts-liberation)
 # servers the tests scrape with, promtool) and the real Slurm the epilog is tested against.
 PACKAGES+=(python3-prometheus-client prometheus prometheus-node-exporter slurmctld slurmd munge)
 # The desktop (docs/desktop.md): GNOME Shell 43 headless for the extension's tests
-# (gjs comes with it, gnome-extensions packs the zips, imagemagick crops the screenshots),
-# dunst on Xvfb for gpuguard-notify's. Installed without recommends: with them gnome-shell
-# brings gdm3 and a whole desktop (1.2 GB instead of 400 MB).
-NO_RECOMMENDS=(gnome-shell xvfb imagemagick dunst)
+# (gnome-extensions packs the zips, imagemagick crops the screenshots), the gjs interpreter
+# that runs the extension's logic outside the shell (only a recommendation of gnome-shell,
+# which depends on the library alone), dunst on Xvfb for gpuguard-notify's. Installed
+# without recommends: with them gnome-shell brings gdm3 and a whole desktop (1.2 GB instead
+# of 400 MB).
+NO_RECOMMENDS=(gnome-shell gjs xvfb imagemagick dunst)
 
 dry_run=
 case "${1-}" in
