@@ -60,8 +60,11 @@ class Desktop:
         self.session = PlainBus()  # a session-type bus where everyone may do anything
         self.address = self.session.address
         read, write = os.pipe()
+        # No socket in /tmp/.X11-unix: Xvfb would create that directory by name, and on a
+        # machine where nothing made it at boot (no systemd-tmpfiles) it outlives the run.
+        # X clients on Linux reach the server by its abstract socket, which it keeps.
         self._start(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x600x24", "-nolisten",
-                     "tcp"], pass_fds=(write,))
+                     "tcp", "-nolisten", "unix"], pass_fds=(write,))
         os.close(write)
         with os.fdopen(read) as display:
             self.display = ":" + display.readline().strip()
