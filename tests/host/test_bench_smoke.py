@@ -73,6 +73,11 @@ def test_bench_sweep_smoke() -> None:
     assert "skeleton: scan, safety checks, SIGTERM, NVML" in out, out
     assert "skeleton signalled = gpuguard terminated" in out, out
     assert "; skeleton/manual: " in out and "; gpuguard over the skeleton: " in out, out
+    # So did the skeleton whose scan a helper shared (its holders came back whole: by fd, not
+    # spared as NVML's word alone), and what such a helper would save gpuguard is printed.
+    assert "skeleton, its scan shared with a warm helper" in out, out
+    assert "warm skeleton signalled = gpuguard terminated" in out, out
+    assert "; warm skeleton/manual: " in out and "gpuguard with one, at best: " in out, out
     assert "overhead gpuguard over the processes' own exit: " in out, out
     assert "budget (bench/README.md), no slower than the manual pipeline: " in out, out
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.
