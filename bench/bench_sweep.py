@@ -26,10 +26,11 @@ runs of the sides are interleaved:
     PID 1, kernel threads, its own chain, protected executables and units), SIGTERM through the
     pidfds, then NVML until it charges nothing to them. No description, report, lock, log or
     later round: what Python and the safety rules cost before gpuguard adds anything of its own;
-  * skeleton, warm helper: the same with half of its scan done by a second process forked
-    before the runs and waiting for PIDs: what a helper kept running between sweeps could take
-    off the scan at most (it pins nothing and passes no pidfds; the sweep pins what it reports
-    after the read, which gpuguard must not do). Whether such a helper is worth building.
+  * skeleton, warm helper: the same with every other PID of its scan read by a second process
+    forked before the runs, with gpuguard's helper pass: what a helper kept running between
+    sweeps could take off the scan at most (it pins nothing and passes no pidfds; the sweep
+    pins what it reports after the read, which gpuguard must not do). Whether such a helper is
+    worth building.
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
@@ -64,7 +65,7 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.engine import procfs
+from gpuguardd.engine import holders, procfs, scanhelpers, scanworker
 from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap, driver_majors
 from gpuguardd.engine.engine import Engine
@@ -226,47 +227,55 @@ def pinned_scan(device_map: DeviceMap, pids: list[int] | None = None) -> dict[in
 
 
 class WarmHelper:
-    """A second process, forked before any thread starts, that scans the PIDs it is sent and
-    answers {pid: [the watched nodes it holds, by fd or mmap]}. A lower bound for a helper kept running between
-    sweeps: the split is fixed (every other PID), it pins nothing and passes no pidfds."""
+    """A second process, forked before any thread starts, that reads every other PID of each
+    scan with gpuguard's helper pass (engine/scanworker.py: its work queue and answer, matched
+    here by holders.py's rules). A lower bound for a helper kept running between sweeps: no
+    interpreter start, and it pins nothing and passes no pidfds. The split is fixed, not the
+    shared queue of engine/scanhelpers.py, so that the helper reads holders in every run,
+    however small, and a benchmark that lost its answers would fail its holder check."""
 
-    def __init__(self, device_map: DeviceMap) -> None:
-        ours, theirs = socket.socketpair()
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - the child
             ours.close()
             status = 1
             try:
-                with theirs.makefile("rwb") as stream:
-                    for line in stream:
-                        found, _ = scan_raw(device_map, pids=json.loads(line), use_pidfd=False)
-                        answer = {pid: [sorted(raw.nodes), sorted(raw.how)]
-                                  for pid, raw in found.items()}
-                        stream.write(json.dumps(answer).encode() + b"\n")
-                        stream.flush()
+                while True:
+                    spec, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 1)
+                    if not spec:
+                        break  # the benchmark closed its end
+                    try:
+                        answer = scanworker.scan({**json.loads(spec), "queue_fd": fds[0]})
+                    finally:
+                        os.close(fds[0])
+                    theirs.send(json.dumps(answer).encode())
                 status = 0
             finally:
                 os._exit(status)
         theirs.close()
         self._sock = ours
-        self._stream = ours.makefile("rwb")
 
     def scan(self, device_map: DeviceMap) -> dict[int, RawHolding]:
         pids = procfs.list_pids()
-        self._stream.write(json.dumps(pids[1::2]).encode() + b"\n")
-        self._stream.flush()
-        found = pinned_scan(device_map, pids[::2])
-        for key, (paths, how) in json.loads(self._stream.readline()).items():
-            try:
-                pidfd = os.pidfd_open(int(key))  # after the read: the lower bound's shortcut
-            except OSError:
-                continue
-            found[int(key)] = RawHolding(int(key), {p: device_map.by_path[p] for p in paths},
-                                         set(how), pidfd)
+        queue = scanhelpers.WorkQueue(pids[1::2])  # the helper's alone
+        try:
+            spec = {**holders._match_spec(device_map), "pids": queue.pids, "chunk": queue.size}
+            socket.send_fds(self._sock, [json.dumps(spec).encode()], [queue.fd])
+            found = pinned_scan(device_map, pids[::2])
+            _, entries = scanhelpers._parse(json.loads(self._sock.recv(1 << 20)), {})
+        finally:
+            queue.close()
+        for raw in holders._from_helper(entries, device_map):
+            if isinstance(raw, RawHolding):
+                try:
+                    raw.pidfd = os.pidfd_open(raw.pid)  # after the read: the lower bound's shortcut
+                except OSError:
+                    continue
+                found[raw.pid] = raw
         return found
 
     def close(self) -> None:
-        self._stream.close()
         self._sock.close()  # end of file: the helper exits
         os.waitpid(self.pid, 0)
 
@@ -346,7 +355,7 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                         kill_timeout_sec=5.0, verify_timeout_sec=10.0, released_below_mib=64,
                         runtime_directory=str(workdir / "run"), state_directory=str(workdir / "state"))
         engine = Engine(config)
-        helper = WarmHelper(engine.device_map())  # before the first snapshot starts NVML's thread
+        helper = WarmHelper()  # before the first snapshot starts NVML's thread
         snapshot = engine.snapshot()
         if nvml and not snapshot.available:
             raise BenchError(f"the fake NVML did not load: {snapshot.error} (--no-nvml runs without)")
