@@ -77,7 +77,7 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
             holder_count=len(holders), state=state, error=gpu.error, mig_mode=gpu.mig_mode,
             mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes,
                                         scan.nvml.pids_local),
-            leak_kind=leak_kind))
+            leak_kind=leak_kind, vendor=gpu.vendor))
     return summaries
 
 

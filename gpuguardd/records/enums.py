@@ -58,6 +58,14 @@ class LeakKind(WireEnum):
     STUCK = "stuck-in-driver"
 
 
+class Vendor(WireEnum):
+    """Whose driver a GPU runs on: which backend reads it (NVML, or the amdgpu driver's KFD and
+    DRM files in sysfs) and which device nodes its holders hold."""
+
+    NVIDIA = "nvidia"
+    AMD = "amd"
+
+
 class HolderKind(WireEnum):
     COMPUTE = "compute"  # has a CUDA context: holds /dev/nvidia-uvm, or NVML lists it
     MANAGEMENT = "management"  # NVML-style handles only: nvidia-smi, exporters, gpuguardd
@@ -69,5 +77,7 @@ class GpusFrom(WireEnum):
     process opens every GPU's node whichever GPU it computes on."""
 
     NVML = "nvml"
+    # AMD: KFD's per-process VRAM entries or DRM fdinfo say which GPU it has memory on.
+    KFD = "kfd"
     NODES = "nodes"
     NONE = ""  # it holds no GPU at all

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from gpuguardd.records.codec import WireRecord
-from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind
+from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, Vendor
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,18 @@ class GpuInfo:
     warnings: list[str] = field(default_factory=list)  # entries of NVML's lists left out
     mig_mode: bool = False
     mig: list[MigInstance] = field(default_factory=list)
+    vendor: Vendor = Vendor.NVIDIA
+    # AMD (engine/amd.py): `minor` is the render node's minor (/dev/dri/renderD<minor>);
+    # `card_minor` the primary node's (/dev/dri/card<N>), None without one; `gpu_id` KFD's id
+    # of the GPU (0 without KFD: an APU or Radeon card driven by DRM alone).
+    card_minor: int | None = None
+    gpu_id: int = 0
 
     @property
     def device_path(self) -> str:
-        return f"/dev/nvidia{self.minor}" if self.minor is not None else ""
+        if self.minor is None:
+            return ""
+        return f"/dev/dri/renderD{self.minor}" if self.vendor == Vendor.AMD else f"/dev/nvidia{self.minor}"
 
 
 @dataclass
@@ -92,7 +100,7 @@ class GpuSummary(WireRecord):
     """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
     gpus` show it (gpustate.gpu_summaries)."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind", "vendor"})
 
     index: int
     uuid: str = ""
@@ -109,6 +117,7 @@ class GpuSummary(WireRecord):
     mig_mode: bool | None = None
     mig_instances: list[MigSummary] | None = None
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
+    vendor: Vendor = Vendor.NVIDIA
 
 
 @dataclass
