@@ -69,6 +69,10 @@ class GpuInfo:
     # of the GPU (0 without KFD: an APU or Radeon card driven by DRM alone).
     card_minor: int | None = None
     gpu_id: int = 0
+    # Below this many bytes used the GPU counts as released, where its backend knows better
+    # than [Sweep] ReleasedBelowMiB: an idle AMD GPU's driver holds VRAM of its own
+    # ([Sweep] AmdReleasedBelowMiB). None: ReleasedBelowMiB decides.
+    released_below: int | None = None
 
     @property
     def device_path(self) -> str:
