@@ -1,0 +1,369 @@
+"""AMD GPUs read from the amdgpu driver's own files in sysfs: no ROCm library, no device node.
+
+Where each figure comes from (the kernel's sources named, as of Linux 6.x):
+- The GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c,
+  node_show): `gpu_id` (one decimal, 0 for a CPU node), `properties` (one "key value" a line,
+  printed "%s %u" or "%s %llu": decimal), of which `drm_render_minor`, `domain`, `location_id`
+  (pci_dev_id(): bus << 8 | devfn), `vendor_id`, `device_id` and `unique_id` (0 where the ASIC
+  has none) are read. Then the amdgpu devices KFD does not list (an APU or a Radeon without
+  KFD), found by their render nodes, class/drm/renderD<N>.
+- Per GPU, the render node's PCI device (class/drm/renderD<N>/device/): `vendor`, `device`,
+  `revision` ("0x%04x"), `mem_info_vram_total` and `mem_info_vram_used` (decimal bytes,
+  amdgpu/amdgpu_vram_mgr.c), `power/runtime_status` (drivers/base/power/sysfs.c), and
+  `drm/card<N>` (the primary node).
+- Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (amdkfd/kfd_process.c), decimal
+  bytes of the process's KFD (ROCm) allocations on that GPU; graphics (GEM) buffers are not in
+  it: engine/fdinfo.py reads those. <pid> is the process's lead thread in the initial PID
+  namespace, and the entry goes only when KFD's release worker has run (kfd_process_wq_release),
+  after the process is gone: it can outlive the PID.
+- Names: libdrm's data/amdgpu.ids ("DEVICE,\tREVISION,\tNAME", hex), amdgpu's `product_name`
+  (read from the board's FRU at probe), pci.ids, in that order.
+
+Never waking a GPU: power/runtime_status is a PCI core attribute, read first; anything but
+"active" (or "unsupported", or no such file: runtime PM not in use) is a GPU found asleep, and
+none of its mem_info_* files is opened (an amdgpu attribute may resume the device to answer).
+PCI config attributes (vendor, device, revision) and KFD's files are the kernel's copies and
+never touch the device. /dev/kfd and /dev/dri are never opened.
+
+Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A GPU
+whose files cannot be read is `unknown`, its `error` naming the file; the others carry on, and
+nothing raises. A KFD proc entry that is no PID is left out, named in the `warnings` of the
+GPUs it has a vram_ file for (of every KFD GPU where it has none).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpuguardd import numbers, safetext
+from gpuguardd.records.enums import Vendor
+from gpuguardd.records.models import GpuInfo
+
+AMDGPU_IDS = "/usr/share/libdrm/amdgpu.ids"
+PCI_IDS = "/usr/share/misc/pci.ids"
+AMD_VENDOR = 0x1002
+VRAM_MAX = 2**50  # 1 PiB: past any GPU's memory, so a larger figure is a broken file
+PID_MAX = 2**22  # PID_MAX_LIMIT (include/linux/threads.h)
+MINOR_MAX = 2**20 - 1  # MINORBITS
+UINT64_MAX = 2**64 - 1
+ACTIVE = frozenset(("active", "unsupported", ""))  # "": no runtime_status, no runtime PM
+
+_ATTR_MAX = 256  # one attribute: a number, a word, a product name (64 bytes in amdgpu)
+_PROPS_MAX = 65536  # a topology node's properties: at most a page
+_IDS_MAX = 8 << 20  # pci.ids is ~1.4 MB today
+_BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+_HEX = re.compile(r"0x([0-9a-f]{1,8})")
+_RENDER = re.compile(r"renderD([0-9]{1,7})")
+_CARD = re.compile(r"card([0-9]{1,7})")
+_VRAM = re.compile(r"vram_([0-9]{1,10})")
+_IDS_LINE = re.compile(r"([0-9A-Fa-f]{4}),\s*([0-9A-Fa-f]{2}),\s*(\S.*)")
+_PCI_DEVICE = re.compile(r"\t([0-9a-f]{4})\s+(\S.*)")
+
+
+class _Bad(Exception):
+    """A file that could not be read as what it should hold; the message names it."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def _read(path: str, limit: int = _ATTR_MAX) -> str:
+    """The text of sysfs file `path`, at most `limit` bytes, never following a last link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            raw = os.read(fd, limit + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise _Bad(f"cannot read {path}: {exc.strerror or exc}",
+                   missing=isinstance(exc, FileNotFoundError)) from None
+    if len(raw) > limit:
+        raise _Bad(f"cannot read {path}: longer than {limit} bytes")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def _uint(text: str, path: str, maximum: int) -> int:
+    if not numbers.is_digits(text):
+        raise _Bad(f"cannot read {path}: not a number: {numbers.shown(text)}")
+    try:
+        return numbers.parse_uint(text, path, maximum)
+    except numbers.BadNumber:
+        raise _Bad(f"cannot read {path}: out of range (at most {maximum}): {numbers.shown(text)}") from None
+
+
+def _number(path: str, maximum: int) -> int:
+    return _uint(_read(path).strip("\n"), path, maximum)
+
+
+def _hex(path: str, maximum: int) -> int:
+    text = _read(path).strip("\n")
+    match = _HEX.fullmatch(text)
+    if match is None or int(match.group(1), 16) > maximum:
+        raise _Bad(f"cannot read {path}: not a hex number: {numbers.shown(text)}")
+    return int(match.group(1), 16)
+
+
+def _properties(path: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in _read(path, _PROPS_MAX).splitlines():
+        key, _, value = line.partition(" ")
+        fields[key] = value
+    return fields
+
+
+@dataclass
+class _Node:
+    """What KFD's topology says of one GPU."""
+
+    gpu_id: int
+    minor: int | None = None
+    domain: int | None = None
+    location_id: int | None = None
+    unique_id: int = 0
+    error: str = ""
+
+    @property
+    def bdf(self) -> str:
+        if self.domain is None or self.location_id is None:
+            return ""
+        loc = self.location_id
+        return f"{self.domain:04x}:{loc >> 8:02x}:{(loc >> 3) & 0x1F:02x}.{loc & 7}"
+
+
+def _kfd_nodes(sysfs: str) -> list[_Node]:
+    base = os.path.join(sysfs, "class/kfd/kfd/topology/nodes")
+    try:
+        names = [name for name in os.listdir(base) if numbers.is_digits(name) and len(name) < 8]
+    except OSError:
+        return []  # no KFD
+    found: list[_Node] = []
+    for name in sorted(names, key=int):
+        node = _Node(gpu_id=-1)
+        try:
+            node.gpu_id = _number(os.path.join(base, name, "gpu_id"), numbers.UINT32_MAX)
+            if node.gpu_id == 0:
+                continue  # a CPU node
+            path = os.path.join(base, name, "properties")
+            props = _properties(path)
+            limits = {"drm_render_minor": MINOR_MAX, "domain": numbers.UINT32_MAX,
+                      "location_id": 0xFFFF, "unique_id": UINT64_MAX}
+            values: dict[str, int] = {}
+            for key, maximum in limits.items():
+                if key in props:
+                    values[key] = _uint(props[key], f"{path} ({key})", maximum)
+            if "drm_render_minor" not in values or "location_id" not in values:
+                raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
+            node.minor = values["drm_render_minor"]
+            node.domain = values.get("domain", 0)  # before Linux 4.20 there was none: 0
+            node.location_id = values["location_id"]
+            node.unique_id = values.get("unique_id", 0)
+        except _Bad as exc:
+            node.error = str(exc)
+        found.append(node)
+    return found
+
+
+def _amdgpu_minors(sysfs: str) -> list[tuple[str, int]]:
+    """(bus id, render minor) of every render node of an amdgpu device, in PCI order."""
+    base = os.path.join(sysfs, "class/drm")
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    found: list[tuple[str, int]] = []
+    for name in names:
+        match = _RENDER.fullmatch(name)
+        if match is None:
+            continue
+        device = os.path.join(base, name, "device")
+        try:
+            bdf = os.path.basename(os.readlink(device))
+            driver = os.path.basename(os.readlink(os.path.join(device, "driver")))
+        except OSError:
+            continue
+        if driver != "amdgpu":
+            try:
+                if _hex(os.path.join(device, "vendor"), 0xFFFF) != AMD_VENDOR:
+                    continue
+            except _Bad:
+                continue
+        found.append((bdf, int(match.group(1))))
+    return sorted(found)
+
+
+# Parsed name tables by (path, kind): ((mtime, size, inode), table), so a poll re-reads none.
+_tables: dict[tuple[str, str], tuple[tuple[int, int, int], dict[tuple[int, int], str]]] = {}
+
+
+def _table(path: str, kind: str, parse: Callable[[str], dict[tuple[int, int], str]]
+           ) -> dict[tuple[int, int], str]:
+    try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        cached = _tables.get((path, kind))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        with open(path, "rb") as handle:
+            text = handle.read(_IDS_MAX).decode("utf-8", "replace")
+    except OSError:
+        return {}
+    table = parse(text)
+    _tables[(path, kind)] = (stamp, table)
+    return table
+
+
+def _parse_amdgpu_ids(text: str) -> dict[tuple[int, int], str]:
+    """libdrm's data/amdgpu.ids: '#' comments, a version line, then "DEVICE,\\tREV,\\tNAME"."""
+    table: dict[tuple[int, int], str] = {}
+    for line in text.splitlines():
+        match = _IDS_LINE.fullmatch(line.strip())
+        if match:
+            key = (int(match.group(1), 16), int(match.group(2), 16))
+            table.setdefault(key, safetext.clean(match.group(3).strip(), safetext.NAME_MAX))
+    return table
+
+
+def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
+    """pci.ids' devices of vendor 1002, as {(device, 0): name}."""
+    table: dict[tuple[int, int], str] = {}
+    inside = False
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if not line.startswith("\t"):
+            inside = line.startswith(f"{AMD_VENDOR:04x} ")
+            if table and not inside:
+                break
+            continue
+        match = _PCI_DEVICE.fullmatch(line) if inside else None
+        if match:
+            table[(int(match.group(1), 16), 0)] = safetext.clean(match.group(2).strip(), safetext.NAME_MAX)
+    return table
+
+
+def _name(pci: str, device: int, revision: int, ids_path: str, pci_ids: str) -> str:
+    name = _table(ids_path, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
+    if name:
+        return name
+    try:
+        product = safetext.clean(_read(os.path.join(pci, "product_name")).strip(), safetext.NAME_MAX)
+    except _Bad:
+        product = ""
+    if product and product.isprintable():
+        return product
+    return _table(pci_ids, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
+
+
+def _uuid(node: _Node | None, device: int, bdf: str) -> str:
+    """"GPU-" and 16 hex digits: KFD's unique_id, as ROCm and HIP print it; without one, the
+    device id (4 digits), PCI domain (8: domains are 32-bit, VMD's start at 0x10000) and
+    location id (4: bus << 8 | devfn) of the device, unique on the host and stable across boots
+    of the same hardware. The vendor is left out: it is always 1002."""
+    if node is not None and node.unique_id:
+        return f"GPU-{node.unique_id:016x}"
+    match = _BDF.fullmatch(bdf)
+    assert match is not None  # every caller checked
+    domain, bus, slot, function = (int(part, 16) for part in match.groups())
+    return f"GPU-{device:04x}{domain:08x}{bus << 8 | slot << 3 | function:04x}"
+
+
+def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: str) -> None:
+    if node is not None and node.error:
+        raise _Bad(node.error)
+    render = os.path.join(sysfs, f"class/drm/renderD{gpu.minor}")
+    pci = os.path.join(render, "device")
+    try:
+        target = os.path.basename(os.readlink(pci))
+    except OSError as exc:
+        raise _Bad(f"cannot read {pci}: {exc.strerror or exc}") from None
+    expected = node.bdf if node is not None else ""
+    if _BDF.fullmatch(target):
+        if expected and target != expected:
+            raise _Bad(f"{pci} is {target}, but KFD places GPU {gpu.gpu_id} at {expected}")
+        gpu.pci_bus_id = target
+        try:
+            gpu.card_minor = next(int(m.group(1)) for m in map(_CARD.fullmatch, os.listdir(os.path.join(pci, "drm")))
+                                  if m)
+        except (OSError, StopIteration):
+            gpu.card_minor = None
+    elif expected:
+        # A partition's render node (amdgpu_xcp.N, a platform device): the PCI device is KFD's.
+        gpu.pci_bus_id = expected
+        pci = os.path.join(sysfs, "bus/pci/devices", expected)
+        gpu.warnings.append(f"{render} belongs to {safetext.clean(target, safetext.NAME_MAX)}, "
+                            f"a partition of {expected}: memory figures are the whole device's")
+    else:
+        raise _Bad(f"cannot read {pci}: not a PCI device: {numbers.shown(target)}")
+    device = _hex(os.path.join(pci, "device"), 0xFFFF)
+    gpu.uuid = _uuid(node, device, gpu.pci_bus_id)
+    gpu.name = _name(pci, device, _hex(os.path.join(pci, "revision"), 0xFF), ids_path, pci_ids)
+    try:
+        status = _read(os.path.join(pci, "power/runtime_status"), 64).strip("\n")
+    except _Bad as exc:
+        if not exc.missing:
+            raise
+        status = ""
+    if status not in ACTIVE:
+        gpu.suspended = True  # the mem_info files are amdgpu's: opening one could resume it
+        return
+    gpu.memory_total = _number(os.path.join(pci, "mem_info_vram_total"), VRAM_MAX)
+    gpu.memory_used = _number(os.path.join(pci, "mem_info_vram_used"), VRAM_MAX)
+
+
+def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
+    by_id = {gpu.gpu_id: gpu for gpu in gpus if gpu.gpu_id}
+    base = os.path.join(sysfs, "class/kfd/kfd/proc")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return
+    for name in names:
+        entry = os.path.join(base, name)
+        try:
+            files = os.listdir(entry)
+        except OSError:
+            continue  # gone since listed
+        ids = {int(m.group(1)) for m in map(_VRAM.fullmatch, files) if m}
+        named = [by_id[i] for i in sorted(ids) if i in by_id]
+        try:
+            pid = numbers.parse_uint(name, "pid", PID_MAX, 1)
+        except numbers.BadNumber:
+            for gpu in named or list(by_id.values()):
+                gpu.warnings.append(f"{base}: entry {numbers.shown(name)} is no process id: left out")
+            continue
+        for gpu in named:
+            try:
+                gpu.processes[pid] = _number(os.path.join(entry, f"vram_{gpu.gpu_id}"), VRAM_MAX)
+            except _Bad as exc:
+                if not exc.missing:  # a missing one went with its process: nothing to say
+                    gpu.processes[pid] = None
+                    gpu.warnings.append(str(exc))
+
+
+def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
+              ids_path: str = AMDGPU_IDS, pci_ids: str = PCI_IDS) -> list[GpuInfo]:
+    """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
+    then amdgpu's render nodes KFD does not list, in PCI order. With `with_processes`, each
+    GPU's `processes` from KFD's proc entries (pid -> bytes, None where unreadable). Never
+    raises: a GPU that cannot be read is `unknown` with an `error` naming the file."""
+    pairs: list[tuple[int | None, _Node | None]] = [(node.minor, node) for node in _kfd_nodes(sysfs)]
+    seen = {minor for minor, _ in pairs}
+    pairs += [(minor, None) for _, minor in _amdgpu_minors(sysfs) if minor not in seen]
+    gpus: list[GpuInfo] = []
+    for offset, (minor, node) in enumerate(pairs):
+        gpu = GpuInfo(index=first_index + offset, vendor=Vendor.AMD, minor=minor,
+                      gpu_id=max(node.gpu_id, 0) if node is not None else 0)
+        try:
+            _fill(gpu, sysfs, node, ids_path, pci_ids)
+        except _Bad as exc:
+            gpu.unknown = True
+            gpu.error = safetext.clean(str(exc), safetext.PATH_MAX)
+        gpus.append(gpu)
+    if with_processes:
+        _kfd_processes(sysfs, gpus)
+    return gpus
