@@ -55,7 +55,9 @@ DEFAULT_PROTECTED_UNITS = (
     "lightdm.service",
 )
 
-DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*")
+# AMD's nodes count only where amdgpu drives them (engine/devices.py): /dev/dri also holds
+# an Intel iGPU's and a virtual display's nodes.
+DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Config:
     # drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
+    # An AMD GPU's: its driver keeps VRAM of its own while idle (docs/real-hosts.md).
+    amd_released_below_mib: int = 1024
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     dry_run: bool = False
@@ -254,6 +258,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(MAX_KILL_TIMEOUT_SEC), False),
     ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(MAX_VERIFY_TIMEOUT_SEC), False),
     ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
+    ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
     ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
     ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
     ("Sweep", "DryRun"): ("dry_run", parse_bool, False),

@@ -20,7 +20,7 @@ from typing import Any
 from gpuguardd.cli.output import human_bytes
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
-from gpuguardd.records.enums import GpuState, HolderKind, Outcome
+from gpuguardd.records.enums import GpuState, HolderKind, Outcome, Vendor
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.records.selectors import KnownGpu, selector
@@ -81,7 +81,7 @@ def recovered_by_reset(result: CheckResult, reports: list[Report]) -> list[str]:
 
 def _known(gpu: GpuSummary) -> KnownGpu:
     return KnownGpu(-1 if "index" in gpu.unread else gpu.index, gpu.uuid,
-                    tuple(m.uuid for m in gpu.mig_instances or []))
+                    tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
 def _state(record: GpuSummary | MigSummary) -> tuple[str, GpuState | None]:
@@ -121,7 +121,8 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     """The problems on the selected GPUs. `holders` are those the backend found in the same
     selection (it resolves indices, UUIDs and MIG UUIDs the way a sweep does)."""
     result = CheckResult()
-    if not status.get("nvml_available", False):
+    # Without NVML the memory of NVIDIA's GPUs cannot be checked; AMD's is read from sysfs.
+    if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
         result.problems.append(Problem(None, "", "nvml",
                                        f"NVML unavailable ({why}): GPU memory cannot be checked"))

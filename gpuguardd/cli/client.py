@@ -28,7 +28,7 @@ from gpuguardd.bus.names import (
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
-from gpuguardd.records.selectors import INDEX, KnownGpu, names_mig, selector
+from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, selector
 
 CALL_TIMEOUT_SEC = 120.0
 WAIT = "WaitOptions"
@@ -170,10 +170,11 @@ class DBusBackend:
                 indices.append(chosen.index)
                 continue
             if known is None:
-                known = [KnownGpu(g.index, g.uuid) for g in await self._gpus(bus)]
+                known = [KnownGpu(g.index, g.uuid, (), g.pci_bus_id) for g in await self._gpus(bus)]
             found = [match.index for match in chosen.find(known) if not match.mig]
             if not found:
-                raise InvalidArgument(f"unknown GPU UUID {chosen.text!r}")
+                what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
+                raise InvalidArgument(f"unknown {what} {chosen.text!r}")
             indices.extend(found)
         return sorted(set(indices))
 

@@ -104,12 +104,10 @@ class LocalBackend:
                 "config_files": list(config.sources)}
 
     def gpus(self) -> list[GpuSummary]:
-        from gpuguardd.engine.gpustate import gpu_summaries, node_gpu_summaries
+        from gpuguardd.engine.gpustate import all_summaries
 
         scan = self.engine.scan()
-        if not scan.nvml.available:
-            return node_gpu_summaries(scan, self.engine.device_map())
-        return gpu_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024)
+        return all_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024, self.engine.device_map())
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:

@@ -158,7 +158,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
         end = time.monotonic() + seconds
         while True:
             scan = engine.scan()
-            error = None if scan.nvml.available else (scan.nvml.error or "unavailable")
+            error = None if scan.nvml.gpus_known else (scan.nvml.error or "unavailable")
             gpus = gpu_summaries(scan, engine.config.released_below_mib * 1024 * 1024) \
                 if error is None else []
             tracker.observe(time.monotonic(), time.time_ns() // 1000, gpus, scan.holders, error, ())

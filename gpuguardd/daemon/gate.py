@@ -184,7 +184,7 @@ class GateService:
         summaries, holders, snapshot = self._last
         sweeping = sweeping_indices(self.sweep_scopes(), [g.index for g in summaries])
         return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders,
-                        None if snapshot.available else (snapshot.error or "not loaded"), sweeping)
+                        None if snapshot.gpus_known else (snapshot.error or "not loaded"), sweeping)
 
     def _tracker(self, rule: GateRule) -> GateTracker:
         found = self._trackers.get(rule)
@@ -275,7 +275,7 @@ class GateService:
         waiting_on: list[str] = []
         if not targets and self._last is not None:
             _, holders, snapshot = self._last
-            if not snapshot.available:
+            if not snapshot.gpus_known:
                 # No GPU list to judge: fail closed, unless the caller allows unverified GPUs,
                 # who then pass on their holders alone (any compute holder when none is named).
                 error = snapshot.error or "not loaded"

@@ -151,7 +151,7 @@ class Service:
 
     def status_line(self) -> str:
         snap = self.inventory.snapshot
-        gpus = f"{len(snap.gpus)} GPU(s)" if snap.available else f"NVML unavailable ({snap.error})"
+        gpus = f"{len(snap.gpus)} GPU(s)" if snap.gpus_known else f"NVML unavailable ({snap.error})"
         holders = len(self.inventory.holders)
         text = f"{gpus}, {holders} holder(s)"
         if self.runner.busy:
@@ -250,7 +250,7 @@ class Service:
     async def reset_gpu(self, caller: Caller, gpu: int, options: dict[str, Any]) -> Wire:
         # Authorized by the interface (the XML's rule for ResetGpu).
         snap = self.inventory.snapshot
-        if snap.available and snap.by_index(gpu) is None:
+        if snap.gpus_known and snap.by_index(gpu) is None:
             known = ", ".join(str(g.index) for g in snap.gpus) or "none"
             raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
         report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""))

@@ -18,12 +18,19 @@ from dataclasses import dataclass, field
 from gpuguardd.engine.mig import MigCap, read_mig_minors
 from gpuguardd.records.models import DeviceNode
 
-_GPU_NAME = re.compile(r"^nvidia(\d+)$")
-_CAPS_NAME = re.compile(r"^nvidia-cap(\d+)$")
+_GPU_NAME = re.compile(r"^nvidia([0-9]{1,7})$")
+# The amdgpu driver's DRM nodes: /dev/dri/renderD<minor> (compute and rendering) and
+# /dev/dri/card<minor> (the primary node, modesetting); /dev/kfd is ROCm's compute node.
+_DRM_NAME = re.compile(r"^(renderD|card)([0-9]{1,7})$")
+DRM_RENDER_MINOR_BASE = 128  # drm_minor_type: primary 0-63, (control 64-127), render 128-
+_CAPS_NAME = re.compile(r"^nvidia-cap([0-9]{1,7})$")
 # Driver names in /proc/devices -> role of their minors (see the NVIDIA driver's nv.c and uvm).
 _DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm": "uvm",
                   "nvidia-caps": "caps", "nvidia-caps-imex-channels": "imex",
-                  "nvidia-nvswitch": "other", "nvidia-nvlink": "other"}
+                  "nvidia-nvswitch": "other", "nvidia-nvlink": "other",
+                  # AMD (docs/real-hosts.md, "AMD GPUs"): amdkfd registers "kfd"; every DRM driver
+                  # shares "drm" (226), so its nodes count only where amdgpu drives them.
+                  "kfd": "kfd", "drm": "drm"}
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 
@@ -33,6 +40,11 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     match = _GPU_NAME.match(name)
     if match:
         return "gpu", int(match.group(1))
+    if name == "kfd":
+        return "kfd", None
+    drm = _DRM_NAME.match(name)
+    if drm:
+        return ("render" if drm.group(1) == "renderD" else "card"), int(drm.group(2))
     if name == "nvidiactl":
         return "control", None
     if name == "nvidia-uvm":
@@ -48,7 +60,7 @@ def role_for_name(path: str) -> tuple[str, int | None]:
 
 
 def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
-    """Character majors registered by NVIDIA's drivers -> a role family."""
+    """Character majors registered by the GPU drivers (NVIDIA's, amdkfd, DRM) -> a role family."""
     majors: dict[int, str] = {}
     try:
         with open(proc_devices, encoding="ascii", errors="replace") as handle:
@@ -83,6 +95,9 @@ class DeviceMap:
     warnings: list[str] = field(default_factory=list)
     # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
     mig_caps: dict[int, MigCap] = field(default_factory=dict)
+    # The DRM minors (render and card) of the GPUs amdgpu drives: other DRM nodes (an Intel
+    # iGPU, a virtual display) are nobody's GPU here, and their holders no GPU holders.
+    amd_minors: frozenset[int] = frozenset()
 
     def node_for_rdev(self, rdev: int) -> DeviceNode | None:
         node = self.by_rdev.get(rdev)
@@ -104,6 +119,12 @@ class DeviceMap:
             return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
         if family == "caps":
             return DeviceNode(label, "caps", minor=minor, rdev=rdev)
+        if family == "kfd":
+            return DeviceNode(label, "kfd", rdev=rdev)
+        if family == "drm":
+            if minor not in self.amd_minors:
+                return None
+            return DeviceNode(label, "render" if minor >= DRM_RENDER_MINOR_BASE else "card", minor=minor, rdev=rdev)
         return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
 
 
@@ -125,7 +146,7 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
         return f"not a character device ({kind})"
     major = os.major(st.st_rdev)
     if major not in driver and major not in allowed:
-        return (f"character device {major}:{os.minor(st.st_rdev)}, and major {major} is no NVIDIA "
+        return (f"character device {major}:{os.minor(st.st_rdev)}, and major {major} is no GPU "
                 "driver's in /proc/devices nor in [Devices] AllowMajors")
     return None
 
@@ -133,11 +154,12 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
 def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
                      allow_majors: Iterable[int] = (),
                      origin: Callable[[str], str] | None = None,
-                     mig_minors: str | None = None) -> DeviceMap:
-    """The nodes `patterns` name now. Entries that are not character devices of an NVIDIA
+                     mig_minors: str | None = None, amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
+    """The nodes `patterns` name now. Entries that are not character devices of a GPU
     driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
-    where it was configured (`origin(pattern)`) and why."""
-    device_map = DeviceMap(majors=driver_majors(proc_devices))
+    where it was configured (`origin(pattern)`) and why. DRM nodes of a GPU amdgpu does not
+    drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
+    device_map = DeviceMap(majors=driver_majors(proc_devices), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
     if mig_minors:
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
@@ -162,6 +184,10 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             role, name_minor = role_for_name(path)
             rdev = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
             minor = name_minor
+            if role in ("render", "card"):
+                minor = os.minor(st.st_rdev)
+                if device_map.majors.get(os.major(st.st_rdev)) == "drm" and minor not in amd_minors:
+                    continue
             # A real driver's node: the minor it was made with, whatever its name says.
             family = device_map.majors.get(os.major(rdev)) if rdev is not None else None
             if rdev is not None and ((role == "gpu" and family is not None)
@@ -179,7 +205,7 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             tokens.append(b" " + path.encode() + b"\n")
     if not device_map.nodes and not device_map.majors:
         device_map.warnings.append(
-            "no device files match " + " ".join(patterns) + " and no NVIDIA driver is registered "
+            "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
             "in /proc/devices: nothing can hold a GPU here")
     device_map.maps_tokens = tuple(tokens)
     device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
@@ -197,3 +223,26 @@ def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
     return tuple(sorted(prefixes | devs))
+
+
+def amdgpu_drm_minors(sysfs: str) -> frozenset[int]:
+    """The minors of the DRM nodes (renderD<N>, card<N>) whose device amdgpu drives, from
+    {sysfs}/class/drm: each entry's device/driver link names the driver, and reading a link
+    never wakes a GPU."""
+    drm = os.path.join(sysfs, "class/drm")
+    try:
+        names = os.listdir(drm)
+    except OSError:
+        return frozenset()
+    minors = set()
+    for name in names:
+        match = _DRM_NAME.match(name)
+        if not match:
+            continue
+        try:
+            driver = os.path.basename(os.readlink(os.path.join(drm, name, "device/driver")))
+        except OSError:
+            continue
+        if driver == "amdgpu":
+            minors.add(int(match.group(2)))
+    return frozenset(minors)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gpuguardd.numbers import is_digits
 from gpuguardd.records.models import GpuInfo
+from gpuguardd.records.selectors import pci_key
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
@@ -27,16 +28,7 @@ class DriverGpu:
     minor: int
 
 
-def bus_key(bus_id: str) -> str:
-    """"00000000:18:00.0" (NVML) and "0000:18:00.0" (the kernel) as one spelling."""
-    text = bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if not sep:
-        return text
-    try:
-        return f"{int(domain, 16):04x}:{rest}"
-    except ValueError:
-        return text
+bus_key = pci_key  # one spelling of a PCI address, shared with the selectors
 
 
 def _parse(text: str) -> dict[str, str]:

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import nvmlprocs, procfs, slurm
+from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_matches,
     container_scope_label,
     normalize_unit_name,
     validate_container_label,
 )
-from gpuguardd.engine.devices import DeviceMap, build_device_map
+from gpuguardd.engine.devices import DeviceMap, amdgpu_drm_minors, build_device_map
 from gpuguardd.engine.gpustate import node_gpus
 from gpuguardd.engine.holders import clock_ticks, find_holders, started_since
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
@@ -31,7 +31,7 @@ from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset, ResetSettings
 from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings, in_scope, is_target
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.enums import HolderKind, Outcome, Vendor
 from gpuguardd.records.models import (
     Holder,
     NvmlSnapshot,
@@ -41,7 +41,7 @@ from gpuguardd.records.models import (
     describe_scope,
 )
 from gpuguardd.records.report import Report
-from gpuguardd.records.selectors import INDEX, MIG_UUID, KnownGpu, selector
+from gpuguardd.records.selectors import INDEX, MIG_UUID, PCI, KnownGpu, selector
 
 log = logging.getLogger("gpuguard.engine")
 
@@ -89,7 +89,7 @@ def may_be_on(holder: Holder, on: Scope) -> bool:
 
 def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
     """NVML's GPUs, for matching selectors (selectors.py)."""
-    return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig)) for g in nvml.gpus]
+    return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig), g.pci_bus_id) for g in nvml.gpus]
 
 
 class Engine:
@@ -117,8 +117,18 @@ class Engine:
     # -- inventory -----------------------------------------------------------------------
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
+        (engine/amd.py), numbered after NVIDIA's so that NVIDIA's indices stay NVML's."""
+        config = self.config
         snap = self.nvml.snapshot(with_processes=with_processes)
-        if snap.available and not nvmlprocs.pids_are_local():
+        amd_gpus = amd.read_gpus(config.sysfs_path, self._first_amd_index(snap), with_processes=with_processes)
+        for gpu in amd_gpus:
+            gpu.released_below = config.amd_released_below_mib * 1024 * 1024
+            # ROCm gives a process an entry on every GPU KFD knows, whichever it computes on:
+            # only VRAM held there (or a figure that cannot be read) puts it on that GPU.
+            gpu.processes = {pid: vram for pid, vram in gpu.processes.items() if vram != 0}
+        snap.gpus.extend(amd_gpus)
+        if snap.gpus_known and not nvmlprocs.pids_are_local():
             snap.pids_local = False
             snap.error = snap.error or nvmlprocs.NOT_LOCAL
         if any(gpu.mig for gpu in snap.gpus):
@@ -129,6 +139,14 @@ class Engine:
 
     def device_map(self) -> DeviceMap:
         return _device_map(self.config)
+
+    def _first_amd_index(self, snap: NvmlSnapshot) -> int:
+        """After NVML's GPUs; without NVML, after the GPUs NVIDIA's nodes name (holders of those
+        are then named by minor), so that no index names two GPUs."""
+        taken = [g.index for g in snap.gpus]
+        if not snap.available:
+            taken.extend(node_gpus(self.device_map()))
+        return max(taken, default=-1) + 1
 
     def _scan_pinned(self, nvml: NvmlSnapshot | None = None, pids: list[int] | None = None) -> Scan:
         config = self.config
@@ -171,28 +189,30 @@ class Engine:
         snap = nvml if nvml is not None else self.snapshot(with_processes=False)
         warnings: list[str] = []
         indices: set[int] = set()
-        known = ", ".join(str(g.index) for g in snap.gpus) or "none"
-        # Without NVML the only GPUs known are those a configured device node names.
+        # Without NVML the only NVIDIA GPUs known are those a configured device node names.
         nodes = {} if snap.available else node_gpus(self.device_map())
+        known = ", ".join(str(g) for g in sorted({g.index for g in snap.gpus} | set(nodes))) or "none"
         for item in items:
             chosen = selector(item).check()
             text = chosen.text
             if chosen.kind == INDEX:
                 index = chosen.index
-                if snap.available and snap.by_index(index) is None:
-                    raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
-                if not snap.available:
+                if snap.by_index(index) is None and (snap.available or index not in nodes):
+                    if snap.gpus_known:
+                        raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
                     if index not in nodes:
                         raise InvalidArgument(
                             f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
                             f"device node names it (GPUs of the nodes: "
                             f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
+                if snap.by_index(index) is None:
                     warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
                 indices.add(index)
             else:
                 matches = [found.index for found in chosen.find(known_gpus(snap)) if not found.mig]
                 if not matches:
-                    raise InvalidArgument(f"unknown GPU UUID {text!r}" + (
+                    what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
+                    raise InvalidArgument(f"unknown {what} {text!r}" + (
                         "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
                 indices.update(matches)
         return tuple(sorted(indices)), warnings
@@ -329,7 +349,8 @@ def log_device_refusals(config: Config) -> None:
 
 def _device_map(config: Config) -> DeviceMap:
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
-                            origin=config.origin, mig_minors=config.mig_minors_path)
+                            origin=config.origin, mig_minors=config.mig_minors_path,
+                            amd_minors=amdgpu_drm_minors(config.sysfs_path))
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:
@@ -344,7 +365,7 @@ def _checked(validate: Callable[[str], str], value: str) -> str:
 
 def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
     """What NVML's lists said that /proc does not bear out, for the scan's warnings."""
-    if not snap.available:
+    if not snap.gpus_known:
         return []
     warnings = [w for gpu in snap.gpus for w in gpu.warnings]
     if not snap.pids_local:
@@ -352,11 +373,13 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
     for gpu in snap.gpus:
         for pid in sorted(gpu.processes):
             if not os.path.exists(f"{procfs.PROC}/{pid}"):
-                warnings.append(f"GPU {gpu.index}: NVML lists pid {pid}, which does not exist "
+                lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
+                warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")
     for holder in holders:
-        if holder.how == ["nvml"] and holder.state != "Z":
-            warnings.append(f"NVML lists pid {holder.pid} ({holder.comm}) on GPU "
-                            f"{','.join(map(str, holder.nvml_gpus))}, but it holds no NVIDIA "
-                            "device here: never a sweep target on NVML's word alone")
+        if not {"fd", "mmap"} & set(holder.how) and holder.state != "Z":
+            lister = "NVML" if "nvml" in holder.how else "KFD"
+            warnings.append(f"{lister} lists pid {holder.pid} ({holder.comm}) on GPU "
+                            f"{','.join(map(str, holder.nvml_gpus))}, but it holds no GPU "
+                            f"device here: never a sweep target on {lister}'s word alone")
     return warnings

@@ -32,6 +32,15 @@ def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[GpuSumma
     return summaries
 
 
+def all_summaries(scan: ScanResult, released_below_bytes: int, device_map: DeviceMap) -> list[GpuSummary]:
+    """`gpuguardctl gpus --local`: every GPU read, and without NVML those NVIDIA's nodes name."""
+    found = gpu_summaries(scan, released_below_bytes)
+    if not scan.nvml.available:
+        read = {s.index for s in found}
+        found += [s for s in node_gpu_summaries(scan, device_map) if s.index not in read]
+    return sorted(found, key=lambda s: s.index)
+
+
 def _makes_in_use(holder: Holder, index: int) -> bool:
     """A holder that keeps GPU `index` busy. Management clients (nvidia-persistenced,
     dcgm-exporter, gpuguardd's own NVML handles) and protected processes hold every GPU's node
@@ -64,12 +73,14 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
     summaries = []
     for gpu in scan.nvml.gpus:
         holders = [h for h in scan.holders if gpu.index in h.gpus]
-        # NVML's list counts as in use unless every pid on it is gone (leaks.py: dead-pids).
+        # NVML's list counts as in use unless every pid on it is gone (leaks.py: dead-pids);
+        # so does a holder a driver's list puts there (AMD: a DRM client's fdinfo).
+        listed = any(gpu.index in h.nvml_gpus for h in holders)
         state, leak_kind = classify(
             suspended=gpu.suspended, lost=gpu.lost, unknown=gpu.unknown,
             busy=any(_makes_in_use(h, gpu.index) for h in holders),
-            leak=leaks.kind_of(gpu, scan.nvml.pids_local), used=gpu.memory_used,
-            released_below_bytes=released_below_bytes)
+            leak=None if listed else leaks.kind_of(gpu, scan.nvml.pids_local), used=gpu.memory_used,
+            released_below_bytes=released_below_bytes if gpu.released_below is None else gpu.released_below)
         summaries.append(GpuSummary(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
             minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,

@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd import safetext
-from gpuguardd.engine import procfs
+from gpuguardd.engine import fdinfo, procfs
 from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap
 from gpuguardd.engine.mig import instances_for_caps
 from gpuguardd.engine.process import ProcessHandle
 from gpuguardd.engine.scanhelpers import WORKER_MIN_PIDS, Helper, HelperEntry, WorkQueue, scan_workers
-from gpuguardd.records.enums import GpusFrom, HolderKind
+from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
+from gpuguardd.records.selectors import pci_key
 
 PROC = procfs.PROC
 log = logging.getLogger("gpuguard.engine")
@@ -257,18 +258,42 @@ def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
 
 
 def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
+    """The GPUs whose nodes these are. A holder of /dev/kfd alone may compute on any AMD GPU
+    (ROCm opens the render nodes of the GPUs it uses, and KFD's lists did not name it)."""
     gpus: set[int] = set()
+    amd = [g.index for g in nvml.gpus if g.vendor == Vendor.AMD]
     for node in nodes:
-        if node.role != "gpu" or node.minor is None:
+        if node.minor is None:
             continue
-        if nvml.available:
+        if node.role in ("render", "card"):
+            index = nvml.index_for_minor(node.minor, Vendor.AMD)
+        elif node.role != "gpu":
+            continue
+        elif nvml.available:
             index = nvml.index_for_minor(node.minor)
-            if index is not None:
-                gpus.add(index)
         else:
-            # Without NVML the minor is the best name we have; the CLI says so.
-            gpus.add(node.minor)
+            # Without NVML the minor is the best name we have (the CLI says so), unless AMD's
+            # GPUs took those numbers: then the GPU is unknown, and counts on every GPU.
+            index = None if amd else node.minor
+        if index is not None:
+            gpus.add(index)
+    if not gpus and any(n.role == "kfd" for n in nodes):
+        gpus.update(amd)
     return sorted(gpus)
+
+
+def _drm_listed(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot) -> dict[int, int]:
+    """AMD GPU index -> VRAM bytes this process's DRM clients hold there (fdinfo): memory of a
+    client KFD does not list (Vulkan, OpenCL through Mesa, a compositor)."""
+    if not any(n.role in ("render", "card") for n in nodes):
+        return {}
+    by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
+    listed: dict[int, int] = {}
+    for pdev, vram in fdinfo.vram_by_pdev(fdinfo.drm_clients(pid)).items():
+        index = by_pci.get(pci_key(pdev))
+        if index is not None and vram > 0:
+            listed[index] = listed.get(index, 0) + vram
+    return listed
 
 
 def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
@@ -327,25 +352,35 @@ def describe(pid: int, nvml: NvmlSnapshot,
     holder.node_gpus = _gpus_for(nodes, nvml)
     memory = 0
     nvml_gpus: set[int] = set()
-    # NVML's pids name local processes only where they are this /proc's (nvmlprocs).
+    # The driver's pids (NVML's, KFD's) name local processes only where they are this
+    # /proc's (nvmlprocs). A GPU's list counts a process once, however it was found.
     for gpu in nvml.gpus if nvml.pids_local else ():
         if pid in gpu.processes:
-            how.add("nvml")
+            how.add("kfd" if gpu.vendor == Vendor.AMD else "nvml")
             nvml_gpus.add(gpu.index)
             memory += gpu.processes[pid] or 0
+    for index, vram in _drm_listed(pid, nodes, nvml).items():
+        if index not in nvml_gpus:
+            how.add("fdinfo")
+            nvml_gpus.add(index)
+            memory += vram
     caps_gpus, holder.mig = _mig_for(pid, nodes, nvml, device_map)
     holder.node_gpus = sorted(set(holder.node_gpus) | caps_gpus)
-    holder.how = [h for h in ("fd", "mmap", "nvml") if h in how]
+    holder.how = [h for h in ("fd", "mmap", "nvml", "kfd", "fdinfo") if h in how]
     holder.nvml_gpus = sorted(nvml_gpus)
     # Which GPU a process computes on only NVML knows: every CUDA process holds every GPU's
     # node. The nodes stand in, for display, for a process NVML does not list; the sweep's
     # scope rule (sweep.gpu_scope) treats the two sources differently.
     if holder.nvml_gpus:
-        holder.gpus, holder.gpus_from = holder.nvml_gpus, GpusFrom.NVML
+        on_amd = any(g.index in nvml_gpus and g.vendor == Vendor.AMD for g in nvml.gpus)
+        holder.gpus, holder.gpus_from = holder.nvml_gpus, GpusFrom.KFD if on_amd else GpusFrom.NVML
     elif holder.node_gpus:
         holder.gpus, holder.gpus_from = list(holder.node_gpus), GpusFrom.NODES
     holder.gpu_memory = memory
-    holder.kind = HolderKind.COMPUTE if ("uvm" in holder.roles or "nvml" in how) else HolderKind.MANAGEMENT
+    # A context: CUDA's (nvidia-uvm, or NVML lists it), ROCm's (/dev/kfd, or KFD lists it), or
+    # a DRM client with VRAM of its own.
+    compute = {"uvm", "kfd"} & set(holder.roles) or {"nvml", "kfd", "fdinfo"} & how
+    holder.kind = HolderKind.COMPUTE if compute else HolderKind.MANAGEMENT
     if not holder.how or not handle.alive():
         handle.close()
         return None

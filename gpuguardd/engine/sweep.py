@@ -264,7 +264,7 @@ class Sweep:
         gpus_in_scope = self._gpus_in_scope(targets, nvml)
         before = {key: view for key in self._all_keys(nvml)
                   if (view := memory_view(nvml, key)) is not None}
-        if not nvml.available:
+        if not nvml.gpus_known:
             report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
         if self.settings.dry_run:
             report.outcome = Outcome.DRY_RUN
@@ -285,10 +285,10 @@ class Sweep:
                                                    "something keeps starting new holders")
                                for holder, _ in targets)
         self._close(pinned)
-        after = self._verify(gpus_in_scope, nvml.available)
+        after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
-        self._decide_outcome(gpus_in_scope, before, after, nvml.available)
+        self._decide_outcome(gpus_in_scope, before, after, nvml.gpus_known)
         return self._finish()
 
     def _finish(self) -> Report:
@@ -466,7 +466,8 @@ class Sweep:
         if any(pid in self._terminated_pids or pid in self._exiting for pid in memory.processes):
             return False
         others = sum(mem or 0 for pid, mem in memory.processes.items() if os.path.exists(f"/proc/{pid}"))
-        return memory.memory_used <= self.settings.released_below_bytes + others
+        below = self.settings.released_below_bytes if gpu.released_below is None else gpu.released_below
+        return memory.memory_used <= below + others
 
     def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
         """The pids NVML lists there when they are not this /proc's: whether they are the
@@ -512,12 +513,12 @@ class Sweep:
             # Having ended nothing, the sweep has nothing of its own in those lists to wait for.
             settled = not self._terminated_pids \
                 or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
-            if not self._exiting and snap.available \
+            if not self._exiting and snap.gpus_known \
                     and all(k in current and (self._released(current[k]) or (k in lists and settled))
                             for k in gpus):
                 return current
             if time.monotonic() >= deadline:
-                return current if snap.available else {}
+                return current if snap.gpus_known else {}
             # NVML has no "memory released" event; poll fast first, since release is usually
             # quick once the process is gone, then back off.
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))

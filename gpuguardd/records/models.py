@@ -134,6 +134,12 @@ class NvmlSnapshot:
     # process lists then still say a GPU is in use, but name no local process.
     pids_local: bool = True
 
+    @property
+    def gpus_known(self) -> bool:
+        """Whether `gpus` names the host's GPUs: NVML answered, or amdgpu's sysfs named some.
+        (`available` keeps its meaning: NVML's.)"""
+        return self.available or any(g.vendor == Vendor.AMD for g in self.gpus)
+
     def by_index(self, index: int) -> GpuInfo | None:
         for gpu in self.gpus:
             if gpu.index == index:
@@ -147,9 +153,10 @@ class NvmlSnapshot:
                     return gpu, instance
         return None
 
-    def index_for_minor(self, minor: int) -> int | None:
+    def index_for_minor(self, minor: int, vendor: Vendor = Vendor.NVIDIA) -> int | None:
+        """The GPU of a node's minor: /dev/nvidia<minor>, or an AMD GPU's renderD or card node."""
         for gpu in self.gpus:
-            if gpu.minor == minor:
+            if gpu.vendor == vendor and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None):
                 return gpu.index
         return None
 

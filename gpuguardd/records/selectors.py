@@ -1,10 +1,12 @@
-"""GPU selectors: how a caller names a GPU (an NVML index, a GPU UUID, a MIG instance's UUID),
+"""GPU selectors: how a caller names a GPU (an index, a GPU UUID, a MIG instance's UUID, a PCI
+bus id),
 read and matched in one place for the engine's scopes, gpuguardctl's D-Bus client and
 `gpuguardctl check`. Each caller says what an index out of range or an unknown UUID means
 to it (the engine may fall back to device nodes; the client leaves ranges to the daemon).
 
 UUIDs match whatever their case: NVML spells them "GPU-4e1f…" and "MIG-…", users copy them
-from nvidia-smi or lower-case them.
+from nvidia-smi or lower-case them. A PCI bus id matches in either case and either domain width:
+NVML writes "00000000:C3:00.0", the kernel and amd-smi "0000:c3:00.0".
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from gpuguardd.numbers import is_digits, parse_gpu_index
 INDEX = "index"
 GPU_UUID = "gpu-uuid"
 MIG_UUID = "mig-uuid"
+PCI = "pci"
 
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 _MIG_UUID = re.compile(r"^MIG-[0-9A-F-]{8,}$", re.IGNORECASE)
+# domain:bus:device.function, the domain 4 (the kernel) or 8 (NVML) hex digits.
+_PCI = re.compile(r"^(?:[0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):[0-9A-Fa-f]{2}:[0-1][0-9A-Fa-f]\.[0-7]$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class KnownGpu:
     index: int
     uuid: str = ""
     mig: tuple[str, ...] = ()
+    pci_bus_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class Selected:
 
 @dataclass(frozen=True)
 class Selector:
-    kind: str  # INDEX, GPU_UUID or MIG_UUID; "" for text that names no GPU
+    kind: str  # INDEX, GPU_UUID, MIG_UUID or PCI; "" for text that names no GPU
     text: str  # as given, stripped
     value: int = -1  # the index, for INDEX
 
@@ -57,6 +63,8 @@ class Selector:
             return [Selected(g.index, m) for g in gpus for m in g.mig if same_uuid(m, self.text)]
         if self.kind == GPU_UUID:
             return [Selected(g.index) for g in gpus if g.uuid and same_uuid(g.uuid, self.text)]
+        if self.kind == PCI:
+            return [Selected(g.index) for g in gpus if g.pci_bus_id and pci_key(g.pci_bus_id) == pci_key(self.text)]
         return []
 
     @property
@@ -67,7 +75,8 @@ class Selector:
     def check(self) -> Selector:
         """Itself, or InvalidArgument naming the text when it names no GPU at all."""
         if not self.kind:
-            raise InvalidArgument(f"invalid GPU {self.text!r}: expected an index or a GPU-/MIG- UUID")
+            raise InvalidArgument(f"invalid GPU {self.text!r}: expected an index, a GPU-/MIG- UUID or a "
+                                  "PCI bus id (0000:c3:00.0)")
         return self
 
 
@@ -82,6 +91,8 @@ def selector(item: object) -> Selector:
         return Selector(MIG_UUID, text)
     if _UUID.match(text):
         return Selector(GPU_UUID, text)
+    if _PCI.match(text):
+        return Selector(PCI, text)
     return Selector("", text)
 
 
@@ -92,3 +103,12 @@ def names_mig(items: Iterable[object]) -> bool:
 
 def same_uuid(a: str, b: str) -> bool:
     return a.lower() == b.lower()
+
+
+def pci_key(bus_id: str) -> str:
+    """"00000000:18:00.0" (NVML) and "0000:18:00.0" (the kernel) as one spelling, lower case."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if not sep or not domain or len(domain) > 8 or any(c not in "0123456789abcdef" for c in domain):
+        return text
+    return f"{int(domain, 16):04x}:{rest}"

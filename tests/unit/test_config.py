@@ -23,7 +23,8 @@ def test_no_file_means_defaults() -> None:
     config = load_config([])
     assert config == Config()
     assert "/usr/bin/nvidia-persistenced" in config.protected_executables
-    assert config.device_paths == ("/dev/nvidia*", "/dev/nvidia-caps/*")
+    assert config.device_paths == ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
+                                   "/dev/dri/card*")
 
 
 @pytest.mark.parametrize(("text", "seconds"), [

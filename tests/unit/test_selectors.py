@@ -10,9 +10,11 @@ from gpuguardd.records.selectors import (
     GPU_UUID,
     INDEX,
     MIG_UUID,
+    PCI,
     KnownGpu,
     Selected,
     names_mig,
+    pci_key,
     selector,
 )
 
@@ -55,3 +57,25 @@ def test_check_names_the_bad_value() -> None:
 
 def test_names_mig() -> None:
     assert names_mig(["0", M1.lower()]) and not names_mig([0, "1", G0])
+
+
+@pytest.mark.parametrize("text", ["0000:c3:00.0", "0000:C3:00.0", "00000000:c3:00.0", " 00000000:C3:00.0 "])
+def test_a_pci_bus_id_in_either_spelling_names_its_gpu(text: str) -> None:
+    gpus = [KnownGpu(0, G0, (), "00000000:18:00.0"), KnownGpu(2, "", (), "0000:c3:00.0")]
+    assert selector(text).kind == PCI
+    assert selector(text).find(gpus) == [Selected(2)]
+    assert selector("0000:18:00.0").find(gpus) == [Selected(0)]
+    assert selector("0000:c4:00.0").find(gpus) == []
+
+
+@pytest.mark.parametrize("text", ["000:c3:00.0", "0000:c3:00.8", "0000:c3:20.0", "c3:00.0", "0000:\u0663\u0663:00.0",
+                                  "0000:c3:00.0.1", "00000:c3:00.0"])
+def test_what_is_no_pci_bus_id(text: str) -> None:
+    assert selector(text).kind == ""
+    with pytest.raises(InvalidArgument, match="PCI bus id"):
+        selector(text).check()
+
+
+def test_pci_key_is_one_spelling() -> None:
+    assert pci_key("00000000:C3:00.0") == pci_key("0000:c3:00.0") == "0000:c3:00.0"
+    assert pci_key("0001:c3:00.0") == "0001:c3:00.0"
