@@ -183,9 +183,12 @@ def _amdgpu_minors(sysfs: str) -> list[tuple[str, int]]:
         device = os.path.join(base, name, "device")
         try:
             bdf = os.path.basename(os.readlink(device))
-            driver = os.path.basename(os.readlink(os.path.join(device, "driver")))
         except OSError:
             continue
+        try:
+            driver = os.path.basename(os.readlink(os.path.join(device, "driver")))
+        except OSError:
+            driver = ""  # being unbound: the vendor decides
         if driver != "amdgpu":
             try:
                 if _hex(os.path.join(device, "vendor"), 0xFFFF) != AMD_VENDOR:

@@ -128,8 +128,16 @@ def test_a_suspended_gpus_memory_files_are_never_opened(fake: AmdSysfs, ids: str
         fake.write(asleep.device_dir / "power/runtime_status", status + "\n")
         gpu = read(fake, ids)[0]
         assert not gpu.suspended and gpu.unknown and "mem_info_vram_total" in gpu.error  # the trap
-    fake.break_file(asleep.device_dir / "power/runtime_status", None)  # runtime PM not in use
-    assert not read(fake, ids)[0].suspended
+    # Unreadable is not absent: unknown, the file named, and still no mem_info opened.
+    status_file = asleep.device_dir / "power/runtime_status"
+    fake.break_file(status_file, None)
+    status_file.mkdir()
+    gpu = read(fake, ids)[0]
+    assert gpu.unknown and not gpu.suspended
+    assert gpu.error.startswith(f"cannot read {fake.sysfs}/class/drm/renderD128/device/power/runtime_status")
+    status_file.rmdir()  # runtime PM not in use: the memory is read (here: the trap fires)
+    gpu = read(fake, ids)[0]
+    assert not gpu.suspended and "mem_info_vram_total" in gpu.error
 
 
 @pytest.mark.parametrize(("content", "why"), [
