@@ -13,11 +13,14 @@ the journal as well.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
 
+from gpuguardd.cli.backend import Backend, LocalBackend, local
 from gpuguardd.errors import DaemonUnavailable
 from gpuguardd.log import journal_too
 from gpuguardd.records.models import SweepRequest
@@ -66,3 +69,20 @@ def sweep(first: Callable[[], Report], again: Callable[[], Report],
     report = local()
     _say(logging.WARNING, f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
     return report
+
+
+def sweep_through_restarts(backend: Backend, request: SweepRequest,
+                           args: argparse.Namespace) -> Report:
+    """backend.sweep, finished even when gpuguardd dies during it: sweep() with a new
+    connection to the daemon as `again` and the local engine as `local`."""
+    if isinstance(backend, LocalBackend):
+        return backend.sweep(request)
+    from gpuguardd.cli.client import DBusBackend
+
+    def again() -> Report:
+        return DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
+
+    def in_process() -> Report:
+        return local(args).sweep(dataclasses.replace(request))
+
+    return sweep(lambda: backend.sweep(request), again, in_process, request)

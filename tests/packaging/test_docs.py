@@ -20,6 +20,7 @@ import pytest
 
 from gpuguardd import __version__, config
 from gpuguardd.bus import marshal
+from gpuguardd.cli import exits
 from gpuguardd.cli import main as cli
 from tests.packages import require_tools
 
@@ -178,7 +179,7 @@ def test_common_options_are_documented() -> None:
 
 def test_cli_exit_codes_are_documented() -> None:
     items = bold_items(sections(source("gpuguardctl.1"), 1)["EXIT STATUS"])
-    codes = {str(v) for v in exit_codes(cli).values()}
+    codes = {str(v) for v in exit_codes(exits).values()}
     assert codes == items
 
 

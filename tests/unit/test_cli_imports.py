@@ -29,6 +29,9 @@ ENGINE = {"gpuguardd.engine.engine", "gpuguardd.engine.holders", "gpuguardd.engi
           "gpuguardd.engine.sweep", "pynvml"}
 DBUS = {"dbus_fast", "gpuguardd.cli.client", "gpuguardd.bus.marshal"}
 NEVER = {"psutil"}  # the engine reads /proc itself
+# Each verb's own module: loaded by its verb, never at start-up.
+VERB_MODULES = {"gpuguardd.cli.output", "gpuguardd.cli.sweep", "gpuguardd.cli.retry",
+                "gpuguardd.cli.check", "gpuguardd.cli.wait", "gpuguardd.cli.watch"}
 
 
 def loaded(*args: str) -> tuple[int, set[str]]:
@@ -43,6 +46,7 @@ def test_version_imports_neither_engine_nor_dbus(tmp_path: Path) -> None:
     code, modules = loaded("--version")
     assert code == 0
     assert not modules & (ENGINE | DBUS | NEVER | {"asyncio"}), modules & (ENGINE | DBUS | NEVER)
+    assert not modules & VERB_MODULES, modules & VERB_MODULES
 
 
 def test_daemon_verbs_import_no_engine(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from gpuguardd.cli.main import EXIT_NOT_FREE
+from gpuguardd.cli.exits import EXIT_NOT_FREE
 from tests.conftest import GiB, GpuHost
 
 

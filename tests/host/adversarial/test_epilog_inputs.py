@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpuguardd.cli.main import EXIT_OK, EXIT_USAGE
+from gpuguardd.cli.exits import EXIT_OK, EXIT_USAGE
 from tests.conftest import CgroupDir, GiB, GpuHost
 from tests.host.test_slurm import NOBODY, spawn_as
 

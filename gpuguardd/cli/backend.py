@@ -1,0 +1,148 @@
+"""What gpuguardctl's verbs ask: the Backend they ask it of, the local engine as one, and
+connect(), which picks the daemon (cli/client.py) or the local engine for a command line.
+
+The engine is imported only when a LocalBackend is made, dbus-fast only when the daemon is
+asked (cli/main.py's start-up rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from gpuguardd import __version__
+from gpuguardd.errors import DaemonUnavailable, InvalidArgument
+from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
+from gpuguardd.records.report import Report
+from gpuguardd.safetext import user_name
+from gpuguardd.systemd import dropins
+
+log = logging.getLogger("gpuguard.cli")
+
+
+class Backend(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    def gpus(self) -> list[GpuSummary]: ...
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[Holder]: ...
+
+    def sweep(self, request: SweepRequest) -> Report: ...
+
+    def history(self, count: int) -> list[Report]: ...
+
+    def reset(self, gpu: int, reason: str) -> Report: ...
+
+
+def requester_description() -> str:
+    uid = os.getuid()
+    return f"uid {uid} ({user_name(uid)}) via gpuguardctl --local"
+
+
+class LocalBackend:
+    """The engine in this process: for root, when no daemon runs (or --local is given)."""
+
+    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
+        from gpuguardd.config import load_config
+        from gpuguardd.engine.engine import Engine
+
+        self.engine = Engine(load_config(config_files))
+        self.bus_address = bus_address  # where to ask systemd about units (None: system bus)
+
+    def status(self) -> dict[str, Any]:
+        snap = self.engine.snapshot(with_processes=False)
+        config = self.engine.config
+        return {"version": __version__, "nvml_available": snap.available,
+                "nvml_error": snap.error, "driver_version": snap.driver_version,
+                "gpu_count": len(snap.gpus), "busy": False, "last_sweep": {},
+                "watched_units": list(config.watch_units), "mode": "local",
+                "config_files": list(config.sources)}
+
+    def gpus(self) -> list[GpuSummary]:
+        from gpuguardd.engine.gpustate import all_summaries
+
+        scan = self.engine.scan()
+        return all_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024, self.engine.device_map())
+
+    def holders(self, gpus: list[str], unit: str, container: str,
+                include_protected: bool) -> list[Holder]:
+        from gpuguardd.engine.engine import HolderFilter
+
+        scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
+                                                               container=container))
+        found, scan = self.engine.list_holders(HolderFilter(
+            gpus=scope.gpus, unit=scope.unit, container=scope.container, mig=scope.mig,
+            include_protected=include_protected))
+        for warning in scan.warnings:
+            log.warning("%s", warning)
+        return found
+
+    def sweep(self, request: SweepRequest) -> Report:
+        # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
+        # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
+        request.requested_by = (request.requested_by or dropins.requested_by_for_reason(request.reason)
+                                or requester_description())
+        if request.unit:
+            self.engine.resolve_request(request)  # a bad unit name is refused before anything
+            import asyncio
+
+            return asyncio.run(self._sweep_unit(request))
+        return self.engine.sweep(request)
+
+    def reset(self, gpu: int, reason: str) -> Report:
+        return self.engine.reset_gpu(gpu, requester_description(), reason)
+
+    async def _sweep_unit(self, request: SweepRequest) -> Report:
+        """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
+        from gpuguardd.records.models import ScanResult
+        from gpuguardd.systemd.client import local_systemd  # dbus-fast only where a unit is swept
+        from gpuguardd.systemd.unitsweep import UnitSweeps
+
+        async def scan() -> ScanResult:
+            return self.engine.scan()
+
+        async def run(wanted: SweepRequest) -> Report:
+            return self.engine.sweep(wanted)
+
+        systemd, bus = await local_systemd(self.bus_address)
+        try:
+            sweeps = UnitSweeps(systemd, scan, run, lambda: self.engine.config.dry_run)
+            report = await sweeps.sweep_unit(request)
+        finally:
+            if bus is not None:
+                bus.disconnect()
+        assert report is not None  # None only for the daemon's watcher's own requests
+        return report
+
+    def history(self, count: int) -> list[Report]:
+        raise InvalidArgument("history is kept by the daemon; it is not available with --local")
+
+
+def local(args: argparse.Namespace) -> LocalBackend:
+    """The local engine, with --config's files, asking systemd on --bus-address."""
+    if os.geteuid() != 0:
+        log.warning("running --local as a non-root user: processes of other users are invisible")
+    from gpuguardd.bus.names import default_address
+    return LocalBackend(args.config, default_address(args.bus_address))
+
+
+def connect(args: argparse.Namespace) -> Backend:
+    """The daemon if it answers; the local engine when asked, or for root's sweep as fallback."""
+    if args.local:
+        if args.verb == "watch":
+            raise InvalidArgument("watch shows the daemon's signals; it is not available with --local")
+        return local(args)
+    try:
+        from gpuguardd.cli.client import DBusBackend
+        # bus_address None: $GPUGUARD_BUS_ADDRESS, else the system bus (decided in the client).
+        return DBusBackend(bus_address=args.bus_address)
+    except (ImportError, DaemonUnavailable) as exc:
+        if args.verb == "sweep" and os.geteuid() == 0:
+            log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
+            return local(args)
+        raise DaemonUnavailable(
+            f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
