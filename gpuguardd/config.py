@@ -55,9 +55,14 @@ DEFAULT_PROTECTED_UNITS = (
     "lightdm.service",
 )
 
-# AMD's nodes count only where amdgpu drives them (engine/devices.py): /dev/dri also holds
-# an Intel iGPU's and a virtual display's nodes.
-DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*")
+# NVIDIA's nodes, then AMD's: KFD (every ROCm process opens it) and the DRM nodes of amdgpu.
+# Which of them count (the "kfd" and "drm" majors of /proc/devices) is engine/devices.py's.
+DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
+                        "/dev/dri/card*")
+# amd-smi's per-GPU reset (its CLI guide, "amd-smi reset"), the GPU's PCI address appended:
+# `-g` takes an index, a BDF or a UUID. rocm-smi --gpureset and amd-smi both trigger the
+# amdgpu driver's own recovery (debugfs amdgpu_gpu_recover); docs/recovery.md.
+DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class Config:
     # drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
-    # An AMD GPU's: its driver keeps VRAM of its own while idle (docs/real-hosts.md).
+    # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used):
+    # below this an AMD GPU counts as released (docs/real-hosts.md, "AMD GPUs").
     amd_released_below_mib: int = 1024
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
@@ -77,6 +83,7 @@ class Config:
     # [Recovery] (engine/reset.py, daemon/recovery.py, docs/recovery.md): the reset command
     # (the GPU's PCI bus id appended), its bound, and the AutoReset policy, off by default.
     reset_command: str = "nvidia-smi -r -i"  # command_argv() splits it
+    amd_reset_command: str = DEFAULT_AMD_RESET_COMMAND  # the same, for an AMD GPU
     reset_timeout_sec: float = 120.0
     auto_reset: bool = False
     leak_grace_sec: float = 300.0
@@ -263,6 +270,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
     ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
     ("Recovery", "ResetCommand"): ("reset_command", _command, False),
+    ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command, False),
     ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(MAX_RESET_TIMEOUT_SEC, 1.0), False),
     ("Recovery", "AutoReset"): ("auto_reset", parse_bool, False),
     ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC), False),

@@ -10,6 +10,16 @@ reset here is: refuse unless nothing holds the GPU; turn persistence mode off th
 it lets go of the GPU); close gpuguardd's own NVML session (its handles keep the device open);
 run [Recovery] ResetCommand with the GPU's PCI bus id; restore persistence mode; and poll NVML
 until the GPU answers with its memory back. Every step is logged and kept in the report.
+
+An AMD GPU (GpuInfo.vendor, read from KFD's and DRM's sysfs files) takes the same guarded
+procedure without NVML: the amdgpu driver's per-GPU reset is the recovery that rocm-smi
+--gpureset and `amd-smi reset --gpureset` trigger (both read debugfs amdgpu_gpu_recover), run
+as [Recovery] AmdResetCommand with the GPU's PCI address. AMD's amd-smi guide says what it
+takes besides the GPU: every process with /dev/kfd open, whichever GPU it uses, is ended, and
+every GPU of the same XGMI hive is reset with it. So it is refused while any process on the
+host holds /dev/kfd, and for a GPU in an XGMI hive or one partition of a partitioned GPU; it
+is also refused for the boot display GPU (gpuguard's own caution: the console is on it).
+The reset's outcome is read back from sysfs through the scan, as the daemon reads AMD GPUs.
 """
 
 from __future__ import annotations
@@ -22,11 +32,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpuguardd.config import DEFAULT_AMD_RESET_COMMAND, command_argv
 from gpuguardd.engine import leaks, procfs
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
-from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.enums import HolderKind, Outcome, Vendor
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
 from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, ReportScope
 
@@ -45,6 +56,7 @@ PAUSED = "NVML closed for a GPU reset"
 # What the NVIDIA driver asks of a caller that changes a GPU (its privileged check is
 # capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
 NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
+KFD_NODE = "/dev/kfd"
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,9 @@ class ResetSettings:
     released_below_bytes: int
     lock_directory: str
     poll_sec: float = 0.1
+    # [Recovery] AmdResetCommand (the GPU's PCI address appended), and where sysfs is.
+    amd_command: tuple[str, ...] = command_argv(DEFAULT_AMD_RESET_COMMAND)
+    sysfs_path: str = "/sys"
 
 
 def _name(holder: Holder) -> str:
@@ -74,14 +89,16 @@ def _touches(holder: Holder, gpu: GpuInfo) -> bool:
 def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int],
             exists: Callable[[int], bool] = leaks.pid_exists) -> str:
     """Why GPU `gpu` must not be reset now ("" when it may): anything but gpuguardd itself
-    and pausable management daemons holding it, or a process NVML still lists alive."""
+    and pausable management daemons holding it, or a process NVML (for an AMD GPU: KFD) still
+    lists alive."""
+    lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
     if snap.pids_local:
         alive = sorted(pid for pid in gpu.processes if exists(pid))
         if alive:
-            return (f"NVML lists live process(es) on it ({', '.join(map(str, alive[:5]))}): "
+            return (f"{lister} lists live process(es) on it ({', '.join(map(str, alive[:5]))}): "
                     "end them first (gpuguardctl sweep)")
     elif gpu.processes:
-        return ("NVML lists processes on it by PIDs of another PID namespace, which may be "
+        return (f"{lister} lists processes on it by PIDs of another PID namespace, which may be "
                 "alive there")
     for holder in holders:
         if holder.pid in own or not _touches(holder, gpu) or _name(holder) in PAUSABLE:
@@ -90,6 +107,72 @@ def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: fr
         if _name(holder) in HOSTENGINE:
             return f"DCGM's nv-hostengine holds it ({who}): stop DCGM first"
         return f"{who} holds it" + (f" in unit {holder.unit}" if holder.unit else "")
+    return ""
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def _pci_dir(sysfs: str, bus_id: str) -> str:
+    """The GPU's PCI device directory: NVML-style ids have an 8-digit domain, sysfs a 4-digit."""
+    text = bus_id.lower()
+    domain, sep, rest = text.partition(":")
+    if sep and rest.count(":") == 1:
+        try:
+            text = f"{int(domain, 16):04x}:{rest}"
+        except ValueError:
+            pass
+    return os.path.join(sysfs, "bus", "pci", "devices", text)
+
+
+def _kfd_hive(sysfs: str, gpu_id: int) -> int:
+    """KFD's hive_id of the GPU with this gpu_id (0: in no XGMI hive, or not found)."""
+    nodes = os.path.join(sysfs, "class", "kfd", "kfd", "topology", "nodes")
+    try:
+        names = os.listdir(nodes)
+    except OSError:
+        return 0
+    for name in names:
+        if _read(os.path.join(nodes, name, "gpu_id")) != str(gpu_id):
+            continue
+        for line in _read(os.path.join(nodes, name, "properties")).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "hive_id" and value.strip().isdigit():
+                return int(value)
+    return 0
+
+
+def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str = "/sys") -> str:
+    """What else an AMD GPU's reset would take down ("" when nothing): AMD documents that it
+    ends every process holding /dev/kfd and resets the GPU's whole XGMI hive (amd-smi's CLI
+    guide, "amd-smi reset"); a partition (MI300 CPX and kin) is reset with its siblings."""
+    for holder in scan.holders:
+        if holder.pid in own or not (KFD_NODE in holder.devices or "kfd" in holder.roles):
+            continue
+        return (f"pid {holder.pid} ({holder.comm}) holds {KFD_NODE}"
+                + (f" in unit {holder.unit}" if holder.unit else "")
+                + ": the amdgpu driver ends every process with /dev/kfd open when any GPU is "
+                "reset, whichever GPU it uses (end the ROCm processes first)")
+    siblings = sorted(other.index for other in scan.nvml.gpus if other.index != gpu.index
+                      and other.vendor == Vendor.AMD and gpu.pci_bus_id
+                      and other.pci_bus_id.lower() == gpu.pci_bus_id.lower())
+    if siblings:
+        return (f"it is one partition of the GPU at {gpu.pci_bus_id}, with GPU(s) "
+                f"{', '.join(map(str, siblings))}: a reset resets every partition")
+    device = _pci_dir(sysfs, gpu.pci_bus_id)
+    hive = _read(os.path.join(device, "xgmi_hive_info", "xgmi_hive_id"))
+    if (hive and hive != "0") or (gpu.gpu_id and _kfd_hive(sysfs, gpu.gpu_id)):
+        return (f"it is in an XGMI hive{f' ({hive})' if hive and hive != '0' else ''}: the "
+                "driver resets every GPU of the hive together (amd-smi reset on all of them, "
+                "or a reboot)")
+    if _read(os.path.join(device, "boot_vga")) == "1":
+        return ("it is the boot display GPU (boot_vga): the console and any display on it go "
+                "down with a reset; reset it by hand if that is acceptable")
     return ""
 
 
@@ -146,28 +229,29 @@ class GpuReset:
     def _reset(self) -> None:
         scan = self.scan()
         gpu = scan.nvml.by_index(self.index)
-        if not scan.nvml.available or gpu is None:
+        # An AMD GPU is read from sysfs, NVML or not; an NVIDIA one only through NVML.
+        if gpu is None or (gpu.vendor != Vendor.AMD and not scan.nvml.available):
             self._refuse(f"no GPU {self.index} ({scan.nvml.error or 'NVML does not list it'})")
             return
         own = frozenset({os.getpid(), *procfs.ancestors(os.getpid())})
         why = refusal(gpu, scan.nvml, scan.holders, own)
+        if not why and gpu.vendor == Vendor.AMD:
+            why = amd_refusal(gpu, scan, own, self.settings.sysfs_path)
         if not why and not gpu.pci_bus_id:
             why = "its PCI bus id is unknown"
-        if not why:
+        if not why and gpu.vendor != Vendor.AMD:
             why = self._nvlink_refusal()
         if why:
             self._refuse(why)
             return
-        before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
-                           memory_total=gpu.memory_total)
-        self.report.gpus = [before]
-        kind = leaks.kind_of(gpu, scan.nvml.pids_local)
-        shown = ""
-        if kind is not None and gpu.memory_used > self.settings.released_below_bytes:
-            self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
-                                      kind=kind.value)]
-            shown = f" ({kind.value})"
-        self.step(f"nothing holds it; {gpu.memory_used // (1024 * 1024)} MiB in use{shown}")
+        before = self._before(gpu, scan.nvml.pids_local)
+        if gpu.vendor == Vendor.AMD:
+            # No persistence mode and no session of gpuguardd's own to close: it reads sysfs.
+            if not self._command(gpu.pci_bus_id, self.settings.amd_command):
+                self.report.outcome = Outcome.RESET_FAILED
+                return
+            self._verify(before, lambda: self.scan().nvml, self._threshold(gpu))
+            return
         if gpu.mig_mode:
             self.step(f"MIG mode: its {len(gpu.mig)} instance(s) are gone after the reset; "
                       "recreate them as the site does (nvidia-mig-parted)", logging.WARNING)
@@ -183,7 +267,25 @@ class GpuReset:
         if not ok:
             self.report.outcome = Outcome.RESET_FAILED
             return
-        self._verify(before)
+        self._verify(before, self.nvml.snapshot, self._threshold(gpu))
+
+    def _threshold(self, gpu: GpuInfo) -> int:
+        """Bytes below which `gpu` counts as released: its backend's word (an idle AMD GPU's
+        driver keeps VRAM of its own, [Sweep] AmdReleasedBelowMiB), else ReleasedBelowMiB."""
+        return gpu.released_below if gpu.released_below is not None else self.settings.released_below_bytes
+
+    def _before(self, gpu: GpuInfo, pids_local: bool) -> GpuResult:
+        before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
+                           memory_total=gpu.memory_total)
+        self.report.gpus = [before]
+        kind = leaks.kind_of(gpu, pids_local)
+        shown = ""
+        if kind is not None and gpu.memory_used > self._threshold(gpu):
+            self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
+                                      kind=kind.value)]
+            shown = f" ({kind.value})"
+        self.step(f"nothing holds it; {gpu.memory_used // (1024 * 1024)} MiB in use{shown}")
+        return before
 
     def _nvlink_refusal(self) -> str:
         def active(handle: object) -> list[int]:
@@ -243,8 +345,8 @@ class GpuReset:
             self.report.warnings.append(f"persistence mode could not be restored: {exc}")
             self.step(f"could not restore persistence mode: {exc}", logging.ERROR)
 
-    def _command(self, bus_id: str) -> bool:
-        argv = [*self.settings.command, bus_id]
+    def _command(self, bus_id: str, command: tuple[str, ...] | None = None) -> bool:
+        argv = [*(command or self.settings.command), bus_id]
         shown = " ".join(argv)
         self.step(f"running {shown}")
         try:
@@ -267,15 +369,17 @@ class GpuReset:
         self.step("the reset command succeeded" + (f": {said}" if said else ""))
         return True
 
-    def _verify(self, before: GpuResult) -> None:
+    def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot], threshold: int) -> None:
+        """Poll `read` (NVML, or for an AMD GPU the sysfs scan) until the GPU answers with at
+        most `threshold` bytes in use, or VerifyTimeoutSec passes."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
         while True:
-            snap = self.nvml.snapshot()
+            snap = read()
             gpu = snap.by_index(self.index)
             answers = gpu is not None and not (gpu.lost or gpu.unknown)
             if gpu is not None and answers:
                 before.memory_used_after = gpu.memory_used
-                before.released = gpu.memory_used <= self.settings.released_below_bytes
+                before.released = gpu.memory_used <= threshold
             if before.released or time.monotonic() >= deadline:
                 break
             time.sleep(self.settings.poll_sec)

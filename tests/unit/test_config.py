@@ -23,8 +23,20 @@ def test_no_file_means_defaults() -> None:
     config = load_config([])
     assert config == Config()
     assert "/usr/bin/nvidia-persistenced" in config.protected_executables
-    assert config.device_paths == ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
-                                   "/dev/dri/card*")
+    assert config.device_paths == ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd",
+                                   "/dev/dri/renderD*", "/dev/dri/card*")
+    # An idle MI300X reads 284 MiB used (docs/real-hosts.md): never a leak by default.
+    assert config.amd_released_below_mib == 1024
+    assert config.amd_reset_command == "amd-smi reset --gpureset --gpu"
+
+
+def test_amd_keys(tmp_path: Path) -> None:
+    path = write(tmp_path / "amd.conf", "[Sweep]\nAmdReleasedBelowMiB=2048\n"
+                                        "[Recovery]\nAmdResetCommand=/usr/local/sbin/amd-reset --bdf\n")
+    config = load_config([path])
+    assert config.amd_released_below_mib == 2048
+    assert config.amd_reset_command == "/usr/local/sbin/amd-reset --bdf"
+    assert config.released_below_mib == 256 and config.reset_command == "nvidia-smi -r -i"
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -81,6 +93,8 @@ Units=sglang-*.service
     ("[Sweep]\nDryRun=perhaps\n", 2, "[Sweep] DryRun: invalid boolean 'perhaps'"),
     ("[Sweep]\nProtectedExecutables=nvidia-persistenced\n", 2, "'nvidia-persistenced' is not an absolute path"),
     ("[Sweep]\nReleasedBelowMiB=lots\n", 2, "[Sweep] ReleasedBelowMiB: number 'lots' is not a number"),
+    ("[Sweep]\nAmdReleasedBelowMiB=-1\n", 2, "[Sweep] AmdReleasedBelowMiB: "),
+    ("[Recovery]\nAmdResetCommand=bin/amd-smi\n", 2, "neither a name found on PATH nor an absolute path"),
     ("[Sweep]\njust words\n", 2, "expected Key=value, got 'just words'"),
     ("[Daemon]\nPollIntervalSec=1ms\n", 2, "below the minimum"),
 ])

@@ -24,7 +24,8 @@ OUTSIDE = re.compile(r"\.\./shared/|/work/shared|\bAPI\.md\b|E2E-NOTES")
 # named at most a few words before): those are looked up on the project's own tracker. Any
 # other "issue N" is this project's.
 UPSTREAM = {"cupy", "nvitop", "nvtop", "open-gpu-kernel-modules", "go-nvml", "dcgm-exporter",
-            "sglang", "vllm", "cosmic-ext-applet-system-monitor", "btop"}
+            "sglang", "vllm", "cosmic-ext-applet-system-monitor", "btop", "roc-smi",
+            "legacy-rocm-build", "radeontop"}
 ISSUE = re.compile(r"\b[Ii]ssues?\s+\d")
 CONTINUATION = re.compile(r"\s*\n\s*(?:#|\*|//)?\s*")
 LINK = re.compile(r"\]\(([^)\s]+)\)")

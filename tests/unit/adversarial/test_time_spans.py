@@ -26,6 +26,7 @@ SPANS = {
 }
 NUMBERS = {
     "ReleasedBelowMiB": ("Sweep", "16777216", "16777217"),
+    "AmdReleasedBelowMiB": ("Sweep", "16777216", "16777217"),
     "HistoryMax": ("Daemon", "1000000", "1000001"),
     "FreeBelowMiB": ("Gate", "16777216", "16777217"),
     "ToleranceMiB": ("Gate", "16777216", "16777217"),
