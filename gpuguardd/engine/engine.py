@@ -336,7 +336,9 @@ class Engine:
         settings = ResetSettings(command=command_argv(config.reset_command), timeout_sec=config.reset_timeout_sec,
                                  verify_timeout_sec=config.verify_timeout_sec,
                                  released_below_bytes=config.released_below_mib * 1024 * 1024,
-                                 lock_directory=os.path.join(config.runtime_directory, "locks"))
+                                 lock_directory=os.path.join(config.runtime_directory, "locks"),
+                                 amd_command=command_argv(config.amd_reset_command),
+                                 sysfs_path=config.sysfs_path)
         return GpuReset(index, self.nvml, self.scan, settings, requested_by, reason).run()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.cli.main import EXIT_NOT_FREE, EXIT_OK
+from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
 from tests.amd_sysfs import AmdSysfs, FakeGpu
 from tests.conftest import GiB, GpuHost
 from tests.helpers import alive, gone, wait_until
