@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuguardd.engine import leaks, procfs
+from gpuguardd.engine.judge import facts_of, judge
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
@@ -161,9 +162,10 @@ class GpuReset:
         before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
                            memory_total=gpu.memory_total)
         self.report.gpus = [before]
-        kind = leaks.kind_of(gpu, scan.nvml.pids_local)
+        kind = judge(facts_of(gpu, None, (), self.settings.released_below_bytes,
+                              scan.nvml.pids_local)).leak
         shown = ""
-        if kind is not None and gpu.memory_used > self.settings.released_below_bytes:
+        if kind is not None:
             self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
                                       kind=kind.value)]
             shown = f" ({kind.value})"
@@ -275,7 +277,8 @@ class GpuReset:
             answers = gpu is not None and not (gpu.lost or gpu.unknown)
             if gpu is not None and answers:
                 before.memory_used_after = gpu.memory_used
-                before.released = gpu.memory_used <= self.settings.released_below_bytes
+                before.released = judge(facts_of(gpu, None, (), self.settings.released_below_bytes,
+                                                 snap.pids_local)).released
             if before.released or time.monotonic() >= deadline:
                 break
             time.sleep(self.settings.poll_sec)
