@@ -45,6 +45,7 @@ def test_a_compute_holder_that_may_be_on_it_is_in_use_protected_or_not() -> None
 
 def test_may_be_on_counts_unknown_gpus_and_instances_never_management() -> None:
     assert may_be_on(compute([]), 3) and may_be_on(compute([0]), None)
+    assert may_be_on(compute([0], protected=True), 0)
     assert not may_be_on(compute([1]), 0)
     assert may_be_on(compute([0]), 0, MIG_A)  # instance not told: any of them
     assert may_be_on(compute([0], [MIG_A.upper()]), 0, MIG_A)
