@@ -18,18 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.cli.output import human_bytes
+from gpuguardd.engine.judge import facts_of_record, judge
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
-from gpuguardd.records.enums import GpuState, HolderKind, Outcome, Vendor
+from gpuguardd.records.enums import GpuState, Outcome, Vendor, Why
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.records.selectors import KnownGpu, selector
 
-# States of a GPU (or MIG instance) that make it unfit for the next job, and why.
-BAD_STATES = {
-    GpuState.LEAKED: "memory in use with no process holding it",
-    GpuState.LOST: "fell off the bus (NVML reports it lost)",
-    GpuState.UNKNOWN: "its state cannot be read",
+# The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded.
+DETAILS = {
+    Why.LEAKED: "memory in use with no process holding it",
+    Why.LOST: "fell off the bus (NVML reports it lost)",
+    Why.UNREADABLE: "its state cannot be read",
+    Why.PROCESSES: "NVML lists processes on it",
 }
 
 
@@ -85,8 +87,8 @@ def _known(gpu: GpuSummary) -> KnownGpu:
 
 
 def _state(record: GpuSummary | MigSummary) -> tuple[str, GpuState | None]:
-    """Its state as shown, and as known here: None for a state a newer daemon named (not
-    one of BAD_STATES), unknown for none at all."""
+    """Its state as shown, and as known here: None for a state a newer daemon named, unknown
+    for none at all."""
     if "state" not in record.unread:
         return record.state.value, record.state
     shown = str(record.to_dict().get("state", GpuState.UNKNOWN.value))
@@ -118,39 +120,45 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
 
 def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
           selectors: list[str]) -> CheckResult:
-    """The problems on the selected GPUs. `holders` are those the backend found in the same
-    selection (it resolves indices, UUIDs and MIG UUIDs the way a sweep does)."""
+    """The problems on the selected GPUs, as the judge (engine/judge.py) finds them. `holders`
+    are those the backend found in the same selection (it resolves indices, UUIDs and MIG
+    UUIDs the way a sweep does)."""
     result = CheckResult()
     # Without NVML the memory of NVIDIA's GPUs cannot be checked; AMD's is read from sysfs.
     if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
         result.problems.append(Problem(None, "", "nvml",
                                        f"NVML unavailable ({why}): GPU memory cannot be checked"))
-    # Without NVML there is no GPU list to select from; the holders still count.
+    # Without NVML there is no GPU list to select from; the holders still count, on any GPU.
     chosen = _selected(gpus, selectors) if gpus else []
     indices = {g.index for g, _ in chosen}
+    named: set[int] = set()  # id() of the holders the judge names
     for gpu, instance in chosen:
         index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
         name = f"GPU {index} ({printable(uuid)})" if uuid else f"GPU {index}"
-        state, known = _state(instance or gpu)
+        state, _ = _state(instance or gpu)
         used = (instance or gpu).memory_used
         result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used})
-        if known is not None and known in BAD_STATES:
-            detail = BAD_STATES[known]
-            if known == GpuState.LEAKED:
+        verdict = judge(facts_of_record(index, instance.uuid if instance else "", instance or gpu,
+                                        holders, None))
+        named.update(id(r.holder) for r in verdict.reasons if r.holder is not None)
+        for why in (Why.LEAKED, Why.LOST, Why.UNREADABLE, Why.PROCESSES):
+            if not verdict.has(why):
+                continue
+            detail = DETAILS[why]
+            if why == Why.LEAKED:
                 kind = (instance or gpu).leak_kind
                 detail = f"{human_bytes(used)} {detail}" + (f" ({printable(kind)})" if kind else "")
-            error = gpu.error
-            if error and known != GpuState.LEAKED:
-                detail += f": {printable(error)}"
+            elif gpu.error and why != Why.PROCESSES:
+                detail += f": {printable(gpu.error)}"
             result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
+    if not chosen:
+        anywhere = judge(facts_of_record(None, "", None, holders, "no GPU list"))
+        named.update(id(r.holder) for r in anywhere.reasons if r.holder is not None)
     for holder in holders:
-        if holder.kind != HolderKind.COMPUTE:
+        if id(holder) not in named:
             continue
         on = holder.gpus
-        # A holder whose GPU is unknown may be on any of them: not free.
-        if on and indices and not set(on) & indices:
-            continue
         where = ",".join(str(g) for g in on) or "?"
         first = min(set(on) & indices) if on and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")

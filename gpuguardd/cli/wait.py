@@ -146,7 +146,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
 
     def chosen(gpus: list[Any]) -> list[Target]:
         every = targets_of(gpus)
-        if not wanted:
+        if not wanted or not gpus:  # no GPU list: judged below on the holders, as `check` is
             return every
         picked = []
         for gpu, instance in _selected(gpus, wanted):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.gate import GateRule, GateState, GateTracker, MiB, Target, blockers, holder_line, targets_of
+from gpuguardd.engine.gate import GateRule, GateState, GateTracker, MiB, Target, blockers, targets_of
 from gpuguardd.records.enums import HolderKind
 from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot
 
@@ -281,9 +281,6 @@ class GateService:
                 error = snapshot.error or "not loaded"
                 for index in gpus or [-1]:
                     found = blockers(Target(index, ""), None, holders, tracker.rule, error, False)
-                    if index == -1:
-                        found += [f"GPU {','.join(map(str, h.gpus))}: {line}" for h, line in
-                                  _compute_lines(holders) if h.gpus]
                     waiting_on += [w for w in found if w not in waiting_on]
                 if mig:
                     waiting_on.append(f"NVML unavailable ({error}): MIG instances cannot be found")
@@ -293,6 +290,3 @@ class GateService:
             waiting_on.append("no GPU list yet")
         return WaitOutcome(False, int((now - started) * 1000), states, waiting_on, now)
 
-
-def _compute_lines(holders: Sequence[Holder]) -> list[tuple[Holder, str]]:
-    return [(h, holder_line(h)) for h in holders if h.kind == HolderKind.COMPUTE]

@@ -25,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gpuguardd.engine.judge import Reason, facts_of_record, judge, may_be_on
 from gpuguardd.escaping import escape_text
-from gpuguardd.records.enums import GpuState, HolderKind
+from gpuguardd.records.enums import Why
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 
 MiB = 1024 * 1024
@@ -84,51 +85,54 @@ def holder_line(holder: Holder) -> str:
     return f"compute holder pid {holder.pid} ({escape_text(holder.comm)}){unit}"
 
 
-def _on_target(holder: Holder, target: Target) -> bool:
-    """May `holder` be on `target`? Unknown GPUs (or an unknown MIG instance on its GPU)
-    count as this one: fail closed."""
-    if holder.gpus and target.index not in holder.gpus:
-        return False
-    if target.mig_uuid and holder.mig:
-        return any(m.lower() == target.mig_uuid.lower() for m in holder.mig)
-    return True
-
-
 def compute_on(target: Target, holders: Sequence[Holder]) -> list[Holder]:
-    """The compute holders that may be on `target`."""
-    return [h for h in holders if h.kind == HolderKind.COMPUTE and _on_target(h, target)]
+    """The compute holders that may be on `target` (the judge's may_be_on)."""
+    return [h for h in holders if may_be_on(h, target.index, target.mig_uuid)]
 
 
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
-    """Why `target` is not free now ([] when nothing blocks it). `record` is its summary (None:
-    not listed by NVML), `nvml_error` None when NVML answers."""
-    reasons: list[str] = []
-    if sweeping:
-        reasons.append("a sweep of its GPU is running")
-    on = compute_on(target, holders)
-    reasons += [holder_line(h) for h in on[:MAX_NAMED_HOLDERS]]
-    if len(on) > MAX_NAMED_HOLDERS:
-        reasons.append(f"and {len(on) - MAX_NAMED_HOLDERS} more compute holder(s)")
-    if nvml_error is not None:
-        if not rule.allow_unverified:
-            reasons.append(f"NVML unavailable ({escape_text(nvml_error)}): memory cannot be checked")
-        return reasons
-    if record is None:
-        reasons.append("not listed by NVML")
-        return reasons
-    state = record.state if "state" not in record.unread else GpuState.UNKNOWN
-    if state == GpuState.LOST:
-        reasons.append("lost (fell off the bus)")
-    elif state == GpuState.UNKNOWN:
-        if not rule.allow_unverified:
-            reasons.append("its memory cannot be read")
-        return reasons
-    elif state == GpuState.IN_USE and not on:
-        reasons.append("NVML lists processes on it")
-    if record.memory_used >= rule.free_below:
-        reasons.append(f"memory in use at or above {rule.free_below // MiB} MiB")
-    return reasons
+    """Why `target` is not free now ([] when nothing blocks it), in the judge's words
+    (engine/judge.py). `record` is its summary (None: not listed by NVML), `nvml_error` None
+    when NVML answers; a target of index -1 is any GPU (no GPU list to tell them by)."""
+    index = None if target.index < 0 else target.index
+    verdict = judge(facts_of_record(index, target.mig_uuid, record, holders, nvml_error, sweeping),
+                    rule.free_below)
+    return words(verdict.blocking(rule.allow_unverified), rule, any_gpu=index is None)
+
+
+def words(reasons: Sequence[Reason], rule: GateRule, any_gpu: bool = False) -> list[str]:
+    """WaitingOn's lines for the judge's reasons: holders named up to MAX_NAMED_HOLDERS (with
+    the GPUs they are on where the target is any GPU)."""
+    lines: list[str] = []
+    held = sum(1 for r in reasons if r.holder is not None)
+    named = 0
+    for reason in reasons:
+        why = reason.why
+        if why == Why.SWEEPING:
+            lines.append("a sweep of its GPU is running")
+        elif reason.holder is not None:
+            named += 1
+            on = reason.holder.gpus
+            if any_gpu and on:
+                lines.append(f"GPU {','.join(map(str, on))}: {holder_line(reason.holder)}")
+            elif named <= MAX_NAMED_HOLDERS:
+                lines.append(holder_line(reason.holder))
+            elif named == MAX_NAMED_HOLDERS + 1:
+                lines.append(f"and {held - MAX_NAMED_HOLDERS} more compute holder(s)")
+        elif why == Why.NO_BACKEND:
+            lines.append(f"NVML unavailable ({escape_text(reason.detail)}): memory cannot be checked")
+        elif why == Why.NOT_LISTED:
+            lines.append("not listed by NVML")
+        elif why == Why.LOST:
+            lines.append("lost (fell off the bus)")
+        elif why == Why.UNREADABLE:
+            lines.append("its memory cannot be read")
+        elif why in (Why.PROCESSES, Why.FOREIGN, Why.ENDING):
+            lines.append("NVML lists processes on it")
+        elif why in (Why.MEMORY, Why.LEAKED):
+            lines.append(f"memory in use at or above {rule.free_below // MiB} MiB")
+    return list(dict.fromkeys(lines))
 
 
 class Stability:

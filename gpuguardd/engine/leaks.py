@@ -11,33 +11,16 @@ acts on each differently (docs/recovery.md):
   * stuck-in-driver: processes a sweep could not end because they sleep uninterruptibly in
     the driver (D state in nvidia_uvm, vllm 25127); only a sweep's report can say "past the
     sweep", so only reports carry this kind.
+
+Which kind a GPU shows is the judge's to say (engine/judge.py), with everything else about it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 
 from gpuguardd.engine import procfs
-from gpuguardd.records.enums import LeakKind
-from gpuguardd.records.models import GpuInfo, MigInstance
 
 
 def pid_exists(pid: int) -> bool:
     return os.path.exists(f"{procfs.PROC}/{pid}")
-
-
-def kind_of(memory: GpuInfo | MigInstance, pids_local: bool,
-            exists: Callable[[int], bool] = pid_exists) -> LeakKind | None:
-    """The leak kind of memory in use on `memory` (whose figures the caller found above the
-    threshold), or None when a listed process still lives (or may, in another namespace)."""
-    if not memory.processes:
-        return LeakKind.NO_PROCESS
-    if pids_local and not any(exists(pid) for pid in memory.processes):
-        return LeakKind.DEAD_PIDS
-    return None
-
-
-def stuck_kind(listed: Iterable[int], stuck_pids: Iterable[int]) -> LeakKind | None:
-    """STUCK when a process NVML still lists there outlived the sweep in D state."""
-    return LeakKind.STUCK if set(listed) & set(stuck_pids) else None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from gpuguardd.config import DEFAULT_AMD_RESET_COMMAND, command_argv
 from gpuguardd.engine import leaks, procfs
+from gpuguardd.engine.judge import facts_of, judge
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
@@ -250,7 +251,7 @@ class GpuReset:
             if not self._command(gpu.pci_bus_id, self.settings.amd_command):
                 self.report.outcome = Outcome.RESET_FAILED
                 return
-            self._verify(before, lambda: self.scan().nvml, self._threshold(gpu))
+            self._verify(before, lambda: self.scan().nvml)
             return
         if gpu.mig_mode:
             self.step(f"MIG mode: its {len(gpu.mig)} instance(s) are gone after the reset; "
@@ -267,20 +268,15 @@ class GpuReset:
         if not ok:
             self.report.outcome = Outcome.RESET_FAILED
             return
-        self._verify(before, self.nvml.snapshot, self._threshold(gpu))
-
-    def _threshold(self, gpu: GpuInfo) -> int:
-        """Bytes below which `gpu` counts as released: its backend's word (an idle AMD GPU's
-        driver keeps VRAM of its own, [Sweep] AmdReleasedBelowMiB), else ReleasedBelowMiB."""
-        return gpu.released_below if gpu.released_below is not None else self.settings.released_below_bytes
+        self._verify(before, self.nvml.snapshot)
 
     def _before(self, gpu: GpuInfo, pids_local: bool) -> GpuResult:
         before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
                            memory_total=gpu.memory_total)
         self.report.gpus = [before]
-        kind = leaks.kind_of(gpu, pids_local)
+        kind = judge(facts_of(gpu, None, (), self.settings.released_below_bytes, pids_local)).leak
         shown = ""
-        if kind is not None and gpu.memory_used > self._threshold(gpu):
+        if kind is not None:
             self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
                                       kind=kind.value)]
             shown = f" ({kind.value})"
@@ -369,9 +365,9 @@ class GpuReset:
         self.step("the reset command succeeded" + (f": {said}" if said else ""))
         return True
 
-    def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot], threshold: int) -> None:
-        """Poll `read` (NVML, or for an AMD GPU the sysfs scan) until the GPU answers with at
-        most `threshold` bytes in use, or VerifyTimeoutSec passes."""
+    def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot]) -> None:
+        """Poll `read` (NVML, or for an AMD GPU the sysfs scan) until the judge finds the GPU's
+        memory released (below its own line: engine/judge.py), or VerifyTimeoutSec passes."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
         while True:
             snap = read()
@@ -379,7 +375,8 @@ class GpuReset:
             answers = gpu is not None and not (gpu.lost or gpu.unknown)
             if gpu is not None and answers:
                 before.memory_used_after = gpu.memory_used
-                before.released = gpu.memory_used <= threshold
+                before.released = judge(facts_of(gpu, None, (), self.settings.released_below_bytes,
+                                                 snap.pids_local)).released
             if before.released or time.monotonic() >= deadline:
                 break
             time.sleep(self.settings.poll_sec)

@@ -17,15 +17,16 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
-from gpuguardd.engine import leaks, procfs
+from gpuguardd.engine import procfs
 from gpuguardd.engine.attribution import container_matches
+from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
 from gpuguardd.engine.slurm import in_job_scope
-from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.enums import HolderKind, Outcome, Why
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.records.report import (
     GpuResult,
@@ -456,18 +457,16 @@ class Sweep:
 
     # -- verification --------------------------------------------------------------------
 
-    def _released(self, view: MemoryView) -> bool:
+    def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
+        """The judge's verdict on a view's memory: what the sweep ended (or waits for) must be
+        gone from NVML's lists, what live processes still hold is not the sweep's."""
         gpu, instance = view
-        memory: GpuInfo | MigInstance = gpu if instance is None else instance
-        if gpu.lost or gpu.unknown or gpu.suspended or (memory.error and not memory.memory_total):
-            return False
-        if self._foreign_pids(view):
-            return False
-        if any(pid in self._terminated_pids or pid in self._exiting for pid in memory.processes):
-            return False
-        others = sum(mem or 0 for pid, mem in memory.processes.items() if os.path.exists(f"/proc/{pid}"))
-        below = self.settings.released_below_bytes if gpu.released_below is None else gpu.released_below
-        return memory.memory_used <= below + others
+        return judge(facts_of(gpu, instance, (), self.settings.released_below_bytes,
+                              self._pids_local, ending={*self._terminated_pids, *self._exiting},
+                              stuck=set(stuck)))
+
+    def _released(self, view: MemoryView) -> bool:
+        return self._judge(view).released
 
     def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
         """The pids NVML lists there when they are not this /proc's: whether they are the
@@ -479,17 +478,19 @@ class Sweep:
     def _unreadable(self, view: MemoryView) -> str:
         """Why a view's memory proves nothing either way ("" when it does)."""
         gpu = view[0]
-        if gpu.unknown or gpu.lost:
+        verdict = self._judge(view)
+        if verdict.has(Why.LOST) or verdict.has(Why.UNREADABLE):
             # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
-            return f"memory could not be read ({gpu.error or ('lost' if gpu.lost else 'unknown')})"
-        if gpu.suspended:
+            memory = _memory_of(view)
+            why = gpu.error or (memory.error if memory else "") or ("lost" if gpu.lost else "unknown")
+            return f"memory could not be read ({why})"
+        if verdict.has(Why.SUSPENDED):
             # Its figures are the last ones read: asking now would wake it (runtimepm.py).
             return "memory not read: the GPU is runtime-suspended, and asking would wake it"
-        listed = len(self._foreign_pids(view))
-        if listed:
-            return (f"memory not verified: NVML still lists {listed} process(es) by host PIDs, "
-                    "which this PID namespace cannot tell apart (the sweep's, not yet released, "
-                    "or another tenant's)")
+        if verdict.has(Why.FOREIGN):
+            return (f"memory not verified: NVML still lists {len(self._foreign_pids(view))} "
+                    "process(es) by host PIDs, which this PID namespace cannot tell apart (the "
+                    "sweep's, not yet released, or another tenant's)")
         return ""
 
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
@@ -563,8 +564,7 @@ class Sweep:
                 not_released.append(key)
                 memory = _memory_of(view)
                 assert memory is not None
-                kind = leaks.kind_of(memory, self._pids_local) or leaks.stuck_kind(
-                    memory.processes, (s.pid for s in report.survived if s.state == "D"))
+                kind = self._judge(view, (s.pid for s in report.survived if s.state == "D")).leak
                 if kind is not None:
                     report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
                                              bytes=memory.memory_used,

@@ -81,3 +81,21 @@ class GpusFrom(WireEnum):
     KFD = "kfd"
     NODES = "nodes"
     NONE = ""  # it holds no GPU at all
+
+
+class Why(WireEnum):
+    """Why the judge (engine/judge.py) says a GPU or MIG instance is not free, one code a
+    reason; each surface words them its own way (WaitingOn, `check`, a sweep's warnings)."""
+
+    SWEEPING = "sweeping"  # a sweep of its GPU is running
+    HOLDER = "holder"  # a compute holder may be on it (protected or not, GPU told or not)
+    NO_BACKEND = "no-backend"  # NVML does not answer: its memory cannot be checked
+    NOT_LISTED = "not-listed"  # NVML answers but does not list it
+    LOST = "lost"  # fell off the bus
+    UNREADABLE = "unreadable"  # its state or memory cannot be read
+    SUSPENDED = "suspended"  # runtime-suspended: its figures are the last ones read
+    PROCESSES = "processes"  # NVML lists live processes on it (none of them a holder found)
+    FOREIGN = "foreign-pids"  # NVML lists pids of another PID namespace: whose, nobody can say
+    ENDING = "ending"  # processes the caller ended are still listed on it
+    LEAKED = "leaked"  # memory above the released line with nobody holding it
+    MEMORY = "memory"  # memory in use at or above the caller's line (the gate's FreeBelowMiB)

@@ -9,8 +9,8 @@ import os
 from gpuguardd.cli import output
 from gpuguardd.cli.check import check
 from gpuguardd.daemon.metrics import Metrics
-from gpuguardd.engine import leaks
 from gpuguardd.engine.gpustate import gpu_summaries
+from gpuguardd.engine.judge import facts_of, judge
 from gpuguardd.engine.reset import refusal
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, ScanResult
@@ -57,8 +57,12 @@ def test_a_mig_instance_is_classified_on_its_own() -> None:
 
 
 def test_stuck_processes_are_a_kind_of_their_own() -> None:
-    assert leaks.stuck_kind([LIVE, DEAD], [LIVE]) == LeakKind.STUCK
-    assert leaks.stuck_kind([DEAD], [LIVE]) is None
+    def kind(listed: list[int], stuck: list[int]) -> LeakKind | None:
+        gpu = GpuInfo(index=0, uuid="GPU-a", memory_total=80 * GiB, memory_used=3 * GiB,
+                      processes=dict.fromkeys(listed))
+        return judge(facts_of(gpu, None, (), 256 << 20, True, stuck=stuck)).leak
+    assert kind([LIVE, DEAD], [LIVE]) == LeakKind.STUCK
+    assert kind([DEAD], [LIVE]) == LeakKind.DEAD_PIDS  # LIVE is not listed there
 
 
 def test_gpus_shows_the_kind_with_the_state() -> None:

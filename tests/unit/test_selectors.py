@@ -50,7 +50,8 @@ def test_old_mig_form_is_found_but_not_well_formed() -> None:
 
 
 def test_check_names_the_bad_value() -> None:
-    with pytest.raises(InvalidArgument, match=r"invalid GPU 'nvidia\\\\n0': expected an index, a GPU-/MIG- UUID or a PCI bus id"):
+    with pytest.raises(InvalidArgument,
+                       match=r"invalid GPU 'nvidia\\\\n0': expected an index, a GPU-/MIG- UUID or a PCI bus id"):
         selector("nvidia\\n0").check()
     assert selector(" 2 ").check().index == 2
 

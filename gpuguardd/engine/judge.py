@@ -1,0 +1,205 @@
+"""The one judge of "is this GPU free?": from what is known of a GPU (or MIG instance) and its
+holders, whichever the vendor, a verdict and its reasons.
+
+Every surface asks it and words its answer its own way: the Gpu objects' State and LeakKind
+(gpustate.py), the start gate's FreeSinceUsec, WaitingOn and Wait, daemon and --local alike
+(gate.py), `gpuguardctl check` (cli/check.py), a sweep's verification (sweep.py) and through
+it the Slurm epilog's drain reason and reset, and AutoReset (which acts on State). Nothing else
+decides, so no two of them can disagree on the same facts.
+
+The rule, safe side first:
+  * a compute holder that may be on it (protected or not; one whose GPU, or MIG instance,
+    cannot be told may be on any) makes it in use: it is never free;
+  * so do live processes NVML lists on it, and pids NVML lists from another PID namespace
+    (alive elsewhere, maybe); a running sweep of its GPU keeps it from being free;
+  * figures that are not current or were not read are never free: no NVML, a GPU NVML does
+    not list, lost or unreadable (unless the caller allows unverified GPUs: the gate's
+    --allow-unverified); a runtime-suspended GPU's last figures are judged, but never called
+    released by a sweep;
+  * memory above the released line (the GPU's own threshold where its backend sets one, else
+    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked, of a kind (engine/leaks.py);
+    the gate's own line ([Gate] FreeBelowMiB, or a waiter's) replaces it for "free".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from gpuguardd.engine import leaks
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
+from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
+
+# A pid a summary's verdict implies without naming it (facts_of_record).
+UNNAMED = 0
+# Reasons that say the figures prove nothing: the gate lets them pass with allow_unverified.
+UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})
+# Reasons that leave it free.
+HARMLESS = frozenset({Why.SUSPENDED})
+# Reasons that say its memory cannot be told released (a sweep's "unverified").
+UNREAD = frozenset({Why.NO_BACKEND, Why.NOT_LISTED, Why.LOST, Why.UNREADABLE, Why.SUSPENDED,
+                    Why.FOREIGN})
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What is known of one GPU or MIG instance and its holders."""
+
+    backend_error: str | None = None  # NVML does not answer (why): nothing below was read
+    listed: bool = True  # NVML lists it
+    suspended: bool = False
+    lost: bool = False
+    unreadable: bool = False
+    error: str = ""
+    used: int = 0  # bytes in use
+    released_below: int = 0  # bytes: at or below this its memory counts as released
+    live: tuple[int, ...] = ()  # pids NVML lists on it that live here
+    live_bytes: int = 0  # what NVML charges to them
+    dead: tuple[int, ...] = ()  # pids NVML lists on it that do not exist here
+    foreign: tuple[int, ...] = ()  # pids NVML lists by another PID namespace's numbers
+    ending: tuple[int, ...] = ()  # listed pids the caller ended and still waits for
+    stuck: tuple[int, ...] = ()  # listed pids a sweep left asleep in the driver (D state)
+    holders: tuple[Holder, ...] = ()  # compute holders that may be on it (may_be_on)
+    sweeping: bool = False  # a sweep of its GPU is running
+
+
+@dataclass(frozen=True)
+class Reason:
+    why: Why
+    holder: Holder | None = None  # Why.HOLDER: which
+    detail: str = ""  # Why.NO_BACKEND, LOST, UNREADABLE: the backend's error
+
+
+@dataclass(frozen=True)
+class Judgement:
+    state: GpuState  # IDLE is "free"
+    reasons: tuple[Reason, ...] = ()
+    leak: LeakKind | None = None  # the kind of memory not released with nobody computing on it
+    released: bool = False  # its memory is back: at or below the line plus what live pids hold
+
+    def blocking(self, allow_unverified: bool = False) -> list[Reason]:
+        """The reasons it is not free for the next job ([] when it is)."""
+        return [r for r in self.reasons if r.why not in HARMLESS
+                and not (allow_unverified and r.why in UNVERIFIED)]
+
+    def free(self, allow_unverified: bool = False) -> bool:
+        return not self.blocking(allow_unverified)
+
+    def has(self, why: Why) -> bool:
+        return any(r.why == why for r in self.reasons)
+
+
+def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
+    """May compute holder `holder` be on GPU `index` (None: any GPU, no list to tell them by),
+    or on its MIG instance `mig_uuid`? An unknown GPU or instance counts as this one."""
+    if holder.kind != HolderKind.COMPUTE:
+        return False
+    if index is not None and holder.gpus and index not in holder.gpus:
+        return False
+    if mig_uuid and holder.mig:
+        return any(m.lower() == mig_uuid.lower() for m in holder.mig)
+    return True
+
+
+def judge(facts: Facts, free_below: int | None = None) -> Judgement:
+    """The verdict on `facts` (module docstring). `free_below`: the gate's line, in bytes
+    (memory must be below it to be free); None: the released line decides."""
+    f = facts
+    reasons = [Reason(Why.SWEEPING)] if f.sweeping else []
+    reasons += [Reason(Why.HOLDER, holder=h) for h in f.holders]
+    busy = bool(f.holders)
+    if f.backend_error is not None:
+        reasons.append(Reason(Why.NO_BACKEND, detail=f.backend_error))
+        return Judgement(GpuState.IN_USE if busy else GpuState.UNKNOWN, tuple(reasons))
+    if not f.listed:
+        reasons.append(Reason(Why.NOT_LISTED))
+        return Judgement(GpuState.UNKNOWN, tuple(reasons))
+    if f.unreadable and not (f.suspended or f.lost):
+        reasons.append(Reason(Why.UNREADABLE, detail=f.error))
+        return Judgement(GpuState.UNKNOWN, tuple(reasons))
+    listed = set(f.live) | set(f.dead) | set(f.foreign)
+    leak = None
+    if f.foreign:
+        reasons.append(Reason(Why.FOREIGN))
+    elif not listed:
+        leak = LeakKind.NO_PROCESS
+    elif not f.live:
+        leak = LeakKind.DEAD_PIDS
+    if not leak and set(f.stuck) & listed:
+        leak = LeakKind.STUCK
+    if f.ending:
+        reasons.append(Reason(Why.ENDING))
+    if f.live and not busy and not f.foreign:
+        reasons.append(Reason(Why.PROCESSES))
+    released = not f.ending and not f.foreign and f.used <= f.released_below + f.live_bytes
+    if f.suspended or f.lost:
+        reasons.append(Reason(Why.SUSPENDED) if f.suspended else Reason(Why.LOST, detail=f.error))
+        state, released, leak = (GpuState.SUSPENDED if f.suspended else GpuState.LOST), False, None
+    elif busy or f.live or f.foreign:
+        state = GpuState.IN_USE
+    elif f.used > f.released_below:
+        state = GpuState.LEAKED
+    else:
+        state = GpuState.IDLE
+    if free_below is not None:
+        if f.used >= free_below:
+            reasons.append(Reason(Why.MEMORY))
+    elif state == GpuState.LEAKED:
+        reasons.append(Reason(Why.LEAKED))
+    return Judgement(state, tuple(reasons), None if released or busy else leak, released)
+
+
+def released_line(gpu: GpuInfo, configured: int) -> int:
+    """The released line of `gpu`: its backend's own where it sets one."""
+    return configured if gpu.released_below is None else gpu.released_below
+
+
+def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
+             released_below: int, pids_local: bool, *, sweeping: bool = False,
+             ending: Collection[int] = (), stuck: Collection[int] = (),
+             exists: Callable[[int], bool] = leaks.pid_exists) -> Facts:
+    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read
+    them; `released_below` the configured line ([Sweep] ReleasedBelowMiB, in bytes)."""
+    memory: GpuInfo | MigInstance = gpu if instance is None else instance
+    listed = memory.processes
+    live: list[int] = []
+    dead: list[int] = []
+    if pids_local:
+        for pid in listed:
+            (live if exists(pid) else dead).append(pid)
+    return Facts(
+        suspended=gpu.suspended, lost=gpu.lost,
+        unreadable=gpu.unknown or bool(memory.error and not memory.memory_total),
+        error=gpu.error or memory.error, used=memory.memory_used,
+        released_below=released_line(gpu, released_below), live=tuple(live),
+        live_bytes=sum(listed[p] or 0 for p in live if p not in ending), dead=tuple(dead),
+        foreign=() if pids_local else tuple(listed),
+        ending=tuple(p for p in listed if p in ending),
+        stuck=tuple(p for p in listed if p in stuck),
+        holders=tuple(h for h in holders
+                      if may_be_on(h, gpu.index, instance.uuid if instance else "")),
+        sweeping=sweeping)
+
+
+def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
+                    holders: Sequence[Holder], backend_error: str | None,
+                    sweeping: bool = False) -> Facts:
+    """The facts a published summary carries (the daemon's judgement of NVML's side, which
+    clients see no more of) with the holders and sweeps known now. `index` None: any GPU."""
+    on = tuple(h for h in holders if may_be_on(h, index, mig_uuid))
+    if backend_error is not None:
+        return Facts(backend_error=backend_error, holders=on, sweeping=sweeping)
+    if record is None:
+        return Facts(listed=False, holders=on, sweeping=sweeping)
+    state = record.state if "state" not in record.unread else GpuState.UNKNOWN
+    used = record.memory_used
+    error = getattr(record, "error", "")
+    return Facts(
+        suspended=state == GpuState.SUSPENDED, lost=state == GpuState.LOST,
+        unreadable=state == GpuState.UNKNOWN, error=error, used=used,
+        # The daemon judged the line: leaked is above it, anything else not.
+        released_below=used - 1 if state == GpuState.LEAKED else used,
+        live=(UNNAMED,) if state == GpuState.IN_USE else (),
+        dead=(UNNAMED,) if record.leak_kind == LeakKind.DEAD_PIDS.value else (),
+        holders=on, sweeping=sweeping)
+

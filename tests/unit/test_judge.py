@@ -1,0 +1,125 @@
+"""The one judge (gpuguardd/engine/judge.py): a verdict and its reasons from what is known of a
+GPU or MIG instance and its holders."""
+
+from __future__ import annotations
+
+import os
+
+from gpuguardd.engine.judge import Facts, facts_of, facts_of_record, judge, may_be_on
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
+from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance
+
+MiB = 1 << 20
+GiB = 1 << 30
+LINE = 256 * MiB
+DEAD = 4_000_000
+LIVE = os.getpid()
+MIG_A = "MIG-aaaaaaaa-0000-4000-8000-000000000001"
+MIG_B = "MIG-bbbbbbbb-0000-4000-8000-000000000002"
+
+
+def compute(gpus: list[int], mig: list[str] | None = None, protected: bool = False) -> Holder:
+    return Holder(pid=LIVE, comm="python", gpus=gpus, kind=HolderKind.COMPUTE, mig=mig or [],
+                  protected=protected)
+
+
+def whys(facts: Facts, free_below: int | None = None) -> list[Why]:
+    return [r.why for r in judge(facts, free_below).reasons]
+
+
+def test_free_is_nothing_held_nothing_listed_and_memory_at_or_below_the_line() -> None:
+    verdict = judge(Facts(used=LINE, released_below=LINE))
+    assert (verdict.state, verdict.reasons, verdict.released, verdict.free()) == \
+        (GpuState.IDLE, (), True, True)
+    above = judge(Facts(used=LINE + 1, released_below=LINE))
+    assert (above.state, above.leak, whys(Facts(used=LINE + 1, released_below=LINE))) == \
+        (GpuState.LEAKED, LeakKind.NO_PROCESS, [Why.LEAKED])
+
+
+def test_a_compute_holder_that_may_be_on_it_is_in_use_protected_or_not() -> None:
+    for holder in (compute([0]), compute([0], protected=True), compute([])):
+        verdict = judge(Facts(used=3 * GiB, released_below=LINE, holders=(holder,)))
+        assert verdict.state == GpuState.IN_USE and verdict.leak is None and not verdict.free()
+        assert Why.HOLDER in [r.why for r in verdict.reasons]
+
+
+def test_may_be_on_counts_unknown_gpus_and_instances_never_management() -> None:
+    assert may_be_on(compute([]), 3) and may_be_on(compute([0]), None)
+    assert may_be_on(compute([0], protected=True), 0)
+    assert not may_be_on(compute([1]), 0)
+    assert may_be_on(compute([0]), 0, MIG_A)  # instance not told: any of them
+    assert may_be_on(compute([0], [MIG_A.upper()]), 0, MIG_A)
+    assert not may_be_on(compute([0], [MIG_B]), 0, MIG_A)
+    assert not may_be_on(Holder(pid=1, gpus=[0], kind=HolderKind.MANAGEMENT), 0)
+
+
+def test_leak_kinds_from_what_nvml_lists() -> None:
+    gpu = GpuInfo(index=0, memory_total=80 * GiB, memory_used=3 * GiB, processes={DEAD: None})
+    assert judge(facts_of(gpu, None, (), LINE, True)).leak == LeakKind.DEAD_PIDS
+    # From another PID namespace a missing pid may be alive: in use, never dead-pids.
+    foreign = judge(facts_of(gpu, None, (), LINE, False))
+    assert (foreign.state, foreign.leak, foreign.has(Why.FOREIGN)) == (GpuState.IN_USE, None, True)
+    gpu.processes = {LIVE: 3 * GiB}
+    live = judge(facts_of(gpu, None, (), LINE, True))
+    # Live memory is another's, not leaked: in use, yet released for a sweep.
+    assert (live.state, live.leak, live.released, live.has(Why.PROCESSES)) == \
+        (GpuState.IN_USE, None, True, True)
+    stuck = judge(facts_of(gpu, None, (), LINE, True, ending={LIVE}, stuck={LIVE}))
+    assert (stuck.released, stuck.leak, stuck.has(Why.ENDING)) == (False, LeakKind.STUCK, True)
+
+
+def test_figures_not_read_are_never_free_unless_allowed() -> None:
+    for facts, state in ((Facts(backend_error="no driver"), GpuState.UNKNOWN),
+                         (Facts(unreadable=True), GpuState.UNKNOWN),
+                         (Facts(listed=False), GpuState.UNKNOWN),
+                         (Facts(lost=True), GpuState.LOST)):
+        verdict = judge(facts)
+        assert (verdict.state, verdict.free(), verdict.released) == (state, False, False)
+    assert judge(Facts(backend_error="x")).free(allow_unverified=True)
+    assert judge(Facts(unreadable=True)).free(allow_unverified=True)
+    assert not judge(Facts(lost=True)).free(allow_unverified=True)
+    # Without NVML a holder still makes it in use (gpus --local: in-use, not unknown).
+    assert judge(Facts(backend_error="x", holders=(compute([0]),))).state == GpuState.IN_USE
+
+
+def test_suspended_is_judged_on_its_last_figures_never_released() -> None:
+    verdict = judge(Facts(suspended=True, used=MiB, released_below=LINE))
+    assert (verdict.state, verdict.free(), verdict.released, verdict.leak) == \
+        (GpuState.SUSPENDED, True, False, None)
+    assert not judge(Facts(suspended=True, used=GiB, released_below=LINE), LINE).free()
+
+
+def test_the_gates_line_replaces_the_released_line_for_free() -> None:
+    facts = Facts(used=300 * MiB, released_below=LINE)
+    assert judge(facts).state == GpuState.LEAKED and not judge(facts).free()
+    assert judge(facts, 512 * MiB).free()  # a waiter's higher line lets it pass
+    assert whys(Facts(used=LINE, released_below=LINE), LINE) == [Why.MEMORY]  # at or above
+
+
+def test_a_gpus_own_released_line_overrides_the_configured_one() -> None:
+    gpu = GpuInfo(index=0, memory_total=64 * GiB, memory_used=GiB, released_below=2 * GiB)
+    assert judge(facts_of(gpu, None, (), LINE, True)).state == GpuState.IDLE
+    gpu.released_below = None
+    assert judge(facts_of(gpu, None, (), LINE, True)).state == GpuState.LEAKED
+
+
+def test_a_mig_instance_is_judged_on_its_own_memory_and_tenants() -> None:
+    a = MigInstance(uuid=MIG_A, gpu_instance_id=1, compute_instance_id=0, memory_total=GiB,
+                    memory_used=MiB)
+    gpu = GpuInfo(index=0, memory_total=80 * GiB, memory_used=40 * GiB, mig_mode=True, mig=[a])
+    tenant_of_b = compute([0], [MIG_B])
+    assert judge(facts_of(gpu, a, [tenant_of_b], LINE, True)).state == GpuState.IDLE
+    assert judge(facts_of(gpu, a, [compute([0])], LINE, True)).state == GpuState.IN_USE
+    a.error, a.memory_total = "query failed", 0
+    assert judge(facts_of(gpu, a, (), LINE, True)).state == GpuState.UNKNOWN
+
+
+def test_a_published_summary_is_judged_as_the_daemon_judged_it() -> None:
+    leaked = GpuSummary(index=0, memory_used=3 * GiB, state=GpuState.LEAKED, leak_kind="dead-pids")
+    assert judge(facts_of_record(0, "", leaked, [], None)).state == GpuState.LEAKED
+    in_use = GpuSummary(index=0, memory_used=GiB, state=GpuState.IN_USE)
+    assert whys(facts_of_record(0, "", in_use, [], None), LINE) == [Why.PROCESSES, Why.MEMORY]
+    assert whys(facts_of_record(0, "", None, [], None, sweeping=True)) == \
+        [Why.SWEEPING, Why.NOT_LISTED]
+    assert whys(facts_of_record(None, "", None, [compute([3])], "gone")) == \
+        [Why.HOLDER, Why.NO_BACKEND]
