@@ -96,12 +96,13 @@ def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Se
     (engine/judge.py). `record` is its summary (None: not listed by NVML), `nvml_error` None
     when NVML answers; a target of index -1 is any GPU (no GPU list to tell them by)."""
     index = None if target.index < 0 else target.index
-    verdict = judge(facts_of_record(index, target.mig_uuid, record, holders, nvml_error, sweeping),
-                    rule.free_below)
-    return words(verdict.blocking(rule.allow_unverified), rule, any_gpu=index is None)
+    # The gate's line, or the GPU's own released line where that is higher (an AMD GPU's).
+    line = max(rule.free_below, record.released_below if isinstance(record, GpuSummary) else 0)
+    verdict = judge(facts_of_record(index, target.mig_uuid, record, holders, nvml_error, sweeping), line)
+    return words(verdict.blocking(rule.allow_unverified), line, any_gpu=index is None)
 
 
-def words(reasons: Sequence[Reason], rule: GateRule, any_gpu: bool = False) -> list[str]:
+def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[str]:
     """WaitingOn's lines for the judge's reasons: holders named up to MAX_NAMED_HOLDERS (with
     the GPUs they are on where the target is any GPU)."""
     lines: list[str] = []
@@ -131,7 +132,7 @@ def words(reasons: Sequence[Reason], rule: GateRule, any_gpu: bool = False) -> l
         elif why in (Why.PROCESSES, Why.FOREIGN, Why.ENDING):
             lines.append("NVML lists processes on it")
         elif why in (Why.MEMORY, Why.LEAKED):
-            lines.append(f"memory in use at or above {rule.free_below // MiB} MiB")
+            lines.append(f"memory in use at or above {line // MiB} MiB")
     return list(dict.fromkeys(lines))
 
 

@@ -6,7 +6,7 @@ NVML's figures.
 from __future__ import annotations
 
 from gpuguardd.engine.devices import DeviceMap
-from gpuguardd.engine.judge import facts_of, facts_of_record, judge
+from gpuguardd.engine.judge import facts_of, facts_of_record, judge, released_line
 from gpuguardd.records.enums import GpuState
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigSummary, ScanResult
 
@@ -63,7 +63,8 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
             mig_mode=gpu.mig_mode,
             mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes,
                                         scan.nvml.pids_local),
-            leak_kind=_leak_kind(verdict.state, verdict.leak), vendor=gpu.vendor))
+            leak_kind=_leak_kind(verdict.state, verdict.leak), vendor=gpu.vendor,
+            released_below=released_line(gpu, released_below_bytes)))
     return summaries
 
 

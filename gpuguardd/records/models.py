@@ -122,6 +122,10 @@ class GpuSummary(WireRecord):
     mig_instances: list[MigSummary] | None = None
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
     vendor: Vendor = Vendor.NVIDIA
+    # Bytes: the judge's released line for it (judge.released_line). Not sent: the start gate
+    # that reads it runs beside the scan (daemon or --local); an idle AMD GPU's driver keeps
+    # more VRAM than [Gate] FreeBelowMiB, and the gate must not wait on that for ever.
+    released_below: int = field(default=0, metadata={"wire": False})
 
 
 @dataclass
