@@ -23,11 +23,22 @@ from gpuguardd.daemon.gate import GateService
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
+from gpuguardd.records.enums import Vendor
 from gpuguardd.records.models import GpuSummary, NvmlSnapshot
 from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
+
+
+def vendors(snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> list[str]:
+    """Manager.Vendors: the vendors whose GPUs the daemon reads now, sorted. NVIDIA while NVML
+    answers, even with no GPU listed (its reader works: a GPU may come); every vendor a GPU
+    object shows (Gpu.Vendor), so a host without NVML but with AMD GPUs says ["amd"]."""
+    found = {str(summary.vendor) for summary in summaries}
+    if snapshot.available:
+        found.add(str(Vendor.NVIDIA))
+    return sorted(found)
 
 
 class Publisher:
@@ -75,7 +86,8 @@ class Publisher:
         holders = self.inventory.holders
         self.unit_watch.observe(holders)
         self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
-                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus),
+                            Vendors=vendors(snapshot, summaries))
         self.gate.observe(snapshot, summaries, holders)
         current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
         for index in sorted(set(self.gpus) - set(current)):

@@ -80,8 +80,8 @@ def test_check_and_metrics_name_the_kind() -> None:
     metrics = Metrics()
     metrics.observe_inventory(True, summaries, [])
     text = metrics.render().decode()
-    assert 'gpuguard_leaked_memory_by_kind_bytes{UUID="GPU-a",gpu="0",kind="dead-pids"} 3.221225472e+09' \
-        in text, text
+    labels = 'UUID="GPU-a",gpu="0",kind="dead-pids",vendor="nvidia"'
+    assert f"gpuguard_leaked_memory_by_kind_bytes{{{labels}}} 3.221225472e+09" in text, text
 
 
 def test_a_reset_goes_past_gpuguardd_and_persistenced_only() -> None:
