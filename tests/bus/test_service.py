@@ -607,6 +607,10 @@ def test_gpuguardctl_talks_to_the_daemon(guard: GuardDaemon) -> None:
     gpus = json.loads(guard.ctl("gpus", "--json").stdout)
     assert [g["uuid"] for g in gpus] == ["GPU-00000000-0000-4000-8000-000000000000",
                                          "GPU-00000000-0000-4000-8000-000000000001"]
+    assert [g["vendor"] for g in gpus] == ["nvidia", "nvidia"]
+    assert json.loads(status.stdout)["vendors"] == ["nvidia"]
+    shown = guard.ctl("gpus").stdout.splitlines()
+    assert shown[0].split()[:3] == ["GPU", "VENDOR", "NAME"] and shown[1].split()[1] == "nvidia"
     listed(guard, pid)  # in the daemon's view: gpuguardctl may not get an older scan now
     on_gpu = guard.ctl("holders", "--json", "--gpu", "GPU-00000000-0000-4000-8000-000000000001")
     assert pid in [h["pid"] for h in json.loads(on_gpu.stdout)], (on_gpu.stderr, guard.stderr())

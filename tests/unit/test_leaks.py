@@ -76,7 +76,7 @@ def test_check_and_metrics_name_the_kind() -> None:
     summaries = gpu_summaries(scan, 256 << 20)
     result = check({"nvml_available": True}, summaries, [], [])
     assert [p.message for p in result.problems] == [
-        "GPU 0 (GPU-a): leaked, 3.0 GiB memory in use with no process holding it (dead-pids)"]
+        "GPU 0 (GPU-a, nvidia): leaked, 3.0 GiB memory in use with no process holding it (dead-pids)"]
     metrics = Metrics()
     metrics.observe_inventory(True, summaries, [])
     text = metrics.render().decode()
