@@ -56,13 +56,19 @@ function DaemonStatus({ state }) {
         );
     if (daemon === "error")
         return <Alert variant="danger" isInline className="gg-status" data-daemon={daemon} title={_("Cannot talk to gpuguardd")}>{state.daemonError}</Alert>;
-    if (manager.NvmlAvailable === false)
+    // Without NVML but reading other GPUs (Vendors ["amd"]) the host works: NVML is NVIDIA's.
+    if (manager.NvmlAvailable === false && !(manager.Vendors || []).length)
         return (
             <Alert variant="warning" isInline className="gg-status" data-daemon={daemon} title={_("NVML is not available")}>
                 {cockpit.format(_("gpuguardd finds and ends holders through the device files, but cannot read GPU memory or verify its release: $0"), manager.NvmlError || "")}
             </Alert>
         );
     return null;
+}
+
+// Whether the daemon reads NVIDIA GPUs (Vendors; a gpuguardd from before it reads no other).
+function nvidiaRead(manager) {
+    return manager.Vendors === undefined || manager.Vendors.includes("nvidia") || !manager.Vendors.length;
 }
 
 function RunningSweep({ running, busy }) {
@@ -176,7 +182,11 @@ export function App({ model }) {
                         <Title headingLevel="h1" size="2xl">{_("GPU Guard")}</Title>
                         {running &&
                             <div className="gg-muted gg-versions">
-                                {cockpit.format(_("gpuguardd $0, NVIDIA driver $1"), manager.Version || "?", manager.DriverVersion || _("unknown"))}
+                                {nvidiaRead(manager)
+                                    ? cockpit.format(_("gpuguardd $0, NVIDIA driver $1"), manager.Version || "?", manager.DriverVersion || _("unknown"))
+                                    : cockpit.format(_("gpuguardd $0"), manager.Version || "?")}
+                                {manager.Vendors && manager.Vendors.length > 0 &&
+                                    <span className="gg-vendors">{cockpit.format(_(", GPUs: $0"), manager.Vendors.join(", "))}</span>}
                             </div>}
                     </FlexItem>
                     <FlexItem>

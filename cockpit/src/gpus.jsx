@@ -1,4 +1,4 @@
-// The GPU cards: name, UUID, state, memory, holders by kind, the last sweep, MIG instances.
+// The GPU cards: vendor, name, UUID, state, memory, holders by kind, the last sweep, MIG instances.
 import React from "react";
 import { Button } from "@patternfly/react-core/dist/esm/components/Button/index.js";
 import { Card, CardBody, CardHeader, CardTitle } from "@patternfly/react-core/dist/esm/components/Card/index.js";
@@ -23,6 +23,20 @@ const STATES = {
 
 export function stateInfo(state) {
     return STATES[state] || STATES.unknown;
+}
+
+// Whose GPU it is (the Vendor property: "nvidia", "amd"). A gpuguardd from before vendors
+// has no Vendor and reads NVIDIA GPUs only. A value a later gpuguardd adds is shown as it
+// came (escaped, as every string from the bus: model.js unwrap).
+const VENDORS = { nvidia: "NVIDIA", amd: "AMD" };
+
+export function vendorOf(gpu) {
+    return gpu.Vendor === undefined ? "nvidia" : gpu.Vendor;
+}
+
+function VendorLabel({ gpu }) {
+    const vendor = vendorOf(gpu);
+    return <Label isCompact variant="outline" className="gg-vendor" data-vendor={vendor}>{VENDORS[vendor] || vendor}</Label>;
 }
 
 export function StateLabel({ state }) {
@@ -137,7 +151,9 @@ export function GpuCards({ gpus, holders, history, lastSweep, onReset }) {
                     <Card key={gpu.path} className="gg-gpu" data-index={gpu.Index} data-state={gpu.State} isCompact
                           component="section" aria-label={title}>
                         <CardHeader actions={{ actions: <StateLabel state={gpu.State} />, hasNoOffset: true }}>
-                            <CardTitle component="h3">{title}: {gpu.Name}</CardTitle>
+                            <CardTitle component="h3">
+                                {title}: <VendorLabel gpu={gpu} /> <span className="gg-gpu-name">{gpu.Name}</span>
+                            </CardTitle>
                         </CardHeader>
                         <CardBody>
                             <div className="gg-mono gg-muted gg-uuid">{gpu.Uuid}</div>

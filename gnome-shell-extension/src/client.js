@@ -7,7 +7,7 @@
 import Gio from 'gi://Gio';
 import GLib from 'gi://GLib';
 
-import {endedOf, sweepLeftBehind} from './state.js';
+import {endedOf, gpuTitle, sweepLeftBehind} from './state.js';
 
 export const BUS_NAME = 'org.gpuguard.GpuGuard1';
 const MANAGER_PATH = '/org/gpuguard/GpuGuard1';
@@ -24,7 +24,7 @@ function unpack(proxy, name, fallback) {
 
 export class GpuGuardClient {
     // interfaceXml: the contract (dbus/org.gpuguard.GpuGuard1.xml, shipped in the extension).
-    // onChange(): something shown changed. onEvent(kind, data): 'leak' {gpu, uuid, bytes},
+    // onChange(): something shown changed. onEvent(kind, data): 'leak' {gpu, uuid, bytes, title},
     // 'left-behind' {report}, 'ended-mine' {report, ended}.
     constructor(interfaceXml, onChange, onEvent) {
         const node = Gio.DBusNodeInfo.new_for_xml(interfaceXml);
@@ -92,12 +92,14 @@ export class GpuGuardClient {
         return unpack(this._manager, 'LastSweep', {});
     }
 
-    // One record per GPU object: index, name, memory_total, memory_used, holder_count, state.
+    // One record per GPU object: index, vendor, name, memory_total, memory_used, holder_count,
+    // state. No Vendor: a gpuguardd from before vendors, which reads NVIDIA GPUs only.
     get gpus() {
         if (!this.onBus)
             return [];
         return this._gpus.map((proxy, index) => ({
             index: unpack(proxy, 'Index', index),
+            vendor: unpack(proxy, 'Vendor', 'nvidia'),
             name: unpack(proxy, 'Name', ''),
             memory_total: unpack(proxy, 'MemoryTotal', 0),
             memory_used: unpack(proxy, 'MemoryUsed', 0),
@@ -187,7 +189,9 @@ export class GpuGuardClient {
     _signal(name, params) {
         if (name === 'LeakSuspected') {
             const [gpu, uuid, bytes] = params.recursiveUnpack();
-            this._onEvent('leak', {gpu, uuid, bytes});
+            // Its vendor and name, from its object (title: escaped, or '' when not listed).
+            const listed = this.gpus.find(g => g.index === gpu);
+            this._onEvent('leak', {gpu, uuid, bytes, title: listed ? gpuTitle(listed) : ''});
         } else if (name === 'SweepFinished') {
             const [, , report] = params.recursiveUnpack();
             if (report.dry_run)

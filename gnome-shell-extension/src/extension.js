@@ -16,8 +16,10 @@ import {SweepDialog} from './sweepDialog.js';
 function announce(kind, data) {
     const notify = (title, body) => Main.notify(title, body);
     if (kind === 'leak') {
-        notify(format(_('GPU %d: memory leaked'), data.gpu),
-            format(_('%s in use with no process holding the GPU.'), formatBytes(data.bytes)));
+        // data.title: the GPU's vendor and name, escaped (state.js gpuTitle); '' if unknown.
+        notify(format(_('GPU %d: memory leaked'), data.gpu), data.title
+            ? format(_('%s in use with no process holding the GPU (%s).'), formatBytes(data.bytes), data.title)
+            : format(_('%s in use with no process holding the GPU.'), formatBytes(data.bytes)));
     } else if (kind === 'left-behind') {
         const report = data.report;
         const survived = (report.survived ?? []).map(s => escapeText(s.comm ?? '')).join(', ');

@@ -7,7 +7,7 @@ import St from 'gi://St';
 
 import {_, ngettext, PanelMenu, PopupMenu} from './compat.js';
 import {escapeText} from './escape.js';
-import {format, formatBytes, holderLine, iconFor, sortHolders, worstState, ABSENT} from './state.js';
+import {format, formatBytes, gpuTitle, holderLine, iconFor, sortHolders, worstState, ABSENT} from './state.js';
 
 // The states as the menu names them (the wire's words are the contract's, not prose).
 function stateName(state) {
@@ -96,7 +96,7 @@ class GpuGuardIndicator extends PanelMenu.Button {
         for (const gpu of gpus) {
             const holders = format(ngettext('%d holder', '%d holders', gpu.holder_count), gpu.holder_count);
             const line = format(_('GPU %d: %s, %s of %s, %s, %s'),
-                gpu.index, escapeText(gpu.name), formatBytes(gpu.memory_used),
+                gpu.index, gpuTitle(gpu), formatBytes(gpu.memory_used),
                 formatBytes(gpu.memory_total), holders, stateName(gpu.state));
             this.menu.addMenuItem(infoItem(line, gpu.state in STATE_STYLES ? STATE_STYLES[gpu.state] : ''));
         }

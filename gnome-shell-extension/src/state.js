@@ -78,6 +78,13 @@ export function holderLine(holder) {
     return parts.join(' · ');
 }
 
+// Which GPU, for a person: its vendor and product name ("amd AMD Instinct MI300X"), each
+// escaped (both come from the driver: NVML, or the amdgpu driver's sysfs files). A gpuguardd
+// from before vendors knew NVIDIA GPUs only: the client says "nvidia" for it (client.js).
+export function gpuTitle(gpu) {
+    return [gpu.vendor, gpu.name].filter(part => part).map(escapeText).join(' ');
+}
+
 // Whether a finished sweep left something behind: what a notification is for.
 export function sweepLeftBehind(report) {
     return report.outcome === 'survivors' || report.outcome === 'memory-not-released';

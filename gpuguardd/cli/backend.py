@@ -60,7 +60,7 @@ class LocalBackend:
                 "nvml_error": snap.error, "driver_version": snap.driver_version,
                 "gpu_count": len(snap.gpus), "busy": False, "last_sweep": {},
                 "watched_units": list(config.watch_units), "mode": "local",
-                "config_files": list(config.sources)}
+                "config_files": list(config.sources), "vendors": snap.vendors}
 
     def gpus(self) -> list[GpuSummary]:
         from gpuguardd.engine.gpustate import all_summaries

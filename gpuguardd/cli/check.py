@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuguardd.cli.output import human_bytes
+from gpuguardd.cli.output import gpu_title, human_bytes, vendor_of
 from gpuguardd.engine.judge import facts_of_record, judge
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -135,10 +135,13 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     named: set[int] = set()  # id() of the holders the judge names
     for gpu, instance in chosen:
         index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
-        name = f"GPU {index} ({printable(uuid)})" if uuid else f"GPU {index}"
+        # Which GPU, for a person: vendor and product name beside the UUID.
+        title = ", ".join(part for part in (uuid, gpu_title(gpu)) if part)
+        name = f"GPU {index} ({printable(title)})" if title else f"GPU {index}"
         state, _ = _state(instance or gpu)
         used = (instance or gpu).memory_used
-        result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used})
+        result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used,
+                               "vendor": vendor_of(gpu), "name": gpu.name})
         verdict = judge(facts_of_record(index, instance.uuid if instance else "", instance or gpu,
                                         holders, None))
         named.update(id(r.holder) for r in verdict.reasons if r.holder is not None)

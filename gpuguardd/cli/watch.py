@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from gpuguardd.bus import contract
 from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
-from gpuguardd.cli.output import describe_scope, human_bytes
-from gpuguardd.escaping import escaped
+from gpuguardd.cli.output import describe_scope, gpu_title, human_bytes
+from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.records.report import Report, ReportScope
 
 
-def describe(member: str, fields: dict[str, Any]) -> str:
+def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | None = None) -> str:
+    """One line for a signal. `titles`: GPU index -> "vendor name" (gpu_title, unescaped),
+    for the GPUs the daemon listed; a GPU not in it is named by index and UUID alone."""
+    title = (titles or {}).get(fields.get("gpu", -1), "") if member == "LeakSuspected" else ""
     fields = escaped(fields)
     if member == "SweepStarted":
         return f"sweep {fields['id'][:8]} started: {describe_scope(ReportScope.from_dict(fields['scope']))}"
@@ -28,7 +33,8 @@ def describe(member: str, fields: dict[str, Any]) -> str:
                 f"({len(report.terminated)} terminated, "
                 f"{len(report.survived)} survived) in {report.duration_ms} ms")
     if member == "LeakSuspected":
-        return (f"GPU {fields['gpu']} ({fields['uuid']}): {human_bytes(int(fields['bytes']))} "
+        which = ", ".join(part for part in (fields["uuid"], escape_text(title)) if part)
+        return (f"GPU {fields['gpu']} ({which}): {human_bytes(int(fields['bytes']))} "
                 "in use with no process holding it")
     return f"{member} {fields}"
 
@@ -36,6 +42,19 @@ def describe(member: str, fields: dict[str, Any]) -> str:
 def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
     signals = contract.interface(MANAGER_INTERFACE).signals
+    titles: dict[int, str] = {}
+
+    def read_titles() -> None:
+        # Vendor and name of each GPU, for the lines that name a GPU; read beside the
+        # subscription (its own connection), so no signal waits for it. Without them (no
+        # daemon yet, a failed call) a GPU is named by index and UUID, as before.
+        try:
+            titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
+        except Exception:  # names are a nicety: any failure leaves them out
+            return
+
+    if not as_json:
+        threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
     def on_signal(member: str, args: list[Any]) -> None:
         # The backend passes only the contract's signals, with their signatures.
@@ -47,7 +66,7 @@ def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
                                      default=str) + "\n")
             else:
                 clock = time.strftime("%H:%M:%S", time.localtime(stamp))
-                out.write(f"{clock} {describe(member, fields)}\n")
+                out.write(f"{clock} {describe(member, fields, titles)}\n")
             out.flush()
         except BrokenPipeError:
             # `gpuguardctl watch | head`: the reader left. SystemExit passes through dbus-fast's

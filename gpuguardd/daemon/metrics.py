@@ -6,10 +6,11 @@ them for node_exporter's textfile collector, and `GetMetrics` hands the same tex
 gpuguard-exporter (exporter.py), which serves it over HTTP so the root daemon needs no network.
 
 Per-GPU series carry the labels `gpu` (NVML index) and `UUID`, as dcgm-exporter's do, so a
-query can join the two. No pid, command or user labels: those are unbounded and belong in the
-history. Nothing dcgm-exporter already exports (memory used/total, utilisation) is repeated.
-Every label value that comes from a report is mapped onto a small fixed set here, so a strange
-report can never grow the number of series.
+query can join the two, and `vendor` ("nvidia", "amd": whose GPU it is). No pid, command or
+user labels: those are unbounded and belong in the history. Nothing dcgm-exporter already
+exports (memory used/total, utilisation) is repeated. Every label value that comes from a
+report is mapped onto a small fixed set here, so a strange report can never grow the number
+of series.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prometheus_client.metrics_core import (
 )
 
 from gpuguardd import __version__
-from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome, Vendor
 from gpuguardd.records.models import GpuSummary, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
@@ -38,6 +39,7 @@ TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
 KINDS = tuple(kind.value for kind in HolderKind)
 LEAK_KINDS = tuple(kind.value for kind in LeakKind)
+VENDORS = tuple(vendor.value for vendor in Vendor)
 RESET_OUTCOMES = (Outcome.RESET.value, Outcome.RESET_REFUSED.value, Outcome.RESET_FAILED.value)
 SIGNALS = ("SIGTERM", "SIGKILL")
 PROCESS_STATES = ("R", "S", "D", "Z", "T", "t", "X", "I")
@@ -183,7 +185,10 @@ class Metrics:
         gpus = []
         for summary in summaries:
             index = summary.index
-            gpus.append({"gpu": str(index), "UUID": summary.uuid, "state": summary.state.value,
+            gpus.append({"gpu": str(index), "UUID": summary.uuid,
+                         # A vendor read back unreadable is no NVIDIA GPU's: "other".
+                         "vendor": "other" if "vendor" in summary.unread else _one_of(summary.vendor, VENDORS),
+                         "state": summary.state.value,
                          "memory_used": summary.memory_used,
                          "holders": kinds.get(index, {}),
                          # (UUID, leak kind, bytes): the GPU's and each MIG instance's leak
@@ -225,13 +230,13 @@ class Metrics:
                                   "GPU memory that sweeps gave back.", value=self._reclaimed)
         leaked = GaugeMetricFamily("gpuguard_leaked_memory_bytes",
                                    "GPU memory in use with no process holding the GPU.",
-                                   labels=["gpu", "UUID"])
+                                   labels=["gpu", "UUID", "vendor"])
         holders = GaugeMetricFamily("gpuguard_gpu_holders", "Processes holding the GPU, by kind.",
-                                    labels=["gpu", "UUID", "kind"])
+                                    labels=["gpu", "UUID", "vendor", "kind"])
         state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
-                                  labels=["gpu", "UUID", "state"])
+                                  labels=["gpu", "UUID", "vendor", "state"])
         for gpu in self._gpus:
-            ids = [gpu["gpu"], gpu["UUID"]]
+            ids = [gpu["gpu"], gpu["UUID"], gpu["vendor"]]
             leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
             for kind in KINDS:
                 holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
@@ -240,10 +245,10 @@ class Metrics:
         yield leaked
         by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
                                     "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
-                                    labels=["gpu", "UUID", "kind"])
+                                    labels=["gpu", "UUID", "vendor", "kind"])
         for gpu in self._gpus:
             for uuid, kind, used in gpu["leaks"]:
-                by_kind.add_metric([gpu["gpu"], uuid, kind], used)
+                by_kind.add_metric([gpu["gpu"], uuid, gpu["vendor"], kind], used)
         yield by_kind
         resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
                                      labels=["outcome"])

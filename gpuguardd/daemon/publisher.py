@@ -75,7 +75,8 @@ class Publisher:
         holders = self.inventory.holders
         self.unit_watch.observe(holders)
         self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
-                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus))
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus),
+                            Vendors=snapshot.vendors)
         self.gate.observe(snapshot, summaries, holders)
         current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
         for index in sorted(set(self.gpus) - set(current)):

@@ -72,7 +72,7 @@ class Service:
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
-            "GpuCount": 0, "Busy": False,
+            "GpuCount": 0, "Vendors": [], "Busy": False,
             "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
         for stored in history.newest(1):

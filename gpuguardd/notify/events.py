@@ -1,7 +1,8 @@
 """Which of gpuguardd's signals become a notification, and their text (the extension's rules:
 gnome-shell-extension/src/state.js, extension.js).
 
-  * LeakSuspected: memory held on a GPU with no process holding it.
+  * LeakSuspected: memory held on a GPU with no process holding it; the GPU named by its
+    vendor and product name where the daemon's GPU list gave them (`titles`).
   * SweepFinished with survivors, or with the memory not released.
   * SweepFinished that ended processes of this user: which, and who asked for the sweep.
     The report gives each ended process's uid where the sweep's scan could read it. From a
@@ -76,6 +77,9 @@ class Events:
         self.proc = proc
         # sweep id -> this user's {pid: comm} when it started
         self._mine_at_start: dict[str, dict[int, str]] = {}
+        # GPU index -> "vendor product name" (cli.output.gpu_title, unescaped), from the
+        # daemon's Gpu objects (main.py reads them as it subscribes); empty until then.
+        self.titles: dict[int, str] = {}
 
     def signal(self, member: str, fields: dict[str, Any]) -> list[Notice]:
         if member == "SweepStarted":
@@ -85,9 +89,11 @@ class Events:
             self._mine_at_start[str(fields["id"])] = own_processes(self.uid, self.proc)
             return []
         if member == "LeakSuspected":
+            title = self.titles.get(int(fields["gpu"]), "")
+            which = f" ({escape_text(title)})" if title else ""
             return [Notice(f"GPU {int(fields['gpu'])}: memory leaked",
                            f"{human_bytes(int(fields['bytes']))} in use with no process holding "
-                           "the GPU.", CRITICAL)]
+                           f"the GPU{which}.", CRITICAL)]
         if member == "SweepFinished":
             return self._finished(str(fields["id"]), fields["report"])
         return []

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from gpuguardd import __version__
 from gpuguardd.bus import contract
 from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
+from gpuguardd.cli.output import gpu_title
 from gpuguardd.errors import DaemonUnavailable
 from gpuguardd.notify.events import Events, Notice
 
@@ -99,9 +101,22 @@ def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
 
     def on_owner(owner: str) -> None:
         log.info("gpuguardd %s", "is back" if owner else "stopped; waiting for it to return")
+        if owner:  # its GPUs may have changed meanwhile
+            threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
+
+    def read_titles() -> None:
+        # The GPUs' vendor and product name for the texts that name a GPU, on a connection
+        # of its own beside the subscription; without them a GPU is named by its index.
+        try:
+            gpus = DBusBackend(bus_address, interactive=False).gpus()
+        except Exception as exc:  # names are a nicety
+            log.info("GPU names not read: %s", exc)
+            return
+        events.titles = {gpu.index: gpu_title(gpu) for gpu in gpus}
 
     def on_ready() -> None:
         log.info("listening to gpuguardd on %s", bus_address or "the system bus")
+        threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
     DBusBackend(bus_address, interactive=False).watch(on_signal, on_owner, on_ready)
 

@@ -144,6 +144,16 @@ class NvmlSnapshot:
         (`available` keeps its meaning: NVML's.)"""
         return self.available or any(g.vendor == Vendor.AMD for g in self.gpus)
 
+    @property
+    def vendors(self) -> list[str]:
+        """Manager.Vendors, `gpuguardctl status`: the vendors whose GPUs are read now, sorted.
+        NVIDIA while NVML answers, even with no GPU listed (its reader works: a GPU may come),
+        so a host without NVML but with AMD GPUs says ["amd"]."""
+        found = {str(gpu.vendor) for gpu in self.gpus}
+        if self.available:
+            found.add(str(Vendor.NVIDIA))
+        return sorted(found)
+
     def by_index(self, index: int) -> GpuInfo | None:
         for gpu in self.gpus:
             if gpu.index == index:

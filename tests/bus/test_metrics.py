@@ -37,8 +37,9 @@ def test_daemon_publishes_a_sweep_in_the_textfile_and_on_the_bus(daemon: GuardDa
         # scan (which publishes the inventory, and so the textfile), then wait for both.
         daemon.manager("ListHolders", "a{sv}", "1", "fresh", "b", "true")
         got = samples(prom.read_text())
-        return (got.get(("gpuguard_gpu_state", (*ids, ("state", "in-use")))) == 1
-                and got.get(("gpuguard_gpu_holders", (*ids, ("kind", "compute")))) == 1)
+        vendor = ("vendor", "nvidia")
+        return (got.get(("gpuguard_gpu_state", (*ids, ("state", "in-use"), vendor))) == 1
+                and got.get(("gpuguard_gpu_holders", (*ids, ("kind", "compute"), vendor))) == 1)
     wait_until(in_use, 20, "the holder in the textfile", interval=0.2)
     result = daemon.manager("Sweep", "a{sv}", "2", "gpus", "au", "1", str(gpu), "grace_ms", "u", "2000")[0]
     assert result["outcome"] == "freed" and [t["pid"] for t in result["terminated"]] == [pid]

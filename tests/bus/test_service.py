@@ -111,6 +111,7 @@ def test_manager_properties_have_the_contract_types(guard: GuardDaemon) -> None:
     assert props["DriverVersion"]["data"] == "550.54.15"
     assert props["Busy"]["data"] is False
     assert props["ConfigFiles"]["data"] == [str(guard.host.config_path)]
+    assert props["Vendors"]["data"] == ["nvidia"]
 
 
 def test_object_manager_lists_one_object_per_gpu(guard: GuardDaemon) -> None:
@@ -123,6 +124,8 @@ def test_object_manager_lists_one_object_per_gpu(guard: GuardDaemon) -> None:
     assert guard.get_property(GPU1, GPU, "Index") == 1
     assert guard.get_property(GPU1, GPU, "DevicePath") == "/dev/nvidia1"
     assert guard.get_property(GPU1, GPU, "PciBusId") == "00000000:02:00.0"
+    assert guard.get_property(GPU1, GPU, "Vendor") == "nvidia"
+    assert "'Vendor': <'nvidia'>" in result.stdout
     assert guard.get_property(GPU0, GPU, "State") in ("idle", "in-use")
 
 
@@ -561,6 +564,7 @@ def test_gpus_appear_and_disappear_with_object_manager_signals(guard: GuardDaemo
                "NvmlAvailable false")
     assert guard.get_property(MANAGER_PATH, MANAGER, "GpuCount") == 0
     assert guard.get_property(MANAGER_PATH, MANAGER, "NvmlError") != ""
+    assert guard.get_property(MANAGER_PATH, MANAGER, "Vendors") == []
 
     host.state.fail = {}
     host.state.add_gpu(memory_total=40 * GiB)
@@ -569,6 +573,7 @@ def test_gpus_appear_and_disappear_with_object_manager_signals(guard: GuardDaemo
     assert added.path == MANAGER_PATH
     assert added.body[1][GPU]["MemoryTotal"] == 40 * GiB and added.body[1][GPU]["Index"] == 2
     wait_until(lambda: guard.get_property(MANAGER_PATH, MANAGER, "GpuCount") == 3, 10, "3 GPUs")
+    assert guard.get_property(MANAGER_PATH, MANAGER, "Vendors") == ["nvidia"]
     listed = guard.busctl("tree", "--list", BUS_NAME).stdout.split()
     assert MANAGER_PATH + "/gpu/2" in listed
 
@@ -602,6 +607,10 @@ def test_gpuguardctl_talks_to_the_daemon(guard: GuardDaemon) -> None:
     gpus = json.loads(guard.ctl("gpus", "--json").stdout)
     assert [g["uuid"] for g in gpus] == ["GPU-00000000-0000-4000-8000-000000000000",
                                          "GPU-00000000-0000-4000-8000-000000000001"]
+    assert [g["vendor"] for g in gpus] == ["nvidia", "nvidia"]
+    assert json.loads(status.stdout)["vendors"] == ["nvidia"]
+    shown = guard.ctl("gpus").stdout.splitlines()
+    assert shown[0].split()[:3] == ["GPU", "VENDOR", "NAME"] and shown[1].split()[1] == "nvidia"
     listed(guard, pid)  # in the daemon's view: gpuguardctl may not get an older scan now
     on_gpu = guard.ctl("holders", "--json", "--gpu", "GPU-00000000-0000-4000-8000-000000000001")
     assert pid in [h["pid"] for h in json.loads(on_gpu.stdout)], (on_gpu.stderr, guard.stderr())

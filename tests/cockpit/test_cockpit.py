@@ -105,10 +105,17 @@ def test_page_shows_the_daemons_gpus_and_holders_live(guard: GuardDaemon, cockpi
         index = guard.get_property(path, GPU, "Index")
         card = page.locator(f"section.gg-gpu[data-index='{index}']")
         expect(card).to_contain_text(guard.get_property(path, GPU, "Name"))
+        # Whose GPU, and its marketing name, in the card's title.
+        expect(card.locator(".gg-gpu-name")).to_have_text(guard.get_property(path, GPU, "Name"))
+        assert guard.get_property(path, GPU, "Vendor") == "nvidia"
+        expect(card.locator(".gg-vendor")).to_have_text("NVIDIA")
+        expect(card.locator(".gg-vendor")).to_have_attribute("data-vendor", "nvidia")
         expect(card.locator(".gg-uuid")).to_have_text(guard.get_property(path, GPU, "Uuid"))
         expect(card.locator(".gg-state")).to_have_text(guard.get_property(path, GPU, "State"))
     version = guard.get_property(MANAGER_PATH, MANAGER, "Version")
     expect(page.locator(".gg-versions")).to_contain_text(f"gpuguardd {version}")
+    expect(page.locator(".gg-versions")).to_contain_text("NVIDIA driver")
+    expect(page.locator(".gg-vendors")).to_have_text(", GPUs: nvidia")
 
     # The holders: every process ListHolders reports, with its user, kind and how it was found.
     expect(row(page, first)).to_be_visible()

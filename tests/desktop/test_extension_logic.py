@@ -31,7 +31,7 @@ HOLDERS = [
     {"pid": 12, "uid": 0, "comm": "big", "gpu_memory": 9 << 30, "unit": ""},
 ]
 RUNNER = """import {escapeText} from './escape.js';
-import {endedOf, format, holderLine, sortHolders, sweepLeftBehind, worstState} from './state.js';
+import {endedOf, format, gpuTitle, holderLine, sortHolders, sweepLeftBehind, worstState} from './state.js';
 
 const vectors = %(vectors)s;
 const holders = %(holders)s;
@@ -57,6 +57,12 @@ const result = {
     endedByUid: endedOf({terminated: [{pid: 11, comm: 'mine\u202egnp', uid: 0},
                                       {pid: 50, comm: 'fast', uid: 1000}]}, known, 1000).map(t => t.pid),
     format: format('GPU %%d: %%s, 100%%%%', 3.7, 'x'),
+    titles: [
+        gpuTitle({vendor: 'nvidia', name: 'NVIDIA H100 80GB HBM3'}),
+        gpuTitle({vendor: 'amd', name: 'AMD Instinct MI300X'}),
+        gpuTitle({vendor: 'amd', name: ''}),
+        gpuTitle({vendor: 'x\u202e', name: 'evil\\n\\u001b[2J'}),
+    ],
 };
 const text = JSON.stringify(result);
 if (typeof print === 'function')
@@ -103,6 +109,9 @@ def test_logic_under_each_engine(engine: str, built: Path, tmp_path: Path) -> No
     assert got["ended"] == [11]
     assert got["endedByUid"] == [50]
     assert got["format"] == "GPU 3: x, 100%"
+    # The menu's GPU lines and leak notifications name vendor and product, escaped.
+    assert got["titles"] == ["nvidia NVIDIA H100 80GB HBM3", "amd AMD Instinct MI300X", "amd",
+                             "x\\u202e evil\\n\\x1b[2J"]
 
 
 def test_the_43_layout_is_legacy_and_the_45_one_a_module(built: Path) -> None:

@@ -80,12 +80,12 @@ def test_check_and_metrics_name_the_kind() -> None:
     summaries = gpu_summaries(scan, 256 << 20)
     result = check({"nvml_available": True}, summaries, [], [])
     assert [p.message for p in result.problems] == [
-        "GPU 0 (GPU-a): leaked, 3.0 GiB memory in use with no process holding it (dead-pids)"]
+        "GPU 0 (GPU-a, nvidia): leaked, 3.0 GiB memory in use with no process holding it (dead-pids)"]
     metrics = Metrics()
     metrics.observe_inventory(True, summaries, [])
     text = metrics.render().decode()
-    assert 'gpuguard_leaked_memory_by_kind_bytes{UUID="GPU-a",gpu="0",kind="dead-pids"} 3.221225472e+09' \
-        in text, text
+    labels = 'UUID="GPU-a",gpu="0",kind="dead-pids",vendor="nvidia"'
+    assert f"gpuguard_leaked_memory_by_kind_bytes{{{labels}}} 3.221225472e+09" in text, text
 
 
 def test_a_reset_goes_past_gpuguardd_and_persistenced_only() -> None:

@@ -120,14 +120,15 @@ def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
     promtool_check(text)
     got = samples(text)
     ids0, ids1 = (("UUID", "GPU-aaaa"), ("gpu", "0")), (("UUID", "GPU-bbbb"), ("gpu", "1"))
-    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "compute")))] == 2
-    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "management")))] == 1
-    assert got[("gpuguard_gpu_holders", (*ids1, ("kind", "compute")))] == 0
-    assert got[("gpuguard_leaked_memory_bytes", ids0)] == 0
-    assert got[("gpuguard_leaked_memory_bytes", ids1)] == 3 * GiB
-    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "in-use")))] == 1
-    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "idle")))] == 0
-    assert got[("gpuguard_gpu_state", (("UUID", "GPU-cccc"), ("gpu", "2"), ("state", "unknown")))] == 1
+    nvidia = ("vendor", "nvidia")
+    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "compute"), nvidia))] == 2
+    assert got[("gpuguard_gpu_holders", (*ids0, ("kind", "management"), nvidia))] == 1
+    assert got[("gpuguard_gpu_holders", (*ids1, ("kind", "compute"), nvidia))] == 0
+    assert got[("gpuguard_leaked_memory_bytes", (*ids0, nvidia))] == 0
+    assert got[("gpuguard_leaked_memory_bytes", (*ids1, nvidia))] == 3 * GiB
+    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "in-use"), nvidia))] == 1
+    assert got[("gpuguard_gpu_state", (ids0[0], ("gpu", "0"), ("state", "idle"), nvidia))] == 0
+    assert got[("gpuguard_gpu_state", (("UUID", "GPU-cccc"), ("gpu", "2"), ("state", "unknown"), nvidia))] == 1
     assert got[("gpuguard_nvml_up", ())] == 1
     assert any(k[0] == "gpuguard_build_info" for k in got)
     for forbidden in ("pid", "alice", "python3", "nvidia-smi", "memory_total"):
@@ -136,6 +137,29 @@ def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:
     got = samples(metrics.render().decode())
     assert got[("gpuguard_nvml_up", ())] == 0
     assert not any(k[0] == "gpuguard_gpu_state" for k in got), "a GPU that is gone has no series"
+
+
+def test_every_per_gpu_series_names_the_vendor() -> None:
+    metrics = Metrics()
+    holders = [Holder(pid=10, comm="python3", gpus=[1], kind=HolderKind.COMPUTE)]
+    metrics.observe_inventory(False, [GpuSummary.from_dict(s) for s in (
+        {"index": 0, "uuid": "GPU-aaaa", "state": "idle", "vendor": "nvidia"},
+        {"index": 1, "uuid": "AMD-1", "state": "in-use", "vendor": "amd"},
+        {"index": 2, "uuid": "AMD-2", "state": "leaked", "vendor": "amd", "memory_used": GiB,
+         "leak_kind": "no-process"},
+        {"index": 3, "uuid": "X-3", "state": "idle", "vendor": "evil\"label\n"})], holders)
+    text = metrics.render().decode()
+    promtool_check(text)
+    got = samples(text)
+    per_gpu = ("gpuguard_gpu_state", "gpuguard_gpu_holders", "gpuguard_leaked_memory_bytes",
+               "gpuguard_leaked_memory_by_kind_bytes")
+    seen = {name: {dict(labels)["gpu"]: dict(labels)["vendor"] for n, labels in got if n == name}
+            for name in per_gpu}
+    for name in per_gpu[:3]:
+        assert seen[name] == {"0": "nvidia", "1": "amd", "2": "amd", "3": "other"}, name
+    assert seen["gpuguard_leaked_memory_by_kind_bytes"] == {"2": "amd"}
+    assert got[("gpuguard_gpu_holders", (("UUID", "AMD-1"), ("gpu", "1"), ("kind", "compute"),
+                                         ("vendor", "amd")))] == 1
 
 
 def test_textfile_is_replaced_atomically_and_readable_by_node_exporter(tmp_path: Path) -> None:

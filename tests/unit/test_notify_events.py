@@ -55,6 +55,14 @@ def test_what_is_said_of_leaks_and_sweeps_left_behind() -> None:
     leak = events.signal("LeakSuspected", {"gpu": 1, "uuid": "GPU-x", "bytes": 3 << 30})
     assert leak == [Notice("GPU 1: memory leaked", "3.0 GiB in use with no process holding the GPU.",
                            CRITICAL)]
+    # Named by vendor and product once the daemon's GPU list was read; escaped, then as markup.
+    events.titles = {1: "amd AMD Instinct MI300X", 2: "nvidia <b>\x1b[2J"}
+    (named,) = events.signal("LeakSuspected", {"gpu": 1, "uuid": "GPU-x", "bytes": 3 << 30})
+    assert named.body == "3.0 GiB in use with no process holding the GPU (amd AMD Instinct MI300X)."
+    (hostile,) = events.signal("LeakSuspected", {"gpu": 2, "uuid": "GPU-y", "bytes": 1 << 30})
+    assert hostile.body == "1.0 GiB in use with no process holding the GPU (nvidia <b>\\x1b[2J)."
+    assert hostile.for_server(markup=True)[1].endswith("(nvidia &lt;b&gt;\\x1b[2J).")
+    events.titles = {}
     survivors = report(outcome="survivors", survived=[{"pid": p, "comm": f"<b>{p}"} for p in range(7)])
     (left,) = events.signal("SweepFinished", {"id": "s2", "outcome": "survivors", "report": survivors})
     assert left.body == "Still running: <b>0 (0), <b>1 (1), <b>2 (2), <b>3 (3), <b>4 (4) and 2 more"

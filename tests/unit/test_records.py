@@ -173,6 +173,8 @@ def test_gpu_summaries_keep_their_keys_and_unknown_states_never_pass_for_idle() 
     assert list(wire) == ["index", "uuid", "name", "pci_bus_id", "minor", "device_path",
                           "memory_total", "memory_used", "holder_count", "state", "error",
                           "mig_mode", "mig_instances", "vendor"]
+    # The vendor is always said (NVIDIA's by default): the Gpu objects' Vendor comes from it.
+    assert wire["vendor"] == "nvidia"
     assert wire["state"] == "in-use" and wire["mig_instances"][0]["state"] == "leaked"
     assert list(wire["mig_instances"][0]) == [
         "uuid", "gpu_instance_id", "compute_instance_id", "device_path", "memory_total",
