@@ -35,7 +35,9 @@ REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
 OMITTED_KEY = names.OMITTED_KEY
 
-_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings")
+# warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
+_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
+                 "warning_codes")
 
 # What a reader needs of a report's entries (gpuguardctl's printer, the Cockpit page, scripts
 # per docs/contract.md): keys the contract does not promise in every entry, and whose empty value says

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from gpuguardd import __version__
 from gpuguardd.errors import DaemonUnavailable, InvalidArgument
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.safetext import user_name
@@ -84,8 +85,11 @@ class LocalBackend:
     def sweep(self, request: SweepRequest) -> Report:
         # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
         # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
-        request.requested_by = (request.requested_by or dropins.requested_by_for_reason(request.reason)
-                                or requester_description())
+        hook = dropins.requested_by_for_reason(request.reason)
+        if not request.requested_by:
+            request.requested_by = hook or requester_description()
+            if hook:
+                request.requester_kind = RequesterKind.HOOK if os.geteuid() == 0 else RequesterKind.HOOK_NONROOT
         if request.unit:
             self.engine.resolve_request(request)  # a bad unit name is refused before anything
             import asyncio

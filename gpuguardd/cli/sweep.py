@@ -16,7 +16,7 @@ from gpuguardd.cli.backend import Backend
 from gpuguardd.cli.exits import EXIT_ERROR, EXIT_NOT_RELEASED, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.cli.retry import sweep_through_restarts
 from gpuguardd.errors import GpuGuardError
-from gpuguardd.records.enums import Outcome
+from gpuguardd.records.enums import Outcome, RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report
 
@@ -69,7 +69,7 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
         request = SweepRequest(gpus=selectors, grace_ms=slurm.EPILOG_GRACE_MS if args.grace is None
                                else args.grace, dry_run=args.dry_run,
                                include_management=args.include_management, reason=reason,
-                               slurm_job=job.job_id, slurm_uid=job.uid)
+                               slurm_job=job.job_id, slurm_uid=job.uid, requester_kind=RequesterKind.SLURM)
         deadline = (args.deadline if args.deadline is not None else slurm.EPILOG_DEADLINE_MS) / 1000
         result: list[Report | BaseException] = []
 

@@ -30,9 +30,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
+from gpuguardd.systemd.rules import legacy_requester_kind
 
 log = logging.getLogger("gpuguard.inflight")
 
@@ -62,7 +64,8 @@ def _encode(sweep: InFlightSweep) -> bytes:
             "resumes": r.resumes, "gpus": list(r.gpus), "unit": r.unit, "container": r.container,
             "grace_ms": r.grace_ms, "dry_run": r.dry_run,
             "include_management": r.include_management, "reason": r.reason,
-            "requested_by": r.requested_by, "adopted": [list(p) for p in r.adopted],
+            "requested_by": r.requested_by, "requester_kind": r.requester_kind.value,
+            "adopted": [list(p) for p in r.adopted],
             "slurm_job": r.slurm_job, "slurm_uid": r.slurm_uid, "audited": r.audited,
             "terminated": [t.to_dict() for t in sweep.terminated]}
     return json.dumps(data, ensure_ascii=True, sort_keys=True).encode("ascii")
@@ -108,12 +111,20 @@ def _decode(text: bytes, name: str) -> InFlightSweep:
     slurm_uid = _field(data, "slurm_uid", int)
     if not -1 <= slurm_uid <= _U32:
         raise ValueError(f"slurm_uid: {slurm_uid} is out of range")
+    requested_by = _field(data, "requested_by", str)
+    kind = _field(data, "requester_kind", str, optional=True)
+    try:
+        # A record written before the codes (a daemon upgraded mid-sweep) has none: the words
+        # that daemon wrote say it, by the rule it kept them by (rules.legacy_requester_kind).
+        requester_kind = legacy_requester_kind(requested_by) if kind is None else RequesterKind(kind)
+    except ValueError:
+        raise ValueError(f"requester_kind: {kind!r} is not a requester kind") from None
     request = SweepRequest(
         gpus=gpus, unit=_field(data, "unit", str), container=_field(data, "container", str),
         grace_ms=_uint(data, "grace_ms", _U32, optional=True),
         dry_run=_field(data, "dry_run", bool, optional=True),
         include_management=_field(data, "include_management", bool),
-        reason=_field(data, "reason", str), requested_by=_field(data, "requested_by", str),
+        reason=_field(data, "reason", str), requested_by=requested_by, requester_kind=requester_kind,
         adopted=pairs, slurm_job=_field(data, "slurm_job", str), slurm_uid=slurm_uid,
         audited=_field(data, "audited", bool), report_id=report_id, resumes=resumes)
     started = _uint(data, "started_usec", 2**63 - 1)

@@ -29,11 +29,10 @@ from prometheus_client.metrics_core import (
 )
 
 from gpuguardd import __version__
-from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome, Vendor
+from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome, RequesterKind, SpareReason, Vendor
 from gpuguardd.records.models import GpuSummary, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
-from gpuguardd.systemd.rules import trigger
 
 TEXTFILE_NAME = "gpuguard.prom"
 GPU_STATES = tuple(state.value for state in GpuState)
@@ -48,22 +47,32 @@ SWEEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 RELEASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+# The trigger label of each requester kind: root's hook, the unit watch, root's Slurm epilog, a
+# unit recovered at the daemon's start, or anyone else (an admin, a script; a non-root caller
+# whose reason is the hook's is one of them).
+_TRIGGERS: dict[RequesterKind, str] = {
+    RequesterKind.HOOK: "hook", RequesterKind.WATCH: "watch", RequesterKind.SLURM: "slurm",
+    RequesterKind.RECOVERED: "recovered"}
+
+
 def trigger_of(report: Report) -> str:
-    """Who started a sweep, as a label: the ExecStopPost hook, the unit watch, a Slurm epilog
-    (each as the daemon recorded the caller: rules.trigger), or anyone else (an admin, a
-    script). Never from the reason, which is the caller's free text."""
-    return trigger(report.requested_by)
+    """Who started a sweep, as a label: the kind of requester the daemon decided when the
+    request came (Report.requester_kind), never the requested_by or reason words."""
+    return _TRIGGERS.get(report.requester_kind, "manual")
 
 
-def spared_why(why: str) -> str:
-    """The reason a process was spared, as one of a few label values (the text is free-form)."""
-    for prefix, label in (("management client", "management"), ("protected executable", "protected-executable"),
-                          ("protected unit", "protected-unit"), ("PID 1", "init"),
-                          ("kernel thread", "kernel-thread"), ("gpuguard itself", "self"),
-                          ("an ancestor", "self"), ("executable unknown", "executable-unknown")):
-        if why.startswith(prefix):
-            return label
-    return "other"
+# The `why` label of each spared reason; the scope's own rules (another GPU, another MIG
+# instance, a pid NVML lists that holds nothing here) are "other".
+_SPARED: dict[SpareReason, str] = {
+    SpareReason.MANAGEMENT: "management", SpareReason.PROTECTED_EXECUTABLE: "protected-executable",
+    SpareReason.PROTECTED_UNIT: "protected-unit", SpareReason.INIT: "init",
+    SpareReason.KERNEL_THREAD: "kernel-thread", SpareReason.SELF: "self",
+    SpareReason.ANCESTOR: "self", SpareReason.EXECUTABLE_UNKNOWN: "executable-unknown"}
+
+
+def spared_label(code: SpareReason) -> str:
+    """A spared process's reason code as one of a few label values."""
+    return _SPARED.get(code, "other")
 
 
 def _with_instances(summary: GpuSummary) -> list[GpuSummary | MigSummary]:
@@ -148,7 +157,7 @@ class Metrics:
                 state = _one_of(survivor.state, PROCESS_STATES)
                 self._survived[state] = self._survived.get(state, 0) + 1
             for spared in report.spared:
-                why = spared_why(spared.why)
+                why = spared_label(spared.code)
                 self._spared[why] = self._spared.get(why, 0) + 1
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)

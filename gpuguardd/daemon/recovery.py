@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from gpuguardd.config import Config
 from gpuguardd.engine.engine import Engine
-from gpuguardd.records.enums import GpuState
+from gpuguardd.records.enums import GpuState, RequesterKind
 from gpuguardd.records.models import GpuSummary
 from gpuguardd.records.report import Report
 
@@ -54,11 +54,13 @@ class Recovery:
     def config(self) -> Config:
         return self.engine.config
 
-    async def reset(self, index: int, requested_by: str, reason: str = "") -> Report:
+    async def reset(self, index: int, requested_by: str, reason: str = "",
+                    requester_kind: RequesterKind = RequesterKind.MANUAL) -> Report:
         async with self._lock:
             loop = asyncio.get_running_loop()
             report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index,
                                                 requested_by, reason)
+            report.requester_kind = requester_kind
             await self.record(report)
             self.events.reset_finished(report)
             return report
@@ -96,6 +98,6 @@ class Recovery:
 
     async def _auto(self, index: int, reason: str) -> None:
         try:
-            await self.reset(index, AUTO_RESET_BY, reason)
+            await self.reset(index, AUTO_RESET_BY, reason, RequesterKind.AUTO_RESET)
         except Exception as exc:  # logged; the policy tries again after ResetIntervalSec
             log.error("automatic reset of GPU %d failed: %s: %s", index, type(exc).__name__, exc)

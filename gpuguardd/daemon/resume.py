@@ -32,7 +32,7 @@ from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
 from gpuguardd.numbers import is_digits
-from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.adoption import adoption_candidates
@@ -62,7 +62,8 @@ def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") ->
     return Report(id=sweep.report_id, started_usec=sweep.started_usec,
                   duration_ms=max(0, time.time_ns() // 1000 - sweep.started_usec) // 1000,
                   requested_by=request.requested_by, reason=request.reason, scope=scope,
-                  dry_run=False, outcome=Outcome.INTERRUPTED, finished_by=finished_by,
+                  requester_kind=request.requester_kind, dry_run=False,
+                  outcome=Outcome.INTERRUPTED, finished_by=finished_by,
                   terminated=list(sweep.terminated), error=why)
 
 
@@ -176,7 +177,7 @@ class Resume:
             reason = f"{RECOVERED_PREFIX}{unit}"
             report = await self.units.sweep_unit(SweepRequest(
                 unit=unit, reason=f"{reason} state={state.active_state or 'unloaded'}",
-                requested_by=reason))
+                requested_by=reason, requester_kind=RequesterKind.RECOVERED))
             if report is not None:
                 reports.append(report)
         return reports

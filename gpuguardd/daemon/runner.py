@@ -209,8 +209,8 @@ class SweepRunner:
             scope = flight.scope or ReportScope.from_dict({"unit": request.unit})
             report = Report(
                 id=flight.report_id or request.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
-                requested_by=request.requested_by, scope=scope,
-                dry_run=bool(request.dry_run), reason=request.reason, outcome=Outcome.ERROR,
+                requested_by=request.requested_by, requester_kind=request.requester_kind,
+                scope=scope, dry_run=bool(request.dry_run), reason=request.reason, outcome=Outcome.ERROR,
                 duration_ms=(time.time_ns() // 1000 - flight.started_usec) // 1000,
                 terminated=list(flight.terminated),
                 error="gpuguardd stopped while this sweep was still running; what it had "

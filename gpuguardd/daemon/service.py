@@ -33,6 +33,7 @@ from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd import dropins
@@ -45,17 +46,26 @@ log = logging.getLogger("gpuguard.service")
 _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
-def requested_by(caller: Caller, reason: str, slurm_job: str = "") -> str:
-    """Who a sweep is recorded for. Only root (the ExecStopPost hook) may be just "hook:<unit>";
-    anyone else who says "hook:" is named as well, so the journal cannot be misled. Root's
-    Slurm epilog (a `slurm_job` request) is "slurm:<job>". These bare forms are what the
-    metrics' trigger label is read from (rules.trigger), so only root's requests have them."""
+def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, RequesterKind]:
+    """Who a sweep is recorded for (requested_by) and what kind of requester that is, decided
+    here, once, for every bus caller. Only root (the ExecStopPost hook) may be just
+    "hook:<unit>", of kind HOOK; anyone else who says "hook:" is named as well, so the journal
+    cannot be misled, and is of kind HOOK_NONROOT. Root's Slurm epilog (a `slurm_job`
+    request) is "slurm:<job>", of kind SLURM. The metrics' trigger label is the kind, so only
+    root's requests can be counted as the hook's or the epilog's."""
     hook = dropins.requested_by_for_reason(reason)
     if hook:
-        return hook if caller.is_root else f"{hook} via {caller.describe()}"
+        if caller.is_root:
+            return hook, RequesterKind.HOOK
+        return f"{hook} via {caller.describe()}", RequesterKind.HOOK_NONROOT
     if slurm_job and caller.is_root:
-        return f"{SLURM_PREFIX}{slurm_job}"
-    return caller.describe()
+        return f"{SLURM_PREFIX}{slurm_job}", RequesterKind.SLURM
+    return caller.describe(), RequesterKind.MANUAL
+
+
+def requested_by(caller: Caller, reason: str, slurm_job: str = "") -> str:
+    """requester()'s words alone."""
+    return requester(caller, reason, slurm_job)[0]
 
 
 class Service:
@@ -236,7 +246,8 @@ class Service:
         # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
         # to what it authorized: that is what runs (and what the watch sees).
         dry_run = request.dry_run = request.is_dry_run(self.engine.config.dry_run)
-        request.requested_by = requested_by(caller, request.reason, request.slurm_job)
+        request.requested_by, request.requester_kind = requester(caller, request.reason,
+                                                                request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
         await self.runner.validate(request)
         if request.unit:
@@ -253,7 +264,8 @@ class Service:
         if snap.gpus_known and snap.by_index(gpu) is None:
             known = ", ".join(str(g.index) for g in snap.gpus) or "none"
             raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
-        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""))
+        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""),
+                                           RequesterKind.MANUAL)
         return report.to_dict()
 
     async def _keep(self, report: Report) -> None:

@@ -312,7 +312,7 @@ class Engine:
             sweep = Sweep(scope, settings, first, lambda: self._scan_pinned(pids=started_since(since)),
                           self.snapshot, requested_by=request.requested_by, reason=request.reason,
                           observer=observer, report_id=request.report_id,
-                          resumes=request.resumes)
+                          resumes=request.resumes, requester_kind=request.requester_kind)
             sweep.report.warnings.extend(warnings)
             if not self.use_pidfd:
                 sweep.report.warnings.append(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
+from gpuguardd.records.enums import SpareReason
 from gpuguardd.records.models import Holder
 
 _DELETED = " (deleted)"
@@ -88,40 +89,51 @@ def _same_namespace_and_root(pid: int) -> bool:
     return all((a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) for a, b in zip(theirs, ours, strict=True))
 
 
-def protection_reason(holder: Holder, config: Config, own_chain: Iterable[int],
-                      protected: ProtectedFiles | None = None) -> str | None:
+def protection(holder: Holder, config: Config, own_chain: Iterable[int],
+               protected: ProtectedFiles | None = None) -> tuple[SpareReason, str] | None:
+    """Why `holder` must never be signalled: its code and the words for it; None if it may be."""
     if holder.pid == 1:
-        return "PID 1 (init)"
+        return SpareReason.INIT, "PID 1 (init)"
     # The kernel-thread flag, not PID 2: in a PID namespace PID 2 is an ordinary process.
     stat = procfs.read_stat(holder.pid)
     if stat is not None and stat.is_kernel_thread:
-        return "kernel thread"
+        return SpareReason.KERNEL_THREAD, "kernel thread"
     if holder.pid == os.getpid():
-        return "gpuguard itself"
+        return SpareReason.SELF, "gpuguard itself"
     if holder.pid in own_chain:
-        return "an ancestor of the sweeping process"
+        return SpareReason.ANCESTOR, "an ancestor of the sweeping process"
     if holder.state == "Z":
         # A zombie runs no code and holds no files; signalling it is harmless and it is
         # reported as a survivor with its parent named.
         return None
     if not holder.exe:
         # Without the real executable we cannot rule out a protected daemon; comm proves nothing.
-        return f"executable unknown (cannot read /proc/{holder.pid}/exe)"
+        return (SpareReason.EXECUTABLE_UNKNOWN,
+                f"executable unknown (cannot read /proc/{holder.pid}/exe)")
     files = protected if protected is not None else ProtectedFiles.resolve(config)
     # The holder is pinned by a pidfd: if its PID were recycled by now, no signal could reach
     # the newcomer whatever is decided here.
     path = files.match(holder.pid)
     if path is not None:
-        return f"protected executable {holder.exe}" + (f" (same file as {path})" if path != holder.exe else "")
+        return (SpareReason.PROTECTED_EXECUTABLE, f"protected executable {holder.exe}"
+                + (f" (same file as {path})" if path != holder.exe else ""))
     if not holder.container:
         unit_pattern = config.is_protected_unit(holder.unit)
         if unit_pattern is not None:
-            return f"protected unit {holder.unit}"
+            return SpareReason.PROTECTED_UNIT, f"protected unit {holder.unit}"
     return None
+
+
+def protection_reason(holder: Holder, config: Config, own_chain: Iterable[int],
+                      protected: ProtectedFiles | None = None) -> str | None:
+    """protection()'s words alone."""
+    found = protection(holder, config, own_chain, protected)
+    return None if found is None else found[1]
 
 
 def mark_protection(holder: Holder, config: Config, own_chain: Iterable[int],
                     protected: ProtectedFiles | None = None) -> None:
-    reason = protection_reason(holder, config, own_chain, protected)
-    holder.protected = reason is not None
-    holder.protected_why = reason or ""
+    found = protection(holder, config, own_chain, protected)
+    holder.protected = found is not None
+    holder.protected_code = found[0] if found is not None else None
+    holder.protected_why = found[1] if found is not None else ""

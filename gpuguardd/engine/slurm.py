@@ -27,7 +27,7 @@ from gpuguardd.engine import procfs
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
 from gpuguardd.numbers import UID_MAX, parse_job_id, parse_uid, parse_uint
-from gpuguardd.records.enums import Outcome
+from gpuguardd.records.enums import UNVERIFIED_WARNINGS, Outcome
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
 
@@ -39,8 +39,6 @@ _JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_[0-9]+|slurmstepd\.scope)/jo
 REASON_PREFIX = "slurm:"
 # A node's drain reason is shown in sinfo's table: one short line.
 MAX_REASON = 240
-# The warnings of a sweep that say why its memory could not be verified (engine/sweep.py).
-UNVERIFIED_WORDS = ("memory cannot be verified", "memory could not be read", "memory not verified")
 # A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
 EPILOG_GRACE_MS = 2000
 # The whole epilog stays well under PrologEpilogTimeout (docs/fleet.md suggests 120 s).
@@ -158,9 +156,8 @@ def summary(job: str, report: Report) -> str:
                    for g in report.gpus if not g.released]
     elif outcome == Outcome.UNVERIFIED:
         # Why the memory could not be verified: NVML unavailable, a GPU unreadable, or NVML's
-        # pids not this namespace's (sweep.py words each as a warning).
-        details = [w for w in report.warnings
-                   if any(why in w for why in UNVERIFIED_WORDS)] or ["GPU memory not verified"]
+        # pids not this namespace's (sweep.py codes each warning it words).
+        details = report.warnings_of(UNVERIFIED_WARNINGS) or ["GPU memory not verified"]
     elif report.error:
         details = [report.error]
     text = f"gpuguard: job {job}: {outcome}" + (": " + "; ".join(details[:3]) if details else "")

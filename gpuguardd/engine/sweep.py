@@ -26,7 +26,7 @@ from gpuguardd.engine.attribution import container_matches
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
 from gpuguardd.engine.slurm import in_job_scope
-from gpuguardd.records.enums import HolderKind, Outcome, Why
+from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode, Why
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.records.report import (
     GpuResult,
@@ -227,7 +227,7 @@ class Sweep:
     def __init__(self, scope: Scope, settings: SweepSettings, scan: Scan, rescan: Callable[[], Scan],
                  snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
                  observer: SweepObserver | None = None, report_id: str = "",
-                 resumes: str = "") -> None:
+                 resumes: str = "", requester_kind: RequesterKind = RequesterKind.MANUAL) -> None:
         """`scan`: what the sweep works from; `rescan`: after each round of signals, what may
         have become a holder since (Engine.sweep says what that is)."""
         self.scope = scope
@@ -239,7 +239,7 @@ class Sweep:
         self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=requested_by, reason=reason, resumes=resumes,
                              scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
-                             dry_run=settings.dry_run)
+                             dry_run=settings.dry_run, requester_kind=requester_kind)
         self._t0 = time.monotonic()
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
@@ -266,7 +266,8 @@ class Sweep:
         before = {key: view for key in self._all_keys(nvml)
                   if (view := memory_view(nvml, key)) is not None}
         if not nvml.gpus_known:
-            report.warnings.append(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified")
+            report.warn(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified",
+                        WarningCode.NVML_UNAVAILABLE)
         if self.settings.dry_run:
             report.outcome = Outcome.DRY_RUN
             report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
@@ -289,10 +290,14 @@ class Sweep:
         after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
+        report.code_warnings()
         self._decide_outcome(gpus_in_scope, before, after, nvml.gpus_known)
+        # Every warning _decide_outcome adds says why a GPU's memory was not verified.
+        report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
         return self._finish()
 
     def _finish(self) -> Report:
+        self.report.code_warnings()
         self.report.duration_ms = int((time.monotonic() - self._t0) * 1000)
         return self.report
 
@@ -308,21 +313,26 @@ class Sweep:
         for holder, handle in pinned:
             if not in_scope(holder, self.scope):
                 _, why = gpu_scope(holder, self.scope.gpus)
-                why = why or _mig_scope_why(holder, self.scope)
+                code = SpareReason.OTHER_GPU
+                if not why:
+                    why, code = _mig_scope_why(holder, self.scope), SpareReason.OTHER_MIG_INSTANCE
                 # Worth a line for what the scope would otherwise have taken; protected processes
                 # (gpuguard itself among them) are never in question.
                 if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
-                    self.report.spared.append(Spared.of(holder, why))
+                    self.report.spared.append(Spared.of(holder, code, why))
                 continue
             if holder.protected:
-                self.report.spared.append(Spared.of(holder, holder.protected_why))
+                self.report.spared.append(Spared.of(
+                    holder, holder.protected_code or SpareReason.OTHER, holder.protected_why))
             elif holds_no_device_here(holder):
                 self.report.spared.append(Spared.of(
-                    holder, "NVML lists it, but it holds no NVIDIA device here "
-                            "(another PID namespace's pid, or a reused one?)"))
+                    holder, SpareReason.NO_DEVICE_HERE,
+                    "NVML lists it, but it holds no NVIDIA device here "
+                    "(another PID namespace's pid, or a reused one?)"))
             elif holder.kind != HolderKind.COMPUTE and not self.scope.include_management:
                 self.report.spared.append(Spared.of(
-                    holder, "management client (no CUDA context); include_management ends it"))
+                    holder, SpareReason.MANAGEMENT,
+                    "management client (no CUDA context); include_management ends it"))
             else:
                 targets.append((holder, handle))
                 self.report.targets.append(Target.of(holder))

@@ -99,3 +99,56 @@ class Why(WireEnum):
     ENDING = "ending"  # processes the caller ended are still listed on it
     LEAKED = "leaked"  # memory above the released line with nobody holding it
     MEMORY = "memory"  # memory in use at or above the caller's line (the gate's FreeBelowMiB)
+
+
+class SpareReason(WireEnum):
+    """Why a sweep left a process alone (a report's spared entries' `code`; their `why` words
+    it for people). Decided where the process is judged: protection.py for those never to be
+    signalled, sweep.py's plan for the rest. The metrics count spared processes by it."""
+
+    INIT = "init"  # PID 1
+    KERNEL_THREAD = "kernel-thread"
+    SELF = "self"  # gpuguardd (or gpuguardctl --local) itself
+    ANCESTOR = "ancestor"  # one of the sweeping process's callers
+    EXECUTABLE_UNKNOWN = "executable-unknown"  # /proc/PID/exe unreadable: cannot rule one out
+    PROTECTED_EXECUTABLE = "protected-executable"  # [Sweep] ProtectedExecutables
+    PROTECTED_UNIT = "protected-unit"  # [Sweep] ProtectedUnits
+    MANAGEMENT = "management"  # a management client, and the scope does not include them
+    NO_DEVICE_HERE = "no-device-here"  # NVML lists it, but it holds no device here
+    OTHER_GPU = "other-gpu"  # it also holds a GPU outside the scope
+    OTHER_MIG_INSTANCE = "other-mig-instance"  # it also runs in a MIG instance outside the scope
+    # Read back from a record that carries no code (written before the codes).
+    OTHER = "other"
+
+
+class RequesterKind(WireEnum):
+    """Who asked for a sweep or a reset, as the daemon decided when the request came (a
+    report's `requester_kind`; `requested_by` words it for people). The metrics' `trigger`
+    label is read from it, never from requested_by or the caller's reason."""
+
+    HOOK = "hook"  # root's ExecStopPost drop-in (its reason is the hook's, dropins.py)
+    # Someone else than root whose reason is the hook's: named as a manual caller, but the
+    # unit watch still takes its real sweep as the stop's one sweep.
+    HOOK_NONROOT = "hook-nonroot"
+    WATCH = "watch"  # the unit watch, at a watched unit's stop
+    SLURM = "slurm"  # root's Slurm epilog (a slurm_job request)
+    RECOVERED = "recovered"  # a unit that stopped while no gpuguardd ran (daemon/resume.py)
+    AUTO_RESET = "auto-reset"  # [Recovery] AutoReset's GPU reset (daemon/recovery.py)
+    MANUAL = "manual"  # anyone else: an admin, a script, a user's dry run
+
+
+class WarningCode(WireEnum):
+    """What a report's warning is about (a report's `warning_codes`, one for each entry of
+    `warnings`, in the same order). Consumers that act on a kind of warning (the Slurm
+    epilog's drain reason) test the code; the text is for people."""
+
+    # NVML did not answer: no GPU's memory can be verified.
+    NVML_UNAVAILABLE = "nvml-unavailable"
+    # A GPU's (or MIG instance's) memory could not be read, or proves nothing (hung, lost,
+    # suspended, NVML's pids another namespace's): it was not verified.
+    MEMORY_UNVERIFIED = "memory-unverified"
+    OTHER = "other"
+
+
+# The warnings that say why a sweep's memory could not be verified (engine/slurm.summary).
+UNVERIFIED_WARNINGS = frozenset({WarningCode.NVML_UNAVAILABLE, WarningCode.MEMORY_UNVERIFIED})

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from gpuguardd.records.codec import WireRecord
-from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, Vendor
+from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, RequesterKind, SpareReason, Vendor
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,8 @@ class Holder(WireRecord):
     protected_why: str = ""
     ppid: int = 0
     # What only this process needs (codec.py): not sent, not stored.
+    # protected_why's code (protection.py), for the report's spared entry.
+    protected_code: SpareReason | None = field(default=None, metadata={"wire": False})
     start_time: int = field(default=0, metadata={"wire": False})  # ticks after boot, stat field 22
     roles: list[str] = field(default_factory=list, metadata={"wire": False})
 
@@ -226,6 +228,9 @@ class SweepRequest:
     include_management: bool = False
     reason: str = ""
     requested_by: str = ""
+    # Who asked, decided by whoever makes the request (the daemon's service for a bus caller,
+    # the unit watch, resume.py); the report carries it (Report.requester_kind).
+    requester_kind: RequesterKind = RequesterKind.MANUAL
     # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
     # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
     adopted: list[tuple[int, int]] = field(default_factory=list)

@@ -8,11 +8,12 @@ names a process the same way.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from gpuguardd.records.codec import WireRecord
-from gpuguardd.records.enums import HolderKind, Outcome
+from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode
 
 if TYPE_CHECKING:
     from gpuguardd.records.models import Holder, Scope
@@ -104,16 +105,21 @@ class Survivor(WireRecord):
 
 @dataclass
 class Spared(WireRecord):
-    """A process in (or touching) the scope that the sweep left alone on purpose, and why."""
+    """A process in (or touching) the scope that the sweep left alone on purpose, and why:
+    `code` for programs (the metrics count by it), `why` in words for people."""
+
+    # Optional: absent from records written before the codes (read back as OTHER).
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
 
     pid: int
     comm: str = ""
     unit: str = ""
     why: str = ""
+    code: SpareReason = SpareReason.OTHER
 
     @classmethod
-    def of(cls, holder: Holder, why: str) -> Spared:
-        return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit, why=why)
+    def of(cls, holder: Holder, code: SpareReason, why: str) -> Spared:
+        return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit, why=why, code=code)
 
 
 @dataclass
@@ -146,7 +152,8 @@ class Leak(WireRecord):
 
 @dataclass
 class Report(WireRecord):
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumes", "finished_by", "kind", "steps"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"resumes", "finished_by", "kind", "steps",
+                                                     "requester_kind", "warning_codes"})
 
     # Every field has a value from the start, so that the declaration order can be the wire's.
     id: str = ""
@@ -175,6 +182,27 @@ class Report(WireRecord):
     # whose every step is in `steps` as the journal has it. Optional: absent from sweeps.
     kind: str = ""
     steps: list[str] = field(default_factory=list)
+    # Who asked, as the daemon decided when the request came (requested_by words it): what the
+    # metrics' trigger label is. Optional: absent from records written before the codes.
+    requester_kind: RequesterKind = RequesterKind.MANUAL
+    # The code of each warning, in the order of `warnings`: warning_codes[i] is warnings[i]'s.
+    # A warning past its end has none (a record older than the codes, a reset's warnings, the
+    # note a copy trimmed for the bus ends with). Consumers test codes, never the words.
+    warning_codes: list[WarningCode] = field(default_factory=list)
+
+    def warn(self, text: str, code: WarningCode = WarningCode.OTHER) -> None:
+        """Add a warning with its code."""
+        self.code_warnings()
+        self.warnings.append(text)
+        self.warning_codes.append(code)
+
+    def code_warnings(self, code: WarningCode = WarningCode.OTHER) -> None:
+        """Give `code` to every warning added without one (by warnings.append) so far."""
+        self.warning_codes.extend([code] * (len(self.warnings) - len(self.warning_codes)))
+
+    def warnings_of(self, codes: Collection[WarningCode]) -> list[str]:
+        """The warnings whose code is one of `codes`, in order."""
+        return [text for text, code in zip(self.warnings, self.warning_codes) if code in codes]
 
 
 REPORT_RESET = "reset"

@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuguardd.records.enums import RequesterKind
+
 STOPPED_STATES = frozenset({"inactive", "failed"})
 # A unit in these states runs (or is about to): its GPUs are its own.
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})
@@ -25,22 +27,24 @@ SLURM_PREFIX = "slurm:"
 # requested_by of a unit sweep the daemon ran at its start for a unit that stopped while no
 # daemon ran (daemon/resume.py).
 RECOVERED_PREFIX = "recovered:"
-_TRIGGERS = ((HOOK_PREFIX, "hook"), (WATCH_PREFIX, "watch"), (SLURM_PREFIX, "slurm"),
-             (RECOVERED_PREFIX, "recovered"))
+_LEGACY_KINDS = ((HOOK_PREFIX, RequesterKind.HOOK), (WATCH_PREFIX, RequesterKind.WATCH),
+                 (SLURM_PREFIX, RequesterKind.SLURM), (RECOVERED_PREFIX, RequesterKind.RECOVERED))
 
 
-def trigger(requested_by: str) -> str:
-    """Who started a sweep: "hook", "watch", "slurm", "recovered" or "manual", from the requested_by the
-    daemon wrote, never from a caller's words. Only the daemon's own forms are bare
-    ("hook:<unit>" and "slurm:<job>" for root, "watch:<unit>" for the watch); every other
-    caller is named with its uid ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."), which
-    has a space, so no reason or option text of theirs can pick the label."""
+def legacy_requester_kind(requested_by: str) -> RequesterKind:
+    """The requester kind of a request recorded before the kinds were (an in-flight record a
+    daemon of an older version left: daemon/inflight.py), from the requested_by that daemon
+    wrote, never from a caller's words. Everything newer carries its kind, decided where the
+    request was made. Only the daemon's own forms are bare ("hook:<unit>" and "slurm:<job>"
+    for root, "watch:<unit>", "recovered:<unit>"); every other caller is named with its uid
+    ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."), which has a space."""
     if " " in requested_by:
-        return "manual"
-    for prefix, label in _TRIGGERS:
+        return RequesterKind.HOOK_NONROOT if requested_by.startswith(HOOK_PREFIX) \
+            else RequesterKind.MANUAL
+    for prefix, kind in _LEGACY_KINDS:
         if requested_by.startswith(prefix) and len(requested_by) > len(prefix):
-            return label
-    return "manual"
+            return kind
+    return RequesterKind.MANUAL
 
 
 # systemd's object path of a unit: this prefix, then the name with every byte outside

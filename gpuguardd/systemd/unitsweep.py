@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from gpuguardd.engine.attribution import normalize_unit_name
-from gpuguardd.records.enums import Outcome
+from gpuguardd.records.enums import Outcome, RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd.adoption import (
@@ -57,6 +57,9 @@ log = logging.getLogger("gpuguard.unitwatch")
 DEDUPE_WINDOW_SEC = 10.0
 # Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
 REMEMBER_SEC = 300.0
+# The requesters whose real sweep of a unit stands for its stop (one sweep per stop): the stop
+# hook (root's, or a polkit-authorised caller's: the service checked) and the unit watch.
+AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
 async def _now(value: Report | None) -> Report | None:
     return value
 
@@ -127,9 +130,9 @@ class UnitSweeps:
         # stop hook a report that signalled nothing. A real sweep with a "hook:" reason is
         # root's or a polkit-authorised caller's (the service checked).
         dry_run = request.is_dry_run(self.dry_run_default())
-        automatic = request.requested_by.startswith((HOOK_PREFIX, WATCH_PREFIX)) and not dry_run
+        automatic = request.requester_kind in AUTOMATIC and not dry_run
         state = await self.systemd.state(unit) if self.systemd.available else None
-        if request.requested_by.startswith(WATCH_PREFIX) and state is not None and state.running:
+        if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
                      state.active_state)
             return _now(None)

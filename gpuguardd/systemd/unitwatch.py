@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from dbus_fast.aio import MessageBus
 
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.safefiles import open_nofollow, write_atomic
@@ -125,6 +126,7 @@ class UnitWatch(UnitSweeps):
 
     async def _stopped(self, state: UnitState) -> None:
         request = SweepRequest(unit=state.unit, requested_by=f"{WATCH_PREFIX}{state.unit}",
+                               requester_kind=RequesterKind.WATCH,
                                reason=f"{WATCH_PREFIX}{state.unit} result={state.result or '-'}"
                                       f" state={state.active_state or 'unloaded'}")
         log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",

@@ -302,6 +302,10 @@ def test_sweep_unit_records_the_hook(guard: GuardDaemon) -> None:
     assert report["requested_by"] == "hook:gpuguard-test-job.service"
     assert report["scope"]["unit"] == "gpuguard-test-job.service"
     assert report["outcome"] == "dry-run" and report["dry_run"] is True
+    # Who asked travels as a code, decided by the daemon: in the reply and in the history.
+    assert report["requester_kind"] == "hook"
+    (stored,) = guard.manager("GetHistory", "u", "1")[0]
+    assert stored["id"] == report["id"] and stored["requester_kind"] == "hook"
 
 
 def test_history_newest_first(guard: GuardDaemon) -> None:
@@ -347,6 +351,7 @@ def test_other_user_without_polkit(guard: GuardDaemon) -> None:
     dry = guard.manager("Sweep", "a{sv}", "1", "dry_run", "b", "true", as_nobody=True)[0]
     assert dry["outcome"] == "dry-run"
     assert dry["requested_by"].startswith("uid 65534 (nobody) :1.")
+    assert dry["requester_kind"] == "manual"
     assert pid in [t["pid"] for t in dry["targets"]]
     scoped = f"{{'gpus': <@au [{gpu}]>}}"
     for member, args in (("Sweep", [scoped]), ("SweepUnit", ["'x'", scoped]), ("Reload", [])):

@@ -27,11 +27,16 @@ EPILOG = "slurm/epilog.d/50-gpuguard"
 
 
 def test_unverified_summary_says_why() -> None:
+    # The warnings that say why are picked by their codes (warning_codes), never their words.
     report = {"outcome": "unverified", "warnings": [
         "could not read the open files of 1 process(es) (1): permission denied",
-        "NVML Shared Library Not Found: GPU memory cannot be verified"]}
+        "NVML Shared Library Not Found: GPU memory cannot be verified"],
+        "warning_codes": ["other", "nvml-unavailable"]}
     assert summary("9", Report.from_dict(report)) == ("gpuguard: job 9: unverified: "
                                     "NVML Shared Library Not Found: GPU memory cannot be verified")
+    # A report without the codes (a daemon older than them) gets the general words.
+    del report["warning_codes"]
+    assert summary("9", Report.from_dict(report)) == "gpuguard: job 9: unverified: GPU memory not verified"
     assert summary("9", Report(outcome=Outcome.UNVERIFIED)) == \
         "gpuguard: job 9: unverified: GPU memory not verified"
 

@@ -97,6 +97,7 @@ def test_protected_executable_is_spared_by_real_path(gpu_host: GpuHost) -> None:
     assert [t["pid"] for t in report["terminated"]] == [victim.pid]
     spared = {s["pid"]: s["why"] for s in report["spared"]}
     assert "protected executable" in spared[daemon.pid]
+    assert {s["pid"]: s["code"] for s in report["spared"]}[daemon.pid] == "protected-executable"
     assert daemon.alive()
     # Its memory still counts, and the threshold accounts for it: freed, not "not released".
     assert report["outcome"] == "freed", report
@@ -109,6 +110,7 @@ def test_management_client_is_spared_unless_asked(gpu_host: GpuHost) -> None:
     _, report, _ = sweep_json(host)
     assert report["terminated"] == []
     assert "management client" in {s["pid"]: s["why"] for s in report["spared"]}[smi.pid]
+    assert {s["pid"]: s["code"] for s in report["spared"]}[smi.pid] == "management"
     assert smi.alive()
     _, report, _ = sweep_json(host, "--include-management")
     assert [t["pid"] for t in report["terminated"]] == [smi.pid]
@@ -189,6 +191,8 @@ def test_without_nvml_a_sweep_never_claims_freed(gpu_host: GpuHost) -> None:
     assert [t["pid"] for t in report["terminated"]] == [proc.pid]
     assert report["outcome"] == "unverified" and code == 6
     assert any("cannot be verified" in w for w in report["warnings"])
+    assert "nvml-unavailable" in report["warning_codes"]
+    assert len(report["warning_codes"]) == len(report["warnings"])
 
 
 def test_sweep_scoped_to_a_unit_leaves_the_containers_namesake(gpu_host: GpuHost, systemd_cgroup: Any) -> None:
@@ -215,7 +219,8 @@ def test_the_sweeper_never_signals_its_own_ancestors(gpu_host: GpuHost) -> None:
                             text=True, timeout=60, check=True)
     report = json.loads(result.stdout)
     assert report["terminated"] == []
-    assert any(s["why"] == "an ancestor of the sweeping process" for s in report["spared"])
+    assert any(s["why"] == "an ancestor of the sweeping process" and s["code"] == "ancestor"
+               for s in report["spared"])
 
 
 def test_bad_input_gets_one_clear_line_and_exit_2(gpu_host: GpuHost) -> None:

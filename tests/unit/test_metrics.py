@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, write_textfile
-from gpuguardd.records.enums import HolderKind
+from gpuguardd.daemon.metrics import TEXTFILE_NAME, Metrics, spared_label, trigger_of, write_textfile
+from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason
 from gpuguardd.records.models import GpuSummary, Holder
-from gpuguardd.records.report import Report
+from gpuguardd.records.report import Report, Spared
 from tests.conftest import GiB
 
 
@@ -39,6 +39,7 @@ def promtool_check(text: str) -> None:
 
 def report(**extra: object) -> Report:
     base: dict[str, object] = {"id": "x", "outcome": "freed", "requested_by": "hook:vllm.service",
+                               "requester_kind": "hook",
                                "reason": "", "started_usec": 1_700_000_000_000_000, "duration_ms": 1500,
                                "dry_run": False, "terminated": [], "survived": [], "spared": [],
                                "gpus": []}
@@ -51,13 +52,16 @@ def test_a_report_feeds_every_counter_with_bounded_labels() -> None:
     metrics.observe_report(report(
         terminated=[{"signal": "SIGTERM"}, {"signal": "SIGKILL"}, {"signal": ""}],
         survived=[{"state": "D"}, {"state": "evil\"label\n"}],
-        spared=[{"why": "management client (no CUDA context)"},
-                {"why": "protected executable /usr/bin/nvidia-persistenced"},
-                {"why": "something new \n{}"}],
+        spared=[{"why": "management client (no CUDA context)", "code": "management"},
+                {"why": "protected executable /usr/bin/nvidia-persistenced",
+                 "code": "protected-executable"},
+                {"why": "something new \n{}", "code": "from-a-newer-version"}],
         gpus=[{"memory_used_before": 40 * GiB, "memory_used_after": 0},
               {"memory_used_before": GiB, "memory_used_after": 2 * GiB}]))
-    metrics.observe_report(report(outcome="survivors", requested_by="watch:x.service", duration_ms=20))
-    metrics.observe_report(report(outcome="made-up", reason="slurm:42", requested_by="slurm:42"))
+    metrics.observe_report(report(outcome="survivors", requested_by="watch:x.service",
+                                  requester_kind="watch", duration_ms=20))
+    metrics.observe_report(report(outcome="made-up", reason="slurm:42", requested_by="slurm:42",
+                                  requester_kind="slurm"))
     text = metrics.render().decode()
     promtool_check(text)
     got = samples(text)
@@ -89,15 +93,17 @@ def test_dry_runs_reclaim_nothing() -> None:
 
 def test_the_trigger_is_who_asked_never_the_reason_and_dry_runs_count_apart() -> None:
     """A nobody's dry run with reason "slurm:1" or "hook:x.service" was counted as a
-    Slurm or hook sweep. The label comes from requested_by as the daemon wrote it (root's bare
-    forms only), and a dry run is in gpuguard_dry_runs_total alone."""
+    Slurm or hook sweep. The label comes from the requester kind the daemon decided (root's
+    hook and epilog only), and a dry run is in gpuguard_dry_runs_total alone."""
     metrics = Metrics()
     nobody = "uid 65534 (nobody) :1.9"
-    for reason, by in (("slurm:1", nobody), ("hook:x.service", f"hook:x.service via {nobody}"),
-                       ("watch:x.service", nobody)):
-        metrics.observe_report(report(outcome="freed", reason=reason, requested_by=by))
+    for reason, by, kind in (("slurm:1", nobody, "manual"),
+                             ("hook:x.service", f"hook:x.service via {nobody}", "hook-nonroot"),
+                             ("watch:x.service", nobody, "manual")):
+        metrics.observe_report(report(outcome="freed", reason=reason, requested_by=by,
+                                      requester_kind=kind))
         metrics.observe_report(report(outcome="dry-run", dry_run=True, reason=reason, requested_by=by,
-                                      terminated=[{"signal": "SIGTERM"}]))
+                                      requester_kind=kind, terminated=[{"signal": "SIGTERM"}]))
     metrics.observe_report(report(outcome="dry-run", dry_run=True, requested_by="hook:y.service"))
     got = samples(metrics.render().decode())
     sweeps = {k[1]: v for k, v in got.items() if k[0] == "gpuguard_sweeps_total"}
@@ -105,6 +111,40 @@ def test_the_trigger_is_who_asked_never_the_reason_and_dry_runs_count_apart() ->
     assert got[("gpuguard_dry_runs_total", ())] == 4
     assert got[("gpuguard_sweep_duration_seconds_count", ())] == 3
     assert not any(k[0] == "gpuguard_processes_terminated_total" for k in got)
+
+
+def test_trigger_and_spared_labels_are_read_from_the_codes_never_the_words() -> None:
+    """The words say one thing, the codes another: the codes win. A record without codes
+    (older than them) counts as manual and other."""
+    metrics = Metrics()
+    metrics.observe_report(report(requested_by="uid 0 (root) :1.2", requester_kind="hook"))
+    metrics.observe_report(report(requested_by="slurm:42", requester_kind="manual", spared=[
+        {"why": "management client (no CUDA context)", "code": "protected-unit"},
+        {"why": "kernel thread", "code": "ancestor"},
+        {"why": "kernel thread"}]))
+    metrics.observe_report(Report(requested_by="hook:y.service", requester_kind=RequesterKind.WATCH,
+                                  outcome=Outcome.FREED, spared=[
+                                      Spared(pid=5, why="PID 1 (init)", code=SpareReason.OTHER_GPU),
+                                      Spared(pid=6, code=SpareReason.EXECUTABLE_UNKNOWN)]))
+    got = samples(metrics.render().decode())
+    sweeps = {dict(k[1])["trigger"]: v for k, v in got.items() if k[0] == "gpuguard_sweeps_total"}
+    assert sweeps == {"hook": 1, "manual": 1, "watch": 1}
+    spared = {dict(k[1])["why"]: v for k, v in got.items() if k[0] == "gpuguard_processes_spared_total"}
+    assert spared == {"protected-unit": 1, "self": 1, "other": 2, "executable-unknown": 1}
+    # Every code has its label, and the out-of-scope ones are "other", as they always were.
+    assert {code: spared_label(code) for code in SpareReason} == {
+        SpareReason.INIT: "init", SpareReason.KERNEL_THREAD: "kernel-thread",
+        SpareReason.SELF: "self", SpareReason.ANCESTOR: "self",
+        SpareReason.EXECUTABLE_UNKNOWN: "executable-unknown",
+        SpareReason.PROTECTED_EXECUTABLE: "protected-executable",
+        SpareReason.PROTECTED_UNIT: "protected-unit", SpareReason.MANAGEMENT: "management",
+        SpareReason.NO_DEVICE_HERE: "other", SpareReason.OTHER_GPU: "other",
+        SpareReason.OTHER_MIG_INSTANCE: "other", SpareReason.OTHER: "other"}
+    assert {kind: trigger_of(Report(requester_kind=kind)) for kind in RequesterKind} == {
+        RequesterKind.HOOK: "hook", RequesterKind.HOOK_NONROOT: "manual",
+        RequesterKind.WATCH: "watch", RequesterKind.SLURM: "slurm",
+        RequesterKind.RECOVERED: "recovered", RequesterKind.AUTO_RESET: "manual",
+        RequesterKind.MANUAL: "manual"}
 
 
 def test_per_gpu_gauges_carry_dcgm_labels_and_no_process_details() -> None:

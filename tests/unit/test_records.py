@@ -15,7 +15,16 @@ import pytest
 from gpuguardd.bus import marshal
 from gpuguardd.cli import output
 from gpuguardd.daemon.history import History
-from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, LeakKind, Outcome
+from gpuguardd.records.enums import (
+    GpusFrom,
+    GpuState,
+    HolderKind,
+    LeakKind,
+    Outcome,
+    RequesterKind,
+    SpareReason,
+    WarningCode,
+)
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary, Scope
 from gpuguardd.records.report import (
     GpuResult,
@@ -41,8 +50,10 @@ def test_entries_have_the_released_keys_in_the_released_order() -> None:
     assert list(Survivor.of(HOLDER, "stuck").to_dict().items()) == [
         ("pid", 42), ("comm", "python3"), ("unit", "vllm.service"), ("state", "D"), ("why", "stuck")]
     assert Survivor.of(HOLDER, "gone", state="").to_dict()["state"] == ""
-    assert Spared.of(HOLDER, "protected").to_dict() == {
-        "pid": 42, "comm": "python3", "unit": "vllm.service", "why": "protected"}
+    # The code is additive: after the released keys.
+    assert list(Spared.of(HOLDER, SpareReason.PROTECTED_UNIT, "protected").to_dict().items()) == [
+        ("pid", 42), ("comm", "python3"), ("unit", "vllm.service"), ("why", "protected"),
+        ("code", "protected-unit")]
     ended = Terminated(pid=42, comm="x", unit="", signal="SIGTERM", exited_after_ms=3)
     assert list(ended.to_dict()) == ["pid", "comm", "unit", "signal", "exited_after_ms"]
     # Optional keys appear only when they say something; a zombie's parent may be 0.
@@ -69,7 +80,7 @@ def test_scope_and_report_keys() -> None:
     assert list(report.to_dict()) == [
         "id", "started_usec", "duration_ms", "requested_by", "reason", "scope", "dry_run",
         "outcome", "verified", "targets", "terminated", "survived", "spared", "gpus", "leaks",
-        "warnings", "error"]
+        "warnings", "error", "requester_kind"]
     assert report.to_dict()["outcome"] == "freed" and type(report.to_dict()["outcome"]) is str
 
 
@@ -228,6 +239,58 @@ def test_the_history_reads_its_newest_report_once(tmp_path: Path) -> None:
     again.load()
     first = again.last()
     assert first is not None and first is again.last() and first.to_dict() == report.to_dict()
+
+
+def coded_report() -> Report:
+    report = Report(id="e" * 32, outcome=Outcome.UNVERIFIED, requested_by="hook:x.service",
+                    requester_kind=RequesterKind.HOOK,
+                    spared=[Spared.of(HOLDER, SpareReason.ANCESTOR, "an ancestor of the sweeping process")])
+    report.warnings.append("resolving: an uncoded warning")
+    report.warn("NVML unavailable: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
+    report.warnings.append("GPU 0: memory not read: the GPU is runtime-suspended")
+    report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
+    report.warnings.append("a warning added after the codes")
+    return report
+
+
+def test_the_codes_travel_with_the_report_over_the_bus_and_through_the_history(tmp_path: Path) -> None:
+    report = coded_report()
+    wire = report.to_dict()
+    assert list(wire)[-2:] == ["requester_kind", "warning_codes"]
+    assert wire["requester_kind"] == "hook"
+    assert wire["spared"][0]["code"] == "ancestor"
+    assert wire["warning_codes"] == ["other", "nvml-unavailable", "memory-unverified"]
+    typed = marshal.report(wire)
+    assert typed["requester_kind"].signature == "s" and typed["warning_codes"].signature == "as"
+    assert typed["spared"].value[0]["code"].value == "ancestor"
+    for back in (Report.from_dict(marshal.unwrap(typed)), Report.from_dict(json.loads(json.dumps(wire)))):
+        assert back == report and not back.unread
+        assert back.requester_kind is RequesterKind.HOOK
+        assert back.spared[0].code is SpareReason.ANCESTOR
+        assert back.warnings_of({WarningCode.NVML_UNAVAILABLE, WarningCode.MEMORY_UNVERIFIED}) == [
+            "NVML unavailable: GPU memory cannot be verified",
+            "GPU 0: memory not read: the GPU is runtime-suspended"]
+    history = History(str(tmp_path), 10)
+    history.load()
+    history.append(report)
+    again = History(str(tmp_path), 10)
+    again.load()
+    stored = again.last()
+    assert stored is not None and stored.requester_kind is RequesterKind.HOOK
+    assert stored.spared[0].code is SpareReason.ANCESTOR and stored.to_dict() == wire
+
+
+def test_records_older_than_the_codes_read_without_them() -> None:
+    old = {"id": "a" * 32, "outcome": "freed", "requested_by": "hook:x.service",
+           "spared": [{"pid": 1, "comm": "init", "unit": "", "why": "PID 1 (init)"}],
+           "warnings": ["NVML unavailable: GPU memory cannot be verified"]}
+    report = Report.from_dict(old)
+    assert "requester_kind" not in report.unread and "warning_codes" not in report.unread
+    assert report.spared[0].code is SpareReason.OTHER and not report.spared[0].unread
+    # Nothing is read back from the words.
+    assert report.requester_kind is RequesterKind.MANUAL
+    assert report.warnings_of({WarningCode.NVML_UNAVAILABLE}) == []
+    assert report.to_dict() == old
 
 
 def test_escaped_names_keep_the_report_columns() -> None:

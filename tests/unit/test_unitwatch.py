@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.records.enums import GpusFrom, HolderKind, Outcome
+from gpuguardd.records.enums import GpusFrom, HolderKind, Outcome, RequesterKind
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd.unitwatch import (
@@ -152,7 +152,8 @@ class Harness:
 
 
 def hook(unit: str) -> SweepRequest:
-    return SweepRequest(unit=unit, requested_by=f"hook:{unit}", reason=f"hook:{unit} result=x")
+    return SweepRequest(unit=unit, requested_by=f"hook:{unit}", reason=f"hook:{unit} result=x",
+                        requester_kind=RequesterKind.HOOK)
 
 
 def test_unit_sweep_adopts_only_leftovers_no_running_unit_owns() -> None:
@@ -192,13 +193,15 @@ def test_hook_and_watch_of_one_stop_share_one_sweep() -> None:
         # The watcher fires while the hook's sweep still runs (the unit is now inactive).
         h.watch.systemd.states[unit] = UnitState(unit, "inactive", invocation_id="i1")  # type: ignore[attr-defined]
         second = asyncio.ensure_future(h.watch.sweep_unit(
-            SweepRequest(unit=unit, requested_by=f"watch:{unit}")))
+            SweepRequest(unit=unit, requested_by=f"watch:{unit}",
+                         requester_kind=RequesterKind.WATCH)))
         await asyncio.sleep(0.01)
         h.release.set()
         results = list(await asyncio.gather(first, second))
         # Later, the same stop again (a late JobRemoved): the remembered report.
         results.append(await h.watch.sweep_unit(SweepRequest(unit=unit,
-                                                             requested_by=f"watch:{unit}")))
+                                                             requested_by=f"watch:{unit}",
+                         requester_kind=RequesterKind.WATCH)))
         # A new instance that stops is a new sweep.
         h.watch.systemd.states[unit] = UnitState(unit, "inactive", invocation_id="i2")  # type: ignore[attr-defined]
         results.append(await h.watch.sweep_unit(hook(unit)))
@@ -225,7 +228,8 @@ def test_watch_does_not_sweep_a_unit_that_runs_again() -> None:
     unit = "sglang-a.service"
     h = Harness([], {unit: UnitState(unit, "activating", "auto-restart", "i2")})
     h.release.set()
-    result = asyncio.run(h.watch.sweep_unit(SweepRequest(unit=unit, requested_by=f"watch:{unit}")))
+    result = asyncio.run(h.watch.sweep_unit(SweepRequest(unit=unit, requested_by=f"watch:{unit}",
+                         requester_kind=RequesterKind.WATCH)))
     assert result is None and h.requests == []
     # The drop-in's hook still sweeps: it runs in ExecStopPost, before the restart.
     assert asyncio.run(h.watch.sweep_unit(hook(unit))) is not None

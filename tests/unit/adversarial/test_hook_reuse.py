@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.systemd.unitwatch import UnitState
 from tests.unit.test_unitwatch import Harness
@@ -16,8 +17,10 @@ UNIT = "gg-hook.service"
 
 
 def request(requested_by: str, dry_run: bool | None) -> SweepRequest:
+    # The kind as the service decides it (service.requester): root's hook, or nobody's.
+    kind = RequesterKind.HOOK if requested_by == f"hook:{UNIT}" else RequesterKind.HOOK_NONROOT
     return SweepRequest(unit=UNIT, requested_by=requested_by, reason=f"hook:{UNIT} result=x",
-                        dry_run=dry_run)
+                        dry_run=dry_run, requester_kind=kind)
 
 
 NOBODY_HOOK = f"hook:{UNIT} via uid 65534 (nobody) :1.9"
@@ -41,6 +44,7 @@ def test_a_dry_run_is_never_the_stops_sweep(default_dry_run: bool) -> None:
         later = await h.watch.sweep_unit(request(NOBODY_HOOK, True))
         h.watch.systemd.states[UNIT] = UnitState(UNIT, "inactive", invocation_id="i1")  # type: ignore[attr-defined]
         watch = await h.watch.sweep_unit(SweepRequest(unit=UNIT, requested_by=f"watch:{UNIT}",
+                                                      requester_kind=RequesterKind.WATCH,
                                                       dry_run=False))
         for report in (first, second, real, later, watch):
             assert report is not None
