@@ -21,11 +21,21 @@ suspend(), break_file() (any bytes, or a directory, or no file), add_proc_entry(
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tests.conftest import GpuHost
+from tests.helpers import gone
 
 GiB = 1 << 30
 MI300X = 0x74A1
@@ -246,4 +256,78 @@ def write_amdgpu_ids(path: Path, text: str = AMDGPU_IDS_TEXT) -> str:
     return str(path)
 
 
-__all__ = ["AMDGPU_IDS_TEXT", "APU", "MI300X", "AmdSysfs", "FakeGpu", "GiB", "write_amdgpu_ids"]
+# -- a host: the fake tree beside tests/conftest.py's GpuHost ------------------------------------
+
+
+@dataclass
+class AmdHost:
+    host: GpuHost
+    sysfs: AmdSysfs
+    gpus: list[FakeGpu]
+    kfd: str
+    render: list[str]
+    watchers: list[threading.Thread] = field(default_factory=list)
+
+    def release_after_exit(self, pid: int, memory_after: float, entry_after: float) -> None:
+        """KFD's teardown of `pid`, once it has exited: memory and proc entry go later."""
+        def watch() -> None:
+            deadline = time.monotonic() + 60
+            while not gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.sysfs.release_later(pid, memory_after, entry_after)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        self.watchers.append(watcher)
+
+    def no_nvml_env(self) -> dict[str, str]:
+        """The host's environment without the fake libnvidia-ml: NVML is not installed."""
+        env = dict(self.host.env)
+        env.pop("LD_LIBRARY_PATH", None)
+        return env
+
+    def close(self) -> None:
+        for pid in [p.pid for p in self.host.procs]:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        for watcher in self.watchers:
+            watcher.join(timeout=70)
+        self.sysfs.close()
+
+    def holder(self, gpu: FakeGpu | None, vram: int = 0, *, kfd: bool = True, comm: str = "vllm-rocm") -> int:
+        """A ROCm-like process: /dev/kfd, `gpu`'s render node, and KFD's entry of `vram` bytes."""
+        holds = ([self.kfd] if kfd else []) + ([self.render[self.gpus.index(gpu)]] if gpu else [])
+        args = [a for node in holds for a in ("--hold", node)]
+        pid = self.host.spawn("--comm", comm, *args).pid
+        if gpu is not None and vram:
+            self.sysfs.add_process(pid, {gpu.gpu_id: vram})
+        return pid
+
+    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, Any]:
+        done = self.cli(*args, "--json", env=env)
+        return done.returncode, json.loads(done.stdout) if done.stdout.strip() else None
+
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpuguardd.cli.main", *args, "--local", "--config",
+                               str(self.host.config_path)], check=False, env=env or self.host.env,
+                              capture_output=True, text=True, timeout=60)
+
+
+def make_amd_host(host: GpuHost, tmp_path: Path, *, nvidia: bool) -> AmdHost:
+    """Two fake MI300X beside `host`'s fake NVML (or alone: `nvidia` False configures no NVIDIA
+    node), with /dev/kfd and their render nodes mknod'd in its /dev."""
+    fake = AmdSysfs(tmp_path / "sys")
+    base = random.randrange(1, 1 << 17) * 4 + 128
+    gpus = [fake.mi300x("0000:c3:00.0", gpu_id=41234, render_minor=base, card_minor=1),
+            fake.mi300x("0000:c4:00.0", gpu_id=52345, render_minor=base + 1, card_minor=2,
+                        unique_id=0x1122334455667788)]
+    kfd = str(host.dev / "kfd")
+    os.mknod(kfd, 0o666 | 0o020000, os.makedev(120, base + 2))
+    render = []
+    for gpu in gpus:
+        path = str(host.dev / f"renderD{gpu.render_minor}")
+        os.mknod(path, 0o666 | 0o020000, os.makedev(120, gpu.render_minor))
+        render.append(path)
+    paths = f"Paths={host.dev}/nvidia*\n" if nvidia else ""
+    host.write_config("[Devices]\nPaths=\n" + paths + f"Paths={kfd} {host.dev}/renderD*\n"
+                      f"SysfsPath={fake.sysfs}\n")
+    return AmdHost(host, fake, gpus, kfd, render)

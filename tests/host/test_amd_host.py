@@ -7,97 +7,21 @@ NVIDIA nodes' in tests/conftest.py) so that no other test run's holder has the s
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
-from tests.amd_sysfs import AmdSysfs, FakeGpu
+from tests.amd_sysfs import AmdHost, make_amd_host
 from tests.conftest import GiB, GpuHost
 from tests.helpers import alive, gone, wait_until
-
-
-@dataclass
-class AmdHost:
-    host: GpuHost
-    sysfs: AmdSysfs
-    gpus: list[FakeGpu]
-    kfd: str
-    render: list[str]
-    watchers: list[threading.Thread] = field(default_factory=list)
-
-    def release_after_exit(self, pid: int, memory_after: float, entry_after: float) -> None:
-        """KFD's teardown of `pid`, once it has exited: memory and proc entry go later."""
-        def watch() -> None:
-            deadline = time.monotonic() + 60
-            while not gone(pid) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            self.sysfs.release_later(pid, memory_after, entry_after)
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        self.watchers.append(watcher)
-
-    def close(self) -> None:
-        for pid in [p.pid for p in self.host.procs]:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        for watcher in self.watchers:
-            watcher.join(timeout=70)
-        self.sysfs.close()
-
-    def holder(self, gpu: FakeGpu | None, vram: int = 0, *, kfd: bool = True, comm: str = "vllm-rocm") -> int:
-        """A ROCm-like process: /dev/kfd, `gpu`'s render node, and KFD's entry of `vram` bytes."""
-        holds = ([self.kfd] if kfd else []) + ([self.render[self.gpus.index(gpu)]] if gpu else [])
-        args = [a for node in holds for a in ("--hold", node)]
-        pid = self.host.spawn("--comm", comm, *args).pid
-        if gpu is not None and vram:
-            self.sysfs.add_process(pid, {gpu.gpu_id: vram})
-        return pid
-
-    def cli_json(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, Any]:
-        done = self.cli(*args, "--json", env=env)
-        return done.returncode, json.loads(done.stdout) if done.stdout.strip() else None
-
-    def cli(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "gpuguardd.cli.main", *args, "--local", "--config",
-                               str(self.host.config_path)], check=False, env=env or self.host.env,
-                              capture_output=True, text=True, timeout=60)
-
-
-def _make(host: GpuHost, tmp_path: Path, *, nvidia: bool) -> AmdHost:
-    fake = AmdSysfs(tmp_path / "sys")
-    base = random.randrange(1, 1 << 17) * 4 + 128
-    gpus = [fake.mi300x("0000:c3:00.0", gpu_id=41234, render_minor=base, card_minor=1),
-            fake.mi300x("0000:c4:00.0", gpu_id=52345, render_minor=base + 1, card_minor=2,
-                        unique_id=0x1122334455667788)]
-    kfd = str(host.dev / "kfd")
-    os.mknod(kfd, 0o666 | 0o020000, os.makedev(120, base + 2))
-    render = []
-    for gpu in gpus:
-        path = str(host.dev / f"renderD{gpu.render_minor}")
-        os.mknod(path, 0o666 | 0o020000, os.makedev(120, gpu.render_minor))
-        render.append(path)
-    paths = f"Paths={host.dev}/nvidia*\n" if nvidia else ""
-    host.write_config("[Devices]\nPaths=\n" + paths + f"Paths={kfd} {host.dev}/renderD*\n"
-                      f"SysfsPath={fake.sysfs}\n")
-    return AmdHost(host, fake, gpus, kfd, render)
 
 
 @pytest.fixture
 def mixed(gpu_host: GpuHost, tmp_path: Path) -> Iterator[AmdHost]:
     """Two fake H100s (NVML indices 0, 1) and two fake MI300X (2, 3)."""
-    amd = _make(gpu_host, tmp_path, nvidia=True)
+    amd = make_amd_host(gpu_host, tmp_path, nvidia=True)
     yield amd
     amd.close()
 
@@ -105,15 +29,9 @@ def mixed(gpu_host: GpuHost, tmp_path: Path) -> Iterator[AmdHost]:
 @pytest.fixture
 def amd_only(gpu_host: GpuHost, tmp_path: Path) -> Iterator[AmdHost]:
     """A host with AMD GPUs and no NVML at all (no libnvidia-ml, no NVIDIA node)."""
-    amd = _make(gpu_host, tmp_path, nvidia=False)
+    amd = make_amd_host(gpu_host, tmp_path, nvidia=False)
     yield amd
     amd.close()
-
-
-def no_nvml_env(host: GpuHost) -> dict[str, str]:
-    env = dict(host.env)
-    env.pop("LD_LIBRARY_PATH", None)
-    return env
 
 
 def test_both_vendors_are_listed_nvidia_first(mixed: AmdHost) -> None:
@@ -217,7 +135,7 @@ def test_bad_sysfs_makes_one_gpu_unknown(mixed: AmdHost) -> None:
 
 
 def test_an_amd_host_without_nvml_runs_every_command(amd_only: AmdHost) -> None:
-    env = no_nvml_env(amd_only.host)
+    env = amd_only.no_nvml_env()
     code, gpus = amd_only.cli_json("gpus", env=env)
     assert [(g["index"], g["vendor"], g["state"]) for g in gpus] == [
         (0, "amd", "idle"), (1, "amd", "idle")], gpus
