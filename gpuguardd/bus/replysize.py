@@ -29,8 +29,9 @@ from gpuguardd.bus import names
 log = logging.getLogger("gpuguard.replysize")
 
 MiB = 1024 * 1024
-BUS_MESSAGE_MAX = 32 * MiB  # dbus-daemon's default max_message_size
-REPLY_BUDGET = 8 * MiB  # a quarter of it: headers, and a bus configured lower, have room
+# A quarter of dbus-daemon's default max_message_size (32 MiB): headers, and a bus configured
+# lower, have room.
+REPLY_BUDGET = 8 * MiB
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
 OMITTED_KEY = names.OMITTED_KEY
