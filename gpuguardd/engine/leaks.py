@@ -16,7 +16,7 @@ acts on each differently (docs/recovery.md):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from gpuguardd.engine import procfs
 from gpuguardd.records.enums import LeakKind
@@ -27,13 +27,12 @@ def pid_exists(pid: int) -> bool:
     return os.path.exists(f"{procfs.PROC}/{pid}")
 
 
-def kind_of(memory: GpuInfo | MigInstance, pids_local: bool,
-            exists: Callable[[int], bool] = pid_exists) -> LeakKind | None:
+def kind_of(memory: GpuInfo | MigInstance, pids_local: bool) -> LeakKind | None:
     """The leak kind of memory in use on `memory` (whose figures the caller found above the
     threshold), or None when a listed process still lives (or may, in another namespace)."""
     if not memory.processes:
         return LeakKind.NO_PROCESS
-    if pids_local and not any(exists(pid) for pid in memory.processes):
+    if pids_local and not any(pid_exists(pid) for pid in memory.processes):
         return LeakKind.DEAD_PIDS
     return None
 
