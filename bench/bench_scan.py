@@ -7,24 +7,18 @@ Builds `--procs` idle processes with `--files` open files each; `--holders` of t
 fake device nodes (fds opened O_PATH or O_RDWR, mappings without an fd, management and modeset
 nodes). Then times, interleaved, after one untimed warm-up round each:
 
-  * gpuguard find_holders(build_device_map(...), NvmlSnapshot(available=False)), in process,
-    as the default splits it (a helper process for each idle core: none on a busy machine),
-    and shared with one helper whatever the load (CPU time includes the helper's);
+  * gpuguard find_holders(build_device_map(...), NvmlSnapshot(available=False)), in process;
   * gpuguard Engine.scan() (adds the NVML attempt and protection marking), in process: the
     daemon's scan;
   * `gpuguardctl holders --local --json` as a whole process (interpreter start, imports,
     configuration, the scan, the output): what an admin runs instead of fuser;
   * fuser -v <nodes> and lsof -w -n -P -- <nodes>, as the commands an admin would run;
-  * the floor on this machine: the scan's syscalls and nothing else (the helpers' own pass,
-    engine/scanworker.py, in two processes forked from this one: no interpreter start, no
-    pinning, no details, no NVML), matched afterwards. The daemon's scan cannot be quicker.
+  * the floor: gpuguard's pass over /proc and nothing else (holders.scan_raw: no pinning,
+    no details, no NVML). The daemon's scan cannot be quicker.
 
---helpers times the shared scan itself instead, on a big host: Engine.scan() with helpers
-(one process for each core, whatever the load) and without (this process alone), interleaved
-with fuser -v and nothing else, and prints their ratios. For the host of ten thousand
-processes:
+For a host of ten thousand processes:
 
-    sudo .venv/bin/python bench/bench_scan.py --procs 10000 --fds 100 --light --helpers --repeat 3
+    sudo .venv/bin/python bench/bench_scan.py --procs 10000 --fds 100 --light --repeat 3
 
 --light makes the population cheap enough for that: its plain processes exec `sleep` with
 their files kept (about 0.2 MiB each instead of a forked Python's 0.7 MiB; shorter maps too:
@@ -53,9 +47,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
@@ -64,22 +57,18 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.engine import holders, procfs, scanhelpers, scanworker
-from gpuguardd.engine.devices import DeviceMap, build_device_map, driver_majors
+from gpuguardd.engine import holders
+from gpuguardd.engine.devices import build_device_map, driver_majors
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.holders import find_holders
-from gpuguardd.engine.scanhelpers import HelperEntry, WorkQueue, scan_workers
 from gpuguardd.records.models import NvmlSnapshot
 
 FIND = "gpuguard find_holders"
-FIND_SHARED = "gpuguard find_holders, 2 processes"
 SCAN = "gpuguard Engine.scan()"
 CLI = "gpuguardctl holders --local"
 FUSER = "fuser -v"
 LSOF = "lsof -w -n -P"
-FLOOR = "floor: bare pass, 2 forked"
-SCAN_HELPERS = "Engine.scan(), helpers"
-SCAN_ALONE = "Engine.scan(), no helpers"
+FLOOR = "floor: the bare pass"
 # --light: what the plain processes of the population exec.
 LIGHT = ("sleep", "infinity")
 
@@ -92,8 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per tool (median)")
     parser.add_argument("--workers", type=int, default=4, help="processes forking the population")
     parser.add_argument("--profile", action="store_true", help="cProfile one find_holders run")
-    parser.add_argument("--helpers", action="store_true",
-                        help="time Engine.scan() with helpers and without, and fuser -v, only")
     parser.add_argument("--light", action="store_true",
                         help="plain processes exec sleep: a tenth of the memory, for big populations")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -126,19 +113,6 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine, conf
         wall = time.perf_counter() - started
         return wall, time.process_time() - cpu, {holder.pid for holder, _ in pinned}
 
-    def gpuguard_find_shared() -> Measured:
-        # The scan shared with a helper process whatever the load (scan_workers() gives it
-        # only idle cores): what the default does on a quiet machine.
-        cpu, started = time.process_time(), time.perf_counter()
-        children = common.children_cpu()
-        pinned, _ = find_holders(build_device_map(patterns, allow_majors=common.ALLOW_MAJORS),
-                                 NvmlSnapshot(available=False), workers=2)
-        for _, handle in pinned:
-            handle.close()
-        wall = time.perf_counter() - started
-        used = time.process_time() - cpu + common.children_cpu() - children
-        return wall, used, {holder.pid for holder, _ in pinned}
-
     def gpuguard_scan() -> Measured:
         cpu, started = time.process_time(), time.perf_counter()
         result = engine.scan()
@@ -166,46 +140,12 @@ def make_tools(patterns: tuple[str, ...], paths: list[str], engine: Engine, conf
 
     def floor() -> Measured:
         cpu, started = time.process_time(), time.perf_counter()
-        children = common.children_cpu()
-        device_map = build_device_map(patterns, allow_majors=common.ALLOW_MAJORS)
-        entries = forked_pass(device_map, procfs.list_pids(), 2)
-        found = [raw for raw in holders._from_helper(entries, device_map)
-                 if isinstance(raw, holders.RawHolding)]
+        found, _ = holders.scan_raw(build_device_map(patterns, allow_majors=common.ALLOW_MAJORS))
         wall = time.perf_counter() - started
-        used = time.process_time() - cpu + common.children_cpu() - children
-        return wall, used, {raw.pid for raw in found}
+        return wall, time.process_time() - cpu, set(found)
 
-    return {FIND: gpuguard_find, FIND_SHARED: gpuguard_find_shared, SCAN: gpuguard_scan,
+    return {FIND: gpuguard_find, SCAN: gpuguard_scan,
             CLI: gpuguardctl, FUSER: fuser, LSOF: lsof, FLOOR: floor}
-
-
-def scan_processes(count: int) -> AbstractContextManager[object]:
-    """The daemon's scan shared between `count` processes whatever the load: scan_raw asks
-    scan_workers() (one for each idle core) how many, and gets `count` meanwhile."""
-    return mock.patch.object(holders, "scan_workers", lambda: count)
-
-
-def make_helper_tools(engine: Engine, paths: list[str]) -> dict[str, Callable[[], Measured]]:
-    """Engine.scan() with one process for each core and with this process alone, beside
-    fuser -v. CPU time includes the helpers' (children, reaped by the scan)."""
-    cores = max(2, min(scanhelpers.WORKERS_MAX, len(os.sched_getaffinity(0))))
-
-    def scan(count: int) -> Callable[[], Measured]:
-        def timed() -> Measured:
-            with scan_processes(count):
-                cpu, children = time.process_time(), common.children_cpu()
-                started = time.perf_counter()
-                result = engine.scan()
-                wall = time.perf_counter() - started
-            used = time.process_time() - cpu + common.children_cpu() - children
-            return wall, used, {holder.pid for holder in result.holders}
-        return timed
-
-    def fuser() -> Measured:
-        run = common.run_fuser(paths, "-v")
-        return run.seconds, run.cpu, run.pids
-
-    return {SCAN_HELPERS: scan(cores), SCAN_ALONE: scan(1), FUSER: fuser}
 
 
 @contextmanager
@@ -241,40 +181,6 @@ def room_for(procs: int, files: int) -> Iterator[list[str]]:
             path.write_text(f"{old}\n")
 
 
-def forked_pass(device_map: DeviceMap, pids: list[int], processes: int) -> list[HelperEntry]:
-    """scanworker's pass over `pids` in `processes` children forked from this process, sharing
-    one work queue; their reports (no pidfds). Forked, not started: no interpreter start."""
-    queue = WorkQueue(pids)
-    spec = {**holders._match_spec(device_map), "pids": queue.pids, "chunk": queue.size,
-            "queue_fd": queue.fd}
-    children = []
-    try:
-        for _ in range(processes):
-            read_fd, write_fd = os.pipe()
-            child = os.fork()
-            if child == 0:  # pragma: no cover - the child
-                status = 1
-                try:
-                    os.close(read_fd)
-                    with os.fdopen(write_fd, "w") as out:
-                        json.dump(scanworker.scan(spec), out)
-                    status = 0
-                finally:
-                    os._exit(status)
-            os.close(write_fd)
-            children.append((child, read_fd))
-        entries: list[HelperEntry] = []
-        for child, read_fd in children:
-            with os.fdopen(read_fd) as answer:
-                text = answer.read()
-            if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) != 0:
-                raise BenchError(f"the forked pass {child} failed")
-            entries.extend(scanhelpers._parse(json.loads(text), {})[1])
-        return entries
-    finally:
-        queue.close()
-
-
 def profile_find(patterns: tuple[str, ...]) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -291,7 +197,7 @@ def profile_find(patterns: tuple[str, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    common.require_environment(("fuser",) if args.helpers else ("fuser", "lsof"))
+    common.require_environment(("fuser", "lsof"))
     workdir = Path(tempfile.mkdtemp(prefix="gpuguard-bench-scan-"))
     population: Population | None = None
     try:
@@ -347,7 +253,7 @@ def measure(args: argparse.Namespace, workdir: Path, population: Population, nod
         f"[Devices]\nPaths=\nPaths={patterns[0]}\n"
         f"AllowMajors={' '.join(map(str, common.ALLOW_MAJORS))}\n"
         f"[Daemon]\nRuntimeDirectory={workdir / 'run'}\nStateDirectory={workdir / 'state'}\n")
-    tools = make_helper_tools(engine, paths) if args.helpers else make_tools(patterns, paths, engine, config_file)
+    tools = make_tools(patterns, paths, engine, config_file)
     names = list(tools)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -376,14 +282,13 @@ def measure(args: argparse.Namespace, workdir: Path, population: Population, nod
     print(common.table([(name, times[name]) for name in names], cpu=cpu))
     print(f"same holders: {len(expected)} pids in every run ({agreed} = the population's holders)")
     print(f"load average while measuring: {' '.join(f'{v:.1f}' for v in os.getloadavg())} "
-          f"({os.cpu_count()} CPUs); the default scan now takes {scan_workers()} process(es) "
-          f"(one for each idle core)")
+          f"({os.cpu_count()} CPUs)")
     if aliases:
         print(f"note: gpuguard also reported {len(aliases)} process(es) outside the population, not "
               "counted: they hold a device with the same number at another path, which gpuguard "
               "matches by design (fuser and lsof match the node's inode): "
               + "; ".join(f"{pid}: {why}" for pid, why in sorted(aliases.items())[:5]))
-    ratios = helper_ratios(times, cpu) if args.helpers else peer_ratios(times, cpu)
+    ratios = peer_ratios(times, cpu)
     if args.profile:
         print("\nprofile of one find_holders run:\n" + profile_find(patterns))
     common.write_json(args.json, {
@@ -398,17 +303,6 @@ def measure(args: argparse.Namespace, workdir: Path, population: Population, nod
 
 def ratio(values: dict[str, list[float]], ours: str, peer: str) -> float:
     return common.median(values[ours]) / common.median(values[peer])
-
-
-def helper_ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
-    """With helpers against without, and each against fuser -v: wall clock and CPU time."""
-    ratios: dict[str, float] = {}
-    for ours, peer in ((SCAN_HELPERS, FUSER), (SCAN_ALONE, FUSER), (SCAN_HELPERS, SCAN_ALONE)):
-        ratios[f"{ours}/{peer}"] = ratio(times, ours, peer)
-        ratios[f"{ours}/{peer} cpu"] = ratio(cpu, ours, peer)
-        print(f"ratio {ours} / {peer}: {ratios[f'{ours}/{peer}']:.2f} wall clock, "
-              f"{ratios[f'{ours}/{peer} cpu']:.2f} CPU time")
-    return ratios
 
 
 def peer_ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
@@ -429,7 +323,7 @@ def peer_ratios(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> d
     floor_ratio = ratios[f"{FLOOR}/{FUSER}"] = ratio(times, FLOOR, FUSER)
     print(f"target the daemon's scan in half fuser's time: "
           f"{'met' if scan_ratio <= 0.5 else 'MISSED'} (Engine.scan() {scan_ratio:.2f}x fuser; "
-          f"the floor here, the bare pass in 2 forked processes: {floor_ratio:.2f}x)")
+          f"the floor here, the bare pass: {floor_ratio:.2f}x)")
     return ratios
 
 

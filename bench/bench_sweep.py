@@ -25,12 +25,7 @@ runs of the sides are interleaved:
     reading, the pinned /proc scan, the checks no sweep may skip (engine/protection.py's rule:
     PID 1, kernel threads, its own chain, protected executables and units), SIGTERM through the
     pidfds, then NVML until it charges nothing to them. No description, report, lock, log or
-    later round: what Python and the safety rules cost before gpuguard adds anything of its own;
-  * skeleton, warm helper: the same with every other PID of its scan read by a second process
-    forked before the runs, with gpuguard's helper pass: what a helper kept running between
-    sweeps could take off the scan at most (it pins nothing and passes no pidfds; the sweep
-    pins what it reports after the read, which gpuguard must not do). Whether such a helper is
-    worth building.
+    later round: what Python and the safety rules cost before gpuguard adds anything of its own.
 
 The fake NVML library is found through LD_LIBRARY_PATH, which the loader reads only at start,
 so the benchmark re-executes itself once with the environment of tests.fakenvml.env_for().
@@ -43,7 +38,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import logging
 import os
 import pstats
@@ -51,11 +45,10 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,11 +58,11 @@ import common
 from common import BenchError, Population
 
 from gpuguardd.config import Config
-from gpuguardd.engine import holders, procfs, scanhelpers, scanworker
+from gpuguardd.engine import procfs
 from gpuguardd.engine.attribution import attribute
-from gpuguardd.engine.devices import DeviceMap, driver_majors
+from gpuguardd.engine.devices import driver_majors
 from gpuguardd.engine.engine import Engine
-from gpuguardd.engine.holders import RawHolding, scan_raw
+from gpuguardd.engine.holders import scan_raw
 from gpuguardd.engine.protection import ProtectedFiles, protection_reason
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import Holder, SweepRequest
@@ -92,7 +85,6 @@ MANUAL = "manual: pkill -f; fuser -k; poll fuser -s"
 BY_DEVICE = "by device: fuser -k; poll fuser -s"
 EVIDENCE = "evidence: the holders' fd tables, read cold"
 SKELETON = "skeleton: scan, safety checks, SIGTERM, NVML"
-WARM = "skeleton, its scan shared with a warm helper"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -217,77 +209,13 @@ def evidence(population: Population, paths: list[str]) -> float:
     return seconds
 
 
-Scanner = Callable[[DeviceMap], dict[int, RawHolding]]
-
-
-def pinned_scan(device_map: DeviceMap, pids: list[int] | None = None) -> dict[int, RawHolding]:
-    """gpuguard's scan of `pids` (default: every process), each pinned by a pidfd before it is
-    read."""
-    return scan_raw(device_map, pids=pids, use_pidfd=True)[0]
-
-
-class WarmHelper:
-    """A second process, forked before any thread starts, that reads every other PID of each
-    scan with gpuguard's helper pass (engine/scanworker.py: its work queue and answer, matched
-    here by holders.py's rules). A lower bound for a helper kept running between sweeps: no
-    interpreter start, and it pins nothing and passes no pidfds. The split is fixed, not the
-    shared queue of engine/scanhelpers.py, so that the helper reads holders in every run,
-    however small, and a benchmark that lost its answers would fail its holder check."""
-
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.pid = os.fork()
-        if self.pid == 0:  # pragma: no cover - the child
-            ours.close()
-            status = 1
-            try:
-                while True:
-                    spec, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 1)
-                    if not spec:
-                        break  # the benchmark closed its end
-                    try:
-                        answer = scanworker.scan({**json.loads(spec), "queue_fd": fds[0]})
-                    finally:
-                        os.close(fds[0])
-                    theirs.send(json.dumps(answer).encode())
-                status = 0
-            finally:
-                os._exit(status)
-        theirs.close()
-        self._sock = ours
-
-    def scan(self, device_map: DeviceMap) -> dict[int, RawHolding]:
-        pids = procfs.list_pids()
-        queue = scanhelpers.WorkQueue(pids[1::2])  # the helper's alone
-        try:
-            spec = {**holders._match_spec(device_map), "pids": queue.pids, "chunk": queue.size}
-            socket.send_fds(self._sock, [json.dumps(spec).encode()], [queue.fd])
-            found = pinned_scan(device_map, pids[::2])
-            _, entries = scanhelpers._parse(json.loads(self._sock.recv(1 << 20)), {})
-        finally:
-            queue.close()
-        for raw in holders._from_helper(entries, device_map):
-            if isinstance(raw, RawHolding):
-                try:
-                    raw.pidfd = os.pidfd_open(raw.pid)  # after the read: the lower bound's shortcut
-                except OSError:
-                    continue
-                found[raw.pid] = raw
-        return found
-
-    def close(self) -> None:
-        self._sock.close()  # end of file: the helper exits
-        os.waitpid(self.pid, 0)
-
-
-def skeleton_sweep(engine: Engine, nvml: bool, scan: Scanner = pinned_scan,
-                   timeout: float = 30.0) -> tuple[float, set[int]]:
+def skeleton_sweep(engine: Engine, nvml: bool, timeout: float = 30.0) -> tuple[float, set[int]]:
     """Seconds from the first NVML reading to the last (see the module docstring), and the PIDs
-    signalled. Without NVML it stops at the holders' exit. `scan`: how /proc is scanned."""
+    signalled. Without NVML it stops at the holders' exit."""
     config = engine.config
     started = time.perf_counter()
     engine.snapshot()
-    found = scan(engine.device_map())
+    found = scan_raw(engine.device_map(), use_pidfd=True)[0]  # each pinned before it is read
     own_chain = procfs.ancestors(os.getpid())
     protected = ProtectedFiles.resolve(config)
     pidfds: dict[int, int] = {}
@@ -344,7 +272,6 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                          "Run this benchmark on a machine without the driver.")
     state_path = Path(os.environ[STATE_ENV]) if nvml else workdir / "nvml.state"
     background: Population | None = None
-    helper: WarmHelper | None = None
     try:
         nodes = common.make_nodes(workdir / "dev")
         paths = sorted(nodes.values())
@@ -355,7 +282,6 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                         kill_timeout_sec=5.0, verify_timeout_sec=10.0, released_below_mib=64,
                         runtime_directory=str(workdir / "run"), state_directory=str(workdir / "state"))
         engine = Engine(config)
-        helper = WarmHelper()  # before the first snapshot starts NVML's thread
         snapshot = engine.snapshot()
         if nvml and not snapshot.available:
             raise BenchError(f"the fake NVML did not load: {snapshot.error} (--no-nvml runs without)")
@@ -369,11 +295,11 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
               "population")
         print("NVML: " + ("fake NVML lists every holder with 2 GiB; verification is real" if nvml
                           else f"absent ({note or '--no-nvml'}); gpuguard's outcome is 'unverified'"))
-        times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], SKELETON: [], WARM: [],
+        times: dict[str, list[float]] = {EXIT: [], REAPED: [], EVIDENCE: [], SKELETON: [],
                                          GPUGUARD: [], MANUAL: [], BY_DEVICE: []}
         durations: list[int] = []
         checks: dict[str, list[int]] = {MANUAL: [], BY_DEVICE: []}
-        sides = ["exit", "evidence", "skeleton", "warm", "gpuguard", "manual", "device"]
+        sides = ["exit", "evidence", "skeleton", "gpuguard", "manual", "device"]
         for round_number in range(args.repeat):
             shift = round_number % len(sides)
             for side in sides[shift:] + sides[:shift]:
@@ -402,15 +328,12 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                             raise BenchError(f"{exc}\n  gpuguard's targets: {report.targets}") from None
                     elif side == "evidence":
                         times[EVIDENCE].append(evidence(population, paths))
-                    elif side in ("skeleton", "warm"):
+                    elif side == "skeleton":
                         if nvml:
                             publish_nvml(population, state_path)
-                        row = SKELETON if side == "skeleton" else WARM
-                        seconds, signalled = skeleton_sweep(engine, nvml, helper.scan if side == "warm"
-                                                            else pinned_scan)
-                        times[row].append(seconds)
-                        common.check_same({f"{side} skeleton signalled": signalled}, expected,
-                                          population.members)
+                        seconds, signalled = skeleton_sweep(engine, nvml)
+                        times[SKELETON].append(seconds)
+                        common.check_same({"skeleton signalled": signalled}, expected, population.members)
                     else:
                         row = MANUAL if side == "manual" else BY_DEVICE
                         pattern = "sleep " + token.replace(".", "\\.") if row == MANUAL else None
@@ -426,19 +349,14 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
                                for row, polls in checks.items()}}))
         outcome = "freed (memory seen released by NVML)" if nvml else "unverified (no NVML)"
         print(f"same holders: {args.holders} pids in every run (direct SIGTERM = skeleton signalled = "
-              "warm skeleton signalled = "
               f"gpuguard terminated = pkill/fuser -k killed = the population's holders); gpuguard outcome {outcome} in "
               f"{len(times[GPUGUARD])}/{len(times[GPUGUARD])} runs")
         gpuguard, manual = common.median(times[GPUGUARD]), common.median(times[MANUAL])
         exited, reaped = common.median(times[EXIT]), common.median(times[REAPED])
-        skeleton, warm = common.median(times[SKELETON]), common.median(times[WARM])
+        skeleton = common.median(times[SKELETON])
         print(f"ratio gpuguard/manual: {gpuguard / manual:.2f}; gpuguard/by device: "
               f"{gpuguard / common.median(times[BY_DEVICE]):.2f}; skeleton/manual: "
-              f"{skeleton / manual:.2f}; warm skeleton/manual: {warm / manual:.2f}; "
-              f"gpuguard over the skeleton: {(gpuguard - skeleton) * 1000:+.1f} ms")
-        # What the helper takes off the skeleton's scan is what it would take off gpuguard's.
-        print(f"the warm helper saves {(skeleton - warm) * 1000:.1f} ms; gpuguard with one, at best: "
-              f"{(gpuguard - skeleton + warm) * 1000:.1f} ms, {(gpuguard - skeleton + warm) / manual:.2f} x manual")
+              f"{skeleton / manual:.2f}; gpuguard over the skeleton: {(gpuguard - skeleton) * 1000:+.1f} ms")
         floor = common.median(times[EVIDENCE]) + exited
         print(f"floor of a verified sweep (evidence + own exit): {floor * 1000:.1f} ms; "
               f"manual/floor {manual / floor:.2f}; gpuguard over the floor: "
@@ -456,14 +374,12 @@ def run(args: argparse.Namespace, workdir: Path, nvml: bool, note: str) -> int:
             "background": args.background, "repeat": args.repeat, "nvml": nvml,
             "median_sec": {name: common.median(values) for name, values in times.items()},
             "runs_sec": times, "ratio_gpuguard_manual": gpuguard / manual, "floor_sec": floor,
-            "skeleton_sec": skeleton, "warm_skeleton_sec": warm,
+            "skeleton_sec": skeleton,
             "overhead_ms": overhead_ms, "report_duration_ms": durations,
             "load_average": os.getloadavg(),
         })
         return 0
     finally:
-        if helper is not None:
-            helper.close()
         if background is not None:
             background.stop()
         common.unmount_nodes(workdir / "dev")

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Any, TextIO
+from typing import Any
 
 from gpuguardd.escaping import escape_text
 
@@ -75,9 +75,8 @@ def under_journald() -> bool:
     return f"{st.st_dev}" == device and f"{st.st_ino}" == inode
 
 
-def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None,
-                  stream: TextIO | None = None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)
+def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
     use_prefix = under_journald() if sd_daemon is None else sd_daemon
     handler.setFormatter(SdDaemonFormatter("%(message)s") if use_prefix else PlainFormatter(program))
     root = logging.getLogger("gpuguard")

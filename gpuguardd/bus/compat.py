@@ -93,7 +93,6 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
-SUPPORTED = SUPPORTED_MIN <= VERSION < SUPPORTED_BELOW
 
 # The gates: True where the installed dbus-fast needs the workaround.
 STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1

@@ -33,9 +33,6 @@ SWEEP = "SweepOptions"
 HOLDER: Schema = contract().schema("Holder")
 REPORT: Schema = contract().schema("Report")
 SCOPE: Schema = contract().schema("Scope")
-# Options as they are usually sent (the first type the XML lists for each key).
-FILTER_OPTIONS: Mapping[str, str] = {k: v[0] for k, v in contract().options(FILTER).items()}
-SWEEP_OPTIONS: Mapping[str, str] = {k: v[0] for k, v in contract().options(SWEEP).items()}
 
 
 def snake_case(name: str) -> str:

@@ -11,9 +11,7 @@ MANAGER_INTERFACE = BUS_NAME + ".Manager"
 GPU_INTERFACE = BUS_NAME + ".Gpu"
 ERROR_PREFIX = BUS_NAME + ".Error."
 
-ACTION_SWEEP = BUS_NAME + ".sweep"
 ACTION_VIEW_DETAILS = BUS_NAME + ".view-details"
-ACTION_RELOAD = BUS_NAME + ".reload"
 
 # Lets tests and admins point gpuguardctl at a bus other than the system bus.
 ENV_BUS_ADDRESS = "GPUGUARD_BUS_ADDRESS"

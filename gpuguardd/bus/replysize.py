@@ -29,8 +29,9 @@ from gpuguardd.bus import names
 log = logging.getLogger("gpuguard.replysize")
 
 MiB = 1024 * 1024
-BUS_MESSAGE_MAX = 32 * MiB  # dbus-daemon's default max_message_size
-REPLY_BUDGET = 8 * MiB  # a quarter of it: headers, and a bus configured lower, have room
+# A quarter of dbus-daemon's default max_message_size (32 MiB): headers, and a bus configured
+# lower, have room.
+REPLY_BUDGET = 8 * MiB
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
 OMITTED_KEY = names.OMITTED_KEY
@@ -122,26 +123,26 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     return kept
 
 
-def bound_reports(reports: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
-                  sizes: list[int] | None = None) -> list[dict[str, Variant]]:
+def bound_reports(reports: list[dict[str, Variant]], sizes: list[int] | None = None
+                  ) -> list[dict[str, Variant]]:
     """Newest first, as many as fit; the last sent says how many older ones were left out."""
     if sizes is None:
         sizes = [wire_size(r) for r in reports]
-    kept = _fit(reports, sizes, budget)
+    kept = _fit(reports, sizes, REPLY_BUDGET)
     if len(kept) < len(reports):
         log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
-                 len(reports), budget)
+                 len(reports), REPLY_BUDGET)
     return kept
 
 
-def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], dict[str, Variant]],
-                 budget: int = REPORT_BUDGET) -> tuple[dict[str, Variant], int]:
-    """The typed report as sent (wire_report) and its size, its lists cut to fit `budget` if
-    they must be."""
+def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], dict[str, Variant]]
+                 ) -> tuple[dict[str, Variant], int]:
+    """The typed report as sent (wire_report) and its size, its lists cut to fit REPORT_BUDGET
+    if they must be."""
     data = wire_report(data)
     first = typed(data)
     size = wire_size(first)
-    if size <= budget:
+    if size <= REPORT_BUDGET:
         return first, size
     lists = {k: v for k, v in data.items() if k in _REPORT_LISTS and isinstance(v, list)}
     keep = max((len(v) for v in lists.values()), default=0)
@@ -155,6 +156,6 @@ def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], d
         trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
         result = typed(trimmed)
         size = wire_size(result)
-        if size <= budget or keep == 0:
+        if size <= REPORT_BUDGET or keep == 0:
             log.warning("report %s: %s", str(data.get("id", ""))[:8], note)
             return result, size

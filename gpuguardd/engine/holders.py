@@ -5,9 +5,7 @@ psutil's open_files() reports regular files only, so device fds are found here, 
 gives the node's identity; no readlink is needed because the identity, not the name, decides.
 Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
 substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
-details need no second look; a big scan is shared with helper processes (scan_raw,
-engine/scanhelpers.py), which pin what they read the same way and pass the pidfds on.
-bench/bench_scan.py measures all this against fuser and lsof.
+details need no second look. bench/bench_scan.py measures all this against fuser and lsof.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpuguardd import safetext
 from gpuguardd.engine import fdinfo, procfs
@@ -26,7 +22,6 @@ from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap
 from gpuguardd.engine.mig import instances_for_caps
 from gpuguardd.engine.process import ProcessHandle
-from gpuguardd.engine.scanhelpers import WORKER_MIN_PIDS, Helper, HelperEntry, WorkQueue, scan_workers
 from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.records.selectors import pci_key
@@ -53,29 +48,18 @@ class RawHolding:
 
 
 def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    _match_fds(procfs.char_device_fds(pid), device_map, raw)
-
-
-def _match_fds(stats: Iterable[Sequence[int]], device_map: DeviceMap, raw: RawHolding) -> None:
-    """Note in `raw` the watched nodes among (st_dev, st_ino, st_rdev) of open fds."""
+    """Note in `raw` the watched nodes among the process's open fds."""
     by_inode = device_map.by_inode
-    for dev, ino, rdev in stats:
+    for dev, ino, rdev in procfs.char_device_fds(pid):
         node = by_inode.get((dev, ino)) or device_map.node_for_rdev(rdev)
         if node is not None:
             raw.nodes[node.path] = node
             raw.how.add("fd")
 
 
-def _maps_tokens(device_map: DeviceMap) -> tuple[bytes, ...]:
-    return device_map.maps_prefilter or device_map.maps_tokens
-
-
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    _match_maps(procfs.maps_lines(pid, _maps_tokens(device_map)), device_map, raw)
-
-
-def _match_maps(lines: Iterable[bytes], device_map: DeviceMap, raw: RawHolding) -> None:
-    for line in lines:
+    tokens = device_map.maps_prefilter or device_map.maps_tokens
+    for line in procfs.maps_lines(pid, tokens):
         node = _maps_line_node(line, device_map)
         if node is not None:
             raw.nodes[node.path] = node
@@ -125,118 +109,30 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
     return None
 
 
-def _scan_share(pids: Iterable[int], device_map: DeviceMap, use_pidfd: bool
-                ) -> list[RawHolding | int]:
-    found: list[RawHolding | int] = []
-    try:
-        for pid in pids:
-            result = _scan_one(pid, device_map, use_pidfd)
-            if result is not None:
-                found.append(result)
-    except BaseException:
-        _close_all(found)  # a bug, not a race (those are OSError, handled): leak no pidfd
-        raise
-    return found
-
-
-def _close_all(results: Iterable[RawHolding | int]) -> None:
-    for item in results:
-        if isinstance(item, RawHolding):
-            item.close()
-
-
-# -- the scan on every idle core (engine/scanhelpers.py) ---------------------------------------
-
-
-def _match_spec(device_map: DeviceMap) -> dict[str, Any]:
-    """What a helper needs to keep only what may concern the watched nodes."""
-    return {
-        "inodes": sorted(device_map.by_inode),
-        "rdevs": sorted(device_map.by_rdev),
-        "majors": sorted(device_map.majors),
-        "tokens": [t.decode("latin-1") for t in _maps_tokens(device_map)],
-    }
-
-
-def _from_helper(entries: list[HelperEntry], device_map: DeviceMap) -> list[RawHolding | int]:
-    """A helper's report matched here, as _scan_share gives it; its pidfds handed on."""
-    found: list[RawHolding | int] = []
-    for entry in entries:
-        if entry.unreadable:
-            found.append(-entry.pid)
-            continue
-        raw = RawHolding(entry.pid, pidfd=entry.pidfd)
-        _match_fds(entry.fds, device_map, raw)
-        _match_maps(entry.lines, device_map, raw)
-        if raw.nodes:
-            found.append(raw)
-        else:
-            raw.close()
-    return found
-
-
-def _shared_scan(todo: list[int], device_map: DeviceMap, use_pidfd: bool, workers: int
-                 ) -> list[RawHolding | int]:
-    """The scan of `todo` shared with workers - 1 helpers through one work queue (scanhelpers)."""
-    queue = WorkQueue(todo)
-    helpers: list[Helper] = []
-    results: list[RawHolding | int] = []
-    try:
-        # The first chunk is this process's before any helper can start: a share of the work
-        # that never waits on a helper, whatever the machine's load.
-        index = queue.next()
-        match = _match_spec(device_map)
-        helpers = [h for h in (Helper.start(queue, match, use_pidfd) for _ in range(workers - 1))
-                   if h is not None]
-        done: set[int] = set()
-        while index is not None:
-            done.add(index)
-            results.extend(_scan_share(queue.chunk(index), device_map, use_pidfd))
-            index = queue.next()
-        while helpers:
-            answer = helpers.pop(0).results()
-            if answer is not None:
-                done.update(answer[0])
-                results.extend(_from_helper(answer[1], device_map))
-        for index in range(queue.count):
-            if index not in done:  # taken by a helper that failed
-                results.extend(_scan_share(queue.chunk(index), device_map, use_pidfd))
-    except BaseException:
-        _close_all(results)
-        for helper in helpers:
-            helper.end()
-        raise
-    finally:
-        queue.close()
-    return results
-
-
-def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False,
-             workers: int | None = None) -> tuple[dict[int, RawHolding], list[int]]:
+def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
+             ) -> tuple[dict[int, RawHolding], list[int]]:
     """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
 
-    With use_pidfd each process is pinned before it is read, here or in a helper, and a holder
-    keeps its pidfd in RawHolding.pidfd for describe() (or the caller's RawHolding.close());
-    one a helper could not pin or pass has none, and describe() pins it and reads it again.
-    `workers`: how many processes share the scan (default: one an idle core for
-    WORKER_MIN_PIDS processes or more); the answer does not depend on it."""
-    todo = procfs.list_pids() if pids is None else list(pids)
-    if workers is None:
-        workers = scan_workers() if len(todo) >= WORKER_MIN_PIDS else 1
-    workers = max(1, min(workers, len(todo)))
-    if workers == 1:
-        results = _scan_share(todo, device_map, use_pidfd)
-    else:
-        results = _shared_scan(todo, device_map, use_pidfd, workers)
+    With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
+    RawHolding.pidfd for describe() (or the caller's RawHolding.close()); one that could not
+    be pinned has none, and describe() pins it and reads it again."""
     found: dict[int, RawHolding] = {}
-    for item in results:
-        if isinstance(item, RawHolding):
-            if item.pid in found:
-                item.close()  # reported twice: one pin is enough
-            else:
-                found[item.pid] = item
-    unreadable = sorted({-item for item in results if isinstance(item, int)})
-    return found, unreadable
+    unreadable: set[int] = set()
+    try:
+        for pid in procfs.list_pids() if pids is None else pids:
+            result = _scan_one(pid, device_map, use_pidfd)
+            if isinstance(result, RawHolding):
+                if result.pid in found:
+                    result.close()  # listed twice: one pin is enough
+                else:
+                    found[result.pid] = result
+            elif result is not None:
+                unreadable.add(-result)
+    except BaseException:
+        for raw in found.values():
+            raw.close()  # a bug, not a race (those are OSError, handled): leak no pidfd
+        raise
+    return found, sorted(unreadable)
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
@@ -400,12 +296,11 @@ def started_since(ticks: int) -> list[int]:
 
 
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
-                 workers: int | None = None, pids: list[int] | None = None
+                 pids: list[int] | None = None
                  ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
     """All holders with open handles on them (the caller closes them), and unreadable pids.
-    `pids`: look only at these, and at those NVML lists (default: every process).
-    `workers`: as scan_raw's."""
-    raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd, workers=workers)
+    `pids`: look only at these, and at those NVML lists (default: every process)."""
+    raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd)
     candidates = set(raw)
     if nvml.pids_local:
         for gpu in nvml.gpus:

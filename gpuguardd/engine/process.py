@@ -9,7 +9,6 @@ report says the fallback was used.
 
 from __future__ import annotations
 
-import errno
 import os
 import select
 import signal
@@ -166,7 +165,3 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
             if on_exit is not None:
                 on_exit(pid, seen)
     return done
-
-
-def is_permission_error(exc: OSError) -> bool:
-    return exc.errno in (errno.EACCES, errno.EPERM)

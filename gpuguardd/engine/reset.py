@@ -87,14 +87,13 @@ def _touches(holder: Holder, gpu: GpuInfo) -> bool:
     return holder.kind == HolderKind.COMPUTE and not holder.gpus
 
 
-def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int],
-            exists: Callable[[int], bool] = leaks.pid_exists) -> str:
+def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int]) -> str:
     """Why GPU `gpu` must not be reset now ("" when it may): anything but gpuguardd itself
     and pausable management daemons holding it, or a process NVML (for an AMD GPU: KFD) still
     lists alive."""
     lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
     if snap.pids_local:
-        alive = sorted(pid for pid in gpu.processes if exists(pid))
+        alive = sorted(pid for pid in gpu.processes if leaks.pid_exists(pid))
         if alive:
             return (f"{lister} lists live process(es) on it ({', '.join(map(str, alive[:5]))}): "
                     "end them first (gpuguardctl sweep)")

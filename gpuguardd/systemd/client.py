@@ -84,16 +84,15 @@ class Systemd:
         path = await self.unit_path(unit)
         if path is None:
             known = self._known.get(unit)
-            return UnitState(unit, "", "", known.invocation_id if known else "",
+            return UnitState(unit, "", known.invocation_id if known else "",
                              known.result if known else "")
-        active, sub, invocation, result = await asyncio.gather(
-            self.get(path, UNIT_IFACE, "ActiveState"), self.get(path, UNIT_IFACE, "SubState"),
-            self.get(path, UNIT_IFACE, "InvocationID"),
+        active, invocation, result = await asyncio.gather(
+            self.get(path, UNIT_IFACE, "ActiveState"), self.get(path, UNIT_IFACE, "InvocationID"),
             self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service")
             else asyncio.sleep(0))
         if active is None:
             return None
-        state = UnitState(unit, str(active), str(sub or ""),
+        state = UnitState(unit, str(active),
                           bytes(invocation).hex() if isinstance(invocation, (bytes, list)) else "",
                           str(result or ""))
         if state.invocation_id:

@@ -58,7 +58,6 @@ _ESCAPE = re.compile(r"_([0-9a-fA-F]{2})")
 class UnitState:
     unit: str
     active_state: str  # "" when systemd does not know the unit (not loaded)
-    sub_state: str = ""
     invocation_id: str = ""
     result: str = ""
 

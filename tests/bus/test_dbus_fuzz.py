@@ -17,11 +17,13 @@ from typing import Any
 from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.bus.contract import interface
-from gpuguardd.bus.marshal import SWEEP_OPTIONS
+from gpuguardd.bus.contract import contract, interface
+from gpuguardd.bus.marshal import SWEEP
 from tests.dbus_harness import BUS_NAME, GPU, MANAGER, MANAGER_PATH, GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]
+# Sweep options as they are usually sent: the first type the XML lists for each key.
+SWEEP_OPTIONS = {key: types[0] for key, types in contract().options(SWEEP).items()}
 
 CALLS = 3000
 BATCH = 100

@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from gpuguardd.bus import contract, dbusxml
+from gpuguardd.bus import contract
 from gpuguardd.bus.contract import Nested
 from gpuguardd.daemon.inventory import LIST_MAX_AGE_SEC
+from tests import dbusxml
 from tests.conftest import GiB, GpuHost
 from tests.dbus_harness import (
     BUS_NAME,

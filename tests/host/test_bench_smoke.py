@@ -38,27 +38,20 @@ def test_bench_scan_smoke() -> None:
     assert "same holders: 5 pids in every run" in out, out
     assert "ratio gpuguard/fuser: " in out, out
     assert "ratio gpuguard/lsof: " in out, out
-    for tool in ("gpuguard find_holders", "gpuguard find_holders, 2 processes",
-                 "gpuguard Engine.scan()", "gpuguardctl holders --local",
-                 "fuser -v", "lsof -w -n -P", "floor: bare pass, 2 forked"):
+    for tool in ("gpuguard find_holders", "gpuguard Engine.scan()", "gpuguardctl holders --local",
+                 "fuser -v", "lsof -w -n -P", "floor: the bare pass"):
         assert tool in out, out
     assert "target gpuguardctl holders --local (whole process) no slower than fuser -v: " in out, out
     assert "target the daemon's scan in half fuser's time: " in out, out
-    assert "the floor here, the bare pass in 2 forked processes: " in out, out
+    assert "the floor here, the bare pass: " in out, out
 
 
-def test_bench_scan_helpers_smoke() -> None:
-    """The big-host run (--helpers --light) at a tiny size: helpers and none, fuser beside."""
-    _require("fuser")
-    out = _run("bench_scan.py", "--procs", "450", "--fds", "5", "--holders", "5", "--repeat", "1",
-               "--helpers", "--light")
+def test_bench_scan_light_smoke() -> None:
+    """The big-host population (--light) at a tiny size: its plain processes exec sleep."""
+    _require("fuser", "lsof")
+    out = _run("bench_scan.py", "--procs", "30", "--fds", "5", "--holders", "5", "--repeat", "1", "--light")
     assert "the plain ones exec sleep infinity" in out, out
-    assert "same holders: 5 pids in every run (Engine.scan(), helpers = Engine.scan(), no helpers = " \
-        "fuser -v = the population's holders)" in out, out
-    for ratio in ("Engine.scan(), helpers / fuser -v: ", "Engine.scan(), no helpers / fuser -v: ",
-                  "Engine.scan(), helpers / Engine.scan(), no helpers: "):
-        assert f"ratio {ratio}" in out, out
-    assert "lsof" not in out, out
+    assert "same holders: 5 pids in every run" in out, out
 
 
 def test_bench_sweep_smoke() -> None:
@@ -73,11 +66,6 @@ def test_bench_sweep_smoke() -> None:
     assert "skeleton: scan, safety checks, SIGTERM, NVML" in out, out
     assert "skeleton signalled = gpuguard terminated" in out, out
     assert "; skeleton/manual: " in out and "; gpuguard over the skeleton: " in out, out
-    # So did the skeleton whose scan a helper shared (its holders came back whole: by fd, not
-    # spared as NVML's word alone), and what such a helper would save gpuguard is printed.
-    assert "skeleton, its scan shared with a warm helper" in out, out
-    assert "warm skeleton signalled = gpuguard terminated" in out, out
-    assert "; warm skeleton/manual: " in out and "gpuguard with one, at best: " in out, out
     assert "overhead gpuguard over the processes' own exit: " in out, out
     assert "budget (bench/README.md), no slower than the manual pipeline: " in out, out
     # With gcc the fake NVML is built and the sweep's verification is real; without, it can't be.

@@ -20,6 +20,7 @@ import pytest
 
 from gpuguardd import __version__, config
 from gpuguardd.bus import marshal
+from gpuguardd.bus.contract import contract
 from gpuguardd.cli import exits
 from gpuguardd.cli import main as cli
 from tests.packages import require_tools
@@ -217,7 +218,7 @@ def conf_entries() -> dict[tuple[str, str], str]:
 
 def test_every_config_key_is_documented_in_its_section() -> None:
     documented = set(conf_entries())
-    known = set(config.KNOWN_KEYS)
+    known = set(config._KEYS)
     assert known - documented == set(), f"undocumented keys: {sorted(known - documented)}"
     assert documented - known == set(), f"documented keys that do not exist: {sorted(documented - known)}"
 
@@ -253,7 +254,7 @@ def test_shipped_config_shows_every_key_with_its_default(tmp_path: Path,
     monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     shipped = ROOT / "config" / "gpuguard.conf"
-    assert set(shipped_defaults()) == set(config.KNOWN_KEYS)
+    assert set(shipped_defaults()) == set(config._KEYS)
     assert config.load_config([str(shipped)]) == config.Config()
     uncommented = tmp_path / "gpuguard.conf"
     uncommented.write_text(re.sub(r"(?m)^#(?=\w+=)", "", shipped.read_text()))
@@ -322,8 +323,9 @@ def schema_keys(schema: marshal.Schema) -> set[str]:
 
 def test_dictionary_keys_are_documented() -> None:
     manager = sections(source("gpuguard-dbus.7"), 1)["INTERFACE org.gpuguard.GpuGuard1.Manager"]
-    cases = (("ListHolders", set(marshal.FILTER_OPTIONS) | set(marshal.HOLDER)),
-             ("Sweep", set(marshal.SWEEP_OPTIONS) | schema_keys(marshal.REPORT)))
+    options = contract().options
+    cases = (("ListHolders", set(options(marshal.FILTER)) | set(marshal.HOLDER)),
+             ("Sweep", set(options(marshal.SWEEP)) | schema_keys(marshal.REPORT)))
     for member, keys in cases:
         text = entry(manager, member)
         for key in keys:

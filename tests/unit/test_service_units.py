@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 from dbus_fast import Variant
 
-from gpuguardd.bus import dbusxml, marshal
+from gpuguardd.bus import marshal
 from gpuguardd.bus.auth import Caller
 from gpuguardd.daemon import inventory as inv
 from gpuguardd.daemon.notify import watchdog_interval
 from gpuguardd.daemon.service import requested_by
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
+from tests import dbusxml
 
 ROOT = Path(__file__).resolve().parents[2]
 DBUS = ROOT / "dbus"

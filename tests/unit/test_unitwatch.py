@@ -226,7 +226,7 @@ def test_manual_sweeps_are_never_deduplicated() -> None:
 
 def test_watch_does_not_sweep_a_unit_that_runs_again() -> None:
     unit = "sglang-a.service"
-    h = Harness([], {unit: UnitState(unit, "activating", "auto-restart", "i2")})
+    h = Harness([], {unit: UnitState(unit, "activating", invocation_id="i2")})
     h.release.set()
     result = asyncio.run(h.watch.sweep_unit(SweepRequest(unit=unit, requested_by=f"watch:{unit}",
                          requester_kind=RequesterKind.WATCH)))
