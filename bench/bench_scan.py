@@ -16,6 +16,9 @@ nodes). Then times, interleaved, after one untimed warm-up round each:
   * the floor: gpuguard's pass over /proc and nothing else (holders.scan_raw: no pinning,
     no details, no NVML). The daemon's scan cannot be quicker.
 
+For a host of two AMD GPUs (the same population on /dev/kfd, renderD and card nodes, a fake
+KFD and DRM sysfs tree for gpuguard's attribution): --amd.
+
 For a host of ten thousand processes:
 
     sudo .venv/bin/python bench/bench_scan.py --procs 10000 --fds 100 --light --repeat 3
@@ -83,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="cProfile one find_holders run")
     parser.add_argument("--light", action="store_true",
                         help="plain processes exec sleep: a tenth of the memory, for big populations")
+    parser.add_argument("--amd", action="store_true", help="a host of two AMD GPUs instead of NVIDIA's")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.procs < 1 or args.files < 0 or args.holders < 0 or args.repeat < 1 or args.workers < 1:
@@ -204,8 +208,10 @@ def run(args: argparse.Namespace) -> int:
         with room_for(args.procs, args.files) as raised:
             # nvidia-uvm with /dev/zero's numbers, so that holders can map it (gpuguard refuses
             # regular files as devices): every /dev/zero holder on the host is then seen as well.
-            nodes = common.make_nodes(workdir / "dev", uvm=common.UVM_ZERO)
-            patterns = (str(workdir / "dev" / "nvidia*"),)
+            nodes = common.make_nodes(workdir / "dev", uvm=common.UVM_ZERO,
+                                      names=common.AMD_NAMES if args.amd else None)
+            patterns = tuple(str(workdir / "dev" / glob) for glob in
+                             (("kfd", "renderD*", "card*") if args.amd else ("nvidia*",)))
             paths = sorted(nodes.values())
             population = Population(workdir, nodes, args.procs, args.files, args.holders,
                                     workers=args.workers, orphan_cleanup=(workdir / "dev", workdir),
@@ -221,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
                   f"device nodes{light} ({host} processes on the host); population ready in "
                   f"{population.startup_sec:.1f} s; nvidia-uvm is 1,5"
                   + (f"; raised for the run: {', '.join(raised)}" if raised else ""))
-            measure(args, workdir, population, nodes, patterns, paths)
+            sysfs = amd_tree(workdir / "sys", nodes) if args.amd else "/sys"
+            measure(args, workdir, population, nodes, patterns, paths, sysfs)
         return 0
     finally:
         if population is not None:
@@ -242,15 +249,28 @@ def check_light(population: Population, files: int) -> None:
                              f"with its {files} files")
 
 
+def amd_tree(root: Path, nodes: dict[str, str]) -> str:
+    """Two MI300X in a fake KFD and DRM sysfs tree (tests/amd_sysfs.py), their render minors
+    those of the population's render nodes: what Engine.scan() places holders by."""
+    from tests.amd_sysfs import AmdSysfs
+
+    tree = AmdSysfs(root)
+    for number, role in enumerate(("nvidia0", "nvidia1")):
+        minor = os.minor(os.stat(nodes[role]).st_rdev)
+        tree.mi300x(f"0000:c{3 + number}:00.0", gpu_id=41234 + number, render_minor=minor,
+                    card_minor=number + 1, unique_id=0x1122334455667700 + number)
+    return tree.sysfs
+
+
 def measure(args: argparse.Namespace, workdir: Path, population: Population, nodes: dict[str, str],
-            patterns: tuple[str, ...], paths: list[str]) -> None:
+            patterns: tuple[str, ...], paths: list[str], sysfs: str) -> None:
     expected = population.holder_pids
     config = Config(device_paths=patterns, allow_majors=common.ALLOW_MAJORS, runtime_directory=str(workdir / "run"),
-                    state_directory=str(workdir / "state"))
+                    state_directory=str(workdir / "state"), sysfs_path=sysfs)
     engine = Engine(config)
     config_file = workdir / "gpuguard.conf"
     config_file.write_text(
-        f"[Devices]\nPaths=\nPaths={patterns[0]}\n"
+        f"[Devices]\nPaths=\nPaths={' '.join(patterns)}\nSysfsPath={sysfs}\n"
         f"AllowMajors={' '.join(map(str, common.ALLOW_MAJORS))}\n"
         f"[Daemon]\nRuntimeDirectory={workdir / 'run'}\nStateDirectory={workdir / 'state'}\n")
     tools = make_tools(patterns, paths, engine, config_file)
@@ -270,6 +290,13 @@ def measure(args: argparse.Namespace, workdir: Path, population: Population, nod
 
     for name in names:  # warm-up: dentry caches, imports; checked, not timed
         check(name, tools[name]()[2])
+    if args.amd:
+        # The daemon's scan must also tell which AMD GPU each render node's holder is on.
+        scanned = [h for h in engine.scan().holders if h.pid in expected]
+        unplaced = [h.pid for h in scanned if any("renderD" in d for d in h.devices) and not h.gpus]
+        if unplaced or not scanned:
+            raise BenchError(f"holders of a render node on no AMD GPU: {unplaced[:5]}")
+        print(f"every one of {len(scanned)} holders of a render node placed on its AMD GPU")
     for round_number in range(args.repeat):
         # Rotate the order so no tool always runs first (or right after another).
         shift = round_number % len(names)
@@ -289,10 +316,14 @@ def measure(args: argparse.Namespace, workdir: Path, population: Population, nod
               "matches by design (fuser and lsof match the node's inode): "
               + "; ".join(f"{pid}: {why}" for pid, why in sorted(aliases.items())[:5]))
     ratios = peer_ratios(times, cpu)
+    if args.amd:
+        print(f"target (2 AMD GPUs) the scan within 1.0x of fuser over the same nodes: "
+              f"{'met' if ratios[f'{SCAN}/{FUSER}'] <= 1.0 else 'MISSED'} "
+              f"(Engine.scan() {ratios[f'{SCAN}/{FUSER}']:.2f}x fuser)")
     if args.profile:
         print("\nprofile of one find_holders run:\n" + profile_find(patterns))
     common.write_json(args.json, {
-        "benchmark": "scan", "procs": args.procs, "files": args.files,
+        "benchmark": "scan", "procs": args.procs, "files": args.files, "amd": args.amd,
         "holders": len(expected), "repeat": args.repeat, "light": args.light,
         "median_sec": {name: common.median(times[name]) for name in names},
         "median_cpu_sec": {name: common.median(cpu[name]) for name in names},

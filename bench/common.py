@@ -105,12 +105,20 @@ def exit_on_signals() -> None:
     signal.signal(signal.SIGHUP, handler)
 
 
-def make_nodes(dev: Path, uvm: str = UVM_PATH) -> dict[str, str]:
+# --amd: the same roles as AMD's nodes: two GPUs' render nodes, a primary node each for
+# management clients and modesetting, and /dev/kfd (which ROCm processes map, as CUDA's
+# nvidia-uvm) in nvidia-uvm's place.
+AMD_NAMES = {"nvidia0": "renderD0", "nvidia1": "renderD1", "nvidiactl": "card0",
+             "nvidia-modeset": "card1", "nvidia-uvm": "kfd"}
+
+
+def make_nodes(dev: Path, uvm: str = UVM_PATH, names: Mapping[str, str] | None = None) -> dict[str, str]:
     """The fake nodes in `dev`, on a tmpfs of their own when root may mount one.
 
     Real nodes live on devtmpfs, whose device number nothing else on the host shares; nodes on
     the root filesystem would share it with every binary and library in /proc/<pid>/maps.
     uvm: what nvidia-uvm is (UVM_PATH or UVM_ZERO, see above).
+    names: the file each role's node gets (AMD_NAMES), else the NVIDIA driver's names.
     Call unmount_nodes(dev) when done.
     """
     dev.mkdir(parents=True, exist_ok=True)
@@ -121,7 +129,7 @@ def make_nodes(dev: Path, uvm: str = UVM_PATH) -> dict[str, str]:
     base = secrets.randbelow((1 << 20) - 4096) + 1024
     paths: dict[str, str] = {}
     for offset, name in enumerate(NODE_NAMES):
-        path = dev / name
+        path = dev / (names or {}).get(name, name)
         paths[name] = str(path)
         major, minor = ZERO if name == "nvidia-uvm" and uvm == UVM_ZERO else (BENCH_MAJOR, base + offset)
         os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))

@@ -32,10 +32,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tests.conftest import GpuHost
 from tests.helpers import gone
+
+if TYPE_CHECKING:  # the tree alone (bench/bench_scan.py --amd) needs no pytest
+    from tests.conftest import GpuHost
 
 GiB = 1 << 30
 MI300X = 0x74A1

@@ -54,6 +54,15 @@ def test_bench_scan_light_smoke() -> None:
     assert "same holders: 5 pids in every run" in out, out
 
 
+def test_bench_scan_amd_smoke() -> None:
+    """The two-AMD-GPU host: the same population on /dev/kfd and render nodes, a fake sysfs."""
+    _require("fuser", "lsof")
+    out = _run("bench_scan.py", "--procs", "20", "--files", "5", "--holders", "5", "--repeat", "1", "--amd")
+    assert "same holders: 5 pids in every run" in out, out
+    assert "holders of a render node placed on its AMD GPU" in out, out
+    assert "target (2 AMD GPUs) the scan within 1.0x of fuser over the same nodes: " in out, out
+
+
 def test_bench_sweep_smoke() -> None:
     _require("fuser", "pkill")
     out = _run("bench_sweep.py", "--holders", "5", "--files", "5", "--repeat", "1")
