@@ -93,10 +93,6 @@ class UnitGpuRecord:
     def all_gpus(self) -> set[int]:
         return self.gpus | self.hinted
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "gpus": sorted(self.gpus), "hinted": sorted(self.hinted),
-                "pids": sorted(pid for pid, _ in self.processes)}
-
 
 class UnitGpuRecords:
     """Per host unit: the GPUs and processes seen in it. Bounded; oldest units go first."""

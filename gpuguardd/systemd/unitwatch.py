@@ -72,12 +72,6 @@ class UnitWatch:
             log.warning("cannot keep the unit records in %s: %s", self.records_path,
                         exc.strerror or exc)
 
-    async def start(self) -> None:
-        try:
-            await self.watcher.start()
-        except Exception as exc:  # never keep the daemon from serving its API
-            log.warning("unit watch off: %s", exc)
-
     def config_changed(self, patterns: Sequence[str]) -> None:
         self.watcher.patterns = tuple(patterns)
 
