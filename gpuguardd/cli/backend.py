@@ -101,26 +101,22 @@ class LocalBackend:
         return self.engine.reset_gpu(gpu, requester_description(), reason)
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
-        """The daemon's code path (unitsweep.py): escaped leftovers, one sweep per stop."""
-        from gpuguardd.records.models import ScanResult
+        """The daemon's rule (unitsweep.leftovers): the unit's escaped leftovers go with it."""
+        from gpuguardd.engine.attribution import normalize_unit_name
+        from gpuguardd.systemd.adoption import UnitGpuRecords
         from gpuguardd.systemd.client import local_systemd  # dbus-fast only where a unit is swept
-        from gpuguardd.systemd.unitsweep import UnitSweeps
-
-        async def scan() -> ScanResult:
-            return self.engine.scan()
-
-        async def run(wanted: SweepRequest) -> Report:
-            return self.engine.sweep(wanted)
+        from gpuguardd.systemd.unitsweep import leftovers
 
         systemd, bus = await local_systemd(self.bus_address)
         try:
-            sweeps = UnitSweeps(systemd, scan, run, lambda: self.engine.config.dry_run)
-            report = await sweeps.sweep_unit(request)
+            if not request.container:
+                request.adopted = sorted(set(request.adopted) | set(await leftovers(
+                    systemd, UnitGpuRecords(), normalize_unit_name(request.unit), self.engine.scan(),
+                    request.include_management)))
         finally:
             if bus is not None:
                 bus.disconnect()
-        assert report is not None  # None only for the daemon's watcher's own requests
-        return report
+        return self.engine.sweep(request)
 
     def history(self, count: int) -> list[Report]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")

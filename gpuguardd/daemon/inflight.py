@@ -28,9 +28,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
-from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
@@ -59,80 +57,42 @@ class InFlightSweep:
 
 
 def _encode(sweep: InFlightSweep) -> bytes:
-    r = sweep.request
-    data = {"format": FORMAT, "started_usec": sweep.started_usec, "report_id": r.report_id,
-            "resumes": r.resumes, "gpus": list(r.gpus), "unit": r.unit, "container": r.container,
-            "grace_ms": r.grace_ms, "dry_run": r.dry_run,
-            "include_management": r.include_management, "reason": r.reason,
-            "requested_by": r.requested_by, "requester_kind": r.requester_kind.value,
-            "adopted": [list(p) for p in r.adopted],
-            "slurm_job": r.slurm_job, "slurm_uid": r.slurm_uid, "audited": r.audited,
+    data = {"format": FORMAT, "started_usec": sweep.started_usec, **sweep.request.to_dict(),
             "terminated": [t.to_dict() for t in sweep.terminated]}
     return json.dumps(data, ensure_ascii=True, sort_keys=True).encode("ascii")
 
 
-def _field(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
-    value = data.get(key)
-    if value is None and optional:
-        return None
-    # bool is an int in Python: a count or a PID must not be true or false.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"{key}: {value!r} is not a {kind.__name__}")
-    return value
-
-
-def _uint(data: dict[str, Any], key: str, top: int, optional: bool = False) -> int | None:
-    value = _field(data, key, int, optional)
-    if value is not None and not 0 <= value <= top:
-        raise ValueError(f"{key}: {value} is out of range")
-    return value  # type: ignore[no-any-return]
-
-
 def _decode(text: bytes, name: str) -> InFlightSweep:
+    """The record `_encode` wrote, read strictly: SweepRequest's codec for its fields, then
+    the ranges and ids a file of ours has."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not an in-flight record of this version")
-    report_id = _field(data, "report_id", str)
-    if not _ID.fullmatch(report_id) or name != f"{report_id}.json":
-        raise ValueError(f"report_id {report_id!r} does not name this file")
-    resumes = _field(data, "resumes", str)
-    if resumes and not _ID.fullmatch(resumes):
-        raise ValueError(f"resumes: {resumes!r} is not a report id")
-    gpus = _field(data, "gpus", list)
-    adopted = _field(data, "adopted", list)
-    if not all(isinstance(g, str) for g in gpus):
-        raise ValueError("gpus: not a list of strings")
-    pairs: list[tuple[int, int]] = []
-    for pair in adopted:
-        if not (isinstance(pair, list) and len(pair) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)):
-            raise ValueError(f"adopted: {pair!r} is not a (pid, start time) pair")
-        pairs.append((pair[0], pair[1]))
-    slurm_uid = _field(data, "slurm_uid", int)
-    if not -1 <= slurm_uid <= _U32:
-        raise ValueError(f"slurm_uid: {slurm_uid} is out of range")
-    requested_by = _field(data, "requested_by", str)
-    kind = _field(data, "requester_kind", str, optional=True)
-    try:
-        # A record written before the codes (a daemon upgraded mid-sweep) has none: the words
-        # that daemon wrote say it, by the rule it kept them by (rules.legacy_requester_kind).
-        requester_kind = legacy_requester_kind(requested_by) if kind is None else RequesterKind(kind)
-    except ValueError:
-        raise ValueError(f"requester_kind: {kind!r} is not a requester kind") from None
-    request = SweepRequest(
-        gpus=gpus, unit=_field(data, "unit", str), container=_field(data, "container", str),
-        grace_ms=_uint(data, "grace_ms", _U32, optional=True),
-        dry_run=_field(data, "dry_run", bool, optional=True),
-        include_management=_field(data, "include_management", bool),
-        reason=_field(data, "reason", str), requested_by=requested_by, requester_kind=requester_kind,
-        adopted=pairs, slurm_job=_field(data, "slurm_job", str), slurm_uid=slurm_uid,
-        audited=_field(data, "audited", bool), report_id=report_id, resumes=resumes)
-    started = _uint(data, "started_usec", 2**63 - 1)
-    assert started is not None
-    ended = [Terminated.from_dict(t) for t in _field(data, "terminated", list, optional=True) or []]
-    if any(t.unread for t in ended):
+    request = SweepRequest.from_dict(data)
+    # A record written before the codes (a daemon upgraded mid-sweep) has no requester_kind:
+    # the words that daemon wrote say it, by the rule it kept them by.
+    legacy = "requester_kind" not in data
+    unread = request.unread - ({"requester_kind"} if legacy else set())
+    if unread:
+        raise ValueError(f"{', '.join(sorted(unread))}: not of an in-flight record's types")
+    if legacy:
+        request.requester_kind = legacy_requester_kind(request.requested_by)
+    if not _ID.fullmatch(request.report_id) or name != f"{request.report_id}.json":
+        raise ValueError(f"report_id {request.report_id!r} does not name this file")
+    if request.resumes and not _ID.fullmatch(request.resumes):
+        raise ValueError(f"resumes: {request.resumes!r} is not a report id")
+    if any(v < 0 for pair in request.adopted for v in pair):
+        raise ValueError(f"adopted: {request.adopted!r} are not (pid, start time) pairs")
+    started, ended = data.get("started_usec", -1), data.get("terminated") or []
+    for key, value, low, top in (("slurm_uid", request.slurm_uid, -1, _U32),
+                                 ("grace_ms", request.grace_ms or 0, 0, _U32),
+                                 ("started_usec", started, 0, 2**63 - 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= top:
+            raise ValueError(f"{key}: {value!r} is out of range")
+    terminated = [Terminated.from_dict(t) for t in ended] if isinstance(ended, list) else None
+    if terminated is None or any(t.unread for t in terminated):
         raise ValueError("terminated: an entry of another shape")
-    return InFlightSweep(request, started, ended)
+    return InFlightSweep(request, started, terminated)
 
 
 class InFlightSweeps:

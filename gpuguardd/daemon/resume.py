@@ -30,7 +30,7 @@ from typing import cast
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
+from gpuguardd.daemon.runner import SweepRunner, UnitSweeps, sweep_budget_sec
 from gpuguardd.numbers import is_digits
 from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
@@ -38,7 +38,6 @@ from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.dropins import DROPIN_FILE
 from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
-from gpuguardd.systemd.unitsweep import UnitSweeps
 
 log = logging.getLogger("gpuguard.resume")
 

@@ -16,22 +16,28 @@ seen so far, so a stop never loses a sweep from the audit.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
+from gpuguardd.engine.attribution import normalize_unit_name
 from gpuguardd.engine.engine import Engine
 from gpuguardd.errors import GpuGuardError
-from gpuguardd.records.enums import Outcome
-from gpuguardd.records.models import SweepRequest
+from gpuguardd.records.enums import Outcome, RequesterKind
+from gpuguardd.records.models import NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
+from gpuguardd.systemd.adoption import UnitGpuRecords
+from gpuguardd.systemd.rules import WATCH_PREFIX, UnitState
+from gpuguardd.systemd.unitsweep import SystemdView, leftovers
+from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.runner")
 
@@ -236,3 +242,155 @@ class SweepRunner:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+# -- unit sweeps ---------------------------------------------------------------------------
+# One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
+# once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
+# "watch:") of the same unit and invocation share one sweep and its report. Dry runs never do:
+# they neither join nor stand for a stop's sweep, whatever their reason says. A unit that
+# systemd is already starting again (Restart=) is not swept by the watcher: its new instance
+# owns the GPUs.
+
+# Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
+DEDUPE_WINDOW_SEC = 10.0
+# Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
+REMEMBER_SEC = 300.0
+# The requesters whose real sweep of a unit stands for its stop: the stop hook (root's, or a
+# polkit-authorised caller's: the service checked) and the unit watch.
+AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
+
+
+async def _now(value: Report | None) -> Report | None:
+    return value
+
+
+class UnitSweeps:
+    """Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
+    resume.py's): systemd says which leftovers are the unit's (unitsweep.leftovers), the
+    runner sweeps, one sweep per stop. `scan` and `snapshot` are the inventory's (a fresh
+    scan, the last NVML snapshot)."""
+
+    def __init__(self, runner: SweepRunner, watch: UnitWatch,
+                 scan: Callable[[], Awaitable[ScanResult]],
+                 snapshot: Callable[[], NvmlSnapshot]) -> None:
+        self.runner = runner
+        self.watch = watch
+        self.scan = scan
+        self.snapshot = snapshot
+        self._inflight: dict[tuple[str, str], asyncio.Future[Report]] = {}
+        self._recent: collections.OrderedDict[tuple[str, str], tuple[float, Report]] = \
+            collections.OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def systemd(self) -> SystemdView:
+        return self.watch.systemd
+
+    @property
+    def records(self) -> UnitGpuRecords:
+        return self.watch.records
+
+    async def start(self) -> None:
+        """Follow systemd: a watched unit's stop is swept, a starting service hints its GPUs."""
+        try:
+            await self.watch.watcher.start()
+        except Exception as exc:  # never keep the daemon from serving its API
+            log.warning("unit watch off: %s", exc)
+            return
+        self._spawn(self._follow())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _follow(self) -> None:
+        while True:
+            event = await self.watch.watcher.events.get()
+            self._spawn(self._on_event(event.state, event.stopped))
+
+    async def _on_event(self, state: UnitState, stopped: bool) -> None:
+        try:
+            if not stopped:
+                if await self.watch.started(state, self.snapshot()):
+                    self.watch.observe((await self.scan()).holders)
+                return
+            log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",
+                     f", result {state.result}" if state.result else "")
+            await self.sweep_unit(SweepRequest(
+                unit=state.unit, requested_by=f"{WATCH_PREFIX}{state.unit}",
+                requester_kind=RequesterKind.WATCH,
+                reason=f"{WATCH_PREFIX}{state.unit} result={state.result or '-'}"
+                       f" state={state.active_state or 'unloaded'}"))
+        except Exception:
+            log.exception("handling %s (%s)", state.unit, state.active_state)
+
+    async def sweep_unit(self, request: SweepRequest) -> Report | None:
+        """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
+        None only when the watcher's sweep is skipped because the unit runs again."""
+        return await (await self.begin(request))
+
+    async def begin(self, request: SweepRequest) -> Awaitable[Report | None]:
+        """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
+        and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
+        returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
+        finishes this way before it owns its bus name, so a hook that asks again joins them.
+        """
+        unit = normalize_unit_name(request.unit)  # already validated by the caller
+        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
+        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
+        # hook a report that signalled nothing.
+        dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
+        state = await self.systemd.state(unit) if self.systemd.available else None
+        if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
+            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
+                     state.active_state)
+            return _now(None)
+        if request.requester_kind not in AUTOMATIC or dry_run:
+            return self._sweep(unit, request, state)
+        key = (unit, state.invocation_id if state is not None else "")
+        now = time.monotonic()
+        while self._recent and now - next(iter(self._recent.values()))[0] > REMEMBER_SEC:
+            self._recent.popitem(last=False)
+        remembered = self._recent.get(key)
+        if remembered is not None and (key[1] or now - remembered[0] < DEDUPE_WINDOW_SEC):
+            log.info("%s: this stop was already swept (%s); same report", unit, remembered[1].id[:8])
+            return _now(remembered[1])
+        running = self._inflight.get(key)
+        if running is not None:
+            log.info("%s: joining the sweep already running for this stop", unit)
+            return asyncio.shield(running)
+        future: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        return self._own(key, future, unit, request, state)
+
+    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
+                   request: SweepRequest, state: UnitState | None) -> Report:
+        try:
+            report = await self._sweep(unit, request, state)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a lone sweep's failure is its caller's to see
+            raise
+        finally:
+            self._inflight.pop(key, None)
+        future.set_result(report)
+        self._recent[key] = (time.monotonic(), report)
+        return report
+
+    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None) -> Report:
+        if not request.container and self.systemd.available:
+            # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
+            # processes, by PID and start time, whatever the records lost with the crash.
+            found = await leftovers(self.systemd, self.records, unit, await self.scan(),
+                                    request.include_management)
+            request.adopted = sorted(set(request.adopted) | set(found))
+        report = await self.runner.run(request)
+        if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
+                and (state is None or state.stopped or state.active_state == "deactivating"):
+            self.records.forget(unit)  # everything the unit left is gone: start afresh
+        return report

@@ -28,7 +28,7 @@ from gpuguardd.daemon.metrics import Metrics
 from gpuguardd.daemon.publisher import Publisher
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
-from gpuguardd.daemon.runner import InFlight, SweepRunner
+from gpuguardd.daemon.runner import InFlight, SweepRunner, UnitSweeps
 from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
@@ -109,14 +109,14 @@ class Service:
         self._typed_sizes: dict[int, int] = {}
         # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
-        self.unit_watch = UnitWatch(bus, lambda: self.engine.config.watch_units,
-                                    lambda: self.inventory.snapshot, self.inventory.fresh_scan,
-                                    self.runner.run, lambda: self.engine.config.dry_run,
+        self.unit_watch = UnitWatch(bus, engine.config.watch_units,
                                     os.path.join(engine.config.runtime_directory, "units.json"))
+        self.units = UnitSweeps(self.runner, self.unit_watch, self.inventory.fresh_scan,
+                                lambda: self.inventory.snapshot)
         # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
         # the name is owned (Daemon.run).
         self.resume = Resume(inflight,
-                             history, self.runner, self.unit_watch, lambda: self.engine.config,
+                             history, self.runner, self.units, lambda: self.engine.config,
                              self.inventory.fresh_scan)
         self.resume_work: list[Awaitable[Report | None]] = []
         # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are. While
@@ -133,14 +133,14 @@ class Service:
             await self.inventory.scan()
         except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
             log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
-        await self.unit_watch.start()
+        await self.units.start()
         self.resume_work = await self.resume.claim()
 
     def config_changed(self) -> None:
         config = self.engine.config
         self.store.set_max_entries(config.history_max)
         self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
-        self.unit_watch.config_changed()
+        self.unit_watch.config_changed(config.watch_units)
         self.inventory.request_rescan()
 
     def sweep_gpus(self, flight: InFlight) -> list[int] | None:
@@ -252,7 +252,7 @@ class Service:
         await self.runner.validate(request)
         if request.unit:
             # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
-            unit_report = await self.unit_watch.sweep_unit(request)
+            unit_report = await self.units.sweep_unit(request)
             assert unit_report is not None  # None only for the watch's own requests
             return unit_report.to_dict()
         report = await self.runner.run(request)

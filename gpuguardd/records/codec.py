@@ -210,7 +210,7 @@ def _constant(value: object) -> Callable[[], Any]:
 
 def _reader(annotation: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[], Any]]:
     """A reader and a zero for the annotations records use: int, str, bool, an enum, a
-    record, list[...] of those, and `X | None`."""
+    record, list[...] and tuple[...] of those, and `X | None`."""
     text = annotation.replace(" ", "")
     if text.endswith("|None"):
         inner, _ = _reader(text[: -len("|None")], namespace)
@@ -218,6 +218,9 @@ def _reader(annotation: str, namespace: Mapping[str, Any]) -> tuple[Reader, Call
     if text.startswith("list[") and text.endswith("]"):
         item, _ = _reader(text[len("list["):-1], namespace)
         return _list_of(item), list
+    if text.startswith("tuple[") and text.endswith("]"):  # a fixed pair of scalars: (pid, start)
+        parts = [_reader(part, namespace)[0] for part in text[len("tuple["):-1].split(",")]
+        return _tuple_of(parts), tuple
     if text in _SCALARS:
         return _SCALARS[text]
     kind = namespace.get(text)
@@ -258,6 +261,15 @@ def _list_of(item: Reader) -> Reader:
                 return False, _as_texts(value, item)
             items.append(typed)
         return True, items
+    return read
+
+
+def _tuple_of(parts: list[Reader]) -> Reader:
+    def read(value: object) -> tuple[bool, Any]:
+        if not isinstance(value, (list, tuple)) or len(value) != len(parts):
+            return False, None
+        items = [part(entry) for part, entry in zip(parts, value)]
+        return (True, tuple(v for _, v in items)) if all(ok for ok, _ in items) else (False, None)
     return read
 
 

@@ -219,7 +219,10 @@ class ScanResult:
 
 
 @dataclass
-class SweepRequest:
+class SweepRequest(WireRecord):
+    """What a sweep is asked to do; its to_dict/from_dict (codec.py) are the in-flight record's
+    form (daemon/inflight.py)."""
+
     gpus: list[str] = field(default_factory=list)  # NVML index or UUID, as the caller typed it
     unit: str = ""
     container: str = ""

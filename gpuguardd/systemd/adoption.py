@@ -1,5 +1,5 @@
 """The escaped-leftover (adoption) rule, pure: what each host unit held, and which holders
-outside a unit were its own. No D-Bus, no I/O: unitsweep.UnitSweeps applies it with a scan and
+outside a unit were its own. No D-Bus, no I/O: unitsweep.leftovers applies it to a scan with
 systemd's answers (client.Systemd).
 
 `UnitGpuRecords` remembers, for every host unit whose processes hold GPUs, which GPUs those
@@ -92,10 +92,6 @@ class UnitGpuRecord:
     @property
     def all_gpus(self) -> set[int]:
         return self.gpus | self.hinted
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "gpus": sorted(self.gpus), "hinted": sorted(self.hinted),
-                "pids": sorted(pid for pid, _ in self.processes)}
 
 
 class UnitGpuRecords:

@@ -266,10 +266,7 @@ def install(pattern: str, root: str = "/", reload: bool = True, start: bool = Fa
     if current == wanted:
         return Result("unchanged", target.name, path, "not needed (nothing changed)")
     _write_atomic(path, wanted)
-    action = "installed" if current is None else "updated"
-    result = Result(action, target.name, path)
-    result.reload = daemon_reload(root) if reload else "skipped (--no-reload)"
-    return result
+    return _changed("installed" if current is None else "updated", target, path, root, reload)
 
 
 def remove(pattern: str, root: str = "/", reload: bool = True, start: bool = False) -> Result:
@@ -286,9 +283,11 @@ def remove(pattern: str, root: str = "/", reload: bool = True, start: bool = Fal
         os.rmdir(os.path.dirname(path))  # only if we left it empty; an admin's files stay
     except OSError:
         pass
-    result = Result("removed", target.name, path)
-    result.reload = daemon_reload(root) if reload else "skipped (--no-reload)"
-    return result
+    return _changed("removed", target, path, root, reload)
+
+
+def _changed(action: str, target: HookTarget, path: str, root: str, reload: bool) -> Result:
+    return Result(action, target.name, path, daemon_reload(root) if reload else "skipped (--no-reload)")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 unit's state, which state change of a watched unit is a stop to sweep, and how automatic
 sweeps name who asked ("hook:<unit>", "watch:<unit>"). No D-Bus, no I/O, nothing heavy (the
 CLI's hook verbs import it): the watcher (watcher.py) applies them to what systemd's client
-(client.py) reads; the escaped-leftover rule and one sweep per stop are unitsweep.py's.
+(client.py) reads; the escaped-leftover rule is adoption.py's, one sweep per stop daemon/runner.py's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The unit watcher: follows systemd on the bus (`Subscribe`, then `JobRemoved` and the units'
-`PropertiesChanged`) and calls back when a unit matching `[Watch] Units` has stopped
-(inactive or failed), also for units without an ExecStopPost drop-in, and when a service
-starts. What counts as a stop is rules.py's; systemd is asked through client.Systemd.
+`PropertiesChanged`) and reports, on `events`, when a unit matching `[Watch] Units` has
+stopped (inactive or failed), also for units without an ExecStopPost drop-in, and when a
+service starts. What counts as a stop is rules.py's; systemd is asked through client.Systemd.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
+from typing import NamedTuple
 
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -23,22 +24,24 @@ from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep, 
 log = logging.getLogger("gpuguard.unitwatch")
 
 
+class UnitEvent(NamedTuple):
+    state: UnitState
+    stopped: bool  # a watched unit's stop (once per stop); else a service that became active
+
+
 class UnitWatcher:
-    """Calls `on_stopped(state)` once per stop of a unit matching `patterns`, and
-    `on_active(unit)` when any service becomes active (for GPU hints).
+    """Puts on `events` each stop of a unit matching `patterns`, once, and each service that
+    becomes active (for GPU hints).
 
     Only signals from systemd's own connection count; each event is confirmed by asking
     systemd for the unit's state, so a forged or stale signal can at most cause a lookup.
     """
 
-    def __init__(self, bus: MessageBus, systemd: Systemd, patterns: Sequence[str],
-                 on_stopped: Callable[[UnitState], Awaitable[None]],
-                 on_active: Callable[[UnitState], Awaitable[None]] | None = None) -> None:
+    def __init__(self, bus: MessageBus, systemd: Systemd, patterns: Sequence[str]) -> None:
         self.bus = bus
         self.systemd = systemd
         self.patterns = tuple(patterns)
-        self.on_stopped = on_stopped
-        self.on_active = on_active
+        self.events: asyncio.Queue[UnitEvent] = asyncio.Queue()
         self._owner = ""
         self._last: dict[str, str] = {}  # unit -> last ActiveState seen
         self._handled: collections.deque[tuple[str, str]] = collections.deque(maxlen=1024)
@@ -47,9 +50,6 @@ class UnitWatcher:
         self._stale: set[str] = set()  # signalled while its state was being read: read again
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
-
-    def set_patterns(self, patterns: Sequence[str]) -> None:
-        self.patterns = tuple(patterns)
 
     async def start(self) -> bool:
         if not self._started:
@@ -110,7 +110,7 @@ class UnitWatcher:
                 return None
             if matches(unit, self.patterns):
                 self._consider(unit, job_done=False)
-            elif self.on_active is not None and unit.endswith(".service"):
+            elif unit.endswith(".service"):
                 # Other services matter only as they start (CUDA_VISIBLE_DEVICES hint): no
                 # lookups for the many state changes of every other unit on the host.
                 changed = msg.body[1].get("ActiveState")
@@ -159,19 +159,12 @@ class UnitWatcher:
         self._last[unit] = state.active_state
         if len(self._last) > 4 * MAX_UNITS:
             self._last.pop(next(iter(self._last)))
-        if became_active(previous, state) and self.on_active:
-            await self._guarded(self.on_active, state)
+        if became_active(previous, state):
+            self.events.put_nowait(UnitEvent(state, stopped=False))
         if not matches(unit, self.patterns) or not is_stop_to_sweep(previous, state, job_done):
             return
         key = (unit, state.invocation_id)
         if key in self._handled:
             return
         self._handled.append(key)
-        await self._guarded(self.on_stopped, state)
-
-    @staticmethod
-    async def _guarded(callback: Callable[[UnitState], Awaitable[None]], state: UnitState) -> None:
-        try:
-            await callback(state)
-        except Exception:
-            log.exception("handling %s (%s)", state.unit, state.active_state)
+        self.events.put_nowait(UnitEvent(state, stopped=True))

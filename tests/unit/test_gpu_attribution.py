@@ -9,7 +9,7 @@ def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:
     of another tenant holds the unit's GPU node too."""
     from gpuguardd.records.enums import GpusFrom, HolderKind
     from gpuguardd.records.models import Holder
-    from gpuguardd.systemd.unitwatch import UnitGpuRecords, adoption_candidates
+    from gpuguardd.systemd.adoption import UnitGpuRecords, adoption_candidates
 
     records = UnitGpuRecords()
     records.observe([Holder(pid=10, unit="llm.service", gpus=[1], nvml_gpus=[1], start_time=1)])

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gpuguardd.daemon.runner import UnitSweeps
 from gpuguardd.records.enums import GpusFrom, HolderKind, Outcome, RequesterKind
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.records.report import Report
-from gpuguardd.systemd.unitwatch import (
-    UnitGpuRecords,
-    UnitState,
-    UnitWatch,
-    UnitWatcher,
-    adoption_candidates,
-    cuda_visible_gpus,
-    matches,
-    unit_name_from_path,
-)
+from gpuguardd.systemd.adoption import UnitGpuRecords, adoption_candidates, cuda_visible_gpus
+from gpuguardd.systemd.rules import UnitState, matches, unit_name_from_path
+from gpuguardd.systemd.unitwatch import UnitWatch
+from gpuguardd.systemd.watcher import UnitWatcher
 
 NVML = NvmlSnapshot(available=True, gpus=[
     GpuInfo(0, uuid="GPU-aaaa1111-0000-4000-8000-000000000000"),
@@ -131,14 +127,16 @@ class FakeSystemd:
 
 
 class Harness:
-    """A UnitWatch with a fake systemd, a fixed scan and a sweep that records its requests."""
+    """The daemon's UnitSweeps with a fake systemd, a fixed scan, and itself as the runner:
+    a sweep that records its requests."""
 
     def __init__(self, holders: list[Holder], states: dict[str, UnitState]) -> None:
         self.requests: list[SweepRequest] = []
         self.release = asyncio.Event()
-        self.watch = UnitWatch(bus=None, patterns=lambda: ["sglang-*"],  # type: ignore[arg-type]
-                               snapshot=lambda: NVML, scan=self.scan, run=self.run)
-        self.watch.systemd = FakeSystemd(states)
+        self.engine = SimpleNamespace(config=SimpleNamespace(dry_run=False))
+        self.unit_watch = UnitWatch(bus=None, patterns=["sglang-*"])  # type: ignore[arg-type]
+        self.unit_watch.systemd = FakeSystemd(states)  # type: ignore[assignment]
+        self.watch = UnitSweeps(self, self.unit_watch, self.scan, lambda: NVML)  # type: ignore[arg-type]
         self.holders = holders
 
     async def scan(self) -> ScanResult:
@@ -164,7 +162,7 @@ def test_unit_sweep_adopts_only_leftovers_no_running_unit_owns() -> None:
     scan = [holder(10, "", [0]), holder(11, "session-3.scope", [0]),
             holder(12, "old.service", [0]), holder(13, "gone.service", [0])]
     h = Harness(scan, states)
-    h.watch.observe([holder(9, unit, [0])])
+    h.unit_watch.observe([holder(9, unit, [0])])
     h.release.set()
     report = asyncio.run(h.watch.sweep_unit(hook(unit)))
     assert report is not None and report.outcome == "freed"
@@ -177,7 +175,7 @@ def test_unit_sweep_adopts_only_leftovers_no_running_unit_owns() -> None:
 def test_nothing_is_adopted_without_systemd() -> None:
     h = Harness([holder(10, "", [0])], {})
     h.watch.systemd.available = False
-    h.watch.observe([holder(9, "sglang-a.service", [0])])
+    h.unit_watch.observe([holder(9, "sglang-a.service", [0])])
     h.release.set()
     asyncio.run(h.watch.sweep_unit(hook("sglang-a.service")))
     assert h.requests[0].adopted == []
@@ -239,8 +237,7 @@ def test_unit_records_that_cannot_be_kept_are_said_once_not_every_poll(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The records are written at each inventory change (every poll); a runtime directory that
     is gone must cost one warning, not one every 2 s, and a change of the records tries again."""
-    watch = UnitWatch(bus=None, patterns=lambda: ["sglang-*"],  # type: ignore[arg-type]
-                      snapshot=lambda: NVML, scan=None, run=None,  # type: ignore[arg-type]
+    watch = UnitWatch(bus=None, patterns=["sglang-*"],  # type: ignore[arg-type]
                       records_path=str(tmp_path / "gone" / "units.json"))
     held = [holder(10, "sglang-a.service", [0])]
     with caplog.at_level("WARNING"):
@@ -268,16 +265,21 @@ class SlowSystemd:
         return seen
 
 
-def running_watcher(systemd: SlowSystemd, unit: str) -> tuple[UnitWatcher, list[UnitState]]:
-    """A watcher of docker-*.scope that has seen `unit` active, and the stops it reports."""
-    stopped: list[UnitState] = []
-
-    async def on_stopped(state: UnitState) -> None:
-        stopped.append(state)
-
-    watcher = UnitWatcher(None, systemd, ["docker-*.scope"], on_stopped)  # type: ignore[arg-type]
+def running_watcher(systemd: SlowSystemd, unit: str) -> UnitWatcher:
+    """A watcher of docker-*.scope that has seen `unit` active."""
+    watcher = UnitWatcher(None, systemd, ["docker-*.scope"])  # type: ignore[arg-type]
     watcher._last[unit] = "active"
-    return watcher, stopped
+    return watcher
+
+
+def stops(watcher: UnitWatcher) -> list[UnitState]:
+    """The stops the watcher reported."""
+    found = []
+    while not watcher.events.empty():
+        event = watcher.events.get_nowait()
+        if event.stopped:
+            found.append(event.state)
+    return found
 
 
 def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> None:
@@ -286,7 +288,7 @@ def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> No
     the scope is unloaded, so no signal comes again. The stop must still be swept."""
     unit = "docker-0123.scope"
     systemd = SlowSystemd(UnitState(unit, "deactivating", invocation_id="i1"))
-    watcher, stopped = running_watcher(systemd, unit)
+    watcher = running_watcher(systemd, unit)
 
     async def scenario() -> None:
         watcher._consider(unit, job_done=False)  # PropertiesChanged: deactivating
@@ -300,7 +302,7 @@ def test_watcher_looks_again_at_a_stop_signalled_while_it_read_the_state() -> No
 
     asyncio.run(scenario())
     assert systemd.asked == ["deactivating", ""]
-    assert [s.unit for s in stopped] == [unit]
+    assert [s.unit for s in stops(watcher)] == [unit]
 
 
 def test_watcher_reads_a_burst_of_signals_once() -> None:
@@ -308,7 +310,7 @@ def test_watcher_reads_a_burst_of_signals_once() -> None:
     unit = "docker-0123.scope"
     systemd = SlowSystemd(UnitState(unit, "inactive", invocation_id="i1"))
     systemd.answer.set()
-    watcher, stopped = running_watcher(systemd, unit)
+    watcher = running_watcher(systemd, unit)
 
     async def scenario() -> None:
         for job_done in (False, False, True):
@@ -318,4 +320,4 @@ def test_watcher_reads_a_burst_of_signals_once() -> None:
 
     asyncio.run(scenario())
     assert systemd.asked == ["inactive"]
-    assert [s.unit for s in stopped] == [unit]
+    assert [s.unit for s in stops(watcher)] == [unit]

@@ -10,7 +10,7 @@ import pytest
 
 from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
-from gpuguardd.systemd.unitwatch import UnitState
+from gpuguardd.systemd.rules import UnitState
 from tests.unit.test_unitwatch import Harness
 
 UNIT = "gg-hook.service"
@@ -29,7 +29,7 @@ NOBODY_HOOK = f"hook:{UNIT} via uid 65534 (nobody) :1.9"
 @pytest.mark.parametrize("default_dry_run", [False, True])
 def test_a_dry_run_is_never_the_stops_sweep(default_dry_run: bool) -> None:
     h = Harness([], {UNIT: UnitState(UNIT, "deactivating", invocation_id="i1")})
-    h.watch.dry_run_default = lambda: default_dry_run
+    h.engine.config.dry_run = default_dry_run
     h.release.set()
 
     async def scenario() -> list[str]:
