@@ -12,9 +12,12 @@ fixed set, so a strange report can never grow the number of series.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -85,18 +88,12 @@ class _Histogram:
 
     def observe(self, value: float) -> None:
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
 
     def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        cumulative, running = [], 0
-        for bound, count in zip([*(repr(float(b)) for b in self.bounds), "+Inf"], self.counts):
-            running += count
-            cumulative.append((bound, running))
-        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
+        bounds = [*(repr(float(b)) for b in self.bounds), "+Inf"]
+        return HistogramMetricFamily(name, documentation, buckets=list(zip(bounds, accumulate(self.counts))),
+                                     sum_value=self.total)
 
 
 class Metrics:
@@ -105,12 +102,12 @@ class Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sweeps: dict[tuple[str, str], int] = {}
-        self._resets: dict[str, int] = {}
+        self._sweeps: Counter[tuple[str, str]] = Counter()
+        self._resets: Counter[str] = Counter()
         self._dry_runs = 0
-        self._terminated: dict[str, int] = {}
-        self._survived: dict[str, int] = {}
-        self._spared: dict[str, int] = {}
+        self._terminated: Counter[str] = Counter()
+        self._survived: Counter[str] = Counter()
+        self._spared: Counter[str] = Counter()
         self._reclaimed = 0
         self._duration = _Histogram(SWEEP_BUCKETS)
         self._release = _Histogram(RELEASE_BUCKETS)
@@ -124,8 +121,7 @@ class Metrics:
         with self._lock:
             if report.kind == REPORT_RESET:
                 # A GPU reset is no sweep: counted by outcome alone (a fixed set).
-                outcome = _one_of(report.outcome.value, RESET_OUTCOMES)
-                self._resets[outcome] = self._resets.get(outcome, 0) + 1
+                self._resets[_one_of(report.outcome.value, RESET_OUTCOMES)] += 1
                 return
             if report.dry_run:
                 # Anyone may dry-run, as often as they like: counted apart, never in a series
@@ -135,17 +131,10 @@ class Metrics:
             # A report read back without a readable outcome counts as "other", as any value
             # outside the fixed set would.
             outcome = "other" if "outcome" in report.unread else report.outcome.value
-            key = (outcome, trigger_of(report))
-            self._sweeps[key] = self._sweeps.get(key, 0) + 1
-            for ended in report.terminated:
-                sig = _one_of(ended.signal or "none", (*SIGNALS, "none"))
-                self._terminated[sig] = self._terminated.get(sig, 0) + 1
-            for survivor in report.survived:
-                state = _one_of(survivor.state, PROCESS_STATES)
-                self._survived[state] = self._survived.get(state, 0) + 1
-            for spared in report.spared:
-                why = spared_label(spared.code)
-                self._spared[why] = self._spared.get(why, 0) + 1
+            self._sweeps[(outcome, trigger_of(report))] += 1
+            self._terminated.update(_one_of(e.signal or "none", (*SIGNALS, "none")) for e in report.terminated)
+            self._survived.update(_one_of(s.state, PROCESS_STATES) for s in report.survived)
+            self._spared.update(spared_label(s.code) for s in report.spared)
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
             for gpu in report.gpus:
@@ -172,13 +161,11 @@ class Metrics:
 
     def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary],
                           holders: Iterable[Any]) -> None:
-        kinds: dict[int, dict[str, int]] = {}
+        kinds: defaultdict[int, Counter[str]] = defaultdict(Counter)
         for holder in holders:
             for index in getattr(holder, "gpus", ()):
-                per_gpu = kinds.setdefault(int(index), {})
-                kind = _one_of(getattr(holder, "kind", ""), KINDS)
-                per_gpu[kind] = per_gpu.get(kind, 0) + 1
-        gpus = []
+                kinds[int(index)][_one_of(getattr(holder, "kind", ""), KINDS)] += 1
+        gpus: list[dict[str, Any]] = []
         for summary in summaries:
             index = summary.index
             units: list[GpuSummary | MigSummary] = [summary, *(summary.mig_instances or [])]
