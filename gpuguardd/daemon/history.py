@@ -117,7 +117,7 @@ class History:
         self.max_entries = max(1, max_entries)
         self._lock = threading.Lock()
         # Records as stored (their wire form): a record of any shape is served as it was read.
-        self._entries: collections.deque[Wire] = collections.deque()
+        self._entries: collections.deque[Wire] = collections.deque(maxlen=self.max_entries)
         self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
         # False after a failed write that could not be cut back off: the file may end
@@ -171,7 +171,7 @@ class History:
         if scan.repaired:
             log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
                         "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
-        self._entries = collections.deque(scan.entries)  # without the scan's maxlen
+        self._entries = scan.entries
         self._lines_in_file = scan.good
         if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
                                 or scan.good > self.max_entries):
@@ -245,8 +245,6 @@ class History:
         with self._lock:
             self._entries.append(report)
             self._last = (report, record)
-            while len(self._entries) > self.max_entries:
-                self._entries.popleft()
             if not self.persistent:
                 return
             self._unwritten = min(self._unwritten + 1, len(self._entries))
@@ -380,6 +378,5 @@ class History:
     def set_max_entries(self, max_entries: int) -> None:
         with self._lock:
             self.max_entries = max(1, max_entries)
-            while len(self._entries) > self.max_entries:
-                self._entries.popleft()
+            self._entries = collections.deque(self._entries, maxlen=self.max_entries)
             self._unwritten = min(self._unwritten, len(self._entries))

@@ -253,7 +253,7 @@ class Service:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
-        return self.publisher.metrics_text().decode()
+        return self.publisher.metrics.render().decode()
 
     async def wait(self, options: dict[str, Any]) -> Wire:
         """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
