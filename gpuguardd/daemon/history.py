@@ -275,8 +275,8 @@ class History:
             self._retry = None
         # The entries not yet in the file; older ones beyond max_entries are dropped anyway.
         count = min(self._unwritten, len(self._entries))
-        if (not self._file_clean or self._lines_in_file == 0
-                or self._lines_in_file + count >= self._compact_at()):
+        compact_at = self.max_entries + max(10, self.max_entries // 10)
+        if not self._file_clean or self._lines_in_file == 0 or self._lines_in_file + count >= compact_at:
             written = self._rewrite_locked()
         else:
             written = self._append_locked(count)
@@ -305,24 +305,17 @@ class History:
                 _write_all(fd, data)
                 os.fsync(fd)
             except OSError as exc:
-                self._cut_back(fd, size)
+                try:  # the file as it was, or else marked for a rewrite
+                    os.ftruncate(fd, size)
+                    os.fsync(fd)
+                except OSError:
+                    self._file_clean = False
                 self._write_failed(exc)
                 return False
         finally:
             os.close(fd)
         self._lines_in_file += count
         return True
-
-    def _cut_back(self, fd: int, size: int) -> None:
-        """After a failed append: the file as it was, or else marked for a rewrite."""
-        try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-        except OSError:
-            self._file_clean = False
-
-    def _compact_at(self) -> int:
-        return self.max_entries + max(10, self.max_entries // 10)
 
     def _write_failed(self, exc: OSError) -> None:
         # The first failure is an error; the background retries' failures are not news.
