@@ -30,7 +30,7 @@ history.load()
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"seconds": seconds, "peak_kib": peak, "base_kib": before,
-                  "kept": len(history)}))
+                  "kept": len(history.newest(0))}))
 """
 
 

@@ -1,26 +1,17 @@
 """The start gate as the daemon serves it: FreeSinceUsec/WaitingOn and Manager.Wait.
 
-The rule is engine/gate.py's. Here it is fed with every observation of the live inventory
-(`inventory.py`), once per rule in use: the configured one ([Gate] FreeBelowMiB, ToleranceMiB), which
-the Gpu objects publish, and one for each other threshold a caller of Wait asked for, kept
-while callers use it. A waiter sleeps on the next observation (or on the moment its targets
-become stable enough), never on a timer of its own, so twenty waiters cost what one does;
-while anyone waits the inventory polls NVML every FAST_POLL_SEC (the service's interval).
+The rule is engine/gate.py's, fed with every inventory observation once per rule in use: the
+configured one ([Gate] FreeBelowMiB, ToleranceMiB), which the Gpu objects publish, and each
+other one a caller of Wait asked for, kept while used. Waiters sleep on the next observation
+that changes the verdict on one of their targets, never on timers of their own, so twenty
+waiters cost what one does. NVML is polled fast (FAST_POLL_SEC) only while a waited-for target
+is held by no process, when memory coming back and settling decides; a live compute holder is
+watched through a pidfd instead, its exit seen at once. While anyone waits, a compute holder
+that exited since the last scan no longer counts, and a rescan is asked for.
 
-A waiter wakes only when the verdict on one of its targets changes (a holder gone, the clock
-restarted), not on every poll. Nor does the daemon poll NVML fast while a live compute process
-holds every target someone waits for: nothing can be free before it exits, and its exit is
-seen at once through a pidfd on the event loop (then the poll runs now, and fast). So twenty
-waiters on a busy GPU cost what none do; fast polling runs only while a waited-for target is
-held by no process, when memory coming back and settling is what decides.
-Compute holders come from the last holder scan; while anyone waits, one that has exited since
-(its pid gone, or another process's) no longer counts, and a rescan is asked for, so a gate is
-not held for a scan's own schedule.
-
-Before a Wait answers "free" it has a holder scan confirm it, one asked for within the targets'
-steady time (started a little ahead, by the last scan's duration, so that it ends about when the
-steady time does): between scans only NVML's side is polled, and a process that holds a device
-node without NVML listing it would otherwise be missed.
+A "free" answer is confirmed by a holder scan started within the steady time (ahead by the last
+scan's duration, so it ends about when the steady time does): between scans only NVML is
+polled, which misses a process holding a device node that NVML does not list.
 """
 
 from __future__ import annotations
@@ -41,14 +32,11 @@ from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot
 log = logging.getLogger("gpuguard.gate")
 
 FAST_POLL_SEC = 0.025  # NVML poll interval while a waiter's target is held by no process
-MAX_WAIT_SEC = 20.0
-# The confirming scan starts this many scan durations (plus the minimum) before the steady time
-# is over, so that the pass is not a scan late.
-SCAN_LEAD_FACTOR = 2.0
-SCAN_LEAD_MIN_SEC = 0.01  # one Wait call: under D-Bus's default 25 s call timeout
-# A waiter arriving after the last holder scan is older than this asks for one, so that what
-# it is shown waiting on is current: holders NVML does not list are found only by scans (a pass
-# is confirmed by a scan of its own anyway). Clients call again every 20 s or so: not shorter.
+MAX_WAIT_SEC = 20.0  # one Wait call: under D-Bus's default 25 s call timeout
+SCAN_LEAD_FACTOR = 2.0  # the confirming scan's lead, in scan durations, plus the minimum
+SCAN_LEAD_MIN_SEC = 0.01
+# A waiter finding the last holder scan older asks for one, so what it is shown waiting on is
+# current. Clients call again every 20 s or so: not shorter.
 RESCAN_FOR_WAITER_SEC = 30.0
 MAX_TRACKERS = 16  # rules kept at once: each costs an evaluation per poll
 TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropped
@@ -95,8 +83,6 @@ class GateService:
         self._listeners: list[tuple[GateRule, frozenset[tuple[int, str]], asyncio.Event]] = []
         self.fast = False  # poll NVML fast (module docstring)
         self._pidfds: dict[int, int] = {}  # pid of a holder waited on -> its pidfd
-
-    # -- observations --------------------------------------------------------------------
 
     def default_rule(self) -> GateRule:
         config = self.config()
@@ -206,8 +192,6 @@ class GateService:
         if state is None:
             return {"free_since_usec": 0, "waiting_on": ["not judged yet"]}
         return {"free_since_usec": state.free_since_usec, "waiting_on": list(state.waiting_on)}
-
-    # -- Wait ----------------------------------------------------------------------------
 
     def _targets(self, gpus: Sequence[int], mig: Sequence[str]) -> list[Target]:
         summaries = self._last[0] if self._last else []

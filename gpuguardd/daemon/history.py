@@ -1,26 +1,22 @@
 """Sweep reports kept across restarts: one JSON object a line in StateDirectory/history.jsonl.
 
-Crash safety comes from the order of writes, not from luck:
+Crash safety comes from the order of writes:
   * a report is appended as one line with a single write() and fsync()ed before the sweep's
     D-Bus reply is sent, so a report the caller saw is on disk;
-  * a daemon killed mid-write leaves at most a torn last line; loading drops it (it is the
-    sweep that was in flight) and rewrites the file, so the next append starts on a fresh line;
-  * whole-file rewrites (compaction, repair) go to a temporary file that is fsynced and renamed
-    over the old one, then the directory is fsynced: readers see the old or the new file.
-Loading streams the file a line at a time and holds only the newest `max_entries` reports, so
-a file of any size loads in bounded memory (bench/bench_history.py). Strings that are not
-valid UTF-8 (written by an older gpuguard from a process's own bytes) are repaired on load as
-safetext would have made them, and the file is rewritten so. Lines that cannot be read are
-skipped and logged; a file with any such line is first renamed aside to
-history.jsonl.corrupt-<timestamp>, so nothing is thrown away unseen.
-The file is bounded: the newest `max_entries` are served, and the file is compacted once it
-holds a tenth more than that (amortised: not a rewrite per sweep).
+  * a daemon killed mid-write leaves at most a torn last line; loading drops it (the sweep in
+    flight) and rewrites the file, so the next append starts on a fresh line;
+  * whole-file rewrites (compaction, repair) go to a temporary file, fsynced and renamed over the
+    old one, then the directory is fsynced: readers see the old or the new file.
+Loading streams the file and holds only the newest `max_entries` reports: any size loads in
+bounded memory. Strings that are not valid UTF-8 (from an older gpuguard) are repaired as
+safetext would have made them, and the file rewritten. Unreadable lines are skipped and logged,
+the file first renamed aside to history.jsonl.corrupt-<timestamp>: nothing is thrown away unseen.
+The file is compacted once it holds a tenth more than `max_entries` (not a rewrite per sweep).
 
-A report that cannot be written (a full disk, an I/O error) is not lost while the daemon runs:
-it is served from memory, the error is logged, and it is written with the next report or by a
-retry in the background (after RETRY_SEC, then less often), whichever comes first. A failed
-append is cut back off the file (ftruncate), so the retry appends only what is missing: a
-nearly full disk needs room for those lines, not for a second copy of the whole file.
+A report that cannot be written (full disk, I/O error) is served from memory, logged, and written
+with the next report or by a background retry (after RETRY_SEC, then less often). A failed append
+is cut back off the file (ftruncate), so a nearly full disk needs room for the missing lines,
+not for a second copy of the whole file.
 """
 
 from __future__ import annotations
@@ -96,10 +92,6 @@ class _Scan:
             self.garbled.append(number)
 
 
-def _valid(entry: object) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("id"), str) and bool(entry["id"])
-
-
 def _write_all(fd: int, data: bytes) -> None:
     """All of `data`, or the OSError that stopped it: a short write is followed by another,
     which fails with the reason (ENOSPC, EDQUOT, EIO)."""
@@ -125,7 +117,7 @@ class History:
         self.max_entries = max(1, max_entries)
         self._lock = threading.Lock()
         # Records as stored (their wire form): a record of any shape is served as it was read.
-        self._entries: collections.deque[Wire] = collections.deque()
+        self._entries: collections.deque[Wire] = collections.deque(maxlen=self.max_entries)
         self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
         # False after a failed write that could not be cut back off: the file may end
@@ -138,8 +130,6 @@ class History:
         self._closed = False
         self.persistent = True
 
-    # -- loading -------------------------------------------------------------------------
-
     def load(self) -> None:
         with self._lock:
             self._load_locked()
@@ -147,35 +137,31 @@ class History:
     def _load_locked(self) -> None:
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            handle = os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb")
+            with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as handle:
+                scan = self._scan(handle)
         except FileNotFoundError:
             self._entries.clear()
             self._lines_in_file = 0
             return
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                # Never followed: the next write replaces the link itself (rename), not its target.
-                log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
-                          "new file at the next report", self.path)
-                self._entries.clear()
-                self._lines_in_file = 0
-                self._file_clean = False
+            if exc.errno != errno.ELOOP:
+                log.error("cannot read the sweep history %s: %s; history is kept in memory only "
+                          "until the next restart", self.path, exc.strerror or exc)
+                self.persistent = False
                 return
-            self._read_failed(exc)
-            return
-        try:
-            with handle:
-                scan = self._scan(handle)
-        except OSError as exc:
-            self._read_failed(exc)
+            # Never followed: the next write replaces the link itself (rename), not its target.
+            log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
+                      "new file at the next report", self.path)
+            self._entries.clear()
+            self._lines_in_file = 0
+            self._file_clean = False
             return
         if scan.garbled:
-            garbled = scan.garbled
-            shown = ", ".join(str(n) for n in garbled) + (" ..." if scan.garbled_count > 10 else "")
-            log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)",
-                        self.path, scan.garbled_count, shown)
-            why = (f"no readable report in it ({scan.garbled_count} unreadable line(s))"
-                   if not scan.good else f"{scan.garbled_count} unreadable line(s)")
+            count = scan.garbled_count
+            shown = ", ".join(map(str, scan.garbled)) + (" ..." if count > 10 else "")
+            log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)", self.path, count, shown)
+            why = f"no readable report in it ({count} unreadable line(s))" if not scan.good \
+                else f"{count} unreadable line(s)"
             if not self._set_aside(why):
                 # Rewriting would destroy what could not be moved away: leave the file alone.
                 self.persistent = False
@@ -185,16 +171,11 @@ class History:
         if scan.repaired:
             log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
                         "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
-        self._entries = collections.deque(scan.entries)  # without the scan's maxlen
+        self._entries = scan.entries
         self._lines_in_file = scan.good
         if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
                                 or scan.good > self.max_entries):
             self._rewrite_locked()
-
-    def _read_failed(self, exc: OSError) -> None:
-        log.error("cannot read the sweep history %s: %s; history is kept in memory only "
-                  "until the next restart", self.path, exc.strerror or exc)
-        self.persistent = False
 
     def _scan(self, handle: BinaryIO) -> _Scan:
         """One pass over the file, a line at a time: only the newest `max_entries` reports
@@ -206,8 +187,7 @@ class History:
             if line is None:
                 break
             number += 1
-            if not line:
-                # No report is this big: skipped without being held.
+            if not line:  # no report is this big: skipped without being held
                 scan.garble(number)
                 continue
             # The piece after the last newline is a record whose write was cut short, unless
@@ -238,7 +218,8 @@ class History:
             entry = json.loads(line.decode("utf-8", "surrogateescape"))
         except (ValueError, RecursionError):
             return None
-        return entry if _valid(entry) else None
+        valid = isinstance(entry, dict) and isinstance(entry.get("id"), str) and bool(entry["id"])
+        return entry if valid else None
 
     def _set_aside(self, why: str) -> bool:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -258,16 +239,12 @@ class History:
                   self.path, why, target)
         return True
 
-    # -- writing -------------------------------------------------------------------------
-
     def append(self, record: Report) -> None:
         """Store one report durably (blocks on fsync: call from an executor)."""
         report, _ = safetext.repair(record.to_dict())  # what is read back must be sendable as it is
         with self._lock:
             self._entries.append(report)
             self._last = (report, record)
-            while len(self._entries) > self.max_entries:
-                self._entries.popleft()
             if not self.persistent:
                 return
             self._unwritten = min(self._unwritten + 1, len(self._entries))
@@ -298,8 +275,8 @@ class History:
             self._retry = None
         # The entries not yet in the file; older ones beyond max_entries are dropped anyway.
         count = min(self._unwritten, len(self._entries))
-        if (not self._file_clean or self._lines_in_file == 0
-                or self._lines_in_file + count >= self._compact_at()):
+        compact_at = self.max_entries + max(10, self.max_entries // 10)
+        if not self._file_clean or self._lines_in_file == 0 or self._lines_in_file + count >= compact_at:
             written = self._rewrite_locked()
         else:
             written = self._append_locked(count)
@@ -328,24 +305,17 @@ class History:
                 _write_all(fd, data)
                 os.fsync(fd)
             except OSError as exc:
-                self._cut_back(fd, size)
+                try:  # the file as it was, or else marked for a rewrite
+                    os.ftruncate(fd, size)
+                    os.fsync(fd)
+                except OSError:
+                    self._file_clean = False
                 self._write_failed(exc)
                 return False
         finally:
             os.close(fd)
         self._lines_in_file += count
         return True
-
-    def _cut_back(self, fd: int, size: int) -> None:
-        """After a failed append: the file as it was, or else marked for a rewrite."""
-        try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-        except OSError:
-            self._file_clean = False
-
-    def _compact_at(self) -> int:
-        return self.max_entries + max(10, self.max_entries // 10)
 
     def _write_failed(self, exc: OSError) -> None:
         # The first failure is an error; the background retries' failures are not news.
@@ -380,8 +350,6 @@ class History:
         self._file_clean = True
         return True
 
-    # -- reading -------------------------------------------------------------------------
-
     def newest(self, count: int) -> list[Wire]:
         """Up to `count` reports as stored, newest first (0: all that are kept)."""
         with self._lock:
@@ -400,13 +368,8 @@ class History:
                 self._last = (newest, Report.from_dict(newest))
             return self._last[1]
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
     def set_max_entries(self, max_entries: int) -> None:
         with self._lock:
             self.max_entries = max(1, max_entries)
-            while len(self._entries) > self.max_entries:
-                self._entries.popleft()
+            self._entries = collections.deque(self._entries, maxlen=self.max_entries)
             self._unwritten = min(self._unwritten, len(self._entries))

@@ -1,40 +1,22 @@
 """The daemon's live view of GPUs and holders, kept current at almost no idle cost.
 
-Every PollIntervalSec the daemon reads NVML only (well under a millisecond a GPU): memory
-and NVML's process lists, published at once. The full holder scan walks every process's fds
-and maps, milliseconds per hundred processes and over a second on a host with thousands, so
-it runs only when it can find something new:
-  * a caller asked for holders, or a sweep finished (always);
-  * NVML's process lists or GPUs changed (not mere memory use, which moves all the time on a
-    busy GPU), at most every CHURN_FACTOR scan durations, so constant process churn costs at
-    most ~2 % of a CPU;
-  * as a safety net for holders NVML cannot see (management clients), every RESCAN_MIN_SEC or
-    RESCAN_FACTOR scan durations, whichever is longer: at most ~0.2 % of a CPU when idle.
-Scans run in a thread, never on the event loop, and concurrent requests share one scan that
-started after they asked.
+Every PollIntervalSec only NVML is read (memory and process lists: well under a millisecond a
+GPU). The full holder scan walks every process's fds and maps (over a second with thousands of
+processes), in a thread, so it runs only when it can find something new: when a caller asks or
+a sweep finished; when NVML's process lists or GPUs changed (not mere memory use), at most every
+CHURN_FACTOR scan durations (~2 % of a CPU under constant churn); and, for holders NVML cannot
+see, every RESCAN_MIN_SEC or RESCAN_FACTOR scan durations (~0.2 % of a CPU idle). Concurrent
+requests share one scan that started after they asked.
 
-ListHolders does not need a scan of its own: it is answered from the last scan when that scan
-is *fresh* (Inventory.recent), which is exactly:
-  * it started less than LIST_MAX_AGE_SEC (1 s) before the call arrived (its start, not its
-    end, because /proc is read from the start on: its view is at least that new), and
-  * nothing the daemon hears of that can change the holders happened after it started: a
-    sweep finished, the configuration was reloaded, NVML's process lists or GPUs changed (seen
-    by the poll), or the unit watch saw a watched unit start or asked for a scan
-    (Inventory.invalidate, a generation counter: a scan that started before the event is
-    never served after it, even if it ends later).
-Otherwise the call waits for a scan as above (joining a running one only if that one is fresh
-by the same rule). So a holder that appeared before the call is listed unless it appeared at
-most 1 s before it and no event announced it; a /proc scan cannot promise more anyway for a
-process that opens a device while the scan runs. Filtering and cmdline redaction stay per call.
+ListHolders is served the last scan when it is fresh (Inventory.recent): it started under
+LIST_MAX_AGE_SEC before the call (its start: /proc is read from then on), and no event that can
+change the holders came after its start (a sweep, a reload, an NVML process-list change, a
+watched unit starting: Inventory.invalidate bumps a generation). Else the call waits for a scan
+that is. A /proc scan cannot promise more for a process that opens a device while it runs.
 
-So that callers polling ListHolders (dashboards) do not wait for that scan every second, a
-call served a result within REFRESH_LEAD_FACTOR scan durations of the end of its freshness
-starts the next scan in the background: it ends before the old result expires, and the calls
-after it are served the new one. The rule of what may be served is unchanged. Only where a scan
-is quick (REFRESH_MAX_SCAN_SEC): under constant calls that is one scan every 0.75 s or more
-instead of every 1 s plus a scan, at most 8 % of a CPU instead of 6 %; where a scan takes
-longer (thousands of processes) refreshing ahead would scan back to back, so a caller waits
-for the scan instead, as before.
+A call served within REFRESH_LEAD_FACTOR scan durations of its result's expiry starts the next
+scan in the background, so polling dashboards are not made to wait each second; only while a
+scan is quick (REFRESH_MAX_SCAN_SEC), else scans would run back to back.
 """
 
 from __future__ import annotations
@@ -53,19 +35,16 @@ from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot, ScanResul
 
 log = logging.getLogger("gpuguard.live")
 
-# Holders NVML cannot see (management clients) only change HolderCount; a minute late is fine
-# for that, and each rescan walks all of /proc.
+# Holders NVML cannot see only change HolderCount: a minute late is fine for a walk of /proc.
 RESCAN_MIN_SEC = 60.0
-LIST_MAX_AGE_SEC = 1.0  # ListHolders: oldest scan start served (see the module docstring)
-# Refresh ahead (module docstring): this many scan durations before a served result expires,
-# and only while a scan takes at most REFRESH_MAX_SCAN_SEC (so at most 250 ms before).
+LIST_MAX_AGE_SEC = 1.0
 REFRESH_LEAD_FACTOR = 4.0
 REFRESH_MAX_SCAN_SEC = 0.0625
 clock = time.monotonic  # the freshness rule's clock (tests move it)
 RESCAN_FACTOR = 500.0
 CHURN_FACTOR = 50.0
 
-GpuKey = tuple[str, tuple[int, ...], bool, bool]
+NvmlKey = tuple[bool, tuple[tuple[str, tuple[int, ...], bool, bool], ...]]
 
 
 class InventoryListener(Protocol):
@@ -74,7 +53,7 @@ class InventoryListener(Protocol):
     def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
 
 
-def _nvml_key(snapshot: NvmlSnapshot) -> tuple[bool, tuple[GpuKey, ...]]:
+def _nvml_key(snapshot: NvmlSnapshot) -> NvmlKey:
     """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
     return snapshot.available, tuple(
         (g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
@@ -87,10 +66,8 @@ class Inventory:
         self.listener = listener
         self.snapshot: NvmlSnapshot = NvmlSnapshot(available=False, error="not read yet")
         self.holders: list[Holder] = []
-        self.summaries: list[GpuSummary] = []
-        self.warnings: list[str] = []
-        self._scanned_key: tuple[bool, tuple[GpuKey, ...]] | None = None
-        self._seen_key: tuple[bool, tuple[GpuKey, ...]] | None = None  # the last one polled
+        self._scanned_key: NvmlKey | None = None
+        self._seen_key: NvmlKey | None = None  # the last one polled
         self._scanned_at = 0.0
         self.scan_cost = 0.0  # seconds the last full scan took
         self._running: asyncio.Future[ScanResult] | None = None
@@ -105,19 +82,15 @@ class Inventory:
         self._rescan_task: asyncio.Task[Any] | None = None
         self._wake = asyncio.Event()
 
-    # -- scans ---------------------------------------------------------------------------
-
     async def scan(self) -> ScanResult:
         """A full scan that started after this call (shared with other callers waiting)."""
         loop = asyncio.get_running_loop()
         if self._running is None:
-            future = self._start(loop)
-        else:
-            # The running scan may have read /proc before the caller's change: wait for the next.
-            if self._queued is None:
-                self._queued = loop.create_future()
-            future = self._queued
-        return await asyncio.shield(future)
+            return await asyncio.shield(self._start(loop))
+        # The running scan may have read /proc before the caller's change: wait for the next.
+        if self._queued is None:
+            self._queued = loop.create_future()
+        return await asyncio.shield(self._queued)
 
     def invalidate(self) -> None:
         """Something may have changed the holders: scans that started before now are stale."""
@@ -149,7 +122,7 @@ class Inventory:
             self._start(asyncio.get_running_loop())
 
     async def fresh_scan(self) -> ScanResult:
-        """invalidate() and scan(): for callers that learnt of a change (the unit watch)."""
+        """For callers that learnt of a change (the unit watch)."""
         self.invalidate()
         return await self.scan()
 
@@ -171,11 +144,12 @@ class Inventory:
 
     def _scan_done(self, future: asyncio.Future[ScanResult]) -> None:
         self._running = None
-        if not future.cancelled() and future.exception() is None:
+        if future.cancelled():
+            pass
+        elif (exc := future.exception()) is None:
             self.last_result, self._result_mark = future.result(), self._running_mark
             self._publish_scan(future.result())
-        elif not future.cancelled():
-            exc = future.exception()
+        else:
             log.error("holder scan failed: %s: %s", type(exc).__name__, exc)
         queued, self._queued = self._queued, None
         if queued is not None:
@@ -197,8 +171,6 @@ class Inventory:
             await self.scan()
         except Exception as exc:  # already logged by _scan_done; the next poll retries
             log.debug("rescan failed: %s", exc)
-
-    # -- polling -------------------------------------------------------------------------
 
     async def poll(self) -> None:
         loop = asyncio.get_running_loop()
@@ -239,11 +211,8 @@ class Inventory:
         """Poll now instead of at the end of the current interval."""
         self._wake.set()
 
-    # -- publishing ----------------------------------------------------------------------
-
     def _publish_scan(self, result: ScanResult) -> None:
         self.holders = result.holders
-        self.warnings = result.warnings
         self._scanned_key = _nvml_key(result.nvml)
         self._seen_key = self._scanned_key
         self._scanned_at = time.monotonic()
@@ -252,12 +221,12 @@ class Inventory:
     def _publish(self, snapshot: NvmlSnapshot) -> None:
         self.snapshot = snapshot
         released_below = self.engine.config.released_below_mib * 1024 * 1024
-        self.summaries = gpu_summaries(ScanResult(holders=self.holders, nvml=snapshot), released_below)
-        self.listener.inventory_changed(snapshot, self.summaries)
+        summaries = gpu_summaries(ScanResult(holders=self.holders, nvml=snapshot), released_below)
+        self.listener.inventory_changed(snapshot, summaries)
         # A MIG instance leaks on its own: its GPU's aggregate memory hides it while another
         # instance is busy, so each instance is announced by its MIG UUID.
         leaked: dict[tuple[int, str], tuple[str, int]] = {}
-        for summary in self.summaries:
+        for summary in summaries:
             if summary.state == GpuState.LEAKED:
                 leaked[(summary.index, "")] = (summary.uuid, summary.memory_used)
             for mig in summary.mig_instances or []:
@@ -275,12 +244,10 @@ class Inventory:
 
 def _chain(source: asyncio.Future[ScanResult], target: asyncio.Future[ScanResult]) -> None:
     if target.done():
-        return
-    if source.cancelled():
+        pass
+    elif source.cancelled():
         target.cancel()
-    elif source.exception() is not None:
-        exc = source.exception()
-        assert exc is not None
+    elif (exc := source.exception()) is not None:
         target.set_exception(exc)
     else:
         target.set_result(source.result())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -67,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
 class Daemon:
     def __init__(self, args: argparse.Namespace, config: Config) -> None:
         self.args = args
-        self.config_paths: list[str] | None = args.config
         self.engine = Engine(config)
         self.notifier = Notifier()
         self.history = History(config.state_directory, config.history_max)
@@ -75,15 +75,9 @@ class Daemon:
         self.sweep_executor = ThreadPoolExecutor(16, thread_name_prefix="gpuguard-sweep")
         self.io_executor = ThreadPoolExecutor(2, thread_name_prefix="gpuguard-io")
         # Created in run(): asyncio primitives bind to the running loop on Python 3.9.
-        self.stop: asyncio.Event | None = None
         self._reload_lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.service: Service | None = None
-
-    def _bus(self) -> GuardBus:
-        if self.args.bus_address:
-            return GuardBus(bus_address=self.args.bus_address)
-        return GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -97,22 +91,24 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        self.stop = stop = asyncio.Event()
+        stop = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         await loop.run_in_executor(self.io_executor, self.history.load)
         where = self.args.bus_address or ("the session bus" if self.args.session else "the system bus")
-        if compat.version_warning():
-            log.warning("%s", compat.version_warning())
+        if warning := compat.version_warning():
+            log.warning("%s", warning)
         try:
             # dbus-fast before 5.0 connects the socket in the constructor, later ones in connect().
-            bus = self._bus()
+            if self.args.bus_address:
+                bus = GuardBus(bus_address=self.args.bus_address)
+            else:
+                bus = GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
             await bus.connect()
         except Exception as exc:  # OSError, AuthError, InvalidAddressError...
             log.error("cannot connect to %s: %s", where, exc)
             return EXIT_FAILURE
-        service = Service(bus, self.engine, self.history, self.scan_executor, self.sweep_executor,
-                          self.io_executor, self.reload)
-        self.service = service
+        self.service = service = Service(bus, self.engine, self.history, self.scan_executor,
+                                         self.sweep_executor, self.io_executor, self.reload)
         await service.start()
         if not await self._own_name(bus):
             bus.disconnect()
@@ -125,8 +121,7 @@ class Daemon:
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))
         self._spawn(service.resume.run(service.resume_work))
-        interval = watchdog_interval()
-        if interval:
+        if interval := watchdog_interval():
             self._spawn(self._watchdog(interval))
         disconnected = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
         stopping = asyncio.ensure_future(stop.wait())
@@ -157,9 +152,8 @@ class Daemon:
         try:
             reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         except DBusError as exc:
-            log.error("not allowed to own %s on this bus: %s (run as root, with "
-                      "dbus/%s.conf installed in /usr/share/dbus-1/system.d)", BUS_NAME, exc.text,
-                      BUS_NAME)
+            log.error("not allowed to own %s on this bus: %s (run as root, with dbus/%s.conf installed "
+                      "in /usr/share/dbus-1/system.d)", BUS_NAME, exc.text, BUS_NAME)
             return False
         if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             return True
@@ -179,10 +173,8 @@ class Daemon:
         self._spawn(self._reload_quietly())
 
     async def _reload_quietly(self) -> None:
-        try:
+        with contextlib.suppress(ConfigError):  # logged; the last good configuration stays
             await self.reload()
-        except ConfigError:
-            pass  # already logged; the last good configuration stays
 
     async def reload(self) -> None:
         """Re-read the configuration files; ConfigError (logged) keeps the current one."""
@@ -191,7 +183,7 @@ class Daemon:
             loop = asyncio.get_running_loop()
             self.notifier.reloading()
             try:
-                config = await loop.run_in_executor(self.io_executor, load_config, self.config_paths)
+                config = await loop.run_in_executor(self.io_executor, load_config, self.args.config)
             except ConfigError as exc:
                 log.error("configuration not reloaded: %s; keeping the last good configuration", exc)
                 raise
@@ -215,10 +207,11 @@ class Daemon:
         """Let running sweeps finish and be recorded, for as long as their settings allow,
         keeping systemd's stop timeout ahead of the wait; record whatever is still running
         then."""
+        if not runner.busy:
+            return
         budget = runner.budget_sec()
-        if runner.busy:
-            log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)",
-                     runner.active, budget)
+        log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)",
+                 runner.active, budget)
         deadline = time.monotonic() + budget
         while runner.busy:
             left = deadline - time.monotonic()
@@ -232,8 +225,7 @@ class Daemon:
                 break
         if not runner.busy:
             return
-        log.warning("sweeps still running after %.0f s, longer than their settings allow",
-                    budget)
+        log.warning("sweeps still running after %.0f s, longer than their settings allow", budget)
         self.notifier.extend_timeout(SHUTDOWN_EXIT_SEC)
         await runner.record_interrupted()
 

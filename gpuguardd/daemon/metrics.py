@@ -1,23 +1,23 @@
 """Prometheus metrics of one node's gpuguardd, rendered with prometheus_client.
 
-Two ways out, one source: the daemon keeps the counters here (from each finished sweep report)
-and the per-GPU gauges (from each inventory refresh); `[Metrics] TextfileDirectory=` writes
-them for node_exporter's textfile collector, and `GetMetrics` hands the same text to
-gpuguard-exporter (exporter.py), which serves it over HTTP so the root daemon needs no network.
+Counters come from each finished report, per-GPU gauges from each inventory refresh. The same
+text goes to node_exporter's textfile collector (`[Metrics] TextfileDirectory=`) and, through
+`GetMetrics`, to gpuguard-exporter, which serves it over HTTP so the root daemon needs no network.
 
-Per-GPU series carry the labels `gpu` (NVML index) and `UUID`, as dcgm-exporter's do, so a
-query can join the two, and `vendor` ("nvidia", "amd": whose GPU it is). No pid, command or
-user labels: those are unbounded and belong in the history. Nothing dcgm-exporter already
-exports (memory used/total, utilisation) is repeated. Every label value that comes from a
-report is mapped onto a small fixed set here, so a strange report can never grow the number
-of series.
+Per-GPU series carry `gpu` (NVML index) and `UUID`, as dcgm-exporter's do so queries can join
+them, and `vendor`. No pid, command or user labels (unbounded: they belong in the history), and
+nothing dcgm-exporter already exports. Every label value from a report is mapped onto a small
+fixed set, so a strange report can never grow the number of series.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -75,10 +75,6 @@ def spared_label(code: SpareReason) -> str:
     return _SPARED.get(code, "other")
 
 
-def _with_instances(summary: GpuSummary) -> list[GpuSummary | MigSummary]:
-    return [summary, *(summary.mig_instances or [])]
-
-
 def _one_of(value: object, allowed: Iterable[str], default: str = "other") -> str:
     text = str(value)
     return text if text in allowed else default
@@ -92,22 +88,12 @@ class _Histogram:
 
     def observe(self, value: float) -> None:
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
 
     def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        cumulative, running = [], 0
-        for bound, count in zip([*map(_float_text, self.bounds), "+Inf"], self.counts):
-            running += count
-            cumulative.append((bound, running))
-        return HistogramMetricFamily(name, documentation, buckets=cumulative, sum_value=self.total)
-
-
-def _float_text(value: float) -> str:
-    return repr(float(value))
+        bounds = [*(repr(float(b)) for b in self.bounds), "+Inf"]
+        return HistogramMetricFamily(name, documentation, buckets=list(zip(bounds, accumulate(self.counts))),
+                                     sum_value=self.total)
 
 
 class Metrics:
@@ -116,12 +102,12 @@ class Metrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sweeps: dict[tuple[str, str], int] = {}
-        self._resets: dict[str, int] = {}
+        self._sweeps: Counter[tuple[str, str]] = Counter()
+        self._resets: Counter[str] = Counter()
         self._dry_runs = 0
-        self._terminated: dict[str, int] = {}
-        self._survived: dict[str, int] = {}
-        self._spared: dict[str, int] = {}
+        self._terminated: Counter[str] = Counter()
+        self._survived: Counter[str] = Counter()
+        self._spared: Counter[str] = Counter()
         self._reclaimed = 0
         self._duration = _Histogram(SWEEP_BUCKETS)
         self._release = _Histogram(RELEASE_BUCKETS)
@@ -131,14 +117,11 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    # -- input ---------------------------------------------------------------------------
-
     def observe_report(self, report: Report) -> None:
         with self._lock:
             if report.kind == REPORT_RESET:
                 # A GPU reset is no sweep: counted by outcome alone (a fixed set).
-                outcome = _one_of(report.outcome.value, RESET_OUTCOMES)
-                self._resets[outcome] = self._resets.get(outcome, 0) + 1
+                self._resets[_one_of(report.outcome.value, RESET_OUTCOMES)] += 1
                 return
             if report.dry_run:
                 # Anyone may dry-run, as often as they like: counted apart, never in a series
@@ -148,17 +131,10 @@ class Metrics:
             # A report read back without a readable outcome counts as "other", as any value
             # outside the fixed set would.
             outcome = "other" if "outcome" in report.unread else report.outcome.value
-            key = (outcome, trigger_of(report))
-            self._sweeps[key] = self._sweeps.get(key, 0) + 1
-            for ended in report.terminated:
-                sig = _one_of(ended.signal or "none", (*SIGNALS, "none"))
-                self._terminated[sig] = self._terminated.get(sig, 0) + 1
-            for survivor in report.survived:
-                state = _one_of(survivor.state, PROCESS_STATES)
-                self._survived[state] = self._survived.get(state, 0) + 1
-            for spared in report.spared:
-                why = spared_label(spared.code)
-                self._spared[why] = self._spared.get(why, 0) + 1
+            self._sweeps[(outcome, trigger_of(report))] += 1
+            self._terminated.update(_one_of(e.signal or "none", (*SIGNALS, "none")) for e in report.terminated)
+            self._survived.update(_one_of(s.state, PROCESS_STATES) for s in report.survived)
+            self._spared.update(spared_label(s.code) for s in report.spared)
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
             for gpu in report.gpus:
@@ -185,15 +161,14 @@ class Metrics:
 
     def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary],
                           holders: Iterable[Any]) -> None:
-        kinds: dict[int, dict[str, int]] = {}
+        kinds: defaultdict[int, Counter[str]] = defaultdict(Counter)
         for holder in holders:
             for index in getattr(holder, "gpus", ()):
-                per_gpu = kinds.setdefault(int(index), {})
-                kind = _one_of(getattr(holder, "kind", ""), KINDS)
-                per_gpu[kind] = per_gpu.get(kind, 0) + 1
-        gpus = []
+                kinds[int(index)][_one_of(getattr(holder, "kind", ""), KINDS)] += 1
+        gpus: list[dict[str, Any]] = []
         for summary in summaries:
             index = summary.index
+            units: list[GpuSummary | MigSummary] = [summary, *(summary.mig_instances or [])]
             gpus.append({"gpu": str(index), "UUID": summary.uuid,
                          # A vendor read back unreadable is no NVIDIA GPU's: "other".
                          "vendor": "other" if "vendor" in summary.unread else _one_of(summary.vendor, VENDORS),
@@ -202,78 +177,73 @@ class Metrics:
                          "holders": kinds.get(index, {}),
                          # (UUID, leak kind, bytes): the GPU's and each MIG instance's leak
                          "leaks": [(u.uuid, _one_of(u.leak_kind, LEAK_KINDS), u.memory_used)
-                                   for u in _with_instances(summary) if u.state == GpuState.LEAKED]})
+                                   for u in units if u.state == GpuState.LEAKED]})
         with self._lock:
             self._nvml_up = nvml_available
             self._gpus = gpus
 
-    # -- output --------------------------------------------------------------------------
-
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            yield from self._families()
-
-    def _families(self) -> Iterator[Metric]:
-        sweeps = CounterMetricFamily("gpuguard_sweeps", "Sweeps finished, by outcome and trigger.",
-                                     labels=["outcome", "trigger"])
-        for (outcome, by), count in sorted(self._sweeps.items()):
-            sweeps.add_metric([outcome, by], count)
-        yield sweeps
-        yield CounterMetricFamily("gpuguard_dry_runs", "Dry runs answered (anyone may ask for one).",
-                                  value=self._dry_runs)
-        for name, documentation, label, counts in (
-                ("gpuguard_processes_terminated", "Processes ended by a sweep, by the signal that ended them.",
-                 "signal", self._terminated),
-                ("gpuguard_processes_survived", "Processes that outlived a sweep, by process state.",
-                 "state", self._survived),
-                ("gpuguard_processes_spared", "Processes a sweep left alone on purpose, by why.",
-                 "why", self._spared)):
-            family = CounterMetricFamily(name, documentation, labels=[label])
-            for value, count in sorted(counts.items()):
-                family.add_metric([value], count)
-            yield family
-        yield self._duration.family("gpuguard_sweep_duration_seconds", "Time a sweep took.")
-        yield self._release.family("gpuguard_memory_release_seconds",
-                                   "Time from a sweep's start until NVML showed the memory released.")
-        yield CounterMetricFamily("gpuguard_memory_reclaimed_bytes",
-                                  "GPU memory that sweeps gave back.", value=self._reclaimed)
-        leaked = GaugeMetricFamily("gpuguard_leaked_memory_bytes",
-                                   "GPU memory in use with no process holding the GPU.",
-                                   labels=["gpu", "UUID", "vendor"])
-        holders = GaugeMetricFamily("gpuguard_gpu_holders", "Processes holding the GPU, by kind.",
-                                    labels=["gpu", "UUID", "vendor", "kind"])
-        state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
-                                  labels=["gpu", "UUID", "vendor", "state"])
-        for gpu in self._gpus:
-            ids = [gpu["gpu"], gpu["UUID"], gpu["vendor"]]
-            leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
-            for kind in KINDS:
-                holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
-            for name in GPU_STATES:
-                state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
-        yield leaked
-        by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
-                                    "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
-                                    labels=["gpu", "UUID", "vendor", "kind"])
-        for gpu in self._gpus:
-            for uuid, kind, used in gpu["leaks"]:
-                by_kind.add_metric([gpu["gpu"], uuid, gpu["vendor"], kind], used)
-        yield by_kind
-        resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
-                                     labels=["outcome"])
-        for outcome in RESET_OUTCOMES:
-            resets.add_metric([outcome], self._resets.get(outcome, 0))
-        yield resets
-        yield holders
-        yield state
-        yield GaugeMetricFamily("gpuguard_last_sweep_timestamp_seconds",
-                                "When the newest sweep finished (Unix time; 0: none yet).",
-                                value=self._last_sweep)
-        yield GaugeMetricFamily("gpuguard_nvml_up", "1 when NVML answers, 0 when it is unavailable.",
-                                value=1 if self._nvml_up else 0)
-        info = GaugeMetricFamily("gpuguard_build_info", "gpuguard's version.", labels=["version"])
-        info.add_metric([__version__], 1)
-        yield info
+            sweeps = CounterMetricFamily("gpuguard_sweeps", "Sweeps finished, by outcome and trigger.",
+                                         labels=["outcome", "trigger"])
+            for (outcome, by), count in sorted(self._sweeps.items()):
+                sweeps.add_metric([outcome, by], count)
+            yield sweeps
+            yield CounterMetricFamily("gpuguard_dry_runs", "Dry runs answered (anyone may ask for one).",
+                                      value=self._dry_runs)
+            for name, documentation, label, counts in (
+                    ("gpuguard_processes_terminated", "Processes ended by a sweep, by the signal that ended them.",
+                     "signal", self._terminated),
+                    ("gpuguard_processes_survived", "Processes that outlived a sweep, by process state.",
+                     "state", self._survived),
+                    ("gpuguard_processes_spared", "Processes a sweep left alone on purpose, by why.",
+                     "why", self._spared)):
+                family = CounterMetricFamily(name, documentation, labels=[label])
+                for value, count in sorted(counts.items()):
+                    family.add_metric([value], count)
+                yield family
+            yield self._duration.family("gpuguard_sweep_duration_seconds", "Time a sweep took.")
+            yield self._release.family("gpuguard_memory_release_seconds",
+                                       "Time from a sweep's start until NVML showed the memory released.")
+            yield CounterMetricFamily("gpuguard_memory_reclaimed_bytes",
+                                      "GPU memory that sweeps gave back.", value=self._reclaimed)
+            leaked = GaugeMetricFamily("gpuguard_leaked_memory_bytes",
+                                       "GPU memory in use with no process holding the GPU.",
+                                       labels=["gpu", "UUID", "vendor"])
+            holders = GaugeMetricFamily("gpuguard_gpu_holders", "Processes holding the GPU, by kind.",
+                                        labels=["gpu", "UUID", "vendor", "kind"])
+            state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
+                                      labels=["gpu", "UUID", "vendor", "state"])
+            for gpu in self._gpus:
+                ids = [gpu["gpu"], gpu["UUID"], gpu["vendor"]]
+                leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
+                for kind in KINDS:
+                    holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
+                for name in GPU_STATES:
+                    state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
+            yield leaked
+            by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
+                                        "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
+                                        labels=["gpu", "UUID", "vendor", "kind"])
+            for gpu in self._gpus:
+                for uuid, kind, used in gpu["leaks"]:
+                    by_kind.add_metric([gpu["gpu"], uuid, gpu["vendor"], kind], used)
+            yield by_kind
+            resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
+                                         labels=["outcome"])
+            for outcome in RESET_OUTCOMES:
+                resets.add_metric([outcome], self._resets.get(outcome, 0))
+            yield resets
+            yield holders
+            yield state
+            yield GaugeMetricFamily("gpuguard_last_sweep_timestamp_seconds",
+                                    "When the newest sweep finished (Unix time; 0: none yet).",
+                                    value=self._last_sweep)
+            yield GaugeMetricFamily("gpuguard_nvml_up", "1 when NVML answers, 0 when it is unavailable.",
+                                    value=1 if self._nvml_up else 0)
+            info = GaugeMetricFamily("gpuguard_build_info", "gpuguard's version.", labels=["version"])
+            info.add_metric([__version__], 1)
+            yield info
 
     def render(self) -> bytes:
         """The Prometheus text exposition format (what node_exporter and scrapers read)."""

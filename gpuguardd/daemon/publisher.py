@@ -54,22 +54,17 @@ class Publisher:
         self.unit_watch = unit_watch
         self.recovery = recovery
 
-    def metrics_text(self) -> bytes:
-        return self.metrics.render()
-
     def _publish_metrics(self) -> None:
         """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
         directory = self.config().textfile_directory
         if not directory:
             return
-        future = self.io_executor.submit(write_textfile, directory, self.metrics_text())
+        future = self.io_executor.submit(write_textfile, directory, self.metrics.render())
 
         def done(f: Future[str]) -> None:
             if f.exception() is not None:
                 log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
         future.add_done_callback(done)
-
-    # -- InventoryListener ---------------------------------------------------------------
 
     def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
         holders = self.inventory.holders
@@ -99,8 +94,6 @@ class Publisher:
                     used // (1024 * 1024))
         self.manager.LeakSuspected(index, uuid, used)
 
-    # -- SweepEvents ---------------------------------------------------------------------
-
     def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
 
@@ -112,23 +105,19 @@ class Publisher:
         data = self.manager.typed_report(report.to_dict())
         self.manager.SweepFinished(report.id, report.outcome.value, data)
         self.manager.update(LastSweep=data)
-        self.metrics.observe_report(report)
-        self._publish_metrics()
         for leak in report.leaks:
             # A MIG instance is named by its own UUID.
             self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
             self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
-        self.inventory.request_rescan()
-        self.on_change()
+        self.reset_finished(report)
 
     def busy_changed(self, busy: bool) -> None:
         self.manager.update(Busy=busy)
         self.inventory.wake()  # the start gate judges sweeps in flight: look again now
         self.on_change()
 
-    # -- ResetEvents ---------------------------------------------------------------------
-
     def reset_finished(self, report: Report) -> None:
+        """ResetEvents, and the end of every sweep's as well."""
         self.metrics.observe_report(report)
         self._publish_metrics()
         self.inventory.request_rescan()

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from gpuguardd.config import Config
 from gpuguardd.engine.engine import Engine
 from gpuguardd.records.enums import GpuState, RequesterKind
 from gpuguardd.records.models import GpuSummary
@@ -50,10 +49,6 @@ class Recovery:
         self._last_auto: dict[int, float] = {}
         self._task: asyncio.Task[Any] | None = None
 
-    @property
-    def config(self) -> Config:
-        return self.engine.config
-
     async def reset(self, index: int, requested_by: str, reason: str = "",
                     requester_kind: RequesterKind = RequesterKind.MANUAL) -> Report:
         async with self._lock:
@@ -65,16 +60,12 @@ class Recovery:
             self.events.reset_finished(report)
             return report
 
-    # -- the AutoReset policy ------------------------------------------------------------
-
     def observe(self, summaries: list[GpuSummary]) -> None:
         """Called with every published inventory: start an automatic reset where it is due."""
-        config = self.config
+        config = self.engine.config
         now = self.clock()
         leaked = {s.index: s for s in summaries if s.state == GpuState.LEAKED and not s.mig_mode}
-        for index in list(self._leaked_since):
-            if index not in leaked:
-                del self._leaked_since[index]
+        self._leaked_since = {i: t for i, t in self._leaked_since.items() if i in leaked}
         if not config.auto_reset:
             return
         for index, summary in sorted(leaked.items()):

@@ -34,7 +34,7 @@ from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
 from gpuguardd.records.enums import RequesterKind
-from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.models import ScanResult, Scope, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd import dropins
 from gpuguardd.systemd.rules import SLURM_PREFIX
@@ -63,11 +63,6 @@ def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, Re
     return caller.describe(), RequesterKind.MANUAL
 
 
-def requested_by(caller: Caller, reason: str, slurm_job: str = "") -> str:
-    """requester()'s words alone."""
-    return requester(caller, reason, slurm_job)[0]
-
-
 class Service:
     def __init__(self, bus: GuardBus, engine: Engine, history: History,
                  scan_executor: Executor, sweep_executor: Executor, io_executor: Executor,
@@ -85,21 +80,16 @@ class Service:
             "GpuCount": 0, "Vendors": [], "Busy": False,
             "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
-        for stored in history.newest(1):
-            # Typed once, through the cache GetHistory and SweepFinished share (not exported
-            # yet: no PropertiesChanged).
+        for stored in history.newest(1):  # not exported yet: no PropertiesChanged
             self.manager.update(LastSweep=self.manager.typed_report(stored))
         metrics = Metrics()
         metrics.note_history(history.last())
-        # What the daemon tells the bus as things happen (publisher.py): the inventory, the
-        # sweeps and the resets report to it.
         self.publisher = events = Publisher(bus, self.manager, metrics,
                                             lambda: self.engine.config, io_executor)
         self.inventory = Inventory(engine, scan_executor, events)
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, events, inflight)
-        # The start gate (gate.py): judged on every inventory observation; sweeps in flight
-        # keep their GPUs from being free (sweep_gpus).
+        # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
                                 lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
                                 self.inventory.scan_age, self.inventory.request_rescan,
@@ -119,8 +109,7 @@ class Service:
                              history, self.runner, self.units, lambda: self.engine.config,
                              self.inventory.fresh_scan)
         self.resume_work: list[Awaitable[Report | None]] = []
-        # GPU resets and the AutoReset policy (recovery.py), recorded as sweeps are. While
-        # anyone waits at the start gate a job is about to start: no automatic reset then.
+        # While anyone waits at the start gate a job is about to start: no automatic reset then.
         self.recovery = Recovery(engine, sweep_executor, self._keep, events,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
@@ -172,8 +161,6 @@ class Service:
             text += f", last sweep {last.id[:8]}: {outcome}"
         return text
 
-    # -- ManagerBackend ------------------------------------------------------------------
-
     async def caller(self) -> Caller:
         msg = current_call()
         if msg is None:
@@ -189,42 +176,35 @@ class Service:
     async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
         holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
         if options.get("gpus") or options.get("unit") or options.get("container"):
-            loop = asyncio.get_running_loop()
-            request = SweepRequest(gpus=marshal.gpu_list(options.get("gpus", [])),
-                                   unit=options.get("unit", ""),
-                                   container=options.get("container", ""))
-            scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request,
-                                                     request)
+            scope = await self._resolve(SweepRequest(gpus=marshal.gpu_list(options.get("gpus", [])),
+                                                     unit=options.get("unit", ""),
+                                                     container=options.get("container", "")))
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
-                                         mig=scope.mig,
-                                         include_protected=holder_filter.include_protected)
-        # The last scan when it is fresh for this call: started under 1 s (LIST_MAX_AGE_SEC)
-        # before the call arrived and before no event that can change the holders (a sweep, a
-        # reload, an NVML process-list change, a unit starting); else a scan that starts after
-        # the call. inventory.py's docstring has the rule; the contract XML documents it.
-        # fresh=true (what gpuguardctl sends: an admin at a prompt wants the truth, not the
-        # last second's view) always waits for a scan that starts after the call.
-        # fresh=true is rate-limited per caller (ratelimit.py): a non-root uid that had a fresh
-        # scan under FRESH_SCAN_INTERVAL_SEC ago is served by the freshness rule above, which
-        # joins a running scan or the last one; concurrent fresh calls share one scan anyway
-        # (Inventory.scan). So no caller makes the daemon walk /proc more than once a second.
+                                         mig=scope.mig, include_protected=holder_filter.include_protected)
+        # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
+        # gpuguardctl sends: an admin wants the truth, not the last second's view) waits for a
+        # scan that starts after the call, at most once per FRESH_SCAN_INTERVAL_SEC for a
+        # non-root uid: no caller makes the daemon walk /proc more than once a second.
         fresh = bool(options.get("fresh", False))
         if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
             fresh = False
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, holder_filter)
-        # The reply stays far below the bus's message limit (replysize.py). A redacted holder
-        # is no bigger than its typed one, so the sizes typed once per scan bound it.
+        # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
+        # typed one, so the sizes typed once per scan bound it.
         sizes = [self._typed_sizes[id(h)] for h in holders]
-        # Filtering and redaction are per caller; only the typing is shared.
-        if not caller.is_root and any(h.uid != caller.uid for h in holders) \
-                and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS):
-            # Command lines can carry secrets (tokens, passwords in arguments).
-            return replysize.bound_holders(
-                [typed[id(h)] if h.uid == caller.uid else {**typed[id(h)], "cmdline": _NO_CMDLINE}
-                 for h in holders], sizes=sizes)
-        return replysize.bound_holders([typed[id(h)] for h in holders], sizes=sizes)
+        # Command lines can carry secrets (tokens, passwords in arguments).
+        redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
+            and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS)
+        return replysize.bound_holders(
+            [{**typed[id(h)], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)]
+             for h in holders], sizes=sizes)
+
+    async def _resolve(self, request: SweepRequest) -> Scope:
+        loop = asyncio.get_running_loop()
+        scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+        return scope
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
         """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
@@ -276,7 +256,7 @@ class Service:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
-        return self.publisher.metrics_text().decode()
+        return self.publisher.metrics.render().decode()
 
     async def wait(self, options: dict[str, Any]) -> Wire:
         """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
@@ -291,10 +271,7 @@ class Service:
         gpus: tuple[int, ...] = ()
         mig: tuple[str, ...] = ()
         if options.get("gpus"):
-            loop = asyncio.get_running_loop()
-            scope, _, _ = await loop.run_in_executor(
-                self.io_executor, self.engine.resolve_request,
-                SweepRequest(gpus=marshal.gpu_list(options["gpus"])))
+            scope = await self._resolve(SweepRequest(gpus=marshal.gpu_list(options["gpus"])))
             gpus, mig = scope.gpus, scope.mig
         rule = GateRule(free_below * MiB, config.gate_tolerance_mib * MiB,
                         bool(options.get("allow_unverified", False)))

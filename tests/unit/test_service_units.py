@@ -23,7 +23,7 @@ from gpuguardd.bus import marshal
 from gpuguardd.bus.auth import Caller
 from gpuguardd.daemon import inventory as inv
 from gpuguardd.daemon.notify import watchdog_interval
-from gpuguardd.daemon.service import requested_by
+from gpuguardd.daemon.service import requester
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
 from tests import dbusxml
@@ -113,6 +113,10 @@ def test_valid_options_become_plain_values() -> None:
     parsed = marshal.parse_options({"gpus": Variant("au", [1, 0]), "dry_run": Variant("b", True),
                                     "grace_ms": Variant("u", 500)}, marshal.SWEEP)
     assert parsed == {"gpus": [1, 0], "dry_run": True, "grace_ms": 500}
+
+
+def requested_by(caller: Caller, reason: str) -> str:
+    return requester(caller, reason)[0]
 
 
 def test_requested_by() -> None:
