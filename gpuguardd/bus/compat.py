@@ -57,6 +57,7 @@ import asyncio
 import collections
 import contextvars
 import logging
+import re
 import socket
 from typing import Any
 
@@ -77,19 +78,8 @@ MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 def parse_version(text: str) -> tuple[int, ...]:
     """"1.84.2" -> (1, 84, 2); a suffix after the numbers ("5.2.0rc1", "1.84.2+ds") is ignored."""
-    numbers: list[int] = []
-    for part in text.split("."):
-        digits = ""
-        for char in part:
-            if not "0" <= char <= "9":  # ASCII only: int() would read U+00B2 or U+0660 too
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):
-            break
-    return tuple(numbers)
+    match = re.match(r"[0-9]+(?:\.[0-9]+)*", text)  # ASCII digits only, not int()'s U+00B2
+    return tuple(int(part) for part in match[0].split(".")) if match else ()
 
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
@@ -99,14 +89,14 @@ SUPPORTED = SUPPORTED_MIN <= VERSION < SUPPORTED_BELOW
 STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1
 WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)  # 2
 WRITER_DIES_ON_EAGAIN = True  # 3: not fixed upstream yet
-PEER_FORWARDED_TO_BUS = True  # 4: what a system bus refuses, in every version
-PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)  # 4: and its replies, before 2.36.0
+# 4: forwarded to the bus daemon, which a system bus refuses, in every version; and its
+# replies broken before 2.36.0 (this gate is what the regression test checks).
+PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)
 OBJECT_MANAGER_SIGNALS_FROM_OBJECT = True  # 5: not fixed upstream yet
 
 
 def supported_range() -> str:
-    return (f">={'.'.join(map(str, SUPPORTED_MIN))},"
-            f"<{'.'.join(map(str, SUPPORTED_BELOW))}")
+    return f">={'.'.join(map(str, SUPPORTED_MIN))},<{'.'.join(map(str, SUPPORTED_BELOW))}"
 
 
 def version_warning(version: tuple[int, ...] = VERSION) -> str:
@@ -134,13 +124,6 @@ def ascii_only(value: Any) -> Any:
     if isinstance(value, dict):
         return {ascii_only(k): ascii_only(v) for k, v in value.items()}
     return value
-
-
-def outgoing(msg: Message) -> Message:
-    """`msg` made safe to marshal with the installed dbus-fast (in place)."""
-    if STRING_LENGTHS_IN_CHARACTERS and msg.body:
-        msg.body = ascii_only(msg.body)
-    return msg
 
 
 # -- 2. and 3. the writer ----------------------------------------------------------------------
@@ -200,7 +183,7 @@ def machine_id() -> str:
 def peer_reply(msg: Message) -> Message | bool | None:
     """For a message handler: our answer to a Peer call where dbus-fast's would fail (True:
     handled, no reply wanted), None where the library's own answer is right."""
-    if not (PEER_FORWARDED_TO_BUS or PEER_REPLIES_BROKEN) or msg.interface != PEER_INTERFACE or msg.signature != "":
+    if msg.interface != PEER_INTERFACE or msg.signature != "":
         return None
     reply: Message | None = None
     if msg.member == "Ping":
@@ -249,18 +232,16 @@ class CompatBus(MessageBus):
             dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             dropped.set_result(None)
             return dropped
-        return super().send(outgoing(msg))
-
-    def _manages(self, path: str) -> bool:
-        manager = self.object_manager_path
-        return bool(manager) and path.startswith(manager + "/")
+        if STRING_LENGTHS_IN_CHARACTERS and msg.body:  # (1)
+            msg.body = ascii_only(msg.body)
+        return super().send(msg)
 
     # dbus-fast calls these from export()/unexport().
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
         if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
             super()._emit_interface_added(path, interface)
             return
-        if self._disconnected or not self._manages(path):
+        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
             return
         values: dict[str, Any] = {}
 
@@ -277,7 +258,7 @@ class CompatBus(MessageBus):
         if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
             super()._emit_interface_removed(path, removed_interfaces)
             return
-        if self._disconnected or not self._manages(path):
+        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
             return
         self.send(Message.new_signal(
             path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,

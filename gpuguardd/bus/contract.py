@@ -74,13 +74,9 @@ class Rule:
     action: str = ""
     dry_run_public: bool = False
 
-    @property
-    def public(self) -> bool:
-        return not self.action
-
     def needs(self, dry_run: bool) -> str:
         """The polkit action this call needs ("" for none)."""
-        return "" if self.public or (self.dry_run_public and dry_run) else self.action
+        return "" if self.dry_run_public and dry_run else self.action
 
     @classmethod
     def parse(cls, text: str) -> Rule:

@@ -30,28 +30,26 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from dbus_fast import DBusError, PropertyAccess, Variant
+from dbus_fast import DBusError, PropertyAccess
 from dbus_fast import introspection as intr
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
+from gpuguardd.bus.marshal import VarDict
 from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
 
-VarDict = dict[str, Variant]
 Options = dict[str, Any]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _REFUSALS = RateLimit(DENIAL_LOG_INTERVAL_SEC)
 # The caller of the call being handled, once asked for (each call runs in its own task).
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguard_caller", default=None)
-_ACCESS = {"read": PropertyAccess.READ, "write": PropertyAccess.WRITE,
-           "readwrite": PropertyAccess.READWRITE}
 
 
 class Gate(Protocol):
@@ -75,10 +73,6 @@ def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
         fn.__contract_check__ = check  # type: ignore[attr-defined]
         return fn
     return apply
-
-
-def _python_names(fn: Callable[..., Any]) -> list[str]:
-    return [p.rstrip("_") for p in list(inspect.signature(fn).parameters)[1:]]
 
 
 def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signature:
@@ -105,16 +99,15 @@ class _ServedInterface(intr.Interface):
 _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
-async def cancel_running_calls(timeout: float) -> int:
+async def cancel_running_calls(timeout: float) -> None:
     """Answer every method call still running with "gpuguardd is stopping", while the bus is
     still connected: left to asyncio.run's exit, their tasks would be cancelled after the bus
-    is gone, with nothing to answer on and a traceback in the journal. Returns how many."""
+    is gone, with nothing to answer on and a traceback in the journal."""
     running = [task for task in _IN_FLIGHT if not task.done()]
     for task in running:
         task.cancel()
     if running:
         await asyncio.wait(running, timeout=timeout)
-    return len(running)
 
 
 class ContractInterface(ServiceInterface):
@@ -126,7 +119,6 @@ class ContractInterface(ServiceInterface):
     DEFINITION: ClassVar[xml.Contract]
     INTERFACE: ClassVar[xml.Interface]
     _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
-    _HANDLERS: ClassVar[dict[str, Callable[..., Coroutine[Any, Any, Any]]]]
 
     def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None,
                           **kwargs: Any) -> None:
@@ -142,22 +134,15 @@ class ContractInterface(ServiceInterface):
                 raise TypeError(f"{where}: {name} is not a member of the XML")
         cls._PYTHON_MEMBERS = {**getattr(cls, "_PYTHON_MEMBERS", {}),
                                **{n: f for n, f in vars(cls).items() if n in members and callable(f)}}
-        cls._HANDLERS = {}
         for name, member in iface.methods.items():
-            cls._HANDLERS[name] = cls._method_handler(member, where)
-            setattr(cls, name, method(name)(cls._HANDLERS[name]))
+            setattr(cls, name, method(name)(cls._method_handler(member, where)))
         for name, sig in iface.signals.items():
             setattr(cls, name, signal(name)(cls._signal_emitter(sig, where)))
         for name, prop in iface.properties.items():
             if name in vars(cls):
                 raise TypeError(f"{where}: property {name} is served from the table, not a getter")
-            setattr(cls, name, dbus_property(access=_ACCESS[prop.access], name=name)(
+            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(
                 _property_getter(prop)))
-
-    @classmethod
-    def handler(cls, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-        """What dbus-fast calls for method `name`: the gate, then the Python method."""
-        return cls._HANDLERS[name]
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
@@ -167,9 +152,9 @@ class ContractInterface(ServiceInterface):
         if not callable(fn):
             raise TypeError(f"{where}: {name} is in the XML but not implemented")
         wanted = [a.name for a in args]
-        if _python_names(fn) != wanted:
-            raise TypeError(f"{where}: {name} takes ({', '.join(_python_names(fn))}), the XML "
-                            f"({', '.join(wanted)})")
+        names = [p.rstrip("_") for p in list(inspect.signature(fn).parameters)[1:]]
+        if names != wanted:
+            raise TypeError(f"{where}: {name} takes ({', '.join(names)}), the XML ({', '.join(wanted)})")
         return fn  # type: ignore[no-any-return]
 
     @classmethod
@@ -305,9 +290,7 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
         return self._values[prop.name]
     # dbus-fast finds the value by the getter's name and reads the type from its annotation.
     get.__name__ = get.__qualname__ = prop.name
-    get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)],
-        return_annotation=prop.signature)
+    get.__signature__ = _dbus_signature((), prop.signature)  # type: ignore[attr-defined]
     return get
 
 
@@ -342,9 +325,6 @@ def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
     if options.get("unit", unit) != unit:
         raise InvalidArgument(f"unit given twice: {unit!r} and option unit={options['unit']!r}")
     return unit, {**options, "unit": unit}
-
-
-WAIT_RESULT = xml.contract().schema("WaitResult")
 
 
 class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
@@ -398,7 +378,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self.backend.get_metrics()
 
     async def Wait(self, options: Options) -> VarDict:
-        return marshal.to_vardict(await self.backend.wait(options), WAIT_RESULT)
+        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.schema("WaitResult"))
 
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())

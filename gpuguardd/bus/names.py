@@ -6,14 +6,11 @@ import os
 
 BUS_NAME = "org.gpuguard.GpuGuard1"
 MANAGER_PATH = "/org/gpuguard/GpuGuard1"
-GPU_PATH_PREFIX = MANAGER_PATH + "/gpu/"
 MANAGER_INTERFACE = BUS_NAME + ".Manager"
 GPU_INTERFACE = BUS_NAME + ".Gpu"
 ERROR_PREFIX = BUS_NAME + ".Error."
 
-ACTION_SWEEP = BUS_NAME + ".sweep"
 ACTION_VIEW_DETAILS = BUS_NAME + ".view-details"
-ACTION_RELOAD = BUS_NAME + ".reload"
 
 # Lets tests and admins point gpuguardctl at a bus other than the system bus.
 ENV_BUS_ADDRESS = "GPUGUARD_BUS_ADDRESS"
@@ -25,11 +22,10 @@ UID_UNKNOWN = 2**32 - 1
 OMITTED_KEY = "omitted_after"
 
 PROPERTIES_INTERFACE = "org.freedesktop.DBus.Properties"
-OBJECT_MANAGER_INTERFACE = "org.freedesktop.DBus.ObjectManager"
 
 
 def gpu_path(index: int) -> str:
-    return f"{GPU_PATH_PREFIX}{index}"
+    return f"{MANAGER_PATH}/gpu/{index}"
 
 
 def error_name(suffix: str) -> str:

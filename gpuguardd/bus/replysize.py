@@ -29,11 +29,11 @@ from gpuguardd.bus import names
 log = logging.getLogger("gpuguard.replysize")
 
 MiB = 1024 * 1024
-BUS_MESSAGE_MAX = 32 * MiB  # dbus-daemon's default max_message_size
-REPLY_BUDGET = 8 * MiB  # a quarter of it: headers, and a bus configured lower, have room
+# A quarter of dbus-daemon's default max_message_size (32 MiB): headers, and a bus
+# configured lower, have room.
+REPLY_BUDGET = 8 * MiB
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
-OMITTED_KEY = names.OMITTED_KEY
 
 # warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
@@ -56,7 +56,7 @@ OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
 
 
 def _empty(value: Any) -> bool:
-    return (isinstance(value, str) and not value) or (isinstance(value, list) and not value)
+    return isinstance(value, (str, list)) and not value
 
 
 def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
         if used + size > budget:
             kept = items[:count]
             if kept:
-                kept[-1] = {**kept[-1], OMITTED_KEY: Variant("u", len(items) - count)}
+                kept[-1] = {**kept[-1], names.OMITTED_KEY: Variant("u", len(items) - count)}
             return kept
         used += size
     return items
@@ -122,11 +122,10 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     return kept
 
 
-def bound_reports(reports: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
-                  sizes: list[int] | None = None) -> list[dict[str, Variant]]:
-    """Newest first, as many as fit; the last sent says how many older ones were left out."""
-    if sizes is None:
-        sizes = [wire_size(r) for r in reports]
+def bound_reports(reports: list[dict[str, Variant]], sizes: list[int],
+                  budget: int = REPLY_BUDGET) -> list[dict[str, Variant]]:
+    """Newest first, as many as fit (`sizes`: their wire_size()); the last sent says how many
+    older ones were left out."""
     kept = _fit(reports, sizes, budget)
     if len(kept) < len(reports):
         log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),

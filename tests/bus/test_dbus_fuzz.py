@@ -17,8 +17,7 @@ from typing import Any
 from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.bus.contract import interface
-from gpuguardd.bus.marshal import SWEEP_OPTIONS
+from gpuguardd.bus.contract import contract, interface
 from tests.dbus_harness import BUS_NAME, GPU, MANAGER, MANAGER_PATH, GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]
@@ -34,6 +33,8 @@ INTERFACES = [MANAGER, GPU, "org.freedesktop.DBus.Properties", "org.freedesktop.
               "org.freedesktop.DBus.Peer", "org.freedesktop.DBus.ObjectManager", "org.example.Nope", None]
 PATHS = [MANAGER_PATH, MANAGER_PATH + "/gpu/0", MANAGER_PATH + "/gpu/1", MANAGER_PATH + "/gpu/99",
          "/", "/org", "/org/gpuguard", "/x/y/z"]
+# Options as they are usually sent (the first type the XML lists for each key).
+SWEEP_OPTIONS = {k: v[0] for k, v in contract().options("SweepOptions").items()}
 PROPERTIES = ["Version", "Busy", "LastSweep", "GpuCount", "MemoryUsed", "State", "Nope", ""]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd import __version__, config
-from gpuguardd.bus import marshal
+from gpuguardd.bus import contract, marshal
 from gpuguardd.cli import exits
 from gpuguardd.cli import main as cli
 from tests.packages import require_tools
@@ -312,18 +312,18 @@ def entry(body: str, member: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def schema_keys(schema: marshal.Schema) -> set[str]:
+def schema_keys(schema: contract.Schema) -> set[str]:
     keys = set(schema)
     for field in schema.values():
-        if isinstance(field, marshal.Nested):
+        if isinstance(field, contract.Nested):
             keys |= schema_keys(field.schema)
     return keys
 
 
 def test_dictionary_keys_are_documented() -> None:
     manager = sections(source("gpuguard-dbus.7"), 1)["INTERFACE org.gpuguard.GpuGuard1.Manager"]
-    cases = (("ListHolders", set(marshal.FILTER_OPTIONS) | set(marshal.HOLDER)),
-             ("Sweep", set(marshal.SWEEP_OPTIONS) | schema_keys(marshal.REPORT)))
+    cases = (("ListHolders", set(contract.contract().options(marshal.FILTER)) | set(marshal.HOLDER)),
+             ("Sweep", set(contract.contract().options(marshal.SWEEP)) | schema_keys(marshal.REPORT)))
     for member, keys in cases:
         text = entry(manager, member)
         for key in keys:
