@@ -12,7 +12,7 @@ when a subclass is created, and refuses a subclass that does not match it:
   declared rule is applied (see `_authorize`). Engine exceptions become the contract's errors.
 * signals: each XML signal is a typed Python stub of the same name (arguments by name, as
   for methods); calling it emits the signal with its arguments in the XML's order.
-* properties: served from one table (`update`, `value`), with PropertiesChanged for real
+* properties: served from one table (`update`), with PropertiesChanged for real
   changes only; their names and types are the XML's, so no Python getter exists per property.
 * Introspect returns the file's interface element (annotations included), not what dbus-fast
   would rebuild from Python, on every dbus-fast version.
@@ -53,16 +53,15 @@ _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguar
 
 
 class Gate(Protocol):
-    """What authorization needs from the daemon."""
+    """What authorization needs from the daemon: the caller of the call being handled (bus
+    credentials), a check that raises NotAuthorized unless polkit grants an action (root:
+    always), and whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
 
-    async def caller(self) -> Caller:
-        """Who sent the call being handled (bus credentials)."""
+    async def caller(self) -> Caller: ...
 
-    async def require(self, caller: Caller, action: str) -> None:
-        """Return if `caller` is root or polkit grants `action`, else raise NotAuthorized."""
+    async def require(self, caller: Caller, action: str) -> None: ...
 
-    def dry_run_default(self) -> bool:
-        """Whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
+    def dry_run_default(self) -> bool: ...
 
 
 def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
@@ -225,8 +224,6 @@ class ContractInterface(ServiceInterface):
         emit.__signature__ = _dbus_signature(sig.args, sig.signature)  # type: ignore[attr-defined]
         return emit
 
-    # -- one table of properties ---------------------------------------------------------
-
     def __init__(self, values: Mapping[str, Any]) -> None:
         missing = set(self.INTERFACE.properties) - set(values)
         if missing:
@@ -240,13 +237,8 @@ class ContractInterface(ServiceInterface):
             self._values.update(changed)
             self.emit_properties_changed(changed)
 
-    def value(self, name: str) -> Any:
-        return self._values[name]
-
     def introspect(self) -> intr.Interface:
         return _ServedInterface(self.DEFINITION, self.INTERFACE.name)
-
-    # -- authorization -------------------------------------------------------------------
 
     def gate(self) -> Gate:
         raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
@@ -294,8 +286,6 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
     return get
 
 
-# -- the Manager ---------------------------------------------------------------------------
-
 class ManagerBackend(Gate, Protocol):
     async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
         """Typed holders (marshal.holder), filtered and redacted for `caller`, bounded in
@@ -311,8 +301,7 @@ class ManagerBackend(Gate, Protocol):
 
     async def reload(self, caller: Caller) -> None: ...
 
-    def get_metrics(self) -> str:
-        """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
+    def get_metrics(self) -> str: ...
 
     async def wait(self, options: Options) -> dict[str, Any]:
         """The start gate (daemon/gate.py): a WaitResult as plain values."""
@@ -393,8 +382,6 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
 
     def LeakSuspected(self, gpu: int, uuid: str, bytes_: int) -> None: ...
 
-
-# -- one Gpu -------------------------------------------------------------------------------
 
 def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
     """The Gpu properties from an engine GPU summary (property MemoryTotal: key memory_total)."""

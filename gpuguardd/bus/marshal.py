@@ -164,8 +164,6 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-# -- options callers send ---------------------------------------------------------------------
-
 MAX_TEXT = 1024
 
 

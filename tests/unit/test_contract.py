@@ -178,7 +178,7 @@ def test_a_python_member_must_match_the_xml() -> None:
     with pytest.raises(ValueError, match="no value for Size"):
         Right({})
     right = Right({"Size": 3})
-    assert right.value("Size") == 3
+    assert right._values["Size"] == 3
     assert right.Done("x") == "x"  # type: ignore[func-returns-value]  # what dbus-fast emits
     with pytest.raises(TypeError):
         right.Done("x", "y")  # type: ignore[call-arg]
@@ -188,9 +188,9 @@ def test_gpu_properties_are_the_xml_table_typed_from_an_engine_summary() -> None
     gpu = GpuInterface({"index": 2, "uuid": "GPU-1", "memory_total": 5, "mig_mode": 1,
                         "mig_instances": [{"uuid": "MIG-1", "memory_used": 7}], "error": None})
     properties = contract.interface(GPU_INTERFACE).properties
-    assert gpu.value("Index") == 2 and gpu.value("Uuid") == "GPU-1" and gpu.value("MemoryTotal") == 5
-    assert gpu.value("MigMode") is True and gpu.value("Error") == "" and gpu.value("Minor") == 0
-    assert gpu.value("MigInstances") == [{"uuid": Variant("s", "MIG-1"), "memory_used": Variant("t", 7)}]
+    assert gpu._values["Index"] == 2 and gpu._values["Uuid"] == "GPU-1" and gpu._values["MemoryTotal"] == 5
+    assert gpu._values["MigMode"] is True and gpu._values["Error"] == "" and gpu._values["Minor"] == 0
+    assert gpu._values["MigInstances"] == [{"uuid": Variant("s", "MIG-1"), "memory_used": Variant("t", 7)}]
     assert set(gpu._values) == set(properties)
 
 
