@@ -2,13 +2,10 @@
 dbus-fast's private internals).
 
 Supported: dbus-fast SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to, not
-including, SUPPORTED_BELOW; tested on 1.84.2 and 5.2.0 (tests/bus/test_dbus_compat.py runs
-every check below on both, the second through /usr/bin/python3). setup.cfg, the packages and
-docs/architecture.md state the same range.
-
-Each workaround says which versions need it and what fixed it upstream, and is applied only
-there (the gates below). The regression test checks, on each installed version, that the bug
-is there exactly where its gate says so, and that the workaround makes the behaviour right.
+including, SUPPORTED_BELOW, as setup.cfg, the packages and docs/architecture.md state.
+Each workaround is applied only on the versions its gate below names; for each version
+installed (5.2.0 from pip, 1.84.2 through /usr/bin/python3), tests/bus/test_dbus_compat.py checks
+that the bug is there exactly where the gate says and that the workaround fixes it.
 
 1. Strings' lengths in characters (< 2.11.1, fixed by dbus-fast#261): the marshaller writes a
    string's length in characters, not bytes, so one non-ASCII character anywhere (a process
@@ -32,20 +29,17 @@ is there exactly where its gate says so, and that the workaround makes the behav
 5. ObjectManager signals (every version so far): InterfacesAdded/Removed are sent from the
    exported object's own path; the D-Bus specification (and GDBusObjectManagerClient,
    cockpit) expect them from the object manager's path, with the object in the arguments.
-   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced;
-   the properties come from `ServiceInterface._get_all_property_values`.
-6. The incoming call, for the method that handles it (every version; relies on dispatch
-   order): dbus-fast passes a method only its arguments, but authorization needs the sender
-   and the interactive-authorization flag. dbus-fast runs message handlers (in the order
-   added) before it dispatches a method call, synchronously, and creates an async method's
-   task right then: a handler that sets a context variable therefore gives each call's task
-   its own message (CURRENT_CALL).
+   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced.
+6. The incoming call, for the method that handles it (every version): dbus-fast passes a
+   method only its arguments, but authorization needs the sender and the
+   interactive-authorization flag. dbus-fast runs message handlers, in the order added and
+   synchronously, before it dispatches a method call and creates an async method's task: a
+   handler that sets a context variable gives each call's task its own message.
 7. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
-   still running when the daemon leaves the bus has dbus-fast send its reply on the closed
-   socket; the loop's add_writer fails and asyncio logs a traceback. The daemon answers such
-   calls before it disconnects (interfaces.cancel_running_calls); for whatever is still sent
-   after, CompatBus.send drops it once the bus is disconnected (debug log), on every version:
-   dropping is right everywhere.
+   still running when the daemon leaves the bus has its reply sent on the closed socket, and
+   asyncio logs a traceback. The daemon answers such calls before it disconnects
+   (interfaces.cancel_running_calls); whatever is still sent after is dropped (debug log), on
+   every version: dropping is right everywhere.
 
 Private names used, all here: the bus's `_writer` (its `sock` and `messages`),
 `_disconnected`, `_emit_interface_added/_removed`, `ServiceInterface._get_all_property_values`.
@@ -83,7 +77,6 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
-SUPPORTED = SUPPORTED_MIN <= VERSION < SUPPORTED_BELOW
 
 # The gates: True where the installed dbus-fast needs the workaround.
 STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1
@@ -202,6 +195,7 @@ def peer_reply(msg: Message) -> Message | bool | None:
 
 CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
     "gpuguard_current_call", default=None)
+current_call = CURRENT_CALL.get
 
 
 def note_call(msg: Message) -> None:
@@ -209,10 +203,6 @@ def note_call(msg: Message) -> None:
     method call it dispatches next (see 6)."""
     if msg.message_type == MessageType.METHOD_CALL:
         CURRENT_CALL.set(msg)
-
-
-def current_call() -> Message | None:
-    return CURRENT_CALL.get()
 
 
 # -- the bus ---------------------------------------------------------------------------------

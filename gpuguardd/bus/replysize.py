@@ -114,8 +114,7 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     if sum(sizes) + 8 <= budget:
         return holders
     compact = [_compact(h) for h in holders]
-    compact_sizes = [wire_size(h) for h in compact]
-    kept = _fit(compact, compact_sizes, budget)
+    kept = _fit(compact, [wire_size(h) for h in compact], budget)
     log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to "
                 "%d bytes (reply limit %d bytes)", len(holders), sum(sizes), len(kept),
                 COMPACT_TEXT, budget)
