@@ -24,9 +24,6 @@ from gpuguardd.safetext import user_name
 
 log = logging.getLogger("gpuguard.auth")
 
-POLKIT_NAME = "org.freedesktop.PolicyKit1"
-POLKIT_PATH = "/org/freedesktop/PolicyKit1/Authority"
-POLKIT_INTERFACE = "org.freedesktop.PolicyKit1.Authority"
 POLKIT_ALLOW_USER_INTERACTION = 1
 # Errors meaning "no polkit on this bus": then only root is authorized.
 _NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
@@ -137,7 +134,8 @@ class Authorizer:
         subject = ["system-bus-name", {"name": Variant("s", caller.sender)}]
         try:
             reply = await self.bus.call(Message(
-                destination=POLKIT_NAME, path=POLKIT_PATH, interface=POLKIT_INTERFACE,
+                destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
+                interface="org.freedesktop.PolicyKit1.Authority",
                 member="CheckAuthorization", signature="(sa{sv})sa{ss}us",
                 body=[subject, action, {}, flags, ""]))
         except (DBusError, OSError, EOFError) as exc:

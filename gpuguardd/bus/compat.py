@@ -2,13 +2,10 @@
 dbus-fast's private internals).
 
 Supported: dbus-fast SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to, not
-including, SUPPORTED_BELOW; tested on 1.84.2 and 5.2.0 (tests/bus/test_dbus_compat.py runs
-every check below on both, the second through /usr/bin/python3). setup.cfg, the packages and
-docs/architecture.md state the same range.
-
-Each workaround says which versions need it and what fixed it upstream, and is applied only
-there (the gates below). The regression test checks, on each installed version, that the bug
-is there exactly where its gate says so, and that the workaround makes the behaviour right.
+including, SUPPORTED_BELOW, as setup.cfg, the packages and docs/architecture.md state.
+Each workaround is applied only on the versions its gate below names; for each version
+installed (5.2.0 from pip, 1.84.2 through /usr/bin/python3), tests/bus/test_dbus_compat.py checks
+that the bug is there exactly where the gate says and that the workaround fixes it.
 
 1. Strings' lengths in characters (< 2.11.1, fixed by dbus-fast#261): the marshaller writes a
    string's length in characters, not bytes, so one non-ASCII character anywhere (a process
@@ -32,20 +29,17 @@ is there exactly where its gate says so, and that the workaround makes the behav
 5. ObjectManager signals (every version so far): InterfacesAdded/Removed are sent from the
    exported object's own path; the D-Bus specification (and GDBusObjectManagerClient,
    cockpit) expect them from the object manager's path, with the object in the arguments.
-   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced;
-   the properties come from `ServiceInterface._get_all_property_values`.
-6. The incoming call, for the method that handles it (every version; relies on dispatch
-   order): dbus-fast passes a method only its arguments, but authorization needs the sender
-   and the interactive-authorization flag. dbus-fast runs message handlers (in the order
-   added) before it dispatches a method call, synchronously, and creates an async method's
-   task right then: a handler that sets a context variable therefore gives each call's task
-   its own message (CURRENT_CALL).
+   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced.
+6. The incoming call, for the method that handles it (every version): dbus-fast passes a
+   method only its arguments, but authorization needs the sender and the
+   interactive-authorization flag. dbus-fast runs message handlers, in the order added and
+   synchronously, before it dispatches a method call and creates an async method's task: a
+   handler that sets a context variable gives each call's task its own message.
 7. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
-   still running when the daemon leaves the bus has dbus-fast send its reply on the closed
-   socket; the loop's add_writer fails and asyncio logs a traceback. The daemon answers such
-   calls before it disconnects (interfaces.cancel_running_calls); for whatever is still sent
-   after, CompatBus.send drops it once the bus is disconnected (debug log), on every version:
-   dropping is right everywhere.
+   still running when the daemon leaves the bus has its reply sent on the closed socket, and
+   asyncio logs a traceback. The daemon answers such calls before it disconnects
+   (interfaces.cancel_running_calls); whatever is still sent after is dropped (debug log), on
+   every version: dropping is right everywhere.
 
 Private names used, all here: the bus's `_writer` (its `sock` and `messages`),
 `_disconnected`, `_emit_interface_added/_removed`, `ServiceInterface._get_all_property_values`.
@@ -57,6 +51,7 @@ import asyncio
 import collections
 import contextvars
 import logging
+import re
 import socket
 from typing import Any
 
@@ -77,19 +72,8 @@ MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 def parse_version(text: str) -> tuple[int, ...]:
     """"1.84.2" -> (1, 84, 2); a suffix after the numbers ("5.2.0rc1", "1.84.2+ds") is ignored."""
-    numbers: list[int] = []
-    for part in text.split("."):
-        digits = ""
-        for char in part:
-            if not "0" <= char <= "9":  # ASCII only: int() would read U+00B2 or U+0660 too
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) != len(part):
-            break
-    return tuple(numbers)
+    match = re.match(r"[0-9]+(?:\.[0-9]+)*", text)  # ASCII digits only, not int()'s U+00B2
+    return tuple(int(part) for part in match[0].split(".")) if match else ()
 
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
@@ -98,14 +82,14 @@ VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
 STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1
 WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)  # 2
 WRITER_DIES_ON_EAGAIN = True  # 3: not fixed upstream yet
-PEER_FORWARDED_TO_BUS = True  # 4: what a system bus refuses, in every version
-PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)  # 4: and its replies, before 2.36.0
+# 4: forwarded to the bus daemon, which a system bus refuses, in every version; and its
+# replies broken before 2.36.0 (this gate is what the regression test checks).
+PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)
 OBJECT_MANAGER_SIGNALS_FROM_OBJECT = True  # 5: not fixed upstream yet
 
 
 def supported_range() -> str:
-    return (f">={'.'.join(map(str, SUPPORTED_MIN))},"
-            f"<{'.'.join(map(str, SUPPORTED_BELOW))}")
+    return f">={'.'.join(map(str, SUPPORTED_MIN))},<{'.'.join(map(str, SUPPORTED_BELOW))}"
 
 
 def version_warning(version: tuple[int, ...] = VERSION) -> str:
@@ -133,13 +117,6 @@ def ascii_only(value: Any) -> Any:
     if isinstance(value, dict):
         return {ascii_only(k): ascii_only(v) for k, v in value.items()}
     return value
-
-
-def outgoing(msg: Message) -> Message:
-    """`msg` made safe to marshal with the installed dbus-fast (in place)."""
-    if STRING_LENGTHS_IN_CHARACTERS and msg.body:
-        msg.body = ascii_only(msg.body)
-    return msg
 
 
 # -- 2. and 3. the writer ----------------------------------------------------------------------
@@ -199,7 +176,7 @@ def machine_id() -> str:
 def peer_reply(msg: Message) -> Message | bool | None:
     """For a message handler: our answer to a Peer call where dbus-fast's would fail (True:
     handled, no reply wanted), None where the library's own answer is right."""
-    if not (PEER_FORWARDED_TO_BUS or PEER_REPLIES_BROKEN) or msg.interface != PEER_INTERFACE or msg.signature != "":
+    if msg.interface != PEER_INTERFACE or msg.signature != "":
         return None
     reply: Message | None = None
     if msg.member == "Ping":
@@ -218,6 +195,7 @@ def peer_reply(msg: Message) -> Message | bool | None:
 
 CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
     "gpuguard_current_call", default=None)
+current_call = CURRENT_CALL.get
 
 
 def note_call(msg: Message) -> None:
@@ -225,10 +203,6 @@ def note_call(msg: Message) -> None:
     method call it dispatches next (see 6)."""
     if msg.message_type == MessageType.METHOD_CALL:
         CURRENT_CALL.set(msg)
-
-
-def current_call() -> Message | None:
-    return CURRENT_CALL.get()
 
 
 # -- the bus ---------------------------------------------------------------------------------
@@ -248,18 +222,16 @@ class CompatBus(MessageBus):
             dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             dropped.set_result(None)
             return dropped
-        return super().send(outgoing(msg))
-
-    def _manages(self, path: str) -> bool:
-        manager = self.object_manager_path
-        return bool(manager) and path.startswith(manager + "/")
+        if STRING_LENGTHS_IN_CHARACTERS and msg.body:  # (1)
+            msg.body = ascii_only(msg.body)
+        return super().send(msg)
 
     # dbus-fast calls these from export()/unexport().
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
         if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
             super()._emit_interface_added(path, interface)
             return
-        if self._disconnected or not self._manages(path):
+        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
             return
         values: dict[str, Any] = {}
 
@@ -276,7 +248,7 @@ class CompatBus(MessageBus):
         if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
             super()._emit_interface_removed(path, removed_interfaces)
             return
-        if self._disconnected or not self._manages(path):
+        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
             return
         self.send(Message.new_signal(
             path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,

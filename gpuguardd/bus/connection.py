@@ -5,8 +5,7 @@
   expected, instead of dbus-fast's generic "unknown method".
 * Signals about the bus daemon's names (NameOwnerChanged, GetNameOwner) read safely.
 
-The dbus-fast workarounds (strings, the writer, Peer, ObjectManager signals, the dispatch
-order current_call relies on) and the supported versions: compat.py.
+The dbus-fast workarounds, and the versions supported: compat.py.
 """
 
 from __future__ import annotations

@@ -74,13 +74,9 @@ class Rule:
     action: str = ""
     dry_run_public: bool = False
 
-    @property
-    def public(self) -> bool:
-        return not self.action
-
     def needs(self, dry_run: bool) -> str:
         """The polkit action this call needs ("" for none)."""
-        return "" if self.public or (self.dry_run_public and dry_run) else self.action
+        return "" if self.dry_run_public and dry_run else self.action
 
     @classmethod
     def parse(cls, text: str) -> Rule:
@@ -167,8 +163,6 @@ class Contract:
             for key in dictionary.values():
                 self._known(key.keys)
 
-    # -- parsing -------------------------------------------------------------------------
-
     def _define(self, name: str, text: str) -> None:
         if name in self.dictionaries:
             raise ContractError(f"dictionary {name} defined twice")
@@ -226,8 +220,6 @@ class Contract:
             self._keys_of(p, p.get("type", ""), f"{iface}.{p.get('name')}"))
             for p in element.findall("property")}
         return Interface(iface, methods, signals, properties, element)
-
-    # -- what others need ----------------------------------------------------------------
 
     def schema(self, name: str) -> Schema:
         """The dictionary `name` as marshalling types it: the first signature of each key,

@@ -12,7 +12,7 @@ when a subclass is created, and refuses a subclass that does not match it:
   declared rule is applied (see `_authorize`). Engine exceptions become the contract's errors.
 * signals: each XML signal is a typed Python stub of the same name (arguments by name, as
   for methods); calling it emits the signal with its arguments in the XML's order.
-* properties: served from one table (`update`, `value`), with PropertiesChanged for real
+* properties: served from one table (`update`), with PropertiesChanged for real
   changes only; their names and types are the XML's, so no Python getter exists per property.
 * Introspect returns the file's interface element (annotations included), not what dbus-fast
   would rebuild from Python, on every dbus-fast version.
@@ -30,41 +30,38 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from dbus_fast import DBusError, PropertyAccess, Variant
+from dbus_fast import DBusError, PropertyAccess
 from dbus_fast import introspection as intr
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
+from gpuguardd.bus.marshal import VarDict
 from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
 
-VarDict = dict[str, Variant]
 Options = dict[str, Any]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _REFUSALS = RateLimit(DENIAL_LOG_INTERVAL_SEC)
 # The caller of the call being handled, once asked for (each call runs in its own task).
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguard_caller", default=None)
-_ACCESS = {"read": PropertyAccess.READ, "write": PropertyAccess.WRITE,
-           "readwrite": PropertyAccess.READWRITE}
 
 
 class Gate(Protocol):
-    """What authorization needs from the daemon."""
+    """What authorization needs from the daemon: the caller of the call being handled (bus
+    credentials), a check that raises NotAuthorized unless polkit grants an action (root:
+    always), and whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
 
-    async def caller(self) -> Caller:
-        """Who sent the call being handled (bus credentials)."""
+    async def caller(self) -> Caller: ...
 
-    async def require(self, caller: Caller, action: str) -> None:
-        """Return if `caller` is root or polkit grants `action`, else raise NotAuthorized."""
+    async def require(self, caller: Caller, action: str) -> None: ...
 
-    def dry_run_default(self) -> bool:
-        """Whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
+    def dry_run_default(self) -> bool: ...
 
 
 def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
@@ -75,10 +72,6 @@ def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
         fn.__contract_check__ = check  # type: ignore[attr-defined]
         return fn
     return apply
-
-
-def _python_names(fn: Callable[..., Any]) -> list[str]:
-    return [p.rstrip("_") for p in list(inspect.signature(fn).parameters)[1:]]
 
 
 def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signature:
@@ -105,16 +98,15 @@ class _ServedInterface(intr.Interface):
 _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
-async def cancel_running_calls(timeout: float) -> int:
+async def cancel_running_calls(timeout: float) -> None:
     """Answer every method call still running with "gpuguardd is stopping", while the bus is
     still connected: left to asyncio.run's exit, their tasks would be cancelled after the bus
-    is gone, with nothing to answer on and a traceback in the journal. Returns how many."""
+    is gone, with nothing to answer on and a traceback in the journal."""
     running = [task for task in _IN_FLIGHT if not task.done()]
     for task in running:
         task.cancel()
     if running:
         await asyncio.wait(running, timeout=timeout)
-    return len(running)
 
 
 class ContractInterface(ServiceInterface):
@@ -126,7 +118,6 @@ class ContractInterface(ServiceInterface):
     DEFINITION: ClassVar[xml.Contract]
     INTERFACE: ClassVar[xml.Interface]
     _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
-    _HANDLERS: ClassVar[dict[str, Callable[..., Coroutine[Any, Any, Any]]]]
 
     def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None,
                           **kwargs: Any) -> None:
@@ -142,22 +133,15 @@ class ContractInterface(ServiceInterface):
                 raise TypeError(f"{where}: {name} is not a member of the XML")
         cls._PYTHON_MEMBERS = {**getattr(cls, "_PYTHON_MEMBERS", {}),
                                **{n: f for n, f in vars(cls).items() if n in members and callable(f)}}
-        cls._HANDLERS = {}
         for name, member in iface.methods.items():
-            cls._HANDLERS[name] = cls._method_handler(member, where)
-            setattr(cls, name, method(name)(cls._HANDLERS[name]))
+            setattr(cls, name, method(name)(cls._method_handler(member, where)))
         for name, sig in iface.signals.items():
             setattr(cls, name, signal(name)(cls._signal_emitter(sig, where)))
         for name, prop in iface.properties.items():
             if name in vars(cls):
                 raise TypeError(f"{where}: property {name} is served from the table, not a getter")
-            setattr(cls, name, dbus_property(access=_ACCESS[prop.access], name=name)(
+            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(
                 _property_getter(prop)))
-
-    @classmethod
-    def handler(cls, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-        """What dbus-fast calls for method `name`: the gate, then the Python method."""
-        return cls._HANDLERS[name]
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
@@ -167,9 +151,9 @@ class ContractInterface(ServiceInterface):
         if not callable(fn):
             raise TypeError(f"{where}: {name} is in the XML but not implemented")
         wanted = [a.name for a in args]
-        if _python_names(fn) != wanted:
-            raise TypeError(f"{where}: {name} takes ({', '.join(_python_names(fn))}), the XML "
-                            f"({', '.join(wanted)})")
+        names = [p.rstrip("_") for p in list(inspect.signature(fn).parameters)[1:]]
+        if names != wanted:
+            raise TypeError(f"{where}: {name} takes ({', '.join(names)}), the XML ({', '.join(wanted)})")
         return fn  # type: ignore[no-any-return]
 
     @classmethod
@@ -240,8 +224,6 @@ class ContractInterface(ServiceInterface):
         emit.__signature__ = _dbus_signature(sig.args, sig.signature)  # type: ignore[attr-defined]
         return emit
 
-    # -- one table of properties ---------------------------------------------------------
-
     def __init__(self, values: Mapping[str, Any]) -> None:
         missing = set(self.INTERFACE.properties) - set(values)
         if missing:
@@ -255,13 +237,8 @@ class ContractInterface(ServiceInterface):
             self._values.update(changed)
             self.emit_properties_changed(changed)
 
-    def value(self, name: str) -> Any:
-        return self._values[name]
-
     def introspect(self) -> intr.Interface:
         return _ServedInterface(self.DEFINITION, self.INTERFACE.name)
-
-    # -- authorization -------------------------------------------------------------------
 
     def gate(self) -> Gate:
         raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
@@ -305,13 +282,9 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
         return self._values[prop.name]
     # dbus-fast finds the value by the getter's name and reads the type from its annotation.
     get.__name__ = get.__qualname__ = prop.name
-    get.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)],
-        return_annotation=prop.signature)
+    get.__signature__ = _dbus_signature((), prop.signature)  # type: ignore[attr-defined]
     return get
 
-
-# -- the Manager ---------------------------------------------------------------------------
 
 class ManagerBackend(Gate, Protocol):
     async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
@@ -328,8 +301,7 @@ class ManagerBackend(Gate, Protocol):
 
     async def reload(self, caller: Caller) -> None: ...
 
-    def get_metrics(self) -> str:
-        """The Prometheus text exposition of the daemon's metrics (metrics.py)."""
+    def get_metrics(self) -> str: ...
 
     async def wait(self, options: Options) -> dict[str, Any]:
         """The start gate (daemon/gate.py): a WaitResult as plain values."""
@@ -342,9 +314,6 @@ def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
     if options.get("unit", unit) != unit:
         raise InvalidArgument(f"unit given twice: {unit!r} and option unit={options['unit']!r}")
     return unit, {**options, "unit": unit}
-
-
-WAIT_RESULT = xml.contract().schema("WaitResult")
 
 
 class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
@@ -398,7 +367,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self.backend.get_metrics()
 
     async def Wait(self, options: Options) -> VarDict:
-        return marshal.to_vardict(await self.backend.wait(options), WAIT_RESULT)
+        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.schema("WaitResult"))
 
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())
@@ -413,8 +382,6 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
 
     def LeakSuspected(self, gpu: int, uuid: str, bytes_: int) -> None: ...
 
-
-# -- one Gpu -------------------------------------------------------------------------------
 
 def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
     """The Gpu properties from an engine GPU summary (property MemoryTotal: key memory_total)."""

@@ -18,10 +18,8 @@ from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import names
-from gpuguardd.bus.contract import Field, Nested, Property, Schema, contract
+from gpuguardd.bus.contract import Nested, Property, Schema, contract
 from gpuguardd.errors import InvalidArgument
-
-__all__ = ["Field", "Nested", "Schema"]
 
 log = logging.getLogger("gpuguard.marshal")
 
@@ -50,7 +48,12 @@ class _Mismatch(Exception):
     pass
 
 
-def _scalar(value: Any, signature: str) -> Any:
+def _typed(value: Any, signature: str) -> Any:
+    """The value in the Python shape dbus-fast expects for `signature` (simple types only)."""
+    if signature.startswith("a") and len(signature) == 2:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch(f"{value!r} is not a list")
+        return [_typed(item, signature[1]) for item in value]
     if signature in _RANGES:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Mismatch(f"{value!r} is not an integer")
@@ -78,15 +81,6 @@ def _scalar(value: Any, signature: str) -> Any:
     raise _Mismatch(f"unsupported signature {signature}")
 
 
-def _typed(value: Any, signature: str) -> Any:
-    """The value in the Python shape dbus-fast expects for `signature` (simple types only)."""
-    if signature.startswith("a") and len(signature) == 2:
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch(f"{value!r} is not a list")
-        return [_scalar(item, signature[1]) for item in value]
-    return _scalar(value, signature)
-
-
 def infer(value: Any) -> Variant | None:
     """A variant for a value no schema describes; None for values D-Bus cannot carry (None)."""
     if value is None:
@@ -98,7 +92,7 @@ def infer(value: Any) -> Variant | None:
     if isinstance(value, float):
         return Variant("d", value)
     if isinstance(value, str):
-        return Variant("s", _scalar(value, "s"))
+        return Variant("s", _typed(value, "s"))
     if isinstance(value, Mapping):
         return Variant("a{sv}", to_vardict(value, {}))
     if isinstance(value, (list, tuple)):
@@ -108,8 +102,8 @@ def infer(value: Any) -> Variant | None:
         if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64
                          for i in items):
             return Variant("at", items)
-        return Variant("as", [_scalar(str(i), "s") for i in items])
-    return Variant("s", _scalar(str(value), "s"))
+        return Variant("as", [_typed(str(i), "s") for i in items])
+    return Variant("s", _typed(str(value), "s"))
 
 
 def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
@@ -143,15 +137,11 @@ def _nested(key: str, value: Any, field: Nested) -> Variant | None:
     return infer(value)
 
 
-# A holder whose uid could not be read (it exited, or /proc hid it) has uid -1 in the engine;
-# on the bus `uid` is a `u`, so it is sent as (uid_t)-1, which Linux never gives a process.
-UID_UNKNOWN = names.UID_UNKNOWN
-
-
 def holder(data: Mapping[str, Any]) -> VarDict:
+    # A uid that could not be read (-1 in the engine) is a `u` on the bus: names.UID_UNKNOWN.
     uid = data.get("uid")
     if isinstance(uid, int) and uid < 0:
-        data = {**data, "uid": UID_UNKNOWN}
+        data = {**data, "uid": names.UID_UNKNOWN}
     return to_vardict(data, HOLDER)
 
 
@@ -173,8 +163,6 @@ def unwrap(value: Any) -> Any:
         return [unwrap(v) for v in value]
     return value
 
-
-# -- options callers send ---------------------------------------------------------------------
 
 MAX_TEXT = 1024
 

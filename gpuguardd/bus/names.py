@@ -6,7 +6,6 @@ import os
 
 BUS_NAME = "org.gpuguard.GpuGuard1"
 MANAGER_PATH = "/org/gpuguard/GpuGuard1"
-GPU_PATH_PREFIX = MANAGER_PATH + "/gpu/"
 MANAGER_INTERFACE = BUS_NAME + ".Manager"
 GPU_INTERFACE = BUS_NAME + ".Gpu"
 ERROR_PREFIX = BUS_NAME + ".Error."
@@ -23,11 +22,10 @@ UID_UNKNOWN = 2**32 - 1
 OMITTED_KEY = "omitted_after"
 
 PROPERTIES_INTERFACE = "org.freedesktop.DBus.Properties"
-OBJECT_MANAGER_INTERFACE = "org.freedesktop.DBus.ObjectManager"
 
 
 def gpu_path(index: int) -> str:
-    return f"{GPU_PATH_PREFIX}{index}"
+    return f"{MANAGER_PATH}/gpu/{index}"
 
 
 def error_name(suffix: str) -> str:

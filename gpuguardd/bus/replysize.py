@@ -34,7 +34,6 @@ MiB = 1024 * 1024
 REPLY_BUDGET = 8 * MiB
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
-OMITTED_KEY = names.OMITTED_KEY
 
 # warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
@@ -57,7 +56,7 @@ OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
 
 
 def _empty(value: Any) -> bool:
-    return (isinstance(value, str) and not value) or (isinstance(value, list) and not value)
+    return isinstance(value, (str, list)) and not value
 
 
 def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,7 +100,7 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
         if used + size > budget:
             kept = items[:count]
             if kept:
-                kept[-1] = {**kept[-1], OMITTED_KEY: Variant("u", len(items) - count)}
+                kept[-1] = {**kept[-1], names.OMITTED_KEY: Variant("u", len(items) - count)}
             return kept
         used += size
     return items
@@ -115,8 +114,7 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     if sum(sizes) + 8 <= budget:
         return holders
     compact = [_compact(h) for h in holders]
-    compact_sizes = [wire_size(h) for h in compact]
-    kept = _fit(compact, compact_sizes, budget)
+    kept = _fit(compact, [wire_size(h) for h in compact], budget)
     log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to "
                 "%d bytes (reply limit %d bytes)", len(holders), sum(sizes), len(kept),
                 COMPACT_TEXT, budget)

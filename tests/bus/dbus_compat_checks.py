@@ -64,8 +64,7 @@ def connected(bus: MessageBus) -> bool:
 
 
 async def check_version(_address: str, _mode: str, _pid: int) -> dict[str, Any]:
-    return {"version": list(compat.VERSION),
-            "supported": compat.SUPPORTED_MIN <= compat.VERSION < compat.SUPPORTED_BELOW,
+    return {"version": list(compat.VERSION), "supported": not compat.version_warning(),
             "gates": {"strings": compat.STRING_LENGTHS_IN_CHARACTERS,
                       "order": compat.WRITER_TAKES_NEWEST, "eagain": compat.WRITER_DIES_ON_EAGAIN,
                       "peer": compat.PEER_REPLIES_BROKEN,

@@ -36,6 +36,8 @@ INTERFACES = [MANAGER, GPU, "org.freedesktop.DBus.Properties", "org.freedesktop.
               "org.freedesktop.DBus.Peer", "org.freedesktop.DBus.ObjectManager", "org.example.Nope", None]
 PATHS = [MANAGER_PATH, MANAGER_PATH + "/gpu/0", MANAGER_PATH + "/gpu/1", MANAGER_PATH + "/gpu/99",
          "/", "/org", "/org/gpuguard", "/x/y/z"]
+# Options as they are usually sent (the first type the XML lists for each key).
+SWEEP_OPTIONS = {k: v[0] for k, v in contract().options("SweepOptions").items()}
 PROPERTIES = ["Version", "Busy", "LastSweep", "GpuCount", "MemoryUsed", "State", "Nope", ""]
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpuguardd import __version__, config
 from gpuguardd.bus import marshal
-from gpuguardd.bus.contract import contract
+from gpuguardd.bus.contract import Nested, Schema, contract
 from gpuguardd.cli import exits
 from gpuguardd.cli import main as cli
 from tests.packages import require_tools
@@ -313,10 +313,10 @@ def entry(body: str, member: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def schema_keys(schema: marshal.Schema) -> set[str]:
+def schema_keys(schema: Schema) -> set[str]:
     keys = set(schema)
     for field in schema.values():
-        if isinstance(field, marshal.Nested):
+        if isinstance(field, Nested):
             keys |= schema_keys(field.schema)
     return keys
 

@@ -20,7 +20,7 @@ def test_vendors_are_those_of_the_gpus_and_nvidia_while_nvml_answers() -> None:
 
 
 def test_a_gpu_object_carries_its_vendor() -> None:
-    assert GpuInterface(GpuSummary(index=0).to_dict()).value("Vendor") == "nvidia"
+    assert GpuInterface(GpuSummary(index=0).to_dict())._values["Vendor"] == "nvidia"
     amd = GpuSummary(index=1, name="AMD Instinct MI300X", vendor=Vendor.AMD)
     gpu = GpuInterface(amd.to_dict())
-    assert (gpu.value("Vendor"), gpu.value("Name")) == ("amd", "AMD Instinct MI300X")
+    assert (gpu._values["Vendor"], gpu._values["Name"]) == ("amd", "AMD Instinct MI300X")

@@ -1,6 +1,6 @@
 """`[Devices] Paths` took anything. A node with /dev/null's numbers, or a
 regular file, made every process holding /dev/null (or the file) a "management" holder that
-`--include-management` then killed. Now only character devices of an NVIDIA driver's major
+`--include-management` then killed. Now only character devices of a GPU driver's major
 (/proc/devices) or of a major in `[Devices] AllowMajors=` count; the rest is refused with a
 warning naming the file, the entry and why."""
 
@@ -57,7 +57,7 @@ def test_non_nvidia_nodes_and_files_are_refused(gpu_host: GpuHost, decoys: tuple
     null_line = line_of(config_path, f"Paths={null_node}")
     plain_line = line_of(config_path, f"Paths={os.path.dirname(plain)}/nvidia8")
     assert (f"[Devices] Paths ({config_path}:{null_line}): ignored {null_node}: character device 1:3, "
-            "and major 1 is no NVIDIA driver's") in result.stderr
+            "and major 1 is no GPU driver's") in result.stderr
     assert (f"[Devices] Paths ({config_path}:{plain_line}): ignored {plain}: not a character device "
             "(a regular file)") in result.stderr
     # The sweep that would have ended them: nothing in scope, everyone alive, and it says why.

@@ -17,7 +17,7 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd import safetext
-from gpuguardd.bus import replysize
+from gpuguardd.bus import names, replysize
 from gpuguardd.daemon.history import FILE_NAME
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE, spawn
 from tests.dbus_harness import BUS_NAME, MANAGER, MANAGER_PATH, GuardDaemon, wait_until
@@ -96,8 +96,8 @@ def test_a_35_mb_history_keeps_get_history_small(daemon: GuardDaemon) -> None:
         assert any("left out of this copy" in w for w in got[0]["warnings"])
         # Older reports follow until the budget; the last one says how many were left out.
         assert 100 < len(got) < 1000
-        assert got[-1][replysize.OMITTED_KEY] == 1000 - len(got)
-        assert all(replysize.OMITTED_KEY not in r for r in got[:-1])
+        assert got[-1][names.OMITTED_KEY] == 1000 - len(got)
+        assert all(names.OMITTED_KEY not in r for r in got[:-1])
         ids = [r["id"] for r in got]
         assert ids == [f"{n:032x}" for n in range(999, 999 - len(got), -1)]
         # The huge report alone, and LastSweep (it too) in Properties.GetAll, are bounded.
@@ -168,7 +168,7 @@ def test_many_long_holders_are_compacted_not_dropped(guard: GuardDaemon,
         assert size <= replysize.REPLY_BUDGET + 4096, size
         assert all(len(h["exe"].encode()) <= replysize.COMPACT_TEXT for h in holders)
         assert all(h["exe"].endswith(safetext.MARKER) for h in holders)
-        assert not any(replysize.OMITTED_KEY in h for h in holders)
+        assert not any(names.OMITTED_KEY in h for h in holders)
         assert guard.alive()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

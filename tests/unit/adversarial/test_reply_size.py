@@ -9,7 +9,7 @@ from typing import Any
 from dbus_fast import Message, Variant
 
 from gpuguardd import safetext
-from gpuguardd.bus import replysize
+from gpuguardd.bus import names, replysize
 from gpuguardd.records.models import Holder
 from gpuguardd.records.report import Report
 from tests.bus.adversarial.hostile_holder import ARG_MAX_ONE
@@ -54,7 +54,7 @@ def test_bound_holders_compacts_then_omits() -> None:
     assert replysize.wire_size(compact) <= 100 * 1024
     # Far over: the first ones, the last saying how many were left out.
     few = replysize.bound_holders(holders, budget=10 * 1024)
-    assert 0 < len(few) < 100 and few[-1][replysize.OMITTED_KEY].value == 100 - len(few)
+    assert 0 < len(few) < 100 and few[-1][names.OMITTED_KEY].value == 100 - len(few)
     assert replysize.wire_size(few) <= 10 * 1024
 
 
@@ -109,6 +109,6 @@ def test_the_cli_says_when_a_reply_was_cut() -> None:
     output.print_holders([Holder.from_dict(h) for h in holders], out)
     assert f"({100 - len(holders)} more holders not shown" in out.getvalue()
     out = io.StringIO()
-    output.print_omitted([Report.from_dict(r) for r in ({"id": "a"}, {"id": "b", replysize.OMITTED_KEY: 7})],
+    output.print_omitted([Report.from_dict(r) for r in ({"id": "a"}, {"id": "b", names.OMITTED_KEY: 7})],
                          "reports", out)
     assert out.getvalue().startswith("(7 more reports not shown")

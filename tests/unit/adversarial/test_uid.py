@@ -3,14 +3,14 @@ never gives a process, never the engine's -1 (that would go out as an `x` or fai
 
 from __future__ import annotations
 
-from gpuguardd.bus import marshal
+from gpuguardd.bus import marshal, names
 from gpuguardd.records.models import Holder
 
 
 def test_unknown_uid_is_sent_as_uid_t_minus_one() -> None:
     typed = marshal.holder(Holder(pid=4242, comm="x", uid=-1).to_dict())
     assert typed["uid"].signature == "u"
-    assert typed["uid"].value == marshal.UID_UNKNOWN == 4294967295
+    assert typed["uid"].value == names.UID_UNKNOWN == 4294967295
     assert typed["pid"].signature == "u" and typed["user"].value == ""
 
 
