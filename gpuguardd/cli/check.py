@@ -13,19 +13,28 @@ cannot be called free). Nothing is signalled and nothing is written.
 
 from __future__ import annotations
 
+import argparse
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
+from gpuguardd.cli import output
+from gpuguardd.cli.backend import Backend
+from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
 from gpuguardd.cli.output import gpu_title, human_bytes, vendor_of
 from gpuguardd.engine.judge import facts_of_record, judge
-from gpuguardd.errors import InvalidArgument
+from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text as printable
 from gpuguardd.records.enums import GpuState, Outcome, Vendor, Why
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.records.selectors import KnownGpu, selector
 
+log = logging.getLogger("gpuguard.cli")
+# How many of the newest reports `check` reads for GPUs a reset recovered.
+RECENT_REPORTS = 20
 # The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded.
 DETAILS = {
     Why.LEAKED: "memory in use with no process holding it",
@@ -62,6 +71,24 @@ class CheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "gpus": self.checked,
                 "problems": [p.to_dict() for p in self.problems], "recovered": self.recovered}
+
+
+def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    """The verb: one line per problem, EXIT_NOT_FREE when there is one."""
+    result = check(backend.status(), backend.gpus(), backend.holders(args.gpu, "", "", True), args.gpu)
+    try:
+        notes = recovered_by_reset(result, backend.history(RECENT_REPORTS))
+    except GpuGuardError as exc:  # the answer stands without them
+        log.debug("no history for the check's notes: %s", exc)
+        notes = []
+    if args.json:
+        output.print_json(result.to_dict(), out)
+    else:
+        for problem in result.problems:
+            out.write(problem.message + "\n")
+        for note in notes:  # stderr: stdout stays one line per problem
+            sys.stderr.write(note + "\n")
+    return EXIT_OK if result.ok else EXIT_NOT_FREE
 
 
 def recovered_by_reset(result: CheckResult, reports: list[Report]) -> list[str]:
