@@ -113,13 +113,11 @@ def _known(gpu: GpuSummary) -> KnownGpu:
                     tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
-def _state(record: GpuSummary | MigSummary) -> tuple[str, GpuState | None]:
-    """Its state as shown, and as known here: None for a state a newer daemon named, unknown
-    for none at all."""
+def _state(record: GpuSummary | MigSummary) -> str:
+    """Its state as shown: as a newer daemon named it, unknown for none at all."""
     if "state" not in record.unread:
-        return record.state.value, record.state
-    shown = str(record.to_dict().get("state", GpuState.UNKNOWN.value))
-    return shown, GpuState.UNKNOWN if shown == GpuState.UNKNOWN.value else None
+        return record.state.value
+    return str(record.to_dict().get("state", GpuState.UNKNOWN.value))
 
 
 def _selected(gpus: list[GpuSummary], selectors: list[str]
@@ -130,16 +128,12 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
     chosen: list[tuple[GpuSummary, MigSummary | None]] = []
     for item in selectors:
         wanted = selector(item)
-        found: tuple[GpuSummary, MigSummary | None] | None = None
         matches = wanted.find(_known(g) for g in gpus)
-        if matches:
-            gpu = next(g for g in gpus if _known(g).index == matches[0].index)
-            instance = next((m for m in gpu.mig_instances or []
-                             if matches[0].mig and m.uuid == matches[0].mig), None)
-            found = (gpu, instance)
-        if found is None:
+        if not matches:
             known = ", ".join(str(g.index) for g in gpus) or "none"
             raise InvalidArgument(f"no GPU {printable(wanted.text)!r} (GPUs: {known})")
+        gpu = next(g for g in gpus if _known(g).index == matches[0].index)
+        found = (gpu, next((m for m in gpu.mig_instances or [] if matches[0].mig and m.uuid == matches[0].mig), None))
         if found not in chosen:
             chosen.append(found)
     return chosen
@@ -162,10 +156,9 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     named: set[int] = set()  # id() of the holders the judge names
     for gpu, instance in chosen:
         index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
-        # Which GPU, for a person: vendor and product name beside the UUID.
         title = ", ".join(part for part in (uuid, gpu_title(gpu)) if part)
         name = f"GPU {index} ({printable(title)})" if title else f"GPU {index}"
-        state, _ = _state(instance or gpu)
+        state = _state(instance or gpu)
         used = (instance or gpu).memory_used
         result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used,
                                "vendor": vendor_of(gpu), "name": gpu.name})
@@ -188,18 +181,14 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     for holder in holders:
         if id(holder) not in named:
             continue
-        on = holder.gpus
-        where = ",".join(str(g) for g in on) or "?"
-        first = min(set(on) & indices) if on and indices else None
+        where = ",".join(str(g) for g in holder.gpus) or "?"
+        first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")
         who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
-        unit = printable(holder.unit or "-")
-        container = holder.container
         result.problems.append(Problem(
             first, uuid, "holder",
-            f"GPU {where}: compute holder pid {holder.pid} "
-            f"({printable(holder.comm)}) user {who} unit {unit}"
-            + (f" container {printable(container)}" if container else "")
-            + (" [protected]" if holder.protected else ""),
-            pid=holder.pid))
+            f"GPU {where}: compute holder pid {holder.pid} ({printable(holder.comm)}) user {who} "
+            f"unit {printable(holder.unit or '-')}"
+            + (f" container {printable(holder.container)}" if holder.container else "")
+            + (" [protected]" if holder.protected else ""), pid=holder.pid))
     return result

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from http import HTTPStatus
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -85,7 +86,6 @@ def render(text: str, accept: str | None) -> tuple[bytes, str]:
     return encoder(registry), content_type
 
 
-
 # -- serving -----------------------------------------------------------------------------------
 # One event loop serves every connection: an idle or trickling client costs a coroutine, never
 # the one thread a scrape needs. Bounds: the whole request (line and headers) within
@@ -100,9 +100,6 @@ MAX_REQUEST_BYTES = 8192
 MAX_CONNECTIONS = 64
 MAX_PER_PEER = 16
 _TEXT = "text/plain; charset=utf-8"
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-            503: "Service Unavailable"}
 
 
 class _Connection:
@@ -123,8 +120,6 @@ class Exporter:
         self.last_request = time.monotonic()
         self._fetching: asyncio.Future[str] | None = None
 
-    # -- connection bounds ---------------------------------------------------------------
-
     def _admit(self, new: _Connection) -> None:
         """Make room for `new` by closing the oldest connections still sending a request."""
         same_peer = [c for c in self.connections if c.peer == new.peer]
@@ -140,8 +135,6 @@ class Exporter:
         if connection in self.connections:
             self.connections.remove(connection)
         connection.writer.transport.abort()
-
-    # -- one connection ------------------------------------------------------------------
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
@@ -224,7 +217,7 @@ class Exporter:
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, code: int, body: bytes, content_type: str,
                      head_only: bool = False) -> None:
-        head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\n"
+        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n"
                 f"Server: gpuguard-exporter/{__version__}\r\n"
                 f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n").encode()
@@ -235,11 +228,7 @@ class Exporter:
 
 def _parse_request(head: bytes) -> tuple[str, str, str] | None:
     """(method, path, Accept) of an HTTP/1.x request head, or None when it is not one."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        return None
-    line, _, rest = text.partition("\r\n")
+    line, _, rest = head.decode("latin-1").partition("\r\n")
     parts = line.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[1].startswith("/"):
         return None
@@ -279,10 +268,6 @@ async def _serve(sock: socket.socket, exporter: Exporter, idle_exit: float) -> N
                 return
 
 
-def serve(sock: socket.socket, bus_address: str | None, idle_exit: float) -> None:
-    asyncio.run(_serve(sock, Exporter(bus_address), idle_exit))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuguard-exporter",
@@ -312,7 +297,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         log.error("cannot listen on %s: %s", args.listen, exc)
         return 1
     log.info("serving /metrics on %s%s", sock.getsockname()[:2], " (socket-activated)" if activated else "")
-    serve(sock, address, idle_exit)
+    asyncio.run(_serve(sock, Exporter(address), idle_exit))
     return 0
 
 

@@ -7,12 +7,14 @@ and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from gpuguardd.records.codec import WireRecord
 from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, RequesterKind, SpareReason, Vendor
+
+if TYPE_CHECKING:
+    from gpuguardd.records.report import ReportScope
 
 
 @dataclass(frozen=True)
@@ -274,26 +276,7 @@ class Scope:
                 and not self.slurm_job)
 
 
-class ScopeFields(Protocol):
-    """What a scope description reads: a resolved Scope, or a report's (report.ReportScope)."""
-
-    @property
-    def gpus(self) -> Sequence[int]: ...
-
-    @property
-    def mig(self) -> Sequence[str]: ...
-
-    @property
-    def unit(self) -> str: ...
-
-    @property
-    def container(self) -> str: ...
-
-    @property
-    def include_management(self) -> bool: ...
-
-
-def describe_scope(scope: ScopeFields, whole: str = "the whole host",
+def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
                    with_management: bool = True) -> str:
     """A scope in words, one way for the journal and gpuguardctl ("GPU 0,1, unit x.service");
     `whole` when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
