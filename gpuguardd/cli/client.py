@@ -240,10 +240,10 @@ class DBusBackend:
             await self._manager(bus, "Reload", interactive=True)
         self._run(call)
 
-    def watch(self, on_signal: Callable[[str, list[Any]], None],
+    def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
               on_owner: Callable[[str], None] | None = None,
               on_ready: Callable[[], None] | None = None) -> None:
-        """Call on_signal(member, plain args) for each Manager signal the contract defines, as
+        """Call on_signal(member, {argument name: plain value}) for each Manager signal the contract defines, as
         it defines it (another member or signature: a later version's, not ours to guess at),
         until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
         async def listen(bus: MessageBus) -> None:
@@ -268,7 +268,7 @@ class DBusBackend:
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \
                         and msg.signature == defined.signature:
-                    on_signal(msg.member or "", [marshal.unwrap(v) for v in msg.body])
+                    on_signal(msg.member or "", dict(zip(defined.arg_names, (marshal.unwrap(v) for v in msg.body))))
 
             signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)

@@ -61,11 +61,10 @@ def sweep(first: Callable[[], Report], again: Callable[[], Report],
         _say(logging.WARNING, f"gpuguardd stopped during {what}; the restarted gpuguardd "
                               f"finished it: sweep {report.id[:8]}, {report.outcome}")
         return report
+    gone = f"gpuguardd stopped during {what} and did not come back within {retry_sec:.0f} s ({last})"
     if os.geteuid() != 0:
-        raise DaemonUnavailable(f"gpuguardd stopped during {what} and did not come back within "
-                                f"{retry_sec:.0f} s ({last}); as root, sweep again with --local")
-    _say(logging.WARNING, f"gpuguardd stopped during {what} and did not come back within "
-                          f"{retry_sec:.0f} s ({last}); sweeping with the local engine")
+        raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
+    _say(logging.WARNING, f"{gone}; sweeping with the local engine")
     report = local()
     _say(logging.WARNING, f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
     return report
@@ -79,10 +78,6 @@ def sweep_through_restarts(backend: Backend, request: SweepRequest,
         return backend.sweep(request)
     from gpuguardd.cli.client import DBusBackend
 
-    def again() -> Report:
-        return DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
-
-    def in_process() -> Report:
-        return local(args).sweep(dataclasses.replace(request))
-
-    return sweep(lambda: backend.sweep(request), again, in_process, request)
+    return sweep(lambda: backend.sweep(request),
+                 lambda: DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request)),
+                 lambda: local(args).sweep(dataclasses.replace(request)), request)

@@ -22,8 +22,6 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd import __version__
-from gpuguardd.bus import contract
-from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import gpu_title
 from gpuguardd.errors import DaemonUnavailable
@@ -85,10 +83,7 @@ class Notifier:
 
 def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
     """Until the connection to the system bus ends (DaemonUnavailable)."""
-    signals = contract.interface(MANAGER_INTERFACE).signals
-
-    def on_signal(member: str, args: list[Any]) -> None:
-        fields = dict(zip(signals[member].arg_names, args))
+    def on_signal(member: str, fields: dict[str, Any]) -> None:
         try:
             notices = events.signal(member, fields)
         except (KeyError, TypeError, ValueError) as exc:
