@@ -270,9 +270,6 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
 }
 
-KNOWN_KEYS: tuple[tuple[str, str], ...] = tuple(_KEYS)
-
-
 def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, str]]) -> None:
     try:
         with open(path, encoding="utf-8") as handle:

@@ -1,14 +1,9 @@
-"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes.
+"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes
+(Slurm's HealthCheckProgram, node-health scripts, Kubernetes pre-start hooks).
 
-Slurm's HealthCheckProgram, node-health scripts and Kubernetes pre-start hooks ask one
-question before they place work on a GPU: does anything still compute on it, or does memory
-stay allocated with nobody holding it? The answer comes from the same inventory the daemon
-publishes (or the local engine's), so a check and a sweep never disagree about a holder.
-
-A problem is one line: a compute holder on a selected GPU (management clients such as
-nvidia-smi or an exporter are no problem), a GPU whose memory leaked, a GPU that is lost or
-cannot be read, or NVML being unavailable (the memory cannot be checked at all, so the GPU
-cannot be called free). Nothing is signalled and nothing is written.
+The answer comes from the inventory the daemon publishes (or the local engine's) and the
+judge's rule, so a check and a sweep never disagree about a holder. Without NVML the memory
+cannot be checked at all, so no NVIDIA GPU can be called free.
 """
 
 from __future__ import annotations
@@ -141,11 +136,10 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
 
 def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
           selectors: list[str]) -> CheckResult:
-    """The problems on the selected GPUs, as the judge (engine/judge.py) finds them. `holders`
-    are those the backend found in the same selection (it resolves indices, UUIDs and MIG
-    UUIDs the way a sweep does)."""
+    """The problems on the selected GPUs, as the judge finds them, among `holders` (the
+    backend's, in the same selection: it resolves selectors as a sweep does)."""
     result = CheckResult()
-    # Without NVML the memory of NVIDIA's GPUs cannot be checked; AMD's is read from sysfs.
+    # AMD's memory is read from sysfs, without NVML.
     if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
         result.problems.append(Problem(None, "", "nvml",

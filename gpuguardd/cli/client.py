@@ -235,11 +235,6 @@ class DBusBackend:
             return [Report.from_dict(marshal.unwrap(r)) for r in reports]
         return self._run(get)
 
-    def reload(self) -> None:
-        async def call(bus: MessageBus) -> None:
-            await self._manager(bus, "Reload", interactive=True)
-        self._run(call)
-
     def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
               on_owner: Callable[[str], None] | None = None,
               on_ready: Callable[[], None] | None = None) -> None:

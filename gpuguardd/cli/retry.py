@@ -1,14 +1,11 @@
 """A sweep that outlives gpuguardd: the caller finishes what the daemon's death cut short.
 
-When gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade restarting it), the bus
-answers the pending call with "Message recipient disconnected from message bus without
-replying", and the stop hook would exit with the unit's GPUs still held. Instead the same
-request is sent again once the daemon is back (systemd restarts it within seconds; the bus
-starts it on demand): a sweep is safe to repeat, and the restarted daemon, which finishes
-its predecessor's sweep itself (daemon/resume.py), lets the hook's second call join that
-sweep. If no daemon answers within RETRY_SEC, root sweeps with the local engine. The exit
-status is the finishing sweep's. The words go to stderr and, when that is a terminal, to
-the journal as well.
+When gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the stop hook would
+exit with the unit's GPUs still held. Instead the request is sent again once the daemon is
+back: a sweep is safe to repeat, and the restarted daemon, which finishes its predecessor's
+sweep itself (daemon/resume.py), lets the second call join it. If none answers within
+RETRY_SEC, root sweeps with the local engine. The words also go to the journal, which an
+admin's terminal does not reach.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ def sweep(first: Callable[[], Report], again: Callable[[], Report],
 
 def sweep_through_restarts(backend: Backend, request: SweepRequest,
                            args: argparse.Namespace) -> Report:
-    """backend.sweep, finished even when gpuguardd dies during it: sweep() with a new
-    connection to the daemon as `again` and the local engine as `local`."""
+    """backend.sweep, finished even when gpuguardd dies during it."""
     if isinstance(backend, LocalBackend):
         return backend.sweep(request)
     from gpuguardd.cli.client import DBusBackend

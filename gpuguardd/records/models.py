@@ -157,24 +157,15 @@ class NvmlSnapshot:
         return sorted(found)
 
     def by_index(self, index: int) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.index == index:
-                return gpu
-        return None
+        return next((gpu for gpu in self.gpus if gpu.index == index), None)
 
     def mig_instance(self, uuid: str) -> tuple[GpuInfo, MigInstance] | None:
-        for gpu in self.gpus:
-            for instance in gpu.mig:
-                if instance.uuid.lower() == uuid.lower():
-                    return gpu, instance
-        return None
+        return next(((gpu, mig) for gpu in self.gpus for mig in gpu.mig if mig.uuid.lower() == uuid.lower()), None)
 
     def index_for_minor(self, minor: int, vendor: Vendor = Vendor.NVIDIA) -> int | None:
         """The GPU of a node's minor: /dev/nvidia<minor>, or an AMD GPU's renderD or card node."""
-        for gpu in self.gpus:
-            if gpu.vendor == vendor and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None):
-                return gpu.index
-        return None
+        return next((gpu.index for gpu in self.gpus if gpu.vendor == vendor
+                     and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None)), None)
 
 
 @dataclass

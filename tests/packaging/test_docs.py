@@ -217,7 +217,7 @@ def conf_entries() -> dict[tuple[str, str], str]:
 
 def test_every_config_key_is_documented_in_its_section() -> None:
     documented = set(conf_entries())
-    known = set(config.KNOWN_KEYS)
+    known = set(config._KEYS)
     assert known - documented == set(), f"undocumented keys: {sorted(known - documented)}"
     assert documented - known == set(), f"documented keys that do not exist: {sorted(documented - known)}"
 
@@ -253,7 +253,7 @@ def test_shipped_config_shows_every_key_with_its_default(tmp_path: Path,
     monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     shipped = ROOT / "config" / "gpuguard.conf"
-    assert set(shipped_defaults()) == set(config.KNOWN_KEYS)
+    assert set(shipped_defaults()) == set(config._KEYS)
     assert config.load_config([str(shipped)]) == config.Config()
     uncommented = tmp_path / "gpuguard.conf"
     uncommented.write_text(re.sub(r"(?m)^#(?=\w+=)", "", shipped.read_text()))
