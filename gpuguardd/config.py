@@ -161,8 +161,6 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
             raise ValueError(f"invalid time span {text!r}")
         total += float(match.group(1)) * _TIME_UNITS[match.group(2)]
         pos = match.end()
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
     # 400 digits parse as float('inf'): nothing downstream (sleep, int(ms)) survives that.
     if not math.isfinite(total) or total > maximum:
         raise ValueError(f"time span {text[:40]!r}{'...' if len(text) > 40 else ''} is too long "

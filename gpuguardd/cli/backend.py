@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gpuguardd import __version__
 from gpuguardd.errors import DaemonUnavailable, InvalidArgument
@@ -22,21 +22,6 @@ from gpuguardd.safetext import user_name
 from gpuguardd.systemd import dropins
 
 log = logging.getLogger("gpuguard.cli")
-
-
-class Backend(Protocol):
-    def status(self) -> dict[str, Any]: ...
-
-    def gpus(self) -> list[GpuSummary]: ...
-
-    def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[Holder]: ...
-
-    def sweep(self, request: SweepRequest) -> Report: ...
-
-    def history(self, count: int) -> list[Report]: ...
-
-    def reset(self, gpu: int, reason: str) -> Report: ...
 
 
 def requester_description() -> str:
@@ -124,6 +109,11 @@ class LocalBackend:
 
     def history(self, count: int) -> list[Report]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")
+
+
+if TYPE_CHECKING:
+    from gpuguardd.cli.client import DBusBackend
+Backend: TypeAlias = "DBusBackend | LocalBackend"
 
 
 def local(args: argparse.Namespace) -> LocalBackend:

@@ -30,7 +30,7 @@ from gpuguardd.records.selectors import KnownGpu, selector
 log = logging.getLogger("gpuguard.cli")
 # How many of the newest reports `check` reads for GPUs a reset recovered.
 RECENT_REPORTS = 20
-# The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded.
+# The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded, in order.
 DETAILS = {
     Why.LEAKED: "memory in use with no process holding it",
     Why.LOST: "fell off the bus (NVML reports it lost)",
@@ -159,9 +159,7 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
         verdict = judge(facts_of_record(index, instance.uuid if instance else "", instance or gpu,
                                         holders, None))
         named.update(id(r.holder) for r in verdict.reasons if r.holder is not None)
-        for why in (Why.LEAKED, Why.LOST, Why.UNREADABLE, Why.PROCESSES):
-            if not verdict.has(why):
-                continue
+        for why in filter(verdict.has, DETAILS):
             detail = DETAILS[why]
             if why == Why.LEAKED:
                 kind = (instance or gpu).leak_kind

@@ -215,13 +215,9 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
         output.print_json({"free": True, "gpus": [], "waiting_on": []}, out) if args.json \
             else out.write(line + "\n")
         return 0
-    options: dict[str, Any] = {}
-    if args.free_below is not None:
-        options["free_below_mib"] = args.free_below
-    if args.stable is not None:
-        options["stable_ms"] = int(args.stable * 1000)
-    if args.allow_unverified:
-        options["allow_unverified"] = True
+    given = {"free_below_mib": args.free_below, "stable_ms": None if args.stable is None else int(args.stable * 1000),
+             "allow_unverified": args.allow_unverified or None}
+    options = {key: value for key, value in given.items() if value is not None}
     timeout = SLURM_PROLOG_TIMEOUT_SEC if args.timeout is None and args.slurm_prolog else args.timeout
     call: Callable[[float], dict[str, Any]]
     if isinstance(backend, DBusBackend):

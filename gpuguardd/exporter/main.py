@@ -50,13 +50,12 @@ class DaemonError(RuntimeError):
     pass
 
 
-async def _get_metrics(address: str | None, timeout: float) -> str:
+async def _get_metrics(address: str | None) -> str:
     bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
     await bus.connect()
     try:
-        reply = await asyncio.wait_for(bus.call(Message(
-            destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER_INTERFACE,
-            member="GetMetrics")), timeout)
+        reply = await bus.call(Message(destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER_INTERFACE,
+                                       member="GetMetrics"))
     finally:
         bus.disconnect()
     if reply is None or reply.message_type == MessageType.ERROR:
@@ -205,8 +204,7 @@ class Exporter:
 
     async def _fetch(self) -> str:
         try:
-            return await asyncio.wait_for(_get_metrics(self.bus_address, self.call_timeout),
-                                          self.call_timeout)
+            return await asyncio.wait_for(_get_metrics(self.bus_address), self.call_timeout)
         except DaemonError:
             raise
         except (asyncio.TimeoutError, TimeoutError):
