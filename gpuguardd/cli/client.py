@@ -238,9 +238,9 @@ class DBusBackend:
     def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
               on_owner: Callable[[str], None] | None = None,
               on_ready: Callable[[], None] | None = None) -> None:
-        """Call on_signal(member, {argument name: plain value}) for each Manager signal the contract defines, as
-        it defines it (another member or signature: a later version's, not ours to guess at),
-        until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
+        """Call on_signal(member, {argument name: plain value}) for each Manager signal as the
+        contract defines it (another member or signature: a later version's, not ours to guess
+        at), until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
         async def listen(bus: MessageBus) -> None:
             rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
                     f"interface='{MANAGER_INTERFACE}'")

@@ -1,14 +1,12 @@
 """`gpuguardctl wait`: the start gate. Exit 0 once the GPUs are free for the next job.
 
 The next model's ExecStartPre=, a Slurm Prolog= or a Kubernetes init container runs it. What
-"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, one call at most
-20 s, called again until --timeout), so the CLI never polls the bus. With --local the same
-rule runs here on the local engine's scans.
+"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, called again until
+--timeout), so the CLI never polls the bus. With --local the same rule runs here.
 
-Which GPUs: --gpu (repeatable), else --cuda-visible-devices, else the environment's
-CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES (an ExecStartPre= runs with the unit's
-Environment= and EnvironmentFile=), else --slurm-prolog's job GPUs, else every GPU. Numbers are
-NVML indices (CUDA's order equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID); UUIDs are exact.
+The environment's CUDA_VISIBLE_DEVICES names the GPUs when nothing else does: an
+ExecStartPre= runs with the unit's Environment=. Numbers are NVML indices (CUDA's order
+equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID).
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ def visible_devices(value: str, name: str) -> list[str] | None:
 
 
 def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str] | None:
-    """The GPUs to wait for (module docstring); None: every GPU."""
+    """The GPUs to wait for; None: every GPU."""
     if args.gpu:
         return list(args.gpu)
     if args.cuda_visible_devices is not None:

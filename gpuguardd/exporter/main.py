@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from dbus_fast import BusType, Message, MessageType
@@ -67,11 +68,11 @@ async def _get_metrics(address: str | None) -> str:
     return text
 
 
+@dataclass(eq=False)
 class _Parsed:
     """A collector that yields the families parsed from the daemon's text."""
 
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
+    families: list[Metric]
 
     def collect(self) -> Iterator[Metric]:
         yield from self.families
@@ -101,11 +102,11 @@ MAX_PER_PEER = 16
 _TEXT = "text/plain; charset=utf-8"
 
 
+@dataclass(eq=False)
 class _Connection:
-    def __init__(self, peer: str, writer: asyncio.StreamWriter) -> None:
-        self.peer = peer
-        self.writer = writer
-        self.pending = True  # still sending its request: the one that may be closed for room
+    peer: str
+    writer: asyncio.StreamWriter
+    pending: bool = True  # still sending its request: the one that may be closed for room
 
 
 class Exporter:

@@ -1,10 +1,6 @@
-"""gpuguard-notify's entry point: gpuguardd's signals in, org.freedesktop.Notifications out.
-
-It listens through the CLI's D-Bus client (cli/client.py: DBusBackend.watch, which follows
-gpuguardd going away and coming back and takes only gpuguardd's own signals), and sends each
-notice (events.py) to the notification server on the user's session bus. While gpuguardd is
-not running at all it asks again every RETRY_SEC; a notification server that is missing or
-refuses a notice costs that notice, logged, not the service.
+"""gpuguard-notify's entry point: gpuguardd's signals in (through DBusBackend.watch, which
+follows gpuguardd's restarts), org.freedesktop.Notifications out. A notification server that
+is missing or refuses a notice costs that notice, logged, not the service.
 """
 
 from __future__ import annotations
