@@ -331,10 +331,7 @@ def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROP
 
 
 def load_config(paths: Sequence[str] | None = None) -> Config:
-    """Defaults overridden by `paths` (default: the system files). Raises ConfigError.
-
-    An explicit path that does not exist is an error; the system files are optional.
-    """
+    """Defaults overridden by `paths`, which must exist (default: the system files, if any)."""
     files = list(paths) if paths is not None else config_files()
     values: dict[str, object] = {}
     origins: list[tuple[str, str]] = []

@@ -41,7 +41,6 @@ def is_digits(text: str) -> bool:
 
 
 def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0) -> int:
-    """`text` as an integer in [minimum, maximum]."""
     if not is_digits(text):
         raise BadNumber(f"{what} {shown(text)} is not a number (ASCII digits 0-9 only)")
     # Compare lengths first: int() of a huge digit string is slow (and refused past 4300).

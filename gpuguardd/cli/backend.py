@@ -117,7 +117,6 @@ Backend: TypeAlias = "DBusBackend | LocalBackend"
 
 
 def local(args: argparse.Namespace) -> LocalBackend:
-    """The local engine, with --config's files, asking systemd on --bus-address."""
     if os.geteuid() != 0:
         log.warning("running --local as a non-root user: processes of other users are invisible")
     from gpuguardd.bus.names import default_address
