@@ -117,16 +117,10 @@ class Config:
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def origin(self, item: str) -> str:
-        for value, where in self.origins:
-            if value == item:
-                return where
-        return "built-in default"
+        return next((where for value, where in self.origins if value == item), "built-in default")
 
     def is_protected_unit(self, unit: str) -> str | None:
-        for pattern in self.protected_units:
-            if unit and fnmatch.fnmatchcase(unit, pattern):
-                return pattern
-        return None
+        return next((p for p in self.protected_units if unit and fnmatch.fnmatchcase(unit, p)), None)
 
 
 _TIME_UNITS = {
@@ -167,8 +161,6 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
             raise ValueError(f"invalid time span {text!r}")
         total += float(match.group(1)) * _TIME_UNITS[match.group(2)]
         pos = match.end()
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
     # 400 digits parse as float('inf'): nothing downstream (sleep, int(ms)) survives that.
     if not math.isfinite(total) or total > maximum:
         raise ValueError(f"time span {text[:40]!r}{'...' if len(text) > 40 else ''} is too long "
@@ -193,9 +185,9 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"invalid boolean {text!r} (use yes or no)")
 
 
-def _bounded_int(minimum: int, maximum: int, what: str = "number") -> Callable[[str], int]:
+def _bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        return parse_uint(text.strip(), what, maximum, minimum)
+        return parse_uint(text.strip(), "number", maximum, minimum)
     return parse
 
 
@@ -204,10 +196,6 @@ def _parse_absolute_path(text: str) -> str:
     if not value.startswith("/"):
         raise ValueError(f"{value!r} is not an absolute path")
     return value
-
-
-def _optional_absolute_path(text: str) -> str:
-    return _parse_absolute_path(text) if text.strip() else ""
 
 
 def _timespan_field(maximum: float, minimum: float = 0.0) -> Callable[[str], float]:
@@ -238,24 +226,12 @@ def _command(text: str) -> str:
     return text.strip()
 
 
-def _split_list(text: str) -> list[str]:
-    return text.split()
-
-
 def _absolute_list(text: str) -> list[str]:
-    items = _split_list(text)
-    for item in items:
-        if not item.startswith("/"):
-            raise ValueError(f"{item!r} is not an absolute path")
-    return items
+    return [_parse_absolute_path(item) for item in text.split()]
 
 
 def _major_list(text: str) -> list[int]:
-    parse = _bounded_int(0, MAX_MAJOR, "device major number")
-    majors: list[int] = []
-    for item in _split_list(text):
-        majors.append(parse(item))
-    return majors
+    return [parse_uint(item, "device major number", MAX_MAJOR) for item in text.split()]
 
 
 # (section, key) -> (dataclass field, parser, is_list)
@@ -267,7 +243,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
     ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
     ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
-    ("Sweep", "ProtectedUnits"): ("protected_units", _split_list, True),
+    ("Sweep", "ProtectedUnits"): ("protected_units", str.split, True),
     ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
     ("Recovery", "ResetCommand"): ("reset_command", _command, False),
     ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command, False),
@@ -275,7 +251,7 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Recovery", "AutoReset"): ("auto_reset", parse_bool, False),
     ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
     ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
-    ("Watch", "Units"): ("watch_units", _split_list, True),
+    ("Watch", "Units"): ("watch_units", str.split, True),
     ("Devices", "Paths"): ("device_paths", _absolute_list, True),
     ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),
     ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path, False),
@@ -285,7 +261,8 @@ _KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
     ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
     ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
     ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
-    ("Metrics", "TextfileDirectory"): ("textfile_directory", _optional_absolute_path, False),
+    ("Metrics", "TextfileDirectory"): ("textfile_directory",
+                                       lambda text: _parse_absolute_path(text) if text.strip() else "", False),
     ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB), False),
     ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC), False),
     ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
@@ -355,27 +332,17 @@ def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROP
 
 
 def load_config(paths: Sequence[str] | None = None) -> Config:
-    """Defaults overridden by `paths` (default: the system files). Raises ConfigError.
-
-    An explicit path that does not exist is an error; the system files are optional.
-    """
+    """Defaults overridden by `paths`, which must exist (default: the system files, if any)."""
     files = list(paths) if paths is not None else config_files()
-    defaults = Config()
     values: dict[str, object] = {}
     origins: list[tuple[str, str]] = []
     for path in files:
         _apply_file(path, values, origins)
-    final: dict[str, object] = {}
-    for f in dataclasses.fields(Config):
-        if f.name in values:
-            value = values[f.name]
-            final[f.name] = tuple(value) if isinstance(value, list) else value
-    state_dir = os.environ.get("STATE_DIRECTORY")
-    if state_dir and "state_directory" not in final:
-        # systemd's StateDirectory= may list several; the first is ours.
-        final["state_directory"] = state_dir.split(":")[0]
-    runtime_dir = os.environ.get("RUNTIME_DIRECTORY")
-    if runtime_dir and "runtime_directory" not in final:
-        final["runtime_directory"] = runtime_dir.split(":")[0]
-    return dataclasses.replace(defaults, sources=tuple(files), origins=tuple(origins),
+    final = {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()}
+    for name in ("state_directory", "runtime_directory"):
+        # systemd's StateDirectory= and RuntimeDirectory= may list several; the first is ours.
+        given = os.environ.get(name.upper())
+        if given and name not in final:
+            final[name] = given.split(":")[0]
+    return dataclasses.replace(Config(), sources=tuple(files), origins=tuple(origins),
                                **final)  # type: ignore[arg-type]

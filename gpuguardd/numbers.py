@@ -5,9 +5,7 @@ are 0, full-width "42" is 42), a sign, underscores and surrounding white space, 
 str.isdigit() is True for U+00B2 SUPERSCRIPT TWO, which int() then refuses with a traceback.
 Here a number is ASCII digits only, within the range of what it names, or a BadNumber (an
 InvalidArgument and a ValueError, so every caller's usual handler takes it) whose message
-names the value. Every entry point reads its numbers here:
-the CLI, the Slurm epilog (and so `--local` and the daemon alike), the configuration, the
-GPU selectors and the bus.
+names the value. Every entry point reads its numbers here.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ class BadNumber(InvalidArgument, ValueError):
 
 
 def shown(text: str) -> str:
-    """`text` as an error message quotes it: repr() (escapes controls), cut at 40 characters."""
+    """`text` as an error message quotes it: repr() (escapes controls), cut short."""
     return repr(text[:_SHOWN]) + ("..." if len(text) > _SHOWN else "")
 
 
@@ -43,7 +41,6 @@ def is_digits(text: str) -> bool:
 
 
 def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0) -> int:
-    """`text` as an integer in [minimum, maximum]; BadNumber names `what` and the value."""
     if not is_digits(text):
         raise BadNumber(f"{what} {shown(text)} is not a number (ASCII digits 0-9 only)")
     # Compare lengths first: int() of a huge digit string is slow (and refused past 4300).

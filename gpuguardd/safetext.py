@@ -65,36 +65,26 @@ def clean(value: str, limit: int = 0) -> str:
 
 
 def is_clean(value: str) -> bool:
-    if "\0" in value:
-        return False
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return True
+    return "\0" not in value
 
 
 def repair(value: Any) -> tuple[Any, bool]:
     """`value` (plain JSON data) with every string, key included, clean(); and whether
     anything had to change."""
     if isinstance(value, str):
-        if is_clean(value):
-            return value, False
-        return clean(value), True
+        return (value, False) if is_clean(value) else (clean(value), True)
     if isinstance(value, dict):
-        changed = False
-        out: dict[Any, Any] = {}
-        for key, item in value.items():
-            new_key, key_changed = repair(key)
-            new_item, item_changed = repair(item)
-            out[new_key] = new_item
-            changed = changed or key_changed or item_changed
-        return (out, True) if changed else (value, False)
-    if isinstance(value, list):
+        pairs = [(repair(key), repair(item)) for key, item in value.items()]
+        if any(key[1] or item[1] for key, item in pairs):
+            return {key[0]: item[0] for key, item in pairs}, True
+    elif isinstance(value, list):
         items = [repair(item) for item in value]
         if any(changed for _, changed in items):
             return [item for item, _ in items], True
-        return value, False
     return value, False
 
 

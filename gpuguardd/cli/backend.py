@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from gpuguardd import __version__
 from gpuguardd.errors import DaemonUnavailable, InvalidArgument
@@ -22,21 +22,6 @@ from gpuguardd.safetext import user_name
 from gpuguardd.systemd import dropins
 
 log = logging.getLogger("gpuguard.cli")
-
-
-class Backend(Protocol):
-    def status(self) -> dict[str, Any]: ...
-
-    def gpus(self) -> list[GpuSummary]: ...
-
-    def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[Holder]: ...
-
-    def sweep(self, request: SweepRequest) -> Report: ...
-
-    def history(self, count: int) -> list[Report]: ...
-
-    def reset(self, gpu: int, reason: str) -> Report: ...
 
 
 def requester_description() -> str:
@@ -122,8 +107,12 @@ class LocalBackend:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")
 
 
+if TYPE_CHECKING:
+    from gpuguardd.cli.client import DBusBackend
+Backend: TypeAlias = "DBusBackend | LocalBackend"
+
+
 def local(args: argparse.Namespace) -> LocalBackend:
-    """The local engine, with --config's files, asking systemd on --bus-address."""
     if os.geteuid() != 0:
         log.warning("running --local as a non-root user: processes of other users are invisible")
     from gpuguardd.bus.names import default_address

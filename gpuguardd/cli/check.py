@@ -1,32 +1,36 @@
-"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes.
+"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes
+(Slurm's HealthCheckProgram, node-health scripts, Kubernetes pre-start hooks).
 
-Slurm's HealthCheckProgram, node-health scripts and Kubernetes pre-start hooks ask one
-question before they place work on a GPU: does anything still compute on it, or does memory
-stay allocated with nobody holding it? The answer comes from the same inventory the daemon
-publishes (or the local engine's), so a check and a sweep never disagree about a holder.
-
-A problem is one line: a compute holder on a selected GPU (management clients such as
-nvidia-smi or an exporter are no problem), a GPU whose memory leaked, a GPU that is lost or
-cannot be read, or NVML being unavailable (the memory cannot be checked at all, so the GPU
-cannot be called free). Nothing is signalled and nothing is written.
+The answer comes from the inventory the daemon publishes (or the local engine's) and the
+judge's rule, so a check and a sweep never disagree about a holder. Without NVML the memory
+cannot be checked at all, so no NVIDIA GPU can be called free.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
+from gpuguardd.cli import output
+from gpuguardd.cli.backend import Backend
+from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
 from gpuguardd.cli.output import gpu_title, human_bytes, vendor_of
 from gpuguardd.engine.judge import facts_of_record, judge
-from gpuguardd.errors import InvalidArgument
+from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text as printable
 from gpuguardd.records.enums import GpuState, Outcome, Vendor, Why
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.records.selectors import KnownGpu, selector
 
-# The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded.
+log = logging.getLogger("gpuguard.cli")
+# How many of the newest reports `check` reads for GPUs a reset recovered.
+RECENT_REPORTS = 20
+# The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded, in order.
 DETAILS = {
     Why.LEAKED: "memory in use with no process holding it",
     Why.LOST: "fell off the bus (NVML reports it lost)",
@@ -64,6 +68,24 @@ class CheckResult:
                 "problems": [p.to_dict() for p in self.problems], "recovered": self.recovered}
 
 
+def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    """The verb: one line per problem, EXIT_NOT_FREE when there is one."""
+    result = check(backend.status(), backend.gpus(), backend.holders(args.gpu, "", "", True), args.gpu)
+    try:
+        notes = recovered_by_reset(result, backend.history(RECENT_REPORTS))
+    except GpuGuardError as exc:  # the answer stands without them
+        log.debug("no history for the check's notes: %s", exc)
+        notes = []
+    if args.json:
+        output.print_json(result.to_dict(), out)
+    else:
+        for problem in result.problems:
+            out.write(problem.message + "\n")
+        for note in notes:  # stderr: stdout stays one line per problem
+            sys.stderr.write(note + "\n")
+    return EXIT_OK if result.ok else EXIT_NOT_FREE
+
+
 def recovered_by_reset(result: CheckResult, reports: list[Report]) -> list[str]:
     """Note the checked GPUs that a reset among `reports` (newest first) recovered, one line
     each: a GPU that came back only through a reset is free, but worth a look."""
@@ -86,13 +108,11 @@ def _known(gpu: GpuSummary) -> KnownGpu:
                     tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
-def _state(record: GpuSummary | MigSummary) -> tuple[str, GpuState | None]:
-    """Its state as shown, and as known here: None for a state a newer daemon named, unknown
-    for none at all."""
+def _state(record: GpuSummary | MigSummary) -> str:
+    """Its state as shown: as a newer daemon named it, unknown for none at all."""
     if "state" not in record.unread:
-        return record.state.value, record.state
-    shown = str(record.to_dict().get("state", GpuState.UNKNOWN.value))
-    return shown, GpuState.UNKNOWN if shown == GpuState.UNKNOWN.value else None
+        return record.state.value
+    return str(record.to_dict().get("state", GpuState.UNKNOWN.value))
 
 
 def _selected(gpus: list[GpuSummary], selectors: list[str]
@@ -103,16 +123,12 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
     chosen: list[tuple[GpuSummary, MigSummary | None]] = []
     for item in selectors:
         wanted = selector(item)
-        found: tuple[GpuSummary, MigSummary | None] | None = None
         matches = wanted.find(_known(g) for g in gpus)
-        if matches:
-            gpu = next(g for g in gpus if _known(g).index == matches[0].index)
-            instance = next((m for m in gpu.mig_instances or []
-                             if matches[0].mig and m.uuid == matches[0].mig), None)
-            found = (gpu, instance)
-        if found is None:
+        if not matches:
             known = ", ".join(str(g.index) for g in gpus) or "none"
             raise InvalidArgument(f"no GPU {printable(wanted.text)!r} (GPUs: {known})")
+        gpu = next(g for g in gpus if _known(g).index == matches[0].index)
+        found = (gpu, next((m for m in gpu.mig_instances or [] if matches[0].mig and m.uuid == matches[0].mig), None))
         if found not in chosen:
             chosen.append(found)
     return chosen
@@ -120,11 +136,10 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
 
 def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
           selectors: list[str]) -> CheckResult:
-    """The problems on the selected GPUs, as the judge (engine/judge.py) finds them. `holders`
-    are those the backend found in the same selection (it resolves indices, UUIDs and MIG
-    UUIDs the way a sweep does)."""
+    """The problems on the selected GPUs, as the judge finds them, among `holders` (the
+    backend's, in the same selection: it resolves selectors as a sweep does)."""
     result = CheckResult()
-    # Without NVML the memory of NVIDIA's GPUs cannot be checked; AMD's is read from sysfs.
+    # AMD's memory is read from sysfs, without NVML.
     if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
         result.problems.append(Problem(None, "", "nvml",
@@ -135,19 +150,16 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     named: set[int] = set()  # id() of the holders the judge names
     for gpu, instance in chosen:
         index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
-        # Which GPU, for a person: vendor and product name beside the UUID.
         title = ", ".join(part for part in (uuid, gpu_title(gpu)) if part)
         name = f"GPU {index} ({printable(title)})" if title else f"GPU {index}"
-        state, _ = _state(instance or gpu)
+        state = _state(instance or gpu)
         used = (instance or gpu).memory_used
         result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used,
                                "vendor": vendor_of(gpu), "name": gpu.name})
         verdict = judge(facts_of_record(index, instance.uuid if instance else "", instance or gpu,
                                         holders, None))
         named.update(id(r.holder) for r in verdict.reasons if r.holder is not None)
-        for why in (Why.LEAKED, Why.LOST, Why.UNREADABLE, Why.PROCESSES):
-            if not verdict.has(why):
-                continue
+        for why in filter(verdict.has, DETAILS):
             detail = DETAILS[why]
             if why == Why.LEAKED:
                 kind = (instance or gpu).leak_kind
@@ -161,18 +173,14 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     for holder in holders:
         if id(holder) not in named:
             continue
-        on = holder.gpus
-        where = ",".join(str(g) for g in on) or "?"
-        first = min(set(on) & indices) if on and indices else None
+        where = ",".join(str(g) for g in holder.gpus) or "?"
+        first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")
         who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
-        unit = printable(holder.unit or "-")
-        container = holder.container
         result.problems.append(Problem(
             first, uuid, "holder",
-            f"GPU {where}: compute holder pid {holder.pid} "
-            f"({printable(holder.comm)}) user {who} unit {unit}"
-            + (f" container {printable(container)}" if container else "")
-            + (" [protected]" if holder.protected else ""),
-            pid=holder.pid))
+            f"GPU {where}: compute holder pid {holder.pid} ({printable(holder.comm)}) user {who} "
+            f"unit {printable(holder.unit or '-')}"
+            + (f" container {printable(holder.container)}" if holder.container else "")
+            + (" [protected]" if holder.protected else ""), pid=holder.pid))
     return result

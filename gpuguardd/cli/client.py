@@ -70,18 +70,12 @@ class DBusBackend:
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self._run(self._probe)
 
-    # -- plumbing ------------------------------------------------------------------------
-
     def _where(self) -> str:
         return self.address or "the system bus"
 
     async def _connect(self) -> MessageBus:
         try:
-            # dbus-fast before 5.0 connects in the constructor, later ones in connect().
-            if self.address:
-                bus = SafeBus(bus_address=self.address)
-            else:
-                bus = SafeBus(bus_type=BusType.SYSTEM)
+            bus = SafeBus(bus_address=self.address) if self.address else SafeBus(bus_type=BusType.SYSTEM)
             return await bus.connect()
         except Exception as exc:
             raise DaemonUnavailable(f"cannot connect to {self._where()}: {exc}") from None
@@ -130,8 +124,6 @@ class DBusBackend:
             if (value is True) or (isinstance(value, list) and BUS_NAME in value):
                 return
         raise DaemonUnavailable(f"{BUS_NAME} is not running on {self._where()}")
-
-    # -- cli.Backend ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         async def get(bus: MessageBus) -> dict[str, Any]:
@@ -188,40 +180,24 @@ class DBusBackend:
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:
         async def get(bus: MessageBus) -> list[Holder]:
-            def option(key: str, value: Any) -> Variant:
-                return marshal.option(marshal.FILTER, key, value)
-            options = {"include_protected": option("include_protected", include_protected),
-                       "fresh": option("fresh", True)}
+            given = {"include_protected": include_protected, "fresh": True, "unit": unit, "container": container}
+            options = {key: marshal.option(marshal.FILTER, key, value) for key, value in given.items()
+                       if value or key == "include_protected"}
             if gpus:
                 options["gpus"] = await self._gpus_option(bus, gpus)
-            if unit:
-                options["unit"] = option("unit", unit)
-            if container:
-                options["container"] = option("container", container)
             (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
             return [Holder.from_dict(marshal.unwrap(h)) for h in holders]
         return self._run(get)
 
     def sweep(self, request: SweepRequest) -> Report:
         async def run(bus: MessageBus) -> Report:
-            def option(key: str, value: Any) -> Variant:
-                return marshal.option(marshal.SWEEP, key, value)
-            options: dict[str, Variant] = {}
+            given = {"container": request.container, "grace_ms": request.grace_ms, "dry_run": request.dry_run,
+                     "include_management": request.include_management or None, "reason": request.reason,
+                     "slurm_job": request.slurm_job, "slurm_uid": request.slurm_uid if request.slurm_job else None}
+            options = {key: marshal.option(marshal.SWEEP, key, value) for key, value in given.items()
+                       if value is not None and value != ""}
             if request.gpus:
                 options["gpus"] = await self._gpus_option(bus, request.gpus)
-            if request.container:
-                options["container"] = option("container", request.container)
-            if request.grace_ms is not None:
-                options["grace_ms"] = option("grace_ms", request.grace_ms)
-            if request.dry_run is not None:
-                options["dry_run"] = option("dry_run", request.dry_run)
-            if request.include_management:
-                options["include_management"] = option("include_management", True)
-            if request.reason:
-                options["reason"] = option("reason", request.reason)
-            if request.slurm_job:
-                options["slurm_job"] = option("slurm_job", request.slurm_job)
-                options["slurm_uid"] = option("slurm_uid", request.slurm_uid)
             # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
             if request.unit:
                 (report,) = await self._manager(bus, "SweepUnit", request.unit, options,
@@ -259,19 +235,12 @@ class DBusBackend:
             return [Report.from_dict(marshal.unwrap(r)) for r in reports]
         return self._run(get)
 
-    def reload(self) -> None:
-        async def call(bus: MessageBus) -> None:
-            await self._manager(bus, "Reload", interactive=True)
-        self._run(call)
-
-    # -- watch ---------------------------------------------------------------------------
-
-    def watch(self, on_signal: Callable[[str, list[Any]], None],
+    def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
               on_owner: Callable[[str], None] | None = None,
               on_ready: Callable[[], None] | None = None) -> None:
-        """Call on_signal(member, plain args) for each Manager signal the contract defines, as
-        it defines it (another member or signature: a later version's, not ours to guess at),
-        until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
+        """Call on_signal(member, {argument name: plain value}) for each Manager signal as the
+        contract defines it (another member or signature: a later version's, not ours to guess
+        at), until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
         async def listen(bus: MessageBus) -> None:
             rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
                     f"interface='{MANAGER_INTERFACE}'")
@@ -294,7 +263,7 @@ class DBusBackend:
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \
                         and msg.signature == defined.signature:
-                    on_signal(msg.member or "", [marshal.unwrap(v) for v in msg.body])
+                    on_signal(msg.member or "", dict(zip(defined.arg_names, (marshal.unwrap(v) for v in msg.body))))
 
             signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)

@@ -64,8 +64,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         if args.hook_action == "list":
             hooks = list_hooks(args.pattern, root)
             if args.json:
-                json.dump([h.to_dict() for h in hooks], out, indent=2, sort_keys=True)
-                out.write("\n")
+                out.write(json.dumps([h.to_dict() for h in hooks], indent=2, sort_keys=True) + "\n")
             else:
                 out.write(format_list(hooks))
             return 0
@@ -79,8 +78,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
         return 1
     if args.json:
-        json.dump(result.to_dict(), out, indent=2, sort_keys=True)
-        out.write("\n")
+        out.write(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
         return 0
     for message in result.messages:
         out.write(escape_text(message) + "\n")

@@ -10,23 +10,19 @@ bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
 
 from gpuguardd import __version__
 from gpuguardd.cli import argtypes, hook
-from gpuguardd.cli.backend import Backend, connect
-from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_NOT_FREE, EXIT_OK, error_exit, outcome_exit
+from gpuguardd.cli.backend import connect
+from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
-from gpuguardd.records.models import SweepRequest
 
 log = logging.getLogger("gpuguard.cli")
-# How many of the newest reports `check` reads for GPUs a reset recovered.
-RECENT_REPORTS = 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,18 +154,29 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     try:
         backend = connect(args)
+        if args.verb in ("sweep", "check", "wait"):
+            verb = importlib.import_module(f"gpuguardd.cli.{args.verb}")
+            return int(verb.run(backend, args, out))
+        if args.verb == "watch":
+            from gpuguardd.cli.client import DBusBackend
+            from gpuguardd.cli.watch import run_watch
+            if not isinstance(backend, DBusBackend):
+                raise InvalidArgument("watch needs gpuguardd")
+            return run_watch(backend, args.json, out)
+        if args.verb == "reset":
+            report = backend.reset(args.gpu, args.reason)
+            output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
+            return outcome_exit(report.outcome)
         if args.verb == "status":
             status = backend.status()
             output.print_json(status, out) if args.json else output.print_status(status, out)
         elif args.verb == "gpus":
             gpus = backend.gpus()
-            output.print_json([g.to_dict() for g in gpus], out) if args.json \
-                else output.print_gpus(gpus, out)
+            output.print_json([g.to_dict() for g in gpus], out) if args.json else output.print_gpus(gpus, out)
         elif args.verb == "holders":
             found = backend.holders(args.gpu, args.unit, args.container, not args.hide_protected)
-            output.print_json([h.to_dict() for h in found], out) if args.json \
-                else output.print_holders(found, out)
-        elif args.verb == "history":
+            output.print_json([h.to_dict() for h in found], out) if args.json else output.print_holders(found, out)
+        else:  # history
             reports = backend.history(args.count)
             if args.json:
                 output.print_json([report.to_dict() for report in reports], out)
@@ -177,76 +184,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                 for report in reports:
                     output.print_report(report, out)
                 output.print_omitted(reports, "reports", out)
-        elif args.verb == "sweep":
-            from gpuguardd.cli import sweep
-            return sweep.run(backend, args, out)
-        elif args.verb == "reset":
-            report = backend.reset(args.gpu, args.reason)
-            output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
-            return outcome_exit(report.outcome)
-        elif args.verb == "check":
-            return run_check(backend, args.gpu, args.json, out)
-        elif args.verb == "wait":
-            return run_gate(backend, args, out)
-        elif args.verb == "watch":
-            from gpuguardd.cli.client import DBusBackend
-            from gpuguardd.cli.watch import run_watch
-            if not isinstance(backend, DBusBackend):
-                raise InvalidArgument("watch needs gpuguardd")
-            return run_watch(backend, args.json, out)
-        else:
-            parser.error(f"unknown verb {args.verb!r}")
         return EXIT_OK
     except GpuGuardError as exc:
         log.error("%s%s", "not authorized: " if isinstance(exc, NotAuthorized) else "", exc)
-        return error_exit(exc)
-
-
-def run_check(backend: Backend, selectors: list[str], as_json: bool, out: TextIO) -> int:
-    """`gpuguardctl check` (check.py): one line per problem, EXIT_NOT_FREE when there is one."""
-    from gpuguardd.cli import output
-    from gpuguardd.cli.check import check, recovered_by_reset
-
-    result = check(backend.status(), backend.gpus(), backend.holders(selectors, "", "", True),
-                   selectors)
-    try:
-        notes = recovered_by_reset(result, backend.history(RECENT_REPORTS))
-    except GpuGuardError as exc:  # the answer stands without them
-        log.debug("no history for the check's notes: %s", exc)
-        notes = []
-    if as_json:
-        output.print_json(result.to_dict(), out)
-    else:
-        for problem in result.problems:
-            out.write(problem.message + "\n")
-        for note in notes:  # stderr: stdout stays one line per problem
-            sys.stderr.write(note + "\n")
-    return EXIT_OK if result.ok else EXIT_NOT_FREE
-
-
-def run_gate(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """`gpuguardctl wait` (wait.py), after --sweep-leftovers' sweep. With --slurm-prolog every
-    failure is one line on stdout, the drain reason."""
-    from gpuguardd.cli import output
-    from gpuguardd.cli.retry import sweep_through_restarts
-    from gpuguardd.cli.wait import run_wait
-
-    try:
-        if args.sweep_leftovers:
-            request = SweepRequest(unit=args.sweep_leftovers,
-                                   reason=f"gate: leftovers of {args.sweep_leftovers}")
-            report = sweep_through_restarts(backend, request, args)
-            output.print_report(report, sys.stderr)  # the gate below judges what is left
-        return run_wait(backend, args, out, EXIT_GATE_TIMEOUT)
-    except GpuGuardError as exc:
-        if not args.slurm_prolog:
-            raise
-        from gpuguardd.escaping import escape_text
-        from gpuguardd.numbers import is_digits
-        job = os.environ.get("SLURM_JOB_ID", "?")
-        line = f"gpuguard: job {job if is_digits(job) else '?'}: prolog failed: {escape_text(str(exc))}"
-        log.error("%s", line)
-        out.write(line[:240] + "\n")
         return error_exit(exc)
 
 

@@ -20,22 +20,15 @@ from gpuguardd.records.report import REPORT_RESET, Report, ReportScope, Spared, 
 
 
 def human_bytes(value: int) -> str:
-    if value >= 1024 ** 3:
-        return f"{value / 1024 ** 3:.1f} GiB"
-    if value >= 1024 ** 2:
-        return f"{value / 1024 ** 2:.0f} MiB"
-    if value >= 1024:
-        return f"{value / 1024:.0f} KiB"
+    for size, shown in ((1024 ** 3, "{:.1f} GiB"), (1024 ** 2, "{:.0f} MiB"), (1024, "{:.0f} KiB")):
+        if value >= size:
+            return shown.format(value / size)
     return f"{value} B"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
-    rows = [[escape_text(cell) for cell in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-    lines = [headers, *rows]
+    lines = [headers, *([escape_text(cell) for cell in row] for row in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     for line in lines:
         cells = [cell.ljust(widths[i]) if i < len(line) - 1 else cell for i, cell in enumerate(line)]
         out.write("  ".join(cells).rstrip() + "\n")

@@ -1,14 +1,11 @@
 """A sweep that outlives gpuguardd: the caller finishes what the daemon's death cut short.
 
-When gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade restarting it), the bus
-answers the pending call with "Message recipient disconnected from message bus without
-replying", and the stop hook would exit with the unit's GPUs still held. Instead the same
-request is sent again once the daemon is back (systemd restarts it within seconds; the bus
-starts it on demand): a sweep is safe to repeat, and the restarted daemon, which finishes
-its predecessor's sweep itself (daemon/resume.py), lets the hook's second call join that
-sweep. If no daemon answers within RETRY_SEC, root sweeps with the local engine. The exit
-status is the finishing sweep's. The words go to stderr and, when that is a terminal, to
-the journal as well.
+When gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the stop hook would
+exit with the unit's GPUs still held. Instead the request is sent again once the daemon is
+back: a sweep is safe to repeat, and the restarted daemon, which finishes its predecessor's
+sweep itself (daemon/resume.py), lets the second call join it. If none answers within
+RETRY_SEC, root sweeps with the local engine. The words also go to the journal, which an
+admin's terminal does not reach.
 """
 
 from __future__ import annotations
@@ -61,11 +58,10 @@ def sweep(first: Callable[[], Report], again: Callable[[], Report],
         _say(logging.WARNING, f"gpuguardd stopped during {what}; the restarted gpuguardd "
                               f"finished it: sweep {report.id[:8]}, {report.outcome}")
         return report
+    gone = f"gpuguardd stopped during {what} and did not come back within {retry_sec:.0f} s ({last})"
     if os.geteuid() != 0:
-        raise DaemonUnavailable(f"gpuguardd stopped during {what} and did not come back within "
-                                f"{retry_sec:.0f} s ({last}); as root, sweep again with --local")
-    _say(logging.WARNING, f"gpuguardd stopped during {what} and did not come back within "
-                          f"{retry_sec:.0f} s ({last}); sweeping with the local engine")
+        raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
+    _say(logging.WARNING, f"{gone}; sweeping with the local engine")
     report = local()
     _say(logging.WARNING, f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
     return report
@@ -73,16 +69,11 @@ def sweep(first: Callable[[], Report], again: Callable[[], Report],
 
 def sweep_through_restarts(backend: Backend, request: SweepRequest,
                            args: argparse.Namespace) -> Report:
-    """backend.sweep, finished even when gpuguardd dies during it: sweep() with a new
-    connection to the daemon as `again` and the local engine as `local`."""
+    """backend.sweep, finished even when gpuguardd dies during it."""
     if isinstance(backend, LocalBackend):
         return backend.sweep(request)
     from gpuguardd.cli.client import DBusBackend
 
-    def again() -> Report:
-        return DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
-
-    def in_process() -> Report:
-        return local(args).sweep(dataclasses.replace(request))
-
-    return sweep(lambda: backend.sweep(request), again, in_process, request)
+    return sweep(lambda: backend.sweep(request),
+                 lambda: DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request)),
+                 lambda: local(args).sweep(dataclasses.replace(request)), request)

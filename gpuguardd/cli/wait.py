@@ -1,14 +1,12 @@
 """`gpuguardctl wait`: the start gate. Exit 0 once the GPUs are free for the next job.
 
 The next model's ExecStartPre=, a Slurm Prolog= or a Kubernetes init container runs it. What
-"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, one call at most
-20 s, called again until --timeout), so the CLI never polls the bus. With --local the same
-rule runs here on the local engine's scans.
+"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, called again until
+--timeout), so the CLI never polls the bus. With --local the same rule runs here.
 
-Which GPUs: --gpu (repeatable), else --cuda-visible-devices, else the environment's
-CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES (an ExecStartPre= runs with the unit's
-Environment= and EnvironmentFile=), else --slurm-prolog's job GPUs, else every GPU. Numbers are
-NVML indices (CUDA's order equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID); UUIDs are exact.
+The environment's CUDA_VISIBLE_DEVICES names the GPUs when nothing else does: an
+ExecStartPre= runs with the unit's Environment=. Numbers are NVML indices (CUDA's order
+equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID).
 """
 
 from __future__ import annotations
@@ -21,9 +19,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from gpuguardd.errors import InvalidArgument
+from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text
 from gpuguardd.records.selectors import selector
+
+log = logging.getLogger("gpuguard.cli")
 
 # Values that make CUDA (or the NVIDIA container runtime) see no GPU at all.
 NO_GPUS = {"", "none", "void", "NoDevFiles"}
@@ -54,7 +54,7 @@ def visible_devices(value: str, name: str) -> list[str] | None:
 
 
 def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str] | None:
-    """The GPUs to wait for (module docstring); None: every GPU."""
+    """The GPUs to wait for; None: every GPU."""
     if args.gpu:
         return list(args.gpu)
     if args.cuda_visible_devices is not None:
@@ -65,66 +65,41 @@ def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list
     return None
 
 
-def describe(result: Mapping[str, Any], now_usec: int) -> list[str]:
+def describe(result: Mapping[str, Any]) -> list[str]:
     """One line per GPU: its memory, and what it waits on or how long it has been free."""
     from gpuguardd.cli.output import human_bytes
 
     lines = [f"waiting on: {escape_text(str(w))}" for w in result.get("waiting_on", [])]
     for gpu in result.get("gpus", []):
-        name = f"GPU {gpu.get('index', '?')}" + (
-            f" {escape_text(str(gpu['mig_uuid']))}" if gpu.get("mig_uuid") else "")
         used = human_bytes(int(gpu.get("memory_used", 0)))
         waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
         if waits:
-            lines.append(f"{name}: {used} used; " + "; ".join(waits))
+            lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits))
         else:
-            lines.append(f"{name}: {used} used, free and steady for "
+            lines.append(f"{_name(gpu)}: {used} used, free and steady for "
                          f"{int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
     return lines
 
 
-class Waiter:
-    """The loop over one-call waits until free or --timeout, with the terminal's progress."""
-
-    def __init__(self, call: Callable[[float], dict[str, Any]], timeout: float | None,
-                 out: TextIO, progress: bool) -> None:
-        self.call = call  # one wait of at most this many seconds: the result
-        self.timeout = timeout
-        self.out = out
-        self.progress = progress
-
-    def run(self) -> tuple[bool, dict[str, Any], float]:
-        started = time.monotonic()
-        while True:
-            waited = time.monotonic() - started
-            left = None if self.timeout is None else max(0.0, self.timeout - waited)
-            step = PROGRESS_CALL_SEC if self.progress else ONE_CALL_SEC
-            result = self.call(step if left is None else min(step, left))
-            waited = time.monotonic() - started
-            if self.progress:
-                line = " | ".join(describe(result, time.time_ns() // 1000))
-                self.out.write(f"\r\033[K[{waited:5.1f} s] {line}"[:400])
-                self.out.flush()
-            if result.get("free"):
-                return True, result, waited
-            if self.timeout is not None and waited >= self.timeout:
-                return False, result, waited
+def _name(gpu: Mapping[str, Any]) -> str:
+    return f"GPU {gpu.get('index', '?')}" + (f" {escape_text(str(gpu['mig_uuid']))}" if gpu.get("mig_uuid") else "")
 
 
-class _Once(logging.Filter):
-    """Lets each distinct warning through once: --local scans again every poll, and each scan
-    repeats what it found odd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if text in self.seen:
-            return False
-        self.seen.add(text)
-        return True
+def poll(call: Callable[[float], dict[str, Any]], timeout: float | None, out: TextIO,
+         progress: bool) -> tuple[bool, dict[str, Any], float]:
+    """One-call waits (`call(seconds)`: the result) until free or `timeout`, with the
+    terminal's progress line: (free, the last result, seconds waited)."""
+    started = time.monotonic()
+    while True:
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        step = PROGRESS_CALL_SEC if progress else ONE_CALL_SEC
+        result = call(step if left is None else min(step, left))
+        waited = time.monotonic() - started
+        if progress:
+            out.write(f"\r\033[K[{waited:5.1f} s] {' | '.join(describe(result))}"[:400])
+            out.flush()
+        if result.get("free") or (timeout is not None and waited >= timeout):
+            return bool(result.get("free")), result, waited
 
 
 def local_call(backend: Any, selectors: list[str] | None, free_below: int, stable_sec: float,
@@ -139,7 +114,13 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     tracker = GateTracker(rule)
     engine = backend.engine
     wanted = selectors or []
-    once = _Once()
+    seen: set[str] = set()
+
+    def once(record: logging.LogRecord) -> bool:
+        """Each distinct warning once: every poll scans again and repeats what it found odd."""
+        new = record.getMessage() not in seen
+        seen.add(record.getMessage())
+        return new
     logging.getLogger("gpuguard").addFilter(once)
     for handler in logging.getLogger().handlers:
         handler.addFilter(once)
@@ -181,43 +162,61 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     return call
 
 
-def run_wait(backend: Any, args: argparse.Namespace, out: TextIO, exit_timeout: int) -> int:
-    """`gpuguardctl wait`: 0 when free, `exit_timeout` at --timeout (what holds each GPU on
-    stdout, one line each: the journal's and the drain reason's text)."""
+def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
+    """The verb, after --sweep-leftovers' sweep. With --slurm-prolog every failure is one line
+    on stdout, the drain reason."""
+    from gpuguardd.cli import output
+
+    try:
+        if args.sweep_leftovers:
+            from gpuguardd.cli.retry import sweep_through_restarts
+            from gpuguardd.records.models import SweepRequest
+            request = SweepRequest(unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}")
+            report = sweep_through_restarts(backend, request, args)
+            output.print_report(report, sys.stderr)  # the gate below judges what is left
+        return gate(backend, args, out)
+    except GpuGuardError as exc:
+        if not args.slurm_prolog:
+            raise
+        from gpuguardd.cli.exits import error_exit
+        from gpuguardd.numbers import is_digits
+        job = os.environ.get("SLURM_JOB_ID", "?")
+        line = f"gpuguard: job {job if is_digits(job) else '?'}: prolog failed: {escape_text(str(exc))}"
+        log.error("%s", line)
+        out.write(line[:240] + "\n")
+        return error_exit(exc)
+
+
+def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
+    """0 when free, EXIT_GATE_TIMEOUT at --timeout (what holds each GPU on stdout, one line
+    each: the journal's and the drain reason's text)."""
     from gpuguardd.cli import output
     from gpuguardd.cli.client import DBusBackend
+    from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT
     from gpuguardd.engine.gate import MiB
 
-    environ = os.environ
     prefix = "gpuguard: "
     selectors: list[str] | None
     if args.slurm_prolog:
         from gpuguardd.engine import slurm
-        job = slurm.epilog_job(environ, "--slurm-prolog")
+        job = slurm.epilog_job(os.environ, "--slurm-prolog")
         prefix = f"gpuguard: job {job.job_id}: "
-        gpus = backend.gpus()
-        selectors, warnings = slurm.gpu_selectors(job.minors, gpus)
+        selectors, warnings = slurm.gpu_selectors(job.minors, backend.gpus())
         for warning in warnings:
             sys.stderr.write(f"gpuguardctl: {warning}\n")
         if not job.minors:
             selectors = []
     else:
-        selectors = selectors_from(args, environ)
+        selectors = selectors_from(args, os.environ)
     if selectors == []:
         line = f"{prefix}no GPUs to wait for (the job or unit sees none)"
         output.print_json({"free": True, "gpus": [], "waiting_on": []}, out) if args.json \
             else out.write(line + "\n")
         return 0
-    options: dict[str, Any] = {}
-    if args.free_below is not None:
-        options["free_below_mib"] = args.free_below
-    if args.stable is not None:
-        options["stable_ms"] = int(args.stable * 1000)
-    if args.allow_unverified:
-        options["allow_unverified"] = True
-    timeout = args.timeout
-    if timeout is None and args.slurm_prolog:
-        timeout = SLURM_PROLOG_TIMEOUT_SEC
+    given = {"free_below_mib": args.free_below, "stable_ms": None if args.stable is None else int(args.stable * 1000),
+             "allow_unverified": args.allow_unverified or None}
+    options = {key: value for key, value in given.items() if value is not None}
+    timeout = SLURM_PROLOG_TIMEOUT_SEC if args.timeout is None and args.slurm_prolog else args.timeout
     call: Callable[[float], dict[str, Any]]
     if isinstance(backend, DBusBackend):
         daemon = backend
@@ -231,21 +230,19 @@ def run_wait(backend: Any, args: argparse.Namespace, out: TextIO, exit_timeout: 
             args.stable if args.stable is not None else config.gate_stable_sec,
             args.allow_unverified, config.gate_tolerance_mib * MiB)
     progress = out.isatty() and not args.json
-    free, result, waited = Waiter(call, timeout, out, progress).run()
+    free, result, waited = poll(call, timeout, out, progress)
     if progress:
         out.write("\n")
     if args.json:
         output.print_json({**result, "free": free, "waited_ms": int(waited * 1000)}, out)
-        return 0 if free else exit_timeout
+        return 0 if free else EXIT_GATE_TIMEOUT
     if free:
-        names = ", ".join(
-            f"GPU {g['index']}" + (f" {escape_text(str(g['mig_uuid']))}" if g.get("mig_uuid") else "")
-            for g in result.get("gpus", [])) or "no GPU"
+        names = ", ".join(_name(g) for g in result.get("gpus", [])) or "no GPU"
         out.write(f"{prefix}free after {waited:.1f} s: {names}\n")
         return 0
-    text = f"{prefix}not free after {waited:.0f} s: " + "; ".join(describe(result, time.time_ns() // 1000))
+    text = f"{prefix}not free after {waited:.0f} s: " + "; ".join(describe(result))
     if args.slurm_prolog:
         from gpuguardd.engine.slurm import MAX_REASON
         text = text[:MAX_REASON]  # a node's drain reason: one short line in sinfo
     out.write(text + "\n")
-    return exit_timeout
+    return EXIT_GATE_TIMEOUT

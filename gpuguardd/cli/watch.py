@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -9,8 +10,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from gpuguardd.bus import contract
-from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import describe_scope, gpu_title, human_bytes
 from gpuguardd.escaping import escape_text, escaped
@@ -41,7 +40,6 @@ def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | No
 
 def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
               err: TextIO = sys.stderr) -> int:
-    signals = contract.interface(MANAGER_INTERFACE).signals
     titles: dict[int, str] = {}
 
     def read_titles() -> None:
@@ -56,9 +54,7 @@ def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
     if not as_json:
         threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
-    def on_signal(member: str, args: list[Any]) -> None:
-        # The backend passes only the contract's signals, with their signatures.
-        fields = dict(zip(signals[member].arg_names, args))
+    def on_signal(member: str, fields: dict[str, Any]) -> None:
         stamp = time.time()
         try:
             if as_json:
@@ -78,8 +74,6 @@ def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
                   else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
         err.flush()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         backend.watch(on_signal, on_owner)
-    except KeyboardInterrupt:
-        return 0
     return 0

@@ -23,6 +23,8 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
@@ -49,13 +51,12 @@ class DaemonError(RuntimeError):
     pass
 
 
-async def _get_metrics(address: str | None, timeout: float) -> str:
+async def _get_metrics(address: str | None) -> str:
     bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
     await bus.connect()
     try:
-        reply = await asyncio.wait_for(bus.call(Message(
-            destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER_INTERFACE,
-            member="GetMetrics")), timeout)
+        reply = await bus.call(Message(destination=BUS_NAME, path=MANAGER_PATH, interface=MANAGER_INTERFACE,
+                                       member="GetMetrics"))
     finally:
         bus.disconnect()
     if reply is None or reply.message_type == MessageType.ERROR:
@@ -67,11 +68,11 @@ async def _get_metrics(address: str | None, timeout: float) -> str:
     return text
 
 
+@dataclass(eq=False)
 class _Parsed:
     """A collector that yields the families parsed from the daemon's text."""
 
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
+    families: list[Metric]
 
     def collect(self) -> Iterator[Metric]:
         yield from self.families
@@ -83,7 +84,6 @@ def render(text: str, accept: str | None) -> tuple[bytes, str]:
     registry.register(_Parsed(list(text_string_to_metric_families(text))))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type
-
 
 
 # -- serving -----------------------------------------------------------------------------------
@@ -100,16 +100,13 @@ MAX_REQUEST_BYTES = 8192
 MAX_CONNECTIONS = 64
 MAX_PER_PEER = 16
 _TEXT = "text/plain; charset=utf-8"
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-            503: "Service Unavailable"}
 
 
+@dataclass(eq=False)
 class _Connection:
-    def __init__(self, peer: str, writer: asyncio.StreamWriter) -> None:
-        self.peer = peer
-        self.writer = writer
-        self.pending = True  # still sending its request: the one that may be closed for room
+    peer: str
+    writer: asyncio.StreamWriter
+    pending: bool = True  # still sending its request: the one that may be closed for room
 
 
 class Exporter:
@@ -122,8 +119,6 @@ class Exporter:
         self.handled = 0
         self.last_request = time.monotonic()
         self._fetching: asyncio.Future[str] | None = None
-
-    # -- connection bounds ---------------------------------------------------------------
 
     def _admit(self, new: _Connection) -> None:
         """Make room for `new` by closing the oldest connections still sending a request."""
@@ -140,8 +135,6 @@ class Exporter:
         if connection in self.connections:
             self.connections.remove(connection)
         connection.writer.transport.abort()
-
-    # -- one connection ------------------------------------------------------------------
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
@@ -212,8 +205,7 @@ class Exporter:
 
     async def _fetch(self) -> str:
         try:
-            return await asyncio.wait_for(_get_metrics(self.bus_address, self.call_timeout),
-                                          self.call_timeout)
+            return await asyncio.wait_for(_get_metrics(self.bus_address), self.call_timeout)
         except DaemonError:
             raise
         except (asyncio.TimeoutError, TimeoutError):
@@ -224,7 +216,7 @@ class Exporter:
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, code: int, body: bytes, content_type: str,
                      head_only: bool = False) -> None:
-        head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\n"
+        head = (f"HTTP/1.1 {code} {HTTPStatus(code).phrase}\r\n"
                 f"Server: gpuguard-exporter/{__version__}\r\n"
                 f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n").encode()
@@ -235,11 +227,7 @@ class Exporter:
 
 def _parse_request(head: bytes) -> tuple[str, str, str] | None:
     """(method, path, Accept) of an HTTP/1.x request head, or None when it is not one."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        return None
-    line, _, rest = text.partition("\r\n")
+    line, _, rest = head.decode("latin-1").partition("\r\n")
     parts = line.split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[1].startswith("/"):
         return None
@@ -279,10 +267,6 @@ async def _serve(sock: socket.socket, exporter: Exporter, idle_exit: float) -> N
                 return
 
 
-def serve(sock: socket.socket, bus_address: str | None, idle_exit: float) -> None:
-    asyncio.run(_serve(sock, Exporter(bus_address), idle_exit))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuguard-exporter",
@@ -312,7 +296,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         log.error("cannot listen on %s: %s", args.listen, exc)
         return 1
     log.info("serving /metrics on %s%s", sock.getsockname()[:2], " (socket-activated)" if activated else "")
-    serve(sock, address, idle_exit)
+    asyncio.run(_serve(sock, Exporter(address), idle_exit))
     return 0
 
 

@@ -1,15 +1,11 @@
 """Which of gpuguardd's signals become a notification, and their text (the extension's rules:
-gnome-shell-extension/src/state.js, extension.js).
+gnome-shell-extension/src/state.js, extension.js): a leak, a sweep that left something
+behind, a sweep that ended this user's processes.
 
-  * LeakSuspected: memory held on a GPU with no process holding it; the GPU named by its
-    vendor and product name where the daemon's GPU list gave them (`titles`).
-  * SweepFinished with survivors, or with the memory not released.
-  * SweepFinished that ended processes of this user: which, and who asked for the sweep.
-    The report gives each ended process's uid where the sweep's scan could read it. From a
-    gpuguardd that does not, a process is this user's if, when the sweep started
-    (SweepStarted), a process of this uid had that pid and command (`own_processes`, from
-    /proc: the notifier runs as the user and sees its own processes); a sweep may end a
-    process before that signal arrives, so this is the fallback only.
+A report names each ended process's uid where the sweep's scan could read it. From a
+gpuguardd that does not, a process is this user's if, when the sweep started, a process of
+this uid had that pid and command (from /proc: the notifier runs as the user); a sweep may
+end a process before SweepStarted arrives, so this is the fallback only.
 
 Every text from the bus was chosen by whoever started a process: it is escaped by the CLI's
 rule (escaping.py), then, where the server renders the body as markup, as markup too.

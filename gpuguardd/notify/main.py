@@ -1,10 +1,6 @@
-"""gpuguard-notify's entry point: gpuguardd's signals in, org.freedesktop.Notifications out.
-
-It listens through the CLI's D-Bus client (cli/client.py: DBusBackend.watch, which follows
-gpuguardd going away and coming back and takes only gpuguardd's own signals), and sends each
-notice (events.py) to the notification server on the user's session bus. While gpuguardd is
-not running at all it asks again every RETRY_SEC; a notification server that is missing or
-refuses a notice costs that notice, logged, not the service.
+"""gpuguard-notify's entry point: gpuguardd's signals in (through DBusBackend.watch, which
+follows gpuguardd's restarts), org.freedesktop.Notifications out. A notification server that
+is missing or refuses a notice costs that notice, logged, not the service.
 """
 
 from __future__ import annotations
@@ -22,8 +18,6 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd import __version__
-from gpuguardd.bus import contract
-from gpuguardd.bus.names import MANAGER_INTERFACE
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import gpu_title
 from gpuguardd.errors import DaemonUnavailable
@@ -85,10 +79,7 @@ class Notifier:
 
 def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
     """Until the connection to the system bus ends (DaemonUnavailable)."""
-    signals = contract.interface(MANAGER_INTERFACE).signals
-
-    def on_signal(member: str, args: list[Any]) -> None:
-        fields = dict(zip(signals[member].arg_names, args))
+    def on_signal(member: str, fields: dict[str, Any]) -> None:
         try:
             notices = events.signal(member, fields)
         except (KeyError, TypeError, ValueError) as exc:

@@ -7,12 +7,14 @@ and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from gpuguardd.records.codec import WireRecord
 from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, RequesterKind, SpareReason, Vendor
+
+if TYPE_CHECKING:
+    from gpuguardd.records.report import ReportScope
 
 
 @dataclass(frozen=True)
@@ -155,24 +157,15 @@ class NvmlSnapshot:
         return sorted(found)
 
     def by_index(self, index: int) -> GpuInfo | None:
-        for gpu in self.gpus:
-            if gpu.index == index:
-                return gpu
-        return None
+        return next((gpu for gpu in self.gpus if gpu.index == index), None)
 
     def mig_instance(self, uuid: str) -> tuple[GpuInfo, MigInstance] | None:
-        for gpu in self.gpus:
-            for instance in gpu.mig:
-                if instance.uuid.lower() == uuid.lower():
-                    return gpu, instance
-        return None
+        return next(((gpu, mig) for gpu in self.gpus for mig in gpu.mig if mig.uuid.lower() == uuid.lower()), None)
 
     def index_for_minor(self, minor: int, vendor: Vendor = Vendor.NVIDIA) -> int | None:
         """The GPU of a node's minor: /dev/nvidia<minor>, or an AMD GPU's renderD or card node."""
-        for gpu in self.gpus:
-            if gpu.vendor == vendor and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None):
-                return gpu.index
-        return None
+        return next((gpu.index for gpu in self.gpus if gpu.vendor == vendor
+                     and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None)), None)
 
 
 @dataclass
@@ -277,26 +270,7 @@ class Scope:
                 and not self.slurm_job)
 
 
-class ScopeFields(Protocol):
-    """What a scope description reads: a resolved Scope, or a report's (report.ReportScope)."""
-
-    @property
-    def gpus(self) -> Sequence[int]: ...
-
-    @property
-    def mig(self) -> Sequence[str]: ...
-
-    @property
-    def unit(self) -> str: ...
-
-    @property
-    def container(self) -> str: ...
-
-    @property
-    def include_management(self) -> bool: ...
-
-
-def describe_scope(scope: ScopeFields, whole: str = "the whole host",
+def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
                    with_management: bool = True) -> str:
     """A scope in words, one way for the journal and gpuguardctl ("GPU 0,1, unit x.service");
     `whole` when it names nothing. Not escaped: the log formatter and the CLI's printer do."""

@@ -191,7 +191,6 @@ class Report(WireRecord):
     warning_codes: list[WarningCode] = field(default_factory=list)
 
     def warn(self, text: str, code: WarningCode = WarningCode.OTHER) -> None:
-        """Add a warning with its code."""
         self.code_warnings()
         self.warnings.append(text)
         self.warning_codes.append(code)
@@ -201,7 +200,6 @@ class Report(WireRecord):
         self.warning_codes.extend([code] * (len(self.warnings) - len(self.warning_codes)))
 
     def warnings_of(self, codes: Collection[WarningCode]) -> list[str]:
-        """The warnings whose code is one of `codes`, in order."""
         return [text for text, code in zip(self.warnings, self.warning_codes) if code in codes]
 
 

@@ -49,11 +49,7 @@ class Selected:
 class Selector:
     kind: str  # INDEX, GPU_UUID, MIG_UUID or PCI; "" for text that names no GPU
     text: str  # as given, stripped
-    value: int = -1  # the index, for INDEX
-
-    @property
-    def index(self) -> int:
-        return self.value if self.kind == INDEX else -1
+    index: int = -1  # for INDEX
 
     def find(self, gpus: Iterable[KnownGpu]) -> list[Selected]:
         """Every GPU (or MIG instance) of `gpus` this names; [] when none does."""
