@@ -51,7 +51,8 @@ def test_leaked_memory_and_lost_gpus_are_problems(gpu_host: GpuHost) -> None:
     done = host.cli("check")
     assert done.returncode == EXIT_NOT_FREE
     assert done.stdout.splitlines() == [
-        f"GPU 1 ({host.state.gpus[1].uuid}): leaked, 6.0 GiB memory in use with no process holding it (no-process)"]
+        f"GPU 1 ({host.state.gpus[1].uuid}, nvidia {host.state.gpus[1].name}): leaked, 6.0 GiB memory in use with "
+        "no process holding it (no-process)"]
     assert host.cli("check", "--gpu", "0").returncode == EXIT_OK
     host.state.gpus[0].lost = True
     host.publish()
