@@ -71,10 +71,3 @@ def gpu(text: str) -> str:
 
     selector(text).check()
     return text
-
-
-@_refusing
-def gpu_index(text: str) -> int:
-    from gpuguardd.numbers import parse_gpu_index
-
-    return parse_gpu_index(text)

@@ -18,6 +18,7 @@ from gpuguardd.errors import DaemonUnavailable, InvalidArgument
 from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
+from gpuguardd.records.selectors import one_gpu
 from gpuguardd.safetext import user_name
 from gpuguardd.systemd import dropins
 
@@ -82,8 +83,9 @@ class LocalBackend:
             return asyncio.run(self._sweep_unit(request))
         return self.engine.sweep(request)
 
-    def reset(self, gpu: int, reason: str) -> Report:
-        return self.engine.reset_gpu(gpu, requester_description(), reason)
+    def reset(self, gpu: str, reason: str) -> Report:
+        return self.engine.reset_gpu(one_gpu(self.engine.resolve_gpus([gpu])[0], gpu),
+                                     requester_description(), reason)
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
         """The daemon's rule (unitsweep.leftovers): the unit's escaped leftovers go with it."""

@@ -28,7 +28,7 @@ from gpuguardd.bus.names import (
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
-from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, selector
+from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, one_gpu, selector
 
 CALL_TIMEOUT_SEC = 120.0
 WAIT = "WaitOptions"
@@ -219,11 +219,12 @@ class DBusBackend:
             return unwrapped
         return self._run(call)
 
-    def reset(self, gpu: int, reason: str) -> Report:
+    def reset(self, gpu: str, reason: str) -> Report:
         async def call(bus: MessageBus) -> Report:
             options = {"reason": marshal.option("ResetOptions", "reason", reason)} if reason else {}
+            index = one_gpu(await self._indices(bus, [gpu]), gpu)
             # A reset waits for the command and the verification (ResetTimeoutSec and more).
-            (report,) = await self._manager(bus, "ResetGpu", gpu, options, interactive=True,
+            (report,) = await self._manager(bus, "ResetGpu", index, options, interactive=True,
                                             timeout=None)
             return Report.from_dict(marshal.unwrap(report))
         return self._run(call)

@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     reset = verbs.add_parser("reset", parents=[common],
                              help="reset a GPU that nothing holds (frees leaked memory)")
-    reset.add_argument("--gpu", required=True, type=argtypes.gpu_index, metavar="N",
-                       help="the GPU's NVML index")
+    reset.add_argument("--gpu", required=True, type=argtypes.gpu, metavar="N",
+                       help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")

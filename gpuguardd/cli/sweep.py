@@ -111,7 +111,7 @@ def reset_leaks(backend: Backend, report: Report, job_id: str) -> bool:
         return False
     for gpu in sorted(leaked):
         try:
-            reset = backend.reset(gpu, f"slurm epilog of job {job_id}: leaked memory")
+            reset = backend.reset(str(gpu), f"slurm epilog of job {job_id}: leaked memory")
         except GpuGuardError as exc:
             log.error("GPU %d: reset failed: %s", gpu, exc)
             return False

@@ -92,6 +92,14 @@ def selector(item: object) -> Selector:
     return Selector("", text)
 
 
+def one_gpu(indices: Iterable[int], text: str) -> int:
+    """The one GPU `text` named (a reset is of one GPU): InvalidArgument otherwise."""
+    found = list(indices)
+    if len(found) != 1 or selector(text).kind == MIG_UUID:
+        raise InvalidArgument(f"--gpu {text!r} must name one whole GPU")
+    return found[0]
+
+
 def names_mig(items: Iterable[object]) -> bool:
     """Whether any item names a MIG instance (which has no index of its own)."""
     return any(selector(item).kind == MIG_UUID for item in items)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
+from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK, EXIT_USAGE
 from tests.amd_sysfs import AmdHost, make_amd_host
 from tests.conftest import GiB, GpuHost
 from tests.helpers import alive, gone, wait_until
@@ -149,3 +149,13 @@ def test_an_amd_host_without_nvml_runs_every_command(amd_only: AmdHost) -> None:
     code, report = amd_only.cli_json("sweep", "--gpu", "1", env=env)
     assert (code, report["outcome"]) == (EXIT_OK, "freed"), report
     wait_until(lambda: gone(pid), 5, "the holder gone")
+
+
+def test_reset_names_its_gpu_by_pci_bus_id(mixed: AmdHost) -> None:
+    pid = mixed.holder(None)  # any ROCm process: AMD's reset would end it, whichever GPU it uses
+    _, report = mixed.cli_json("reset", "--gpu", "0000:C4:00.0")
+    assert report["outcome"] == "reset-refused" and f"pid {pid} " in report["error"], report
+    assert report["scope"]["gpus"] == [3], report
+    assert alive(pid)
+    done = mixed.cli("reset", "--gpu", "0000:c9:00.0")
+    assert done.returncode == EXIT_USAGE and "unknown PCI bus id '0000:c9:00.0'" in done.stderr, done.stderr
