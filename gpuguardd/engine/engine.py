@@ -29,7 +29,8 @@ from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset, ResetSettings
-from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor
 from gpuguardd.records.models import (
@@ -70,7 +71,7 @@ def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> li
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
     """Whether `holder` may compute on `on`'s GPUs or MIG instances: what a listing and
-    `gpuguardctl check` go by. The sweep's rule (sweep.gpu_scope) leaves out a holder it
+    `gpuguardctl check` go by. The sweep's rule (scope.gpu_scope) leaves out a holder it
     cannot place, as it must not end a tenant of another GPU; a check must not call a GPU free
     for the same doubt. So a holder NVML does not list counts on every GPU whose node it holds,
     and one whose GPU is unknown altogether (it holds only nvidia-uvm and nvidiactl) on all."""
@@ -379,7 +380,7 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
                 warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")
     for holder in holders:
-        if not {"fd", "mmap"} & set(holder.how) and holder.state != "Z":
+        if holds_no_device_here(holder):
             lister = "NVML" if "nvml" in holder.how else "KFD"
             warnings.append(f"{lister} lists pid {holder.pid} ({holder.comm}) on GPU "
                             f"{','.join(map(str, holder.nvml_gpus))}, but it holds no GPU "

@@ -9,7 +9,6 @@ report says the fallback was used.
 
 from __future__ import annotations
 
-import errno
 import os
 import select
 import signal
@@ -168,5 +167,52 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
     return done
 
 
-def is_permission_error(exc: OSError) -> bool:
-    return exc.errno in (errno.EACCES, errno.EPERM)
+def survivor_reason(pid: int) -> tuple[str, str]:
+    stat = procfs.read_stat(pid)
+    if stat is None:
+        return "", "exited"
+    if stat.state == "Z":
+        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
+    if stat.state == "D":
+        wchan = (procfs.read_wchan(pid) or "").strip()
+        where = f" in {wchan}" if wchan and wchan != "0" else ""
+        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
+    return stat.state, f"still running after SIGKILL (state {stat.state})"
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
+    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
+    signals = procfs.read_signals(pid)
+    if signals is None:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
+                                           and not signals.caught & bit)
+
+
+def exit_status(stat: procfs.ProcStat | None) -> str:
+    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
+    if stat is None or stat.state != "Z" or stat.exit_code is None:
+        return ""
+    code = stat.exit_code
+    if not os.WIFSIGNALED(code):
+        return f"exited with status {os.WEXITSTATUS(code)}"
+    try:
+        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
+    except ValueError:
+        return f"killed by signal {os.WTERMSIG(code)}"
+
+
+def ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
+    """The signal of ours that ended a process, as far as is known; "" for none. `last_sent`:
+    the last one sent before its exit was seen, `status`: exit_status()."""
+    sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
+    if status.startswith("killed by "):
+        killer = status.removeprefix("killed by ")
+        return killer if killer in sent else ""
+    if status:
+        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
+        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
+    return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent

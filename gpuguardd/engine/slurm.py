@@ -63,7 +63,7 @@ def job_of(pid: int) -> str:
 
 def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], bool]) -> bool:
     """Rule 1 or rule 2 of the module docstring, for one holder. `on_job_gpus` is the sweep's
-    own rule for "on these GPUs" (sweep.gpu_scope: NVML's lists first)."""
+    own rule for "on these GPUs" (scope.gpu_scope: NVML's lists first)."""
     owner_job = job_of(holder.pid)
     if owner_job:
         return owner_job == job
