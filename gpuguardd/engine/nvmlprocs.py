@@ -12,9 +12,8 @@ Which call, and how wide its entries are:
 pynvml's own wrappers are not used for the lists: they hard-code 24 bytes, and its detail-list
 wrapper assigns None to a ctypes integer field when memory is "not available".
 
-Whatever the call, what comes back is untrusted: every pid is checked (valid_pids) before
-anything looks it up, and NVML's pids are host pids, which mean nothing to a daemon in
-another PID namespace (pids_are_local).
+What comes back is untrusted: every pid is checked (merge), and NVML's pids are host pids,
+meaningless in another PID namespace (pids_are_local).
 """
 
 from __future__ import annotations
@@ -201,18 +200,10 @@ _local: bool | None = None
 
 
 def pids_are_local() -> bool:
-    """Whether NVML's pids are the pids of the /proc this process reads.
-
-    NVML reports a process by the pid the driver recorded, which is its pid in the initial PID
-    namespace (the host's), whatever namespace the caller is in. /proc shows the pids of the
-    namespace that mounted it, which is its PID 1's namespace. So they agree exactly when
-    /proc's PID 1 is in the initial PID namespace, which the kernel marks with a fixed inode
-    (PROC_PID_INIT_INO). When PID 1 may not be inspected (not root), this process's own
-    namespace stands in: a /proc mounted by another namespace than ours is the rare case, and
-    it can only make us distrust NVML's pids, never trust wrong ones. Anything unreadable
-    answers False, for the same reason. A namespace never changes under a running process, so
-    the answer is kept.
-    """
+    """Whether NVML's pids (the initial PID namespace's) are the pids of the /proc this
+    process reads: exactly when /proc's PID 1 is in the initial namespace (PROC_PID_INIT_INO).
+    Where PID 1 may not be inspected our own namespace stands in; anything unreadable answers
+    False, so the error is always distrust. A namespace never changes: the answer is kept."""
     global _local
     if _local is None:
         inode = None
