@@ -1,8 +1,5 @@
-"""The Engine: configuration + NVML + discovery + sweeps, free of D-Bus.
-
-The daemon, `gpuguardctl --local` and the tests all drive this class, so there is one code
-path from "who holds the GPUs" to "the memory is back".
-"""
+"""The Engine: configuration + NVML + discovery + sweeps, free of D-Bus: the daemon and
+`gpuguardctl --local` both drive it, one path from "who holds the GPUs" to "memory is back"."""
 
 from __future__ import annotations
 
@@ -13,9 +10,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
+from gpuguardd.engine import amd, leaks, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
-    container_matches,
     container_scope_label,
     normalize_unit_name,
     validate_container_label,
@@ -64,9 +60,7 @@ def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> li
     scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
     on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
     return [h for h in holders
-            if (holder_filter.include_protected or not h.protected)
-            and (not holder_filter.container or container_matches(h.container, holder_filter.container))
-            and in_scope(h, scope) and may_be_on(h, on)]
+            if (holder_filter.include_protected or not h.protected) and in_scope(h, scope) and may_be_on(h, on)]
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
@@ -375,7 +369,7 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
         return [*warnings, snap.error]
     for gpu in snap.gpus:
         for pid in sorted(gpu.processes):
-            if not os.path.exists(f"{procfs.PROC}/{pid}"):
+            if not leaks.pid_exists(pid):
                 lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
                 warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")

@@ -39,11 +39,8 @@ class ProcessHandle:
 
     @classmethod
     def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
-        """A handle on the process now running as `pid`, or None if there is none.
-
-        With a pidfd, the start time read afterwards is known to be this process's because
-        `alive()` is checked again by the caller once it has read everything it needs.
-        """
+        """A handle on the process now running as `pid`, or None: with a pidfd, the start time
+        read after it is this process's once alive() holds after the read."""
         pidfd: int | None = None
         if use_pidfd:
             try:
@@ -120,50 +117,40 @@ class ProcessHandle:
 
 def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
                   on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
-    """Wait until every handle's process has exited or `timeout` passes.
-
-    Returns {pid: time.monotonic() when its exit was seen}, and calls `on_exit(pid, seen_at)`
-    as each exit is seen.
-
-    pidfds become readable the moment their process exits, so this returns without delay; the
-    fallback has to poll /proc.
-    """
-    pending: dict[int, ProcessHandle] = {h.pid: h for h in handles}
+    """Wait until every handle's process has exited or `timeout` passes: {pid: when its exit
+    was seen (time.monotonic())}, and `on_exit(pid, seen_at)` as each is seen. A pidfd is
+    readable the moment its process exits; the fallback polls /proc."""
+    pending = {h.pid: h for h in handles}
     done: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     poller = select.poll()
-    by_fd: dict[int, int] = {}
-    for pid, handle in pending.items():
-        if handle.pidfd is not None:
-            poller.register(handle.pidfd, select.POLLIN)
-            by_fd[handle.pidfd] = pid
-    fallback: list[ProcessHandle] = [h for h in pending.values() if h.pidfd is None]
+    by_fd = {h.pidfd: h.pid for h in pending.values() if h.pidfd is not None}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    fallback = [h for h in pending.values() if h.pidfd is None]
+
+    def seen(pid: int, at: float) -> None:
+        done[pid] = at
+        if on_exit is not None:
+            on_exit(pid, at)
     while len(done) < len(pending):
         for handle in fallback:
             if handle.pid not in done and handle.exited():
-                done[handle.pid] = time.monotonic()
-                if on_exit is not None:
-                    on_exit(handle.pid, done[handle.pid])
-        if len(done) >= len(pending):
-            break
+                seen(handle.pid, time.monotonic())
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if len(done) >= len(pending) or remaining <= 0:
             break
-        waiting_on_fallback = any(h.pid not in done for h in fallback)
-        wait = min(remaining, 0.01) if waiting_on_fallback else remaining
+        wait = min(remaining, 0.01) if any(h.pid not in done for h in fallback) else remaining
         try:
             events = poller.poll(wait * 1000.0) if by_fd else []
         except InterruptedError:
             continue
         if not by_fd:
             time.sleep(wait)
-        seen = time.monotonic()
+        at = time.monotonic()
         for fd, _ in events:
-            pid = by_fd.pop(fd)
             poller.unregister(fd)
-            done[pid] = seen
-            if on_exit is not None:
-                on_exit(pid, seen)
+            seen(by_fd.pop(fd), at)
     return done
 
 
