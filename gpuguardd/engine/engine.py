@@ -192,14 +192,13 @@ class Engine:
             text = chosen.text
             if chosen.kind == INDEX:
                 index = chosen.index
-                if snap.by_index(index) is None and (snap.available or index not in nodes):
+                if snap.by_index(index) is None and index not in nodes:
                     if snap.gpus_known:
                         raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
-                    if index not in nodes:
-                        raise InvalidArgument(
-                            f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
-                            f"device node names it (GPUs of the nodes: "
-                            f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
+                    raise InvalidArgument(
+                        f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
+                        f"device node names it (GPUs of the nodes: "
+                        f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
                 if snap.by_index(index) is None:
                     warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
                 indices.add(index)

@@ -70,7 +70,7 @@ class _DetailList(ctypes.Structure):
 _DETAIL_LIST_V1 = ctypes.sizeof(_DetailList) | (1 << 24)
 
 Entry = tuple[int, int | None]  # (pid as NVML wrote it, bytes or None where not available)
-Reader = Callable[[Any, str, int], list[Entry]]
+Reader = Callable[[Any, int], list[Entry]]  # (handle, detail-list mode)
 
 
 def _function(name: str) -> Any | None:
@@ -86,7 +86,7 @@ def _entries(items: Any, count: int) -> list[Entry]:
 
 
 def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
-    def read(handle: Any, _name: str, _mode: int) -> list[Entry]:
+    def read(handle: Any, _mode: int) -> list[Entry]:
         count = ctypes.c_uint(0)
         ret = function(handle, ctypes.byref(count), None)
         for _ in range(_RETRIES):
@@ -107,7 +107,7 @@ def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
 
 
 def _detail_list(function: Any) -> Reader:
-    def read(handle: Any, _name: str, mode: int) -> list[Entry]:
+    def read(handle: Any, mode: int) -> list[Entry]:
         query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=0)
         ret = function(handle, ctypes.byref(query))
         for _ in range(_RETRIES):
@@ -126,12 +126,11 @@ def _detail_list(function: Any) -> Reader:
     return read
 
 
-def choose_reader() -> tuple[str, Callable[[str], Reader | None]]:
-    """(what was chosen, for the logs; a function from a list's name to its reader or None)."""
+def _reader_for(name: str) -> Reader | None:
+    """The reader of the list the old calls call `name` (None where the driver lacks it)."""
     detail = _function("nvmlDeviceGetRunningProcessDetailList")
     if detail is not None:
-        reader = _detail_list(detail)
-        return "nvmlDeviceGetRunningProcessDetailList", lambda _name: reader
+        return _detail_list(detail)
     if _function("nvmlDeviceGetComputeRunningProcesses_v3") is not None:
         early_535 = _function("nvmlDeviceGetConfComputeMemSizeInfo") is not None
         struct: type[ctypes.Structure] = _Info32 if early_535 else _Info24
@@ -140,25 +139,21 @@ def choose_reader() -> tuple[str, Callable[[str], Reader | None]]:
         struct, suffix = _Info24, "_v2"
     else:
         struct, suffix = _Info16, ""
-
-    def for_list(name: str) -> Reader | None:
-        function = _function(name + suffix)
-        return None if function is None else _old_style(function, struct)
-    return f"the {suffix or 'v1'} lists, {ctypes.sizeof(struct)}-byte entries", for_list
+    function = _function(name + suffix)
+    return None if function is None else _old_style(function, struct)
 
 
 def read_lists(handle: Any) -> tuple[list[tuple[str, list[Entry]]], list[BaseException]]:
     """Every list of one GPU (or MIG instance) handle: [(list name, entries)], and the errors
     of the lists that could not be read."""
-    _, reader_for = choose_reader()
     found: list[tuple[str, list[Entry]]] = []
     errors: list[BaseException] = []
     for name, mode in KINDS:
-        reader = reader_for(name)
+        reader = _reader_for(name)
         if reader is None:
             continue
         try:
-            found.append((name, reader(handle, name, mode)))
+            found.append((name, reader(handle, mode)))
         except pynvml.NVMLError as exc:
             errors.append(exc)
     return found, errors

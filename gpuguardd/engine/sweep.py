@@ -99,8 +99,7 @@ class Sweep:
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
         self._terminated_pids: set[int] = set()
-        # Sent SIGKILL and not gone after KillTimeoutSec: exiting, not yet survivors (module
-        # docstring). pid -> (holder, a handle of our own, when the first signal went out).
+        # Sent SIGKILL, not gone after KillTimeoutSec: pid -> (holder, own handle, first signal's time).
         self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
         # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
         # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
@@ -230,8 +229,7 @@ class Sweep:
         live: dict[int, tuple[Holder, ProcessHandle]] = {}
         for holder, handle in targets:
             self._handled.add((holder.pid, holder.start_time))
-            if holder.state == "Z":
-                # Nothing to signal: a zombie has exited. Only its parent can release it.
+            if holder.state == "Z":  # nothing to signal: only its parent can release it
                 report.survived.append(Survivor.of(holder, f"zombie: parent {holder.ppid} has not reaped it",
                                                    state="Z"))
                 continue
@@ -251,9 +249,7 @@ class Sweep:
                     del live[pid]
 
         def wait(sig: signal.Signals, timeout: float) -> None:
-            def exited(pid: int, seen_at: float) -> None:
-                # Recorded (and announced on the bus) the moment it happens, not when the
-                # slowest target is done.
+            def exited(pid: int, seen_at: float) -> None:  # announced as it happens
                 holder, handle = live.pop(pid)
                 self._record_exit(holder, handle, sig.name, sent_at[pid], seen_at)
             wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
@@ -264,9 +260,7 @@ class Sweep:
             send_all(signal.SIGKILL, signal.SIGTERM.name)
             wait(signal.SIGKILL, self.settings.kill_timeout_sec)
         for pid, (holder, handle) in live.items():
-            # SIGKILL is pending: it is exiting, however slowly (a process tearing down a large
-            # pinned host cache sits in D state 16-26 s, sglang issue 31746). Verification
-            # keeps waiting for it; only what is left when VerifyTimeoutSec ends survived.
+            # SIGKILL is pending: exiting, however slowly (module docstring; sglang issue 31746).
             self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
 
     def _wait_exiting(self, timeout: float) -> None:
