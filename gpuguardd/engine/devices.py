@@ -31,6 +31,7 @@ _DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm":
                   # AMD (docs/real-hosts.md, "AMD GPUs"): amdkfd registers "kfd"; every DRM driver
                   # shares "drm" (226), so its nodes count only where amdgpu drives them.
                   "kfd": "kfd", "drm": "drm"}
+_NAMED_ROLES = {"kfd": "kfd", "nvidiactl": "control", "nvidia-uvm": "uvm", "nvidia-modeset": "modeset"}
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 
@@ -40,17 +41,11 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     match = _GPU_NAME.match(name)
     if match:
         return "gpu", int(match.group(1))
-    if name == "kfd":
-        return "kfd", None
+    if name in _NAMED_ROLES:
+        return _NAMED_ROLES[name], None
     drm = _DRM_NAME.match(name)
     if drm:
         return ("render" if drm.group(1) == "renderD" else "card"), int(drm.group(2))
-    if name == "nvidiactl":
-        return "control", None
-    if name == "nvidia-uvm":
-        return "uvm", None
-    if name == "nvidia-modeset":
-        return "modeset", None
     if "nvidia-caps" in path or name.startswith("nvidia-cap"):
         # /dev/nvidia-caps/nvidia-capN: N is the minor that mig-minors maps to a MIG instance.
         caps = _CAPS_NAME.match(name)

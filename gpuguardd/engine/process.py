@@ -80,28 +80,20 @@ class ProcessHandle:
 
     def alive(self) -> bool:
         """True while the process exists (a zombie still exists: it keeps its PID)."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
+        try:
+            return self.send(0)
+        except PermissionError:
             return True
-        return self._same_process()
 
     def send(self, sig: int) -> bool:
         """Deliver `sig` to exactly this process. False if it is already gone."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, sig)
-            except ProcessLookupError:
-                return False
-            return True
-        if not self._same_process():
-            return False
         try:
-            os.kill(self.pid, sig)
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            elif self._same_process():
+                os.kill(self.pid, sig)
+            else:
+                return False
         except ProcessLookupError:
             return False
         return True
