@@ -183,11 +183,10 @@ def merge(lists: list[tuple[str, list[Entry]]], index: int, limit: int
                 warnings.append(f"GPU {index}: NVML listed pid {pid}, which is no process id "
                                 f"(pid_max {limit}); ignored (a driver/NVML struct mismatch?)")
                 continue
-            previous = found.get(pid)
             if used is None:
                 found.setdefault(pid, None)
             else:
-                found[pid] = max(previous or 0, used)
+                found[pid] = max(found.get(pid) or 0, used)
     return found, warnings
 
 

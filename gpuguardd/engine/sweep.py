@@ -321,8 +321,7 @@ class Sweep:
         """The pids NVML lists there when they are not this /proc's: whether they are the
         sweep's (not yet released) or another tenant's cannot be read, so while there are any,
         neither "freed" nor "not released" can be said."""
-        memory = _memory_of(view)
-        return frozenset() if self._pids_local or memory is None else frozenset(memory.processes)
+        return frozenset() if self._pids_local else frozenset(_memory_of(view).processes)
 
     def _unreadable(self, view: MemoryView) -> str:
         """Why a view's memory proves nothing either way ("" when it does)."""
@@ -330,8 +329,7 @@ class Sweep:
         verdict = self._judge(view)
         if verdict.has(Why.LOST) or verdict.has(Why.UNREADABLE):
             # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
-            memory = _memory_of(view)
-            why = gpu.error or (memory.error if memory else "") or ("lost" if gpu.lost else "unknown")
+            why = gpu.error or _memory_of(view).error or ("lost" if gpu.lost else "unknown")
             return f"memory could not be read ({why})"
         if verdict.has(Why.SUSPENDED):
             # Its figures are the last ones read: asking now would wake it (runtimepm.py).
@@ -376,15 +374,14 @@ class Sweep:
 
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
                    after: MemoryView | None) -> GpuResult:
-        was = _memory_of(before)
+        was = _memory_of(before) if before else None
         entry = GpuResult(index=before[0].index if before else key if isinstance(key, int) else 0,
                           uuid=before[0].uuid if before else "",
                           memory_used_before=was.memory_used if was else 0,
                           memory_total=was.memory_total if was else 0,
                           mig_uuid=key if isinstance(key, str) else "")
         if after is not None:
-            now = _memory_of(after)
-            entry.memory_used_after = now.memory_used if now else 0
+            entry.memory_used_after = _memory_of(after).memory_used
             entry.released = self._judge(after).released
         else:
             entry.memory_used_after = was.memory_used if was and self.settings.dry_run else 0
@@ -400,7 +397,7 @@ class Sweep:
             view = after.get(key)
             name = f"MIG {key}" if isinstance(key, str) else f"GPU {key}"
             if view is None:
-                was = _memory_of(before.get(key))
+                was = _memory_of(before[key]) if key in before else None
                 if nvml_available:
                     report.warnings.append(f"{name}: memory could not be read"
                                            + (f" ({was.error})" if was and was.error else ""))
@@ -410,12 +407,10 @@ class Sweep:
                 continue
             if not self._judge(view).released:
                 not_released.append(key)
-                memory = _memory_of(view)
-                assert memory is not None
                 kind = self._judge(view, (s.pid for s in report.survived if s.state == "D")).leak
                 if kind is not None:
                     report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
-                                             bytes=memory.memory_used,
+                                             bytes=_memory_of(view).memory_used,
                                              mig_uuid=view[1].uuid if view[1] is not None else "",
                                              kind=kind.value))
         report.verified = verified and not not_released
@@ -431,11 +426,9 @@ class Sweep:
             report.outcome = Outcome.FREED
 
 
-def _memory_of(view: MemoryView | None) -> GpuInfo | MigInstance | None:
+def _memory_of(view: MemoryView) -> GpuInfo | MigInstance:
     """Whose memory a view is about: the instance's, or the whole GPU's."""
-    if view is None:
-        return None
-    return view[0] if view[1] is None else view[1]
+    return view[1] or view[0]
 
 
 def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:
