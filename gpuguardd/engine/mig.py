@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from gpuguardd.records.models import DeviceNode, NvmlSnapshot
 
-DEFAULT_MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIRECTORY = "/dev/nvidia-caps"
 # 8 GPUs x 7 instances x 2 lines, plus config/monitor, is well under 1 KiB a GPU.
 MAX_MIG_MINORS_BYTES = 1 << 20

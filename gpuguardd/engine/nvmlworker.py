@@ -52,13 +52,6 @@ class NvmlWorker:
         self._hung: _Job[object] | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def hung(self) -> NvmlHung | None:
-        """What the worker is stuck in, or None while it answers."""
-        with self._cond:
-            job = self._hung
-        return None if job is None else NvmlHung(job.what, job.started)
-
     def run(self, fn: Callable[[], T], timeout: float, what: str) -> T:
         """fn() on the worker; its exception re-raised here; NvmlHung after `timeout` seconds
         (or at once while an earlier call is stuck). `what` names the call in messages."""

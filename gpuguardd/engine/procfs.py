@@ -95,10 +95,9 @@ def read_cmdline(pid: int) -> str | None:
 
 
 def char_device_fds(pid: int) -> list[tuple[int, int, int]]:
-    """(st_dev, st_ino, st_rdev) of each open fd of `pid` that is a character device: one
-    stat() per fd, following the link to the open file, relative to the open fd directory (no
-    readlink: the node's identity, not its name, decides). OSError when the directory cannot
-    be opened: EACCES/EPERM (not ours to read), ENOENT/ESRCH (exited, exiting)."""
+    """(st_dev, st_ino, st_rdev) of each open fd of `pid` that is a character device, by stat()
+    through the fd link (the node's identity, not its name, decides). OSError when the fd
+    directory cannot be opened (not ours to read, or exited)."""
     dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     found: list[tuple[int, int, int]] = []
     try:
