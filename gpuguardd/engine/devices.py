@@ -56,22 +56,13 @@ def role_for_name(path: str) -> tuple[str, int | None]:
 
 def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
     """Character majors registered by the GPU drivers (NVIDIA's, amdkfd, DRM) -> a role family."""
-    majors: dict[int, str] = {}
     try:
         with open(proc_devices, encoding="ascii", errors="replace") as handle:
-            in_char = False
-            for line in handle:
-                if line.startswith("Character devices"):
-                    in_char = True
-                    continue
-                if line.startswith("Block devices"):
-                    break
-                parts = line.split()
-                if in_char and len(parts) == 2 and parts[0].isdigit() and parts[1] in _DRIVER_MAJORS:
-                    majors[int(parts[0])] = _DRIVER_MAJORS[parts[1]]
+            chars = handle.read().partition("Character devices")[2].partition("Block devices")[0]
     except OSError:
-        pass
-    return majors
+        return {}
+    return {int(parts[0]): _DRIVER_MAJORS[parts[1]] for parts in map(str.split, chars.splitlines())
+            if len(parts) == 2 and parts[0].isdigit() and parts[1] in _DRIVER_MAJORS}
 
 
 @dataclass
