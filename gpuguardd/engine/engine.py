@@ -109,8 +109,6 @@ class Engine:
         with self._config_lock:
             self._config = config
 
-    # -- inventory -----------------------------------------------------------------------
-
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
         """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
         (engine/amd.py), numbered after NVIDIA's so that NVIDIA's indices stay NVML's."""
@@ -172,8 +170,6 @@ class Engine:
     def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
         return filter_holders(result.holders, holder_filter), result
-
-    # -- validation ----------------------------------------------------------------------
 
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:
@@ -256,8 +252,6 @@ class Engine:
                                  released_below_bytes=config.released_below_mib * 1024 * 1024,
                                  dry_run=dry_run)
         return scope, settings, warnings
-
-    # -- sweeping ------------------------------------------------------------------------
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}

@@ -107,8 +107,6 @@ class Sweep:
         # Whether NVML's pids are this /proc's (NvmlSnapshot.pids_local), as last read.
         self._pids_local = True
 
-    # -- the whole run -------------------------------------------------------------------
-
     def run(self) -> Report:
         report = self.report
         if self.observer is not None:
@@ -161,8 +159,6 @@ class Sweep:
         for _, handle in pinned:
             handle.close()
 
-    # -- planning ------------------------------------------------------------------------
-
     def _plan(self, pinned: Pinned) -> Pinned:
         targets: Pinned = []
         for holder, handle in pinned:
@@ -203,8 +199,6 @@ class Sweep:
             return [g.index for g in nvml.gpus]
         return [*sorted({g for holder, _ in targets if not holder.mig for g in holder.gpus}),
                 *sorted({m for holder, _ in targets for m in holder.mig})]
-
-    # -- termination ---------------------------------------------------------------------
 
     def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> str:
         """"sent", "gone" (exited before the signal) or "denied" (not ours to signal)."""
@@ -306,8 +300,6 @@ class Sweep:
         if self.observer is not None:
             self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
                                              signal_name)
-
-    # -- verification --------------------------------------------------------------------
 
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
         """The judge's verdict on a view's memory: what the sweep ended (or waits for) must be
