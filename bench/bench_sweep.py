@@ -63,7 +63,7 @@ from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import driver_majors
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.holders import scan_raw
-from gpuguardd.engine.protection import ProtectedFiles, protection_reason
+from gpuguardd.engine.protection import ProtectedFiles, protection
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import Holder, SweepRequest
 from gpuguardd.records.report import Report
@@ -228,7 +228,7 @@ def skeleton_sweep(engine: Engine, nvml: bool, timeout: float = 30.0) -> tuple[f
             where = attribute(procfs.read_cgroup(pid))
             holder = Holder(pid=pid, comm=stat.comm, state=stat.state, exe=procfs.read_exe(pid) or "",
                             unit=where.unit, container=where.container)
-            if protection_reason(holder, config, own_chain, protected) is None:
+            if protection(holder, config, own_chain, protected) is None:
                 pidfds[pid], raw.pidfd = raw.pidfd, None
         deadline = started + timeout
         terminate(pidfds.values(), deadline)

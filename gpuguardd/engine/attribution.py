@@ -72,13 +72,8 @@ def container_of(path: str) -> tuple[str, str]:
 
 def unit_of(path: str) -> str:
     """The unit systemd would name for a cgroup path: the first component that is not a slice."""
-    for component in path.split("/"):
-        if not component or component.endswith(".slice"):
-            continue
-        if component.endswith(UNIT_SUFFIXES):
-            return component
-        return ""
-    return ""
+    first = next((c for c in path.split("/") if c and not c.endswith(".slice")), "")
+    return first if first.endswith(UNIT_SUFFIXES) else ""
 
 
 _CONTAINER_SCOPE = re.compile(
@@ -110,10 +105,8 @@ def attribute(cgroup_file: str | None) -> Attribution:
 
 
 def normalize_unit_name(name: str) -> str:
-    """Validate a unit name as systemd would, adding ".service" the way systemctl does.
-
-    Raises ValueError naming the problem.
-    """
+    """Validate a unit name as systemd would (ValueError names the problem), adding ".service"
+    the way systemctl does."""
     if not name:
         raise ValueError("empty unit name")
     if len(name) > 255:
@@ -134,10 +127,8 @@ def validate_container_label(label: str) -> str:
 
 def container_matches(label: str, wanted: str) -> bool:
     """Exact match, or an id prefix as `docker ps` prints it (docker/3f2a9c1d5e6f)."""
-    if not wanted or not label:
+    if label == wanted or not wanted or not label:
         return label == wanted
-    if label == wanted:
-        return True
     kind, _, ident = label.partition("/")
     wanted_kind, _, wanted_ident = wanted.partition("/")
     return kind == wanted_kind and len(wanted_ident) >= 4 and ident.startswith(wanted_ident)

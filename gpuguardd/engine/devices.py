@@ -31,6 +31,7 @@ _DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm":
                   # AMD (docs/real-hosts.md, "AMD GPUs"): amdkfd registers "kfd"; every DRM driver
                   # shares "drm" (226), so its nodes count only where amdgpu drives them.
                   "kfd": "kfd", "drm": "drm"}
+_NAMED_ROLES = {"kfd": "kfd", "nvidiactl": "control", "nvidia-uvm": "uvm", "nvidia-modeset": "modeset"}
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 
@@ -40,17 +41,11 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     match = _GPU_NAME.match(name)
     if match:
         return "gpu", int(match.group(1))
-    if name == "kfd":
-        return "kfd", None
+    if name in _NAMED_ROLES:
+        return _NAMED_ROLES[name], None
     drm = _DRM_NAME.match(name)
     if drm:
         return ("render" if drm.group(1) == "renderD" else "card"), int(drm.group(2))
-    if name == "nvidiactl":
-        return "control", None
-    if name == "nvidia-uvm":
-        return "uvm", None
-    if name == "nvidia-modeset":
-        return "modeset", None
     if "nvidia-caps" in path or name.startswith("nvidia-cap"):
         # /dev/nvidia-caps/nvidia-capN: N is the minor that mig-minors maps to a MIG instance.
         caps = _CAPS_NAME.match(name)
@@ -61,22 +56,13 @@ def role_for_name(path: str) -> tuple[str, int | None]:
 
 def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
     """Character majors registered by the GPU drivers (NVIDIA's, amdkfd, DRM) -> a role family."""
-    majors: dict[int, str] = {}
     try:
         with open(proc_devices, encoding="ascii", errors="replace") as handle:
-            in_char = False
-            for line in handle:
-                if line.startswith("Character devices"):
-                    in_char = True
-                    continue
-                if line.startswith("Block devices"):
-                    break
-                parts = line.split()
-                if in_char and len(parts) == 2 and parts[0].isdigit() and parts[1] in _DRIVER_MAJORS:
-                    majors[int(parts[0])] = _DRIVER_MAJORS[parts[1]]
+            chars = handle.read().partition("Character devices")[2].partition("Block devices")[0]
     except OSError:
-        pass
-    return majors
+        return {}
+    return {int(parts[0]): _DRIVER_MAJORS[parts[1]] for parts in map(str.split, chars.splitlines())
+            if len(parts) == 2 and parts[0].isdigit() and parts[1] in _DRIVER_MAJORS}
 
 
 @dataclass
@@ -110,21 +96,17 @@ class DeviceMap:
         # A node we were not configured with, e.g. created inside a container: name it by number.
         label = f"char:{os.major(rdev)}:{minor}"
         if family == "nvidia":
-            if minor == NVIDIA_CTL_MINOR:
-                return DeviceNode(label, "control", rdev=rdev)
-            if minor == NVIDIA_MODESET_MINOR:
-                return DeviceNode(label, "modeset", rdev=rdev)
-            return DeviceNode(label, "gpu", minor=minor, rdev=rdev)
+            role = {NVIDIA_CTL_MINOR: "control", NVIDIA_MODESET_MINOR: "modeset"}.get(minor, "gpu")
+            return DeviceNode(label, role, minor=minor if role == "gpu" else None, rdev=rdev)
         if family == "uvm":
             return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
         if family == "caps":
             return DeviceNode(label, "caps", minor=minor, rdev=rdev)
         if family == "kfd":
             return DeviceNode(label, "kfd", rdev=rdev)
-        if family == "drm":
-            if minor not in self.amd_minors:
-                return None
-            return DeviceNode(label, "render" if minor >= DRM_RENDER_MINOR_BASE else "card", minor=minor, rdev=rdev)
+        if family == "drm":  # only where amdgpu drives it
+            return DeviceNode(label, "render" if minor >= DRM_RENDER_MINOR_BASE else "card", minor=minor,
+                              rdev=rdev) if minor in self.amd_minors else None
         return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
 
 
@@ -140,9 +122,8 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
     makes each `| grep` a management client that --include-management kills.
     """
     if not stat.S_ISCHR(st.st_mode):
-        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a device"
-        if stat.S_ISBLK(st.st_mode):
-            kind = "a block device"
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a block device" if stat.S_ISBLK(
+            st.st_mode) else "not a device"
         return f"not a character device ({kind})"
     major = os.major(st.st_rdev)
     if major not in driver and major not in allowed:
@@ -181,26 +162,23 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
                 shown = path if path == pattern else f"{path} (matched by {pattern})"
                 device_map.warnings.append(f"[Devices] Paths{where}: ignored {shown}: {why}")
                 continue
-            role, name_minor = role_for_name(path)
-            rdev = st.st_rdev if stat.S_ISCHR(st.st_mode) else None
-            minor = name_minor
+            # Every node here is a character device (refusal): a real driver's node goes by the
+            # minor it was made with, whatever its name says.
+            role, minor = role_for_name(path)
+            rdev = st.st_rdev
+            family = device_map.majors.get(os.major(rdev))
             if role in ("render", "card"):
-                minor = os.minor(st.st_rdev)
-                if device_map.majors.get(os.major(st.st_rdev)) == "drm" and minor not in amd_minors:
+                minor = os.minor(rdev)
+                if family == "drm" and minor not in amd_minors:
                     continue
-            # A real driver's node: the minor it was made with, whatever its name says.
-            family = device_map.majors.get(os.major(rdev)) if rdev is not None else None
-            if rdev is not None and ((role == "gpu" and family is not None)
-                                     or (role == "caps" and family == "caps")):
+            if (role == "gpu" and family is not None) or (role == "caps" and family == "caps"):
                 minor = os.minor(rdev)
             node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev,
                               inode=(st.st_dev, st.st_ino))
             device_map.nodes.append(node)
             device_map.by_path[path] = node
-            if rdev is not None:
-                device_map.by_rdev.setdefault(rdev, node)
-            assert node.inode is not None
-            device_map.by_inode[node.inode] = node
+            device_map.by_rdev.setdefault(rdev, node)
+            device_map.by_inode[(st.st_dev, st.st_ino)] = node
             tokens.append(b" " + _maps_dev(st.st_dev) + b" " + str(st.st_ino).encode() + b" ")
             tokens.append(b" " + path.encode() + b"\n")
     if not device_map.nodes and not device_map.majors:

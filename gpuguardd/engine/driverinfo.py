@@ -1,10 +1,8 @@
 """The nvidia kernel module's own list of GPUs, for the ones NVML can no longer describe.
 
-A GPU that fell off the bus answers NVML with GPU_IS_LOST (or UNKNOWN, NO_PERMISSION) and
-gives no minor number, yet its /dev/nvidiaN stays open in its holders: without the minor they
-would map to no GPU and a sweep of that GPU would miss them. The module lists every GPU it
-drives in /proc/driver/nvidia/gpus/<pci bus id>/information ("Device Minor:", "GPU UUID:",
-"Bus Location:"), whatever state the GPU is in.
+A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN
+open: without the minor a sweep of that GPU would miss them. The module lists every GPU it
+drives, whatever its state, in /proc/driver/nvidia/gpus/<pci bus id>/information.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The Engine: configuration + NVML + discovery + sweeps, free of D-Bus.
-
-The daemon, `gpuguardctl --local` and the tests all drive this class, so there is one code
-path from "who holds the GPUs" to "the memory is back".
-"""
+"""The Engine: configuration + NVML + discovery + sweeps, free of D-Bus: the daemon and
+`gpuguardctl --local` both drive it, one path from "who holds the GPUs" to "memory is back"."""
 
 from __future__ import annotations
 
@@ -13,9 +10,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
+from gpuguardd.engine import amd, leaks, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
-    container_matches,
     container_scope_label,
     normalize_unit_name,
     validate_container_label,
@@ -29,7 +25,8 @@ from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset, ResetSettings
-from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings, in_scope, is_target
+from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor
 from gpuguardd.records.models import (
@@ -63,14 +60,12 @@ def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> li
     scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
     on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
     return [h for h in holders
-            if (holder_filter.include_protected or not h.protected)
-            and (not holder_filter.container or container_matches(h.container, holder_filter.container))
-            and in_scope(h, scope) and may_be_on(h, on)]
+            if (holder_filter.include_protected or not h.protected) and in_scope(h, scope) and may_be_on(h, on)]
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
     """Whether `holder` may compute on `on`'s GPUs or MIG instances: what a listing and
-    `gpuguardctl check` go by. The sweep's rule (sweep.gpu_scope) leaves out a holder it
+    `gpuguardctl check` go by. The sweep's rule (scope.gpu_scope) leaves out a holder it
     cannot place, as it must not end a tenant of another GPU; a check must not call a GPU free
     for the same doubt. So a holder NVML does not list counts on every GPU whose node it holds,
     and one whose GPU is unknown altogether (it holds only nvidia-uvm and nvidiactl) on all."""
@@ -113,8 +108,6 @@ class Engine:
     def set_config(self, config: Config) -> None:
         with self._config_lock:
             self._config = config
-
-    # -- inventory -----------------------------------------------------------------------
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
         """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
@@ -178,8 +171,6 @@ class Engine:
         result = self.scan()
         return filter_holders(result.holders, holder_filter), result
 
-    # -- validation ----------------------------------------------------------------------
-
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:
         """NVML indices for what the caller named (index or UUID); InvalidArgument otherwise."""
@@ -197,14 +188,13 @@ class Engine:
             text = chosen.text
             if chosen.kind == INDEX:
                 index = chosen.index
-                if snap.by_index(index) is None and (snap.available or index not in nodes):
+                if snap.by_index(index) is None and index not in nodes:
                     if snap.gpus_known:
                         raise InvalidArgument(f"GPU index {index} out of range (GPUs: {known})")
-                    if index not in nodes:
-                        raise InvalidArgument(
-                            f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
-                            f"device node names it (GPUs of the nodes: "
-                            f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
+                    raise InvalidArgument(
+                        f"no GPU {index}: {snap.error or 'NVML unavailable'}, and no configured "
+                        f"device node names it (GPUs of the nodes: "
+                        f"{', '.join(str(i) for i in sorted(nodes)) or 'none'})")
                 if snap.by_index(index) is None:
                     warnings.append(f"NVML unavailable: GPU {index} taken to be {nodes[index]}")
                 indices.add(index)
@@ -262,8 +252,6 @@ class Engine:
                                  released_below_bytes=config.released_below_mib * 1024 * 1024,
                                  dry_run=dry_run)
         return scope, settings, warnings
-
-    # -- sweeping ------------------------------------------------------------------------
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}
@@ -374,12 +362,12 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
         return [*warnings, snap.error]
     for gpu in snap.gpus:
         for pid in sorted(gpu.processes):
-            if not os.path.exists(f"{procfs.PROC}/{pid}"):
+            if not leaks.pid_exists(pid):
                 lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
                 warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")
     for holder in holders:
-        if not {"fd", "mmap"} & set(holder.how) and holder.state != "Z":
+        if holds_no_device_here(holder):
             lister = "NVML" if "nvml" in holder.how else "KFD"
             warnings.append(f"{lister} lists pid {holder.pid} ({holder.comm}) on GPU "
                             f"{','.join(map(str, holder.nvml_gpus))}, but it holds no GPU "

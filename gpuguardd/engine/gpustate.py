@@ -27,10 +27,9 @@ def node_gpu_summaries(scan: ScanResult, device_map: DeviceMap) -> list[GpuSumma
     summaries = []
     error = scan.nvml.error or "NVML unavailable"
     for index, path in sorted(node_gpus(device_map).items()):
-        holders = [h for h in scan.holders if index in h.gpus]
         verdict = judge(facts_of_record(index, "", None, scan.holders, error))
         summaries.append(GpuSummary(
-            index=index, minor=index, device_path=path, holder_count=len(holders),
+            index=index, minor=index, device_path=path, holder_count=sum(index in h.gpus for h in scan.holders),
             state=verdict.state, error=error))
     return summaries
 
@@ -52,14 +51,13 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
     """Per-GPU state as the Gpu objects and `gpuguardctl gpus` show it."""
     summaries = []
     for gpu in scan.nvml.gpus:
-        holders = [h for h in scan.holders if gpu.index in h.gpus]
         verdict = judge(facts_of(gpu, None, scan.holders, released_below_bytes,
                                  scan.nvml.pids_local))
         summaries.append(GpuSummary(
             index=gpu.index, uuid=gpu.uuid, name=gpu.name, pci_bus_id=gpu.pci_bus_id,
             minor=gpu.minor if gpu.minor is not None else 0, device_path=gpu.device_path,
             memory_total=gpu.memory_total, memory_used=gpu.memory_used,
-            holder_count=len(holders), state=verdict.state, error=gpu.error,
+            holder_count=sum(gpu.index in h.gpus for h in scan.holders), state=verdict.state, error=gpu.error,
             mig_mode=gpu.mig_mode,
             mig_instances=mig_summaries(gpu, scan.holders, released_below_bytes,
                                         scan.nvml.pids_local),
@@ -74,13 +72,13 @@ def mig_summaries(gpu: GpuInfo, holders: list[Holder], released_below_bytes: int
     a GPU of its own, on its own memory and tenants."""
     out = []
     for instance in gpu.mig:
-        tenants = [h for h in holders if instance.uuid in h.mig]
         verdict = judge(facts_of(gpu, instance, holders, released_below_bytes, pids_local))
         out.append(MigSummary(uuid=instance.uuid, gpu_instance_id=instance.gpu_instance_id,
                               compute_instance_id=instance.compute_instance_id,
                               device_path=instance.device_path,
                               memory_total=instance.memory_total,
-                              memory_used=instance.memory_used, holder_count=len(tenants),
+                              memory_used=instance.memory_used,
+                              holder_count=sum(instance.uuid in h.mig for h in holders),
                               state=verdict.state,
                               leak_kind=_leak_kind(verdict.state, verdict.leak)))
     return out

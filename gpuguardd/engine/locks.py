@@ -21,9 +21,7 @@ class GpuLocks:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._fds: list[int] = []
-        # True if the last acquire() had to wait for another sweep: what was scanned before
-        # is stale then.
-        self.waited = False
+        self.waited = False  # the last acquire() waited for another sweep: an earlier scan is stale
         self.busy = False  # the last acquire(wait=False) found a GPU locked
 
     def acquire(self, gpus: Iterable[object], wait: bool = True) -> str | None:

@@ -1,11 +1,9 @@
 """MIG instances on the device side: which nvidia-caps node opens which instance.
 
 A process in a MIG instance holds its GPU's /dev/nvidiaN and the instance's capability nodes,
-/dev/nvidia-caps/nvidia-capN: one for the GPU instance (`gpu0/gi1/access`) and one for the
-compute instance (`gpu0/gi1/ci0/access`). The driver lists which minor N is which in
-/proc/driver/nvidia-caps/mig-minors, one "<name> <minor>" a line; "gpuG" there is the GPU's
-minor number (the G of /dev/nvidiaG), as in NVIDIA's MIG user guide and the container toolkit.
-The file is read as untrusted text: bounded, and a line that does not parse is skipped.
+/dev/nvidia-caps/nvidia-capN, for the GPU instance (`gpu0/gi1/access`) and the compute instance
+(`gpu0/gi1/ci0/access`); /proc/driver/nvidia-caps/mig-minors says which minor N is which
+("gpuG": the GPU's minor). It is untrusted text: read bounded, a line that does not parse skipped.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ class MigCap:
 
 
 def read_mig_minors(path: str) -> tuple[dict[int, MigCap], str]:
-    """caps minor -> what it opens, and a problem worth a warning ("" when none).
-
-    A missing file is no problem: no driver with MIG support, or no MIG here."""
+    """caps minor -> what it opens, and a problem worth a warning ("" when none: a missing file
+    is no MIG here)."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_MIG_MINORS_BYTES + 1)

@@ -1,15 +1,14 @@
 """NVML through the real pynvml: GPU inventory, memory, and the driver's process lists.
 
-NVML may be missing (no driver, a container without the library), may fail per GPU (fell off
-the bus, or a handle lookup answering GPU_IS_LOST, UNKNOWN or NO_PERMISSION) or per call, and
-may hang for good. None of that is fatal: the snapshot says what is unknown, and the engine
-keeps working from device files. Every NVML call runs on the session's one worker thread
-(nvmlworker.py) with a deadline, so a hung driver costs a caller at most that deadline, and
-nothing once the worker is known to be stuck.
+NVML may be missing, may fail per GPU (GPU_IS_LOST, UNKNOWN, NO_PERMISSION) or per call, and
+may hang for good. None of that is fatal: the snapshot says what is unknown. Every NVML call
+runs on the session's one worker thread (nvmlworker.py) with a deadline, so a hung driver
+costs a caller at most that deadline, and nothing once the worker is known to be stuck.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +47,15 @@ def _error_text(exc: BaseException) -> str:
     return f"NVML: {exc.__class__.__name__}: {exc}"
 
 
+def _note(gpu: GpuInfo | MigInstance, exc: BaseException) -> None:
+    """Keep the first error a GPU's reading met."""
+    gpu.error = gpu.error or _error_text(exc)
+
+
+def _unsupported(exc: BaseException) -> bool:
+    return isinstance(exc, (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound))
+
+
 class NvmlCallFailed(Exception):
     """An NVML call of device_call failed; `unsupported`: the GPU or driver lacks it."""
 
@@ -71,19 +79,15 @@ class _Progress:
         return self.call + (f" (GPU {self.gpu})" if self.gpu is not None else "")
 
 
-# The snapshot job running on this thread (an Nvml session's worker), if any: what the lookup
-# below records each NVML entry point in.
+# The snapshot job running on this thread (a worker), if any: where each entry point is named.
 _job = threading.local()
 
 
 def _name_entry_points() -> None:
-    """Make each NVML entry point named in the running job's _Progress as it is called, so a
-    hang is reported by name whoever added the call (process lists, MIG instances) without
-    wrapping every call site. pynvml looks every C function up by name right before calling
-    it (raw ctypes calls through its lookup included), which names the very entry point
-    (..._v2, ..._v3): that one lookup is wrapped, once. A profile hook did this before, at the
-    cost of a callback on every Python call of every snapshot: ~15 ms of CPU a poll, most of
-    an idle daemon's cost."""
+    """Name each NVML entry point in the running job's _Progress as it is called, so a hang is
+    reported by name without wrapping every call site: pynvml looks every C function up by
+    name right before calling it, so that one lookup is wrapped, once (a profile hook cost
+    ~15 ms of CPU a poll)."""
     lookup = getattr(pynvml, "_nvmlGetFunctionPointer", None)
     if lookup is None or getattr(lookup, "names_entry_points", False):
         return
@@ -106,9 +110,8 @@ class Nvml:
     """A lazily initialised NVML session, safe to share between threads.
 
     Initialisation is retried on each snapshot while it fails, so a daemon started before the
-    driver was loaded picks NVML up later without a restart. Every NVML call runs on the
-    session's worker thread (nvmlworker.py); a method that adds NVML calls runs them inside
-    `_snapshot` (or through `self._worker.run`), never on the caller's thread.
+    driver was loaded picks NVML up later. NVML calls run on the worker thread, never the
+    caller's.
     """
 
     def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
@@ -133,9 +136,7 @@ class Nvml:
         self._paused = ""  # why NVML is closed for a GPU reset (pause()); "" while it is not
         # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
         self._sysfs = sysfs
-        # The session was closed because every GPU slept (_snapshot): what was seen of the GPUs
-        # still describes them when it opens again.
-        self._released = False
+        self._released = False  # closed as every GPU slept: what was seen of them still holds
 
     @property
     def timeout(self) -> float:
@@ -165,29 +166,22 @@ class Nvml:
         return True
 
     def _close(self) -> None:
-        """End the open session (caller holds the lock); its error is ignored: the session is
-        over either way, and the next snapshot initialises NVML again."""
-        if self._initialized and pynvml is not None:
+        """End the open session (caller holds the lock); its error is ignored: it is over anyway."""
+        if self._initialized:
             self._initialized = False
-            try:
+            with contextlib.suppress(pynvml.NVMLError):
                 pynvml.nvmlShutdown()
-            except pynvml.NVMLError:
-                pass
 
     def shutdown(self) -> None:
         def job() -> None:
             with self._lock:
                 self._close()
-        try:
+        with contextlib.suppress(NvmlHung):  # exiting anyway: the process takes the stuck call with it
             self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
-        except NvmlHung:
-            pass  # exiting anyway: the process takes the stuck call with it
-
-    # -- what a GPU reset needs (engine/reset.py) ------------------------------------------
 
     def device_call(self, index: int, call: Callable[[Any], Any], what: str) -> Any:
-        """`call(handle)` for GPU `index` on the worker thread, NVML initialised, within the
-        timeout; an NVML error is NvmlCallFailed (NvmlHung past the timeout)."""
+        """`call(handle)` for GPU `index` on the worker thread, within the timeout; an NVML
+        error is NvmlCallFailed."""
         def job() -> Any:
             with self._lock:
                 if not self._ensure_init():
@@ -195,8 +189,7 @@ class Nvml:
                 try:
                     return call(pynvml.nvmlDeviceGetHandleByIndex(index))
                 except pynvml.NVMLError as exc:
-                    raise NvmlCallFailed(_error_text(exc), isinstance(
-                        exc, (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound))) from None
+                    raise NvmlCallFailed(_error_text(exc), _unsupported(exc)) from None
         return self._worker.run(job, self.timeout, what)
 
     def pause(self, reason: str) -> None:
@@ -213,85 +206,63 @@ class Nvml:
         with self._lock:
             self._paused = ""  # the next call initialises NVML again
 
-    def _paused_snapshot(self) -> NvmlSnapshot:
+    def _unknown(self, message: str, count: int, driver: str, done: dict[int, GpuInfo]) -> NvmlSnapshot:
+        """Every GPU not in `done` unknown for `message`, as NVML last said it was."""
         gpus = []
-        for index in range(self._last_count or 0):
-            gpu = GpuInfo(index=index, unknown=True, error=self._paused)
-            self._recall(gpu)
-            gpus.append(gpu)
-        return NvmlSnapshot(available=True, error=self._paused, driver_version=self._last_driver,
-                            gpus=gpus)
-
-    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
-        """GPUs, memory and process lists, within `timeout` seconds whatever the driver does.
-
-        A GPU the snapshot could not read in time is in it, `unknown`, with what NVML last said
-        it is; while the driver stays hung, snapshots answer at once."""
-        progress = _Progress()
-        try:
-            snap = self._worker.run(lambda: self._traced(with_processes, progress),
-                                    self.timeout, progress)  # type: ignore[arg-type]
-        except NvmlHung as hung:
-            snap = self._hung_snapshot(progress, hung)
-        if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
-            fill_from_driver(snap.gpus, self._read_driver_gpus())
-        return snap
-
-    def _traced(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
-        _job.progress = progress
-        try:
-            return self._snapshot(with_processes, progress)
-        finally:
-            _job.progress = None
-
-    def _hung_snapshot(self, progress: _Progress, hung: NvmlHung) -> NvmlSnapshot:
-        message = hung.describe()
-        self.last_error = message
-        count = progress.count if progress.count is not None else self._last_count
-        if count is None:
-            return NvmlSnapshot(available=False, error=message)
-        done = {gpu.index: gpu for gpu in list(progress.done)}
-        gpus: list[GpuInfo] = []
         for index in range(count):
             gpu = done.get(index)
             if gpu is None:
                 gpu = GpuInfo(index=index, unknown=True, error=message)
                 self._recall(gpu)
             gpus.append(gpu)
-        return NvmlSnapshot(available=True, error=message,
-                            driver_version=progress.driver or self._last_driver, gpus=gpus)
+        return NvmlSnapshot(available=True, error=message, driver_version=driver, gpus=gpus)
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        """GPUs, memory and process lists, within `timeout` seconds whatever the driver does: a
+        GPU not read in time is `unknown`, with what NVML last said it is."""
+        progress = _Progress()
+
+        def job() -> NvmlSnapshot:
+            _job.progress = progress
+            try:
+                return self._snapshot(with_processes, progress)
+            finally:
+                _job.progress = None
+        try:
+            snap = self._worker.run(job, self.timeout, progress)  # type: ignore[arg-type]
+        except NvmlHung as hung:
+            self.last_error = message = hung.describe()
+            count = progress.count if progress.count is not None else self._last_count
+            snap = NvmlSnapshot(available=False, error=message) if count is None else self._unknown(
+                message, count, progress.driver or self._last_driver, {g.index: g for g in list(progress.done)})
+        if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
+            fill_from_driver(snap.gpus, self._read_driver_gpus())
+        return snap
 
     def _recall(self, gpu: GpuInfo) -> None:
-        """Give a GPU that cannot be read now what NVML said of it before: its identity (so
-        its device nodes and holders still map to it) and its MIG instances, their figures
-        unknown (so `MIG-` UUIDs still name them and their caps nodes still map)."""
+        """Give a GPU that cannot be read now its identity and MIG instances as NVML said before
+        (their figures unknown), so its nodes, holders and MIG UUIDs still map to it."""
         identity = self._identity.get(gpu.index)
         if identity is not None:
             gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
         seen = self._seen.get(gpu.index)
-        if seen is None or seen.uuid != gpu.uuid:
-            return
-        gpu.mig_mode = seen.mig_mode
-        gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id,
-                               compute_instance_id=m.compute_instance_id, error=gpu.error)
-                   for m in seen.mig]
+        if seen is not None and seen.uuid == gpu.uuid:
+            _copy_mig(seen, gpu, figures=False)
 
     def _read_driver_gpus(self) -> list[DriverGpu]:
-        if self._driver_gpus is None:
-            try:
-                found = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
-                                                self.timeout, self._driver_gpus_dir)
-            except NvmlHung:
-                return []
-            if found:
-                self._driver_gpus = found  # fixed while the driver stays loaded
-            return found
+        if self._driver_gpus:
+            return self._driver_gpus  # fixed while the driver stays loaded
+        try:
+            self._driver_gpus = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
+                                                        self.timeout, self._driver_gpus_dir)
+        except NvmlHung:
+            return []
         return self._driver_gpus
 
     def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
         with self._lock:
             if self._paused:
-                return self._paused_snapshot()
+                return self._unknown(self._paused, self._last_count or 0, self._last_driver, {})
             sysfs = self.sysfs
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
@@ -329,11 +300,8 @@ class Nvml:
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
     def _all_asleep(self, bound: list[str]) -> NvmlSnapshot:
-        """Every GPU the nvidia driver has is asleep: the NVML session is closed (nvmlInit
-        attaches every GPU, opening its device node, and an open session keeps a GPU from
-        suspending: btop issue 1831, cosmic-ext-applet-system-monitor issue 38) and the
-        snapshot is made without NVML, the GPUs in bus order (NVML's), as last read. It opens
-        again once one wakes."""
+        """Every GPU is asleep: the NVML session is closed (an open session keeps a GPU from
+        suspending: btop issue 1831) and the GPUs are given in bus order (NVML's), as last read."""
         if self._initialized:
             self._released = True
             self._close()
@@ -343,9 +311,7 @@ class Nvml:
                             gpus=[self._asleep(index, bus) for index, bus in enumerate(bound)])
 
     def _asleep(self, index: int, bus_id: str) -> GpuInfo:
-        """A runtime-suspended GPU as it was last read, found by its bus id: its identity
-        and last memory figures (none before its first read), its process lists empty
-        (nothing runs on a GPU the kernel powered down)."""
+        """A runtime-suspended GPU as last read (found by its bus id), its process lists empty."""
         domain, _, rest = bus_id.partition(":")
         # NVML's spelling ("00000000:01:00.0") until NVML itself has named it.
         gpu = GpuInfo(index=index, suspended=True, pci_bus_id=f"{int(domain, 16):08X}:{rest.upper()}")
@@ -353,11 +319,7 @@ class Nvml:
         if seen is not None:
             gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = seen.uuid, seen.name, seen.minor, seen.pci_bus_id
             gpu.memory_total, gpu.memory_used = seen.memory_total, seen.memory_used
-            gpu.mig_mode = seen.mig_mode
-            gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id,
-                                   compute_instance_id=m.compute_instance_id,
-                                   memory_total=m.memory_total, memory_used=m.memory_used)
-                       for m in seen.mig]
+            _copy_mig(seen, gpu, figures=True)
         return gpu
 
     def _gpu(self, index: int, with_processes: bool) -> GpuInfo:
@@ -373,22 +335,19 @@ class Nvml:
             self._recall(gpu)
             return gpu
 
-        def query(call: Callable[[], Any]) -> Any | None:
+        def query(call: Callable[[Any], Any]) -> Any | None:
             try:
-                return call()
+                return call(handle)
             except pynvml.NVMLError as exc:
-                if isinstance(exc, pynvml.NVMLError_GpuIsLost):
-                    gpu.lost = True
-                if not gpu.error:
-                    gpu.error = _error_text(exc)
+                gpu.lost = gpu.lost or isinstance(exc, pynvml.NVMLError_GpuIsLost)
+                _note(gpu, exc)
                 return None
 
         identity = self._identity.get(index)
         if identity is None:
-            uuid = query(lambda: pynvml.nvmlDeviceGetUUID(handle))
-            name = query(lambda: pynvml.nvmlDeviceGetName(handle))
-            minor = query(lambda: pynvml.nvmlDeviceGetMinorNumber(handle))
-            pci = query(lambda: pynvml.nvmlDeviceGetPciInfo_v3(handle))
+            uuid, name, minor, pci = (query(get) for get in (
+                pynvml.nvmlDeviceGetUUID, pynvml.nvmlDeviceGetName, pynvml.nvmlDeviceGetMinorNumber,
+                pynvml.nvmlDeviceGetPciInfo_v3))
             identity = (_text(uuid) if uuid is not None else "",
                         _text(name) if name is not None else "",
                         int(minor) if minor is not None else None,
@@ -398,31 +357,25 @@ class Nvml:
             if None not in (uuid, name, minor, pci):
                 self._identity[index] = identity
         gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = identity
-        memory = query(lambda: self._memory(handle))
+        memory = query(self._memory)
         if memory is not None:
             gpu.memory_total, gpu.memory_used = memory
         elif not gpu.lost:
             gpu.unknown = True  # no memory figure: neither idle nor leaked can be said
-        if with_processes and not gpu.lost:
-            gpu.processes = self._processes(handle, gpu)
         if not gpu.lost:
+            gpu.processes = self._processes(handle, gpu) if with_processes else {}
             self._mig(handle, gpu, with_processes)
         return gpu
 
     def _mig(self, handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
-        """The MIG devices of a GPU in MIG mode, each with its memory and processes.
-
-        In MIG mode the parent's memory is the aggregate and its process lists are empty for
-        all but privileged callers (nvml.h), so tenants are found on the instances, which are
-        walked by index up to the maximum: an index without an instance is NOT_FOUND, and
-        gaps are normal once instances were destroyed."""
+        """The MIG devices of a GPU in MIG mode, each with its memory and processes: the
+        parent's process lists are empty for all but privileged callers (nvml.h). Slots without
+        an instance answer NOT_FOUND."""
         try:
             current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
         except pynvml.NVMLError as exc:
-            # NOT_SUPPORTED: a GPU that cannot do MIG (or a driver that predates it).
-            if not isinstance(exc, (pynvml.NVMLError_NotSupported,
-                                    pynvml.NVMLError_FunctionNotFound)) and not gpu.error:
-                gpu.error = _error_text(exc)
+            if not _unsupported(exc):  # else a GPU (or driver) without MIG
+                _note(gpu, exc)
             return
         if current != pynvml.NVML_DEVICE_MIG_ENABLE:
             return
@@ -430,15 +383,14 @@ class Nvml:
         try:
             slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
         except pynvml.NVMLError as exc:
-            gpu.error = gpu.error or _error_text(exc)
+            _note(gpu, exc)
             return
         for slot in range(slots):
             try:
                 mig_handle = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except pynvml.NVMLError_NotFound:
-                continue
             except pynvml.NVMLError as exc:
-                gpu.error = gpu.error or _error_text(exc)
+                if not isinstance(exc, pynvml.NVMLError_NotFound):  # an empty slot
+                    _note(gpu, exc)
                 continue
             instance = self._instance(mig_handle, gpu, with_processes)
             if instance is not None:
@@ -450,8 +402,7 @@ class Nvml:
                                    gpu_instance_id=int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)),
                                    compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)))
         except pynvml.NVMLError as exc:
-            # Without its UUID and ids nobody can name or find the instance.
-            gpu.error = gpu.error or _error_text(exc)
+            _note(gpu, exc)  # without its UUID and ids nobody can name or find the instance
             return None
         try:
             instance.memory_total, instance.memory_used = self._memory(mig_handle)
@@ -480,11 +431,18 @@ class Nvml:
         lists, errors = nvmlprocs.read_lists(handle)
         failed = [exc for exc in errors if not isinstance(exc, pynvml.NVMLError_NotSupported)]
         for exc in failed:
-            if not gpu.error:
-                gpu.error = _error_text(exc)
+            _note(gpu, exc)
         if failed and not lists:
-            # Not one list could be read: who uses the GPU is unknown, and so is whether
-            # memory in use there is a leak.
-            gpu.unknown = True
+            gpu.unknown = True  # who uses it, and so whether its memory leaks, is unknown
         found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
         return found
+
+
+def _copy_mig(seen: GpuInfo, gpu: GpuInfo, figures: bool) -> None:
+    """Give `gpu` the MIG instances it was `seen` with: their memory figures if `figures`, else
+    none, and the GPU's error."""
+    gpu.mig_mode = seen.mig_mode
+    gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id, compute_instance_id=m.compute_instance_id,
+                           memory_total=m.memory_total if figures else 0,
+                           memory_used=m.memory_used if figures else 0, error="" if figures else gpu.error)
+               for m in seen.mig]

@@ -12,9 +12,8 @@ Which call, and how wide its entries are:
 pynvml's own wrappers are not used for the lists: they hard-code 24 bytes, and its detail-list
 wrapper assigns None to a ctypes integer field when memory is "not available".
 
-Whatever the call, what comes back is untrusted: every pid is checked (valid_pids) before
-anything looks it up, and NVML's pids are host pids, which mean nothing to a daemon in
-another PID namespace (pids_are_local).
+What comes back is untrusted: every pid is checked (merge), and NVML's pids are host pids,
+meaningless in another PID namespace (pids_are_local).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ class _DetailList(ctypes.Structure):
 _DETAIL_LIST_V1 = ctypes.sizeof(_DetailList) | (1 << 24)
 
 Entry = tuple[int, int | None]  # (pid as NVML wrote it, bytes or None where not available)
-Reader = Callable[[Any, str, int], list[Entry]]
+Reader = Callable[[Any, int], list[Entry]]  # (handle, detail-list mode)
 
 
 def _function(name: str) -> Any | None:
@@ -87,7 +86,7 @@ def _entries(items: Any, count: int) -> list[Entry]:
 
 
 def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
-    def read(handle: Any, _name: str, _mode: int) -> list[Entry]:
+    def read(handle: Any, _mode: int) -> list[Entry]:
         count = ctypes.c_uint(0)
         ret = function(handle, ctypes.byref(count), None)
         for _ in range(_RETRIES):
@@ -108,7 +107,7 @@ def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
 
 
 def _detail_list(function: Any) -> Reader:
-    def read(handle: Any, _name: str, mode: int) -> list[Entry]:
+    def read(handle: Any, mode: int) -> list[Entry]:
         query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=0)
         ret = function(handle, ctypes.byref(query))
         for _ in range(_RETRIES):
@@ -127,12 +126,11 @@ def _detail_list(function: Any) -> Reader:
     return read
 
 
-def choose_reader() -> tuple[str, Callable[[str], Reader | None]]:
-    """(what was chosen, for the logs; a function from a list's name to its reader or None)."""
+def _reader_for(name: str) -> Reader | None:
+    """The reader of the list the old calls call `name` (None where the driver lacks it)."""
     detail = _function("nvmlDeviceGetRunningProcessDetailList")
     if detail is not None:
-        reader = _detail_list(detail)
-        return "nvmlDeviceGetRunningProcessDetailList", lambda _name: reader
+        return _detail_list(detail)
     if _function("nvmlDeviceGetComputeRunningProcesses_v3") is not None:
         early_535 = _function("nvmlDeviceGetConfComputeMemSizeInfo") is not None
         struct: type[ctypes.Structure] = _Info32 if early_535 else _Info24
@@ -141,25 +139,21 @@ def choose_reader() -> tuple[str, Callable[[str], Reader | None]]:
         struct, suffix = _Info24, "_v2"
     else:
         struct, suffix = _Info16, ""
-
-    def for_list(name: str) -> Reader | None:
-        function = _function(name + suffix)
-        return None if function is None else _old_style(function, struct)
-    return f"the {suffix or 'v1'} lists, {ctypes.sizeof(struct)}-byte entries", for_list
+    function = _function(name + suffix)
+    return None if function is None else _old_style(function, struct)
 
 
 def read_lists(handle: Any) -> tuple[list[tuple[str, list[Entry]]], list[BaseException]]:
     """Every list of one GPU (or MIG instance) handle: [(list name, entries)], and the errors
     of the lists that could not be read."""
-    _, reader_for = choose_reader()
     found: list[tuple[str, list[Entry]]] = []
     errors: list[BaseException] = []
     for name, mode in KINDS:
-        reader = reader_for(name)
+        reader = _reader_for(name)
         if reader is None:
             continue
         try:
-            found.append((name, reader(handle, name, mode)))
+            found.append((name, reader(handle, mode)))
         except pynvml.NVMLError as exc:
             errors.append(exc)
     return found, errors
@@ -189,11 +183,10 @@ def merge(lists: list[tuple[str, list[Entry]]], index: int, limit: int
                 warnings.append(f"GPU {index}: NVML listed pid {pid}, which is no process id "
                                 f"(pid_max {limit}); ignored (a driver/NVML struct mismatch?)")
                 continue
-            previous = found.get(pid)
             if used is None:
                 found.setdefault(pid, None)
             else:
-                found[pid] = max(previous or 0, used)
+                found[pid] = max(found.get(pid) or 0, used)
     return found, warnings
 
 
@@ -201,18 +194,10 @@ _local: bool | None = None
 
 
 def pids_are_local() -> bool:
-    """Whether NVML's pids are the pids of the /proc this process reads.
-
-    NVML reports a process by the pid the driver recorded, which is its pid in the initial PID
-    namespace (the host's), whatever namespace the caller is in. /proc shows the pids of the
-    namespace that mounted it, which is its PID 1's namespace. So they agree exactly when
-    /proc's PID 1 is in the initial PID namespace, which the kernel marks with a fixed inode
-    (PROC_PID_INIT_INO). When PID 1 may not be inspected (not root), this process's own
-    namespace stands in: a /proc mounted by another namespace than ours is the rare case, and
-    it can only make us distrust NVML's pids, never trust wrong ones. Anything unreadable
-    answers False, for the same reason. A namespace never changes under a running process, so
-    the answer is kept.
-    """
+    """Whether NVML's pids (the initial PID namespace's) are the pids of the /proc this
+    process reads: exactly when /proc's PID 1 is in the initial namespace (PROC_PID_INIT_INO).
+    Where PID 1 may not be inspected our own namespace stands in; anything unreadable answers
+    False, so the error is always distrust. A namespace never changes: the answer is kept."""
     global _local
     if _local is None:
         inode = None

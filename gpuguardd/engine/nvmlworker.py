@@ -1,12 +1,9 @@
 """One thread that owns every NVML call, so a hung driver never blocks anyone else.
 
-NVML calls can hang for good (open-gpu-kernel-modules issue 1333; go-nvml issue 152 on H200):
-the ioctl under them sleeps in the kernel and no signal or timeout reaches it. A thread stuck
-there cannot be freed, so the daemon never makes such a call on a thread it needs: jobs run on
-this worker, and callers wait for them with a deadline. When a deadline passes the worker is
-marked hung, and every later call is answered at once with NvmlHung instead of queueing behind
-it (a queue would only pile up threads and replies that all wait for the same ioctl). When the
-stuck call returns at last, the worker is free again and the next call runs normally.
+NVML calls can hang for good in an ioctl no signal reaches (open-gpu-kernel-modules issue
+1333), so jobs run on this worker and callers wait with a deadline. Past one, the worker is
+marked hung and every later call is answered at once with NvmlHung instead of queueing behind
+it, until the stuck call returns.
 """
 
 from __future__ import annotations
@@ -54,13 +51,6 @@ class NvmlWorker:
         self._job: _Job[object] | None = None
         self._hung: _Job[object] | None = None
         self._thread: threading.Thread | None = None
-
-    @property
-    def hung(self) -> NvmlHung | None:
-        """What the worker is stuck in, or None while it answers."""
-        with self._cond:
-            job = self._hung
-        return None if job is None else NvmlHung(job.what, job.started)
 
     def run(self, fn: Callable[[], T], timeout: float, what: str) -> T:
         """fn() on the worker; its exception re-raised here; NvmlHung after `timeout` seconds

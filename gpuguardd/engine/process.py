@@ -39,11 +39,8 @@ class ProcessHandle:
 
     @classmethod
     def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
-        """A handle on the process now running as `pid`, or None if there is none.
-
-        With a pidfd, the start time read afterwards is known to be this process's because
-        `alive()` is checked again by the caller once it has read everything it needs.
-        """
+        """A handle on the process now running as `pid`, or None: with a pidfd, the start time
+        read after it is this process's once alive() holds after the read."""
         pidfd: int | None = None
         if use_pidfd:
             try:
@@ -83,28 +80,20 @@ class ProcessHandle:
 
     def alive(self) -> bool:
         """True while the process exists (a zombie still exists: it keeps its PID)."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
+        try:
+            return self.send(0)
+        except PermissionError:
             return True
-        return self._same_process()
 
     def send(self, sig: int) -> bool:
         """Deliver `sig` to exactly this process. False if it is already gone."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, sig)
-            except ProcessLookupError:
-                return False
-            return True
-        if not self._same_process():
-            return False
         try:
-            os.kill(self.pid, sig)
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            elif self._same_process():
+                os.kill(self.pid, sig)
+            else:
+                return False
         except ProcessLookupError:
             return False
         return True
@@ -120,48 +109,89 @@ class ProcessHandle:
 
 def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
                   on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
-    """Wait until every handle's process has exited or `timeout` passes.
-
-    Returns {pid: time.monotonic() when its exit was seen}, and calls `on_exit(pid, seen_at)`
-    as each exit is seen.
-
-    pidfds become readable the moment their process exits, so this returns without delay; the
-    fallback has to poll /proc.
-    """
-    pending: dict[int, ProcessHandle] = {h.pid: h for h in handles}
+    """Wait until every handle's process has exited or `timeout` passes: {pid: when its exit
+    was seen (time.monotonic())}, and `on_exit(pid, seen_at)` as each is seen. A pidfd is
+    readable the moment its process exits; the fallback polls /proc."""
+    pending = {h.pid: h for h in handles}
     done: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     poller = select.poll()
-    by_fd: dict[int, int] = {}
-    for pid, handle in pending.items():
-        if handle.pidfd is not None:
-            poller.register(handle.pidfd, select.POLLIN)
-            by_fd[handle.pidfd] = pid
-    fallback: list[ProcessHandle] = [h for h in pending.values() if h.pidfd is None]
+    by_fd = {h.pidfd: h.pid for h in pending.values() if h.pidfd is not None}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    fallback = [h for h in pending.values() if h.pidfd is None]
+
+    def seen(pid: int, at: float) -> None:
+        done[pid] = at
+        if on_exit is not None:
+            on_exit(pid, at)
     while len(done) < len(pending):
         for handle in fallback:
             if handle.pid not in done and handle.exited():
-                done[handle.pid] = time.monotonic()
-                if on_exit is not None:
-                    on_exit(handle.pid, done[handle.pid])
-        if len(done) >= len(pending):
-            break
+                seen(handle.pid, time.monotonic())
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if len(done) >= len(pending) or remaining <= 0:
             break
-        waiting_on_fallback = any(h.pid not in done for h in fallback)
-        wait = min(remaining, 0.01) if waiting_on_fallback else remaining
+        wait = min(remaining, 0.01) if any(h.pid not in done for h in fallback) else remaining
         try:
             events = poller.poll(wait * 1000.0) if by_fd else []
         except InterruptedError:
             continue
         if not by_fd:
             time.sleep(wait)
-        seen = time.monotonic()
+        at = time.monotonic()
         for fd, _ in events:
-            pid = by_fd.pop(fd)
             poller.unregister(fd)
-            done[pid] = seen
-            if on_exit is not None:
-                on_exit(pid, seen)
+            seen(by_fd.pop(fd), at)
     return done
+
+
+def survivor_reason(pid: int) -> tuple[str, str]:
+    stat = procfs.read_stat(pid)
+    if stat is None:
+        return "", "exited"
+    if stat.state == "Z":
+        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
+    if stat.state == "D":
+        wchan = (procfs.read_wchan(pid) or "").strip()
+        where = f" in {wchan}" if wchan and wchan != "0" else ""
+        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
+    return stat.state, f"still running after SIGKILL (state {stat.state})"
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
+    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
+    signals = procfs.read_signals(pid)
+    if signals is None:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
+                                           and not signals.caught & bit)
+
+
+def exit_status(stat: procfs.ProcStat | None) -> str:
+    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
+    if stat is None or stat.state != "Z" or stat.exit_code is None:
+        return ""
+    code = stat.exit_code
+    if not os.WIFSIGNALED(code):
+        return f"exited with status {os.WEXITSTATUS(code)}"
+    try:
+        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
+    except ValueError:
+        return f"killed by signal {os.WTERMSIG(code)}"
+
+
+def ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
+    """The signal of ours that ended a process, as far as is known; "" for none. `last_sent`:
+    the last one sent before its exit was seen, `status`: exit_status()."""
+    sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
+    if status.startswith("killed by "):
+        killer = status.removeprefix("killed by ")
+        return killer if killer in sent else ""
+    if status:
+        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
+        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
+    return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent

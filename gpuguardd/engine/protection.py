@@ -60,10 +60,7 @@ class ProtectedFiles:
             # FUSE mount): either way not one of the files we stat()ed above. Sparing it
             # instead would let any user shield a holder by running it from a FUSE mount.
             return None
-        path = self.by_id.get((st.st_dev, st.st_ino))
-        if path is not None:
-            return path
-        return self._replaced_in_our_namespace(pid)
+        return self.by_id.get((st.st_dev, st.st_ino)) or self._replaced_in_our_namespace(pid)
 
     def _replaced_in_our_namespace(self, pid: int) -> str | None:
         try:
@@ -103,32 +100,19 @@ def protection(holder: Holder, config: Config, own_chain: Iterable[int],
     if holder.pid in own_chain:
         return SpareReason.ANCESTOR, "an ancestor of the sweeping process"
     if holder.state == "Z":
-        # A zombie runs no code and holds no files; signalling it is harmless and it is
-        # reported as a survivor with its parent named.
-        return None
+        return None  # runs no code, holds no files: reported as a survivor with its parent
     if not holder.exe:
         # Without the real executable we cannot rule out a protected daemon; comm proves nothing.
         return (SpareReason.EXECUTABLE_UNKNOWN,
                 f"executable unknown (cannot read /proc/{holder.pid}/exe)")
-    files = protected if protected is not None else ProtectedFiles.resolve(config)
-    # The holder is pinned by a pidfd: if its PID were recycled by now, no signal could reach
-    # the newcomer whatever is decided here.
-    path = files.match(holder.pid)
+    # The holder is pinned by a pidfd: a recycled PID's newcomer gets no signal either way.
+    path = (protected or ProtectedFiles.resolve(config)).match(holder.pid)
     if path is not None:
         return (SpareReason.PROTECTED_EXECUTABLE, f"protected executable {holder.exe}"
                 + (f" (same file as {path})" if path != holder.exe else ""))
-    if not holder.container:
-        unit_pattern = config.is_protected_unit(holder.unit)
-        if unit_pattern is not None:
-            return SpareReason.PROTECTED_UNIT, f"protected unit {holder.unit}"
+    if not holder.container and config.is_protected_unit(holder.unit) is not None:
+        return SpareReason.PROTECTED_UNIT, f"protected unit {holder.unit}"
     return None
-
-
-def protection_reason(holder: Holder, config: Config, own_chain: Iterable[int],
-                      protected: ProtectedFiles | None = None) -> str | None:
-    """protection()'s words alone."""
-    found = protection(holder, config, own_chain, protected)
-    return None if found is None else found[1]
 
 
 def mark_protection(holder: Holder, config: Config, own_chain: Iterable[int],

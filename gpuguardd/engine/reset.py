@@ -1,25 +1,17 @@
 """Resetting one GPU that nothing holds, through the driver's supported path, and proving it.
 
-NVML has no public call that resets a GPU (nvml.h: nvmlDeviceResetGpuLockedClocks and kin
-reset settings, not the device); the driver's supported reset is `nvidia-smi -r`
-(--gpu-reset), which the nvidia-smi manual documents as requiring that no process use the
-GPU, that persistence mode be off ("Can't reset while persistence mode is enabled"
-otherwise), and that NVLink-connected GPUs and NVSwitch fabrics be reset together. So a
-reset here is: refuse unless nothing holds the GPU; turn persistence mode off through NVML
-(nvmlDeviceSetPersistenceMode: nvidia-persistenced, when it runs, is the one NVML asks, and
-it lets go of the GPU); close gpuguardd's own NVML session (its handles keep the device open);
-run [Recovery] ResetCommand with the GPU's PCI bus id; restore persistence mode; and poll NVML
-until the GPU answers with its memory back. Every step is logged and kept in the report.
+NVML has no call that resets a GPU; the driver's supported reset is `nvidia-smi -r`, which
+needs that no process use the GPU, persistence mode be off, and NVLink peers be reset together
+(the nvidia-smi manual). So a reset here refuses unless nothing holds the GPU, turns
+persistence mode off through NVML (nvidia-persistenced then lets go), closes gpuguardd's own
+NVML session, runs [Recovery] ResetCommand with the PCI bus id, restores persistence mode and
+polls until the GPU answers with its memory back. Every step is kept in the report.
 
-An AMD GPU (GpuInfo.vendor, read from KFD's and DRM's sysfs files) takes the same guarded
-procedure without NVML: the amdgpu driver's per-GPU reset is the recovery that rocm-smi
---gpureset and `amd-smi reset --gpureset` trigger (both read debugfs amdgpu_gpu_recover), run
-as [Recovery] AmdResetCommand with the GPU's PCI address. AMD's amd-smi guide says what it
-takes besides the GPU: every process with /dev/kfd open, whichever GPU it uses, is ended, and
-every GPU of the same XGMI hive is reset with it. So it is refused while any process on the
-host holds /dev/kfd, and for a GPU in an XGMI hive or one partition of a partitioned GPU; it
-is also refused for the boot display GPU (gpuguard's own caution: the console is on it).
-The reset's outcome is read back from sysfs through the scan, as the daemon reads AMD GPUs.
+An AMD GPU takes the same guarded path without NVML, through [Recovery] AmdResetCommand (the
+amdgpu recovery rocm-smi --gpureset triggers). AMD's amd-smi guide says what else it takes:
+every process with /dev/kfd open is ended, and the GPU's whole XGMI hive is reset with it. So
+it is refused while anyone holds /dev/kfd, for a GPU in a hive or one partition of a GPU, and
+for the boot display GPU (the console is on it).
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ from dataclasses import dataclass
 
 from gpuguardd.config import DEFAULT_AMD_RESET_COMMAND, command_argv
 from gpuguardd.engine import leaks, procfs
+from gpuguardd.engine.driverinfo import bus_key
 from gpuguardd.engine.judge import facts_of, judge
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
@@ -118,18 +111,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _pci_dir(sysfs: str, bus_id: str) -> str:
-    """The GPU's PCI device directory: NVML-style ids have an 8-digit domain, sysfs a 4-digit."""
-    text = bus_id.lower()
-    domain, sep, rest = text.partition(":")
-    if sep and rest.count(":") == 1:
-        try:
-            text = f"{int(domain, 16):04x}:{rest}"
-        except ValueError:
-            pass
-    return os.path.join(sysfs, "bus", "pci", "devices", text)
-
-
 def _kfd_hive(sysfs: str, gpu_id: int) -> int:
     """KFD's hive_id of the GPU with this gpu_id (0: in no XGMI hive, or not found)."""
     nodes = os.path.join(sysfs, "class", "kfd", "kfd", "topology", "nodes")
@@ -164,7 +145,7 @@ def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str 
     if siblings:
         return (f"it is one partition of the GPU at {gpu.pci_bus_id}, with GPU(s) "
                 f"{', '.join(map(str, siblings))}: a reset resets every partition")
-    device = _pci_dir(sysfs, gpu.pci_bus_id)
+    device = os.path.join(sysfs, "bus/pci/devices", bus_key(gpu.pci_bus_id))
     hive = _read(os.path.join(device, "xgmi_hive_info", "xgmi_hive_id"))
     if (hive and hive != "0") or (gpu.gpu_id and _kfd_hive(sysfs, gpu.gpu_id)):
         return (f"it is in an XGMI hive{f' ({hive})' if hive and hive != '0' else ''}: the "
@@ -221,6 +202,12 @@ class GpuReset:
                  self.report.outcome, f" ({self.report.error})" if self.report.error else "")
         return self.report
 
+    def _error(self, why: str) -> bool:
+        self.report.outcome = Outcome.RESET_FAILED
+        self.report.error = why
+        self.step(why, logging.ERROR)
+        return False
+
     def _refuse(self, why: str) -> None:
         self.report.outcome = Outcome.RESET_REFUSED
         self.report.error = why
@@ -247,10 +234,8 @@ class GpuReset:
         before = self._before(gpu, scan.nvml.pids_local)
         if gpu.vendor == Vendor.AMD:
             # No persistence mode and no session of gpuguardd's own to close: it reads sysfs.
-            if not self._command(gpu.pci_bus_id, self.settings.amd_command):
-                self.report.outcome = Outcome.RESET_FAILED
-                return
-            self._verify(before, lambda: self.scan().nvml)
+            if self._command(gpu.pci_bus_id, self.settings.amd_command):
+                self._verify(before, lambda: self.scan().nvml)
             return
         if gpu.mig_mode:
             self.step(f"MIG mode: its {len(gpu.mig)} instance(s) are gone after the reset; "
@@ -264,10 +249,8 @@ class GpuReset:
             self.nvml.resume()
             if restore:
                 self._persistence_on()
-        if not ok:
-            self.report.outcome = Outcome.RESET_FAILED
-            return
-        self._verify(before, self.nvml.snapshot)
+        if ok:
+            self._verify(before, self.nvml.snapshot)
 
     def _before(self, gpu: GpuInfo, pids_local: bool) -> GpuResult:
         before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
@@ -349,18 +332,12 @@ class GpuReset:
                              stderr=subprocess.STDOUT, timeout=self.settings.timeout_sec,
                              check=False)
         except subprocess.TimeoutExpired:
-            self.report.error = f"{shown} did not finish within {self.settings.timeout_sec:g} s"
-            self.step(self.report.error, logging.ERROR)
-            return False
+            return self._error(f"{shown} did not finish within {self.settings.timeout_sec:g} s")
         except OSError as exc:
-            self.report.error = f"cannot run {shown}: {exc.strerror or exc}"
-            self.step(self.report.error, logging.ERROR)
-            return False
+            return self._error(f"cannot run {shown}: {exc.strerror or exc}")
         said = done.stdout[-_OUTPUT_MAX:].decode("utf-8", "replace").strip()
         if done.returncode != 0:
-            self.report.error = f"{shown} failed (exit status {done.returncode})" + (f": {said}" if said else "")
-            self.step(self.report.error, logging.ERROR)
-            return False
+            return self._error(f"{shown} failed (exit status {done.returncode})" + (f": {said}" if said else ""))
         self.step("the reset command succeeded" + (f": {said}" if said else ""))
         return True
 
@@ -384,7 +361,5 @@ class GpuReset:
             self.report.verified = True
             self.step(f"verified: the GPU answers, {before.memory_used_after // (1024 * 1024)} MiB in use")
             return
-        self.report.outcome = Outcome.RESET_FAILED
-        self.report.error = ("the GPU does not answer after the reset" if not answers else
-                             f"{before.memory_used_after // (1024 * 1024)} MiB still in use after the reset")
-        self.step(self.report.error, logging.ERROR)
+        self._error("the GPU does not answer after the reset" if not answers else
+                    f"{before.memory_used_after // (1024 * 1024)} MiB still in use after the reset")

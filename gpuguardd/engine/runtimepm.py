@@ -1,26 +1,14 @@
 """Whether a GPU is runtime-suspended, read from sysfs so that asking never wakes it.
 
-A dGPU laptop (and a desk-side box with runtime D3 enabled) powers an idle NVIDIA GPU down;
-the kernel's PCI runtime PM says so in /sys/bus/pci/devices/<bdf>/power/runtime_status
-("active", "suspending", "suspended", "resuming"). Reading that file is a sysfs attribute of
-the PCI core: it never calls into the nvidia module, so it never resumes the GPU.
+The kernel's PCI runtime PM says so in /sys/bus/pci/devices/<bdf>/power/runtime_status, an
+attribute of the PCI core that never calls into the nvidia module. NVML queries do: one on a
+suspended GPU resumes it, and frequent ones keep it from suspending (nvtop issue 267, beszel
+PR 1587, cosmic-ext-applet-system-monitor issue 38), and an open session attaches every GPU
+(btop issue 1831). So nvml.py asks here first, and makes no NVML call naming a GPU asleep.
 
-NVML queries do: a device query (memory info, process lists, and the rest) on a suspended
-GPU resumes it, and frequent queries keep it from suspending at all. That is what nvtop did
-until it checked runtime_status before opening a render node (Syllo/nvtop issue 267), what
-waybar's GPU module stopped by the same check (PolpOnline/gpu-usage-waybar PR 41), what the
-COSMIC system monitor applet fixed the same way (D-Brox/cosmic-ext-applet-system-monitor issue
-38, PR 39: "an NVML query against an already-suspended dGPU resumes it"), and beszel found of
-nvmlDeviceGetMemoryInfo in particular (henrygd/beszel PR 1587: it restarts the driver's
-suspend timer). So nvml.py asks here first and makes no NVML call naming a GPU found asleep.
-Nor does it keep an NVML session while every GPU sleeps: nvmlInit attaches every GPU, opening
-its device node, and resumes a suspended one (btop issue 1831); an open session keeps a GPU's
-runtime PM usage count up (cosmic-ext-applet-system-monitor issue 38).
-
-Which GPU is which bus id without asking NVML: the bus id NVML gave when the GPU was last read
-(nvml.py keeps it), or, before any read since nvmlInit, the devices the nvidia driver is bound
-to, in bus order, which is NVML's enumeration order (driverinfo.fill_from_driver relies on the
-same), used only when both count the same GPUs.
+Which GPU is which bus id without NVML: the bus id NVML gave when it last read the GPU, or,
+before that, the devices the nvidia driver is bound to, in bus order (NVML's), used only
+when both count the same GPUs.
 """
 
 from __future__ import annotations

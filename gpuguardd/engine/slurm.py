@@ -3,11 +3,8 @@
 A Slurm epilog runs as root after the job's processes were signalled (and Slurm waited
 KillWait), outside the job's cgroup. What can still hold the job's GPUs:
 
-1. processes still in the job's cgroup: cgroup v1 `.../slurm/uid_<uid>/job_<id>/...`, or
-   `.../slurm_<node>/uid_<uid>/job_<id>/...` where Slurm is built for several slurmds a host
-   (Debian's 22.05 is: checked with its proctrack/cgroup in tests/e2e/test_slurm.py) (any
-   controller: the job is tracked in the freezer/devices/cpuset hierarchies, not name=systemd),
-   cgroup v2 `.../slurmstepd.scope/job_<id>/...`;
+1. processes still in the job's cgroup (_JOB_CGROUP; any controller: the job is tracked in
+   the freezer/devices/cpuset hierarchies, not name=systemd);
 2. processes that escaped it (a launcher's daemonised workers, SGLang's DP workers): owned by
    the job's user, holding one of the job's GPUs, and in no job's cgroup at all; never for a
    job of root (SLURM_JOB_UID=0), whose "escaped" processes could be any system service.
@@ -56,22 +53,14 @@ def job_of_cgroups(cgroup_file: str) -> str:
     return ""
 
 
-def job_of(pid: int) -> str:
-    """The Slurm job of a live process ("" for none, or when it is gone)."""
-    return job_of_cgroups(procfs.read_cgroup(pid) or "")
-
-
 def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], bool]) -> bool:
     """Rule 1 or rule 2 of the module docstring, for one holder. `on_job_gpus` is the sweep's
-    own rule for "on these GPUs" (sweep.gpu_scope: NVML's lists first)."""
-    owner_job = job_of(holder.pid)
+    own rule for "on these GPUs" (scope.gpu_scope: NVML's lists first)."""
+    owner_job = job_of_cgroups(procfs.read_cgroup(holder.pid) or "")
     if owner_job:
         return owner_job == job
-    if uid == ROOT_UID:
-        # Rule 2 for a root job would reach every root service and session on the job's GPUs
-        # (an exporter, an inference server under systemd): only its own cgroup is the job's.
-        return False
-    return holder.uid == uid and not holder.container and on_job_gpus()
+    # Rule 2 for a root job would reach every root service on the job's GPUs.
+    return uid != ROOT_UID and holder.uid == uid and not holder.container and on_job_gpus()
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,14 @@
 """Ending the holders in a scope: SIGTERM, grace, SIGKILL, then proof through NVML.
 
-A process sent SIGKILL that has not gone after KillTimeoutSec is exiting, not a survivor:
-real workloads take tens of seconds to die (a large pinned host cache is unpinned in D state
-after SIGKILL, 16-26 s for SGLang). Verification waits for it and for the memory together,
-for up to VerifyTimeoutSec, and only what is still there then is reported as survived.
-
-The sweep works on a scan whose processes are pinned by pidfds, so everything it signals is
-exactly what it scanned. It never signals a protected holder, and it reports what it could not
-end with the reason, and the memory it could not see come back.
+A process sent SIGKILL that has not gone after KillTimeoutSec is exiting, not a survivor: a
+large pinned host cache is unpinned in D state for 16-26 s (SGLang). Verification waits for it
+and for the memory together, up to VerifyTimeoutSec; only what is still there then survived.
+The sweep signals only processes its scan pinned by pidfds, and never a protected holder.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 import uuid
@@ -21,11 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
-from gpuguardd.engine import procfs
-from gpuguardd.engine.attribution import container_matches
+from gpuguardd.engine import process, procfs
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
-from gpuguardd.engine.slurm import in_job_scope
+from gpuguardd.engine.scope import gpu_scope, holds_no_device_here, in_scope, is_target, mig_scope_why
 from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode, Why
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.records.report import (
@@ -42,7 +36,6 @@ from gpuguardd.records.report import (
 log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
-MiB = 1024 * 1024
 # Where NVML's pids are not this /proc's (gpuguardd in a container), a process NVML still lists
 # may be the sweep's, not yet released, or another tenant's, and nothing here tells which. Once
 # none of the sweep's processes is left, verification waits for such lists only while they keep
@@ -55,15 +48,6 @@ class SweepObserver(Protocol):
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None: ...
-
-
-class NullObserver:
-    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
-        pass
-
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -87,140 +71,11 @@ MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
-def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
-    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
-    why it was left out.
-
-    NVML's per-GPU lists say which GPUs a process computes on. A process NVML does not list
-    (NVML unavailable, a process without a context, a PID namespace NVML does not speak for)
-    has only its nodes to show, and every CUDA process holds every GPU's node whichever GPU it
-    uses: it is on the scope's GPUs only if every GPU node it holds is in the scope, since
-    otherwise it may be a tenant of another GPU."""
-    wanted = set(gpus)
-    if holder.nvml_gpus:
-        return bool(wanted & set(holder.nvml_gpus)), ""
-    nodes = set(holder.node_gpus)
-    if nodes and nodes <= wanted:
-        return True, ""
-    if nodes & wanted:
-        others = ", ".join(str(g) for g in sorted(nodes - wanted))
-        return False, f"also holds GPU {others}; NVML lists it on no GPU"
-    return False, ""
-
-
-def holds_no_device_here(holder: Holder) -> bool:
-    """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
-    namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
-    nothing any more and is never signalled (the sweep reports it with its parent)."""
-    return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
-
-
-def _on_mig_scope(holder: Holder, scope: Scope) -> bool:
-    """In a scope of MIG instances only when every instance it runs in is one of them: a
-    tenant of another instance of the same GPU is never touched, and a holder of the GPU
-    whose instance is unknown (no NVML listing, no caps node) is no instance's tenant."""
-    return bool(holder.mig) and set(holder.mig) <= set(scope.mig)
-
-
-def _mig_scope_why(holder: Holder, scope: Scope) -> str:
-    """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
-    others = sorted(set(holder.mig) - set(scope.mig))
-    if others and set(holder.mig) & set(scope.mig):
-        return f"also in MIG instance {', '.join(others)}"
-    return ""
-
-
-def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
-    """On the scope's whole GPUs (gpu_scope's rule) or inside its MIG instances."""
-    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or _on_mig_scope(holder, scope)
-
-
-def in_scope(holder: Holder, scope: Scope) -> bool:
-    if scope.slurm_job:
-        # A Slurm epilog's sweep: its own rule, whatever else the scope says (slurm.py).
-        return in_job_scope(holder, scope.slurm_job, scope.slurm_uid,
-                            lambda: _on_scope_gpus(holder, scope))
-    if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
-        # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
-        # the unit watch chose (unitwatch.py), never a recycled PID.
-        return (not scope.gpus and not scope.mig) or _on_scope_gpus(holder, scope)
-    if scope.container:
-        if not container_matches(holder.container, scope.container):
-            return False
-    elif scope.unit and holder.container:
-        # A unit name without a container means the host's unit, never a container's namesake.
-        return False
-    if scope.unit and holder.unit != scope.unit:
-        return False
-    if scope.gpus or scope.mig:
-        return _on_scope_gpus(holder, scope)
-    return True
-
-
-def is_target(holder: Holder, scope: Scope) -> bool:
-    return (in_scope(holder, scope) and not holder.protected and not holds_no_device_here(holder)
-            and (holder.kind == HolderKind.COMPUTE or scope.include_management))
-
-
 def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
     if isinstance(key, str):
         return snap.mig_instance(key)
     gpu = snap.by_index(key)
     return None if gpu is None else (gpu, None)
-
-
-def _survivor_reason(pid: int) -> tuple[str, str]:
-    stat = procfs.read_stat(pid)
-    if stat is None:
-        return "", "exited"
-    if stat.state == "Z":
-        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
-    if stat.state == "D":
-        wchan = (procfs.read_wchan(pid) or "").strip()
-        where = f" in {wchan}" if wchan and wchan != "0" else ""
-        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
-    return stat.state, f"still running after SIGKILL (state {stat.state})"
-
-
-def _ignores_sigterm(pid: int) -> bool:
-    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
-    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
-    signals = procfs.read_signals(pid)
-    if signals is None:
-        return False
-    bit = 1 << (signal.SIGTERM - 1)
-    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
-                                           and not signals.caught & bit)
-
-
-def _exit_status(stat: procfs.ProcStat | None) -> str:
-    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
-    if stat is None or stat.state != "Z" or stat.exit_code is None:
-        return ""
-    code = stat.exit_code
-    if not os.WIFSIGNALED(code):
-        return f"exited with status {os.WEXITSTATUS(code)}"
-    try:
-        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
-    except ValueError:
-        return f"killed by signal {os.WTERMSIG(code)}"
-
-
-def _ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
-    """The signal of ours that ended a process, as far as is known; "" for none.
-
-    `last_sent`: the last signal sent before its exit was seen ("" if none yet), `status`:
-    _exit_status(), `sigterm_ignored`: SIGTERM could not end it when it was sent.
-    """
-    sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
-    if status.startswith("killed by "):
-        killer = status.removeprefix("killed by ")
-        return killer if killer in sent else ""
-    if status:
-        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
-        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
-        return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
-    return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent
 
 
 class Sweep:
@@ -235,7 +90,7 @@ class Sweep:
         self.scan = scan
         self.rescan = rescan
         self.snapshot = snapshot
-        self.observer = observer or NullObserver()
+        self.observer = observer
         self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=requested_by, reason=reason, resumes=resumes,
                              scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
@@ -244,8 +99,7 @@ class Sweep:
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
         self._terminated_pids: set[int] = set()
-        # Sent SIGKILL and not gone after KillTimeoutSec: exiting, not yet survivors (module
-        # docstring). pid -> (holder, a handle of our own, when the first signal went out).
+        # Sent SIGKILL, not gone after KillTimeoutSec: pid -> (holder, own handle, first signal's time).
         self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
         # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
         # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
@@ -253,18 +107,17 @@ class Sweep:
         # Whether NVML's pids are this /proc's (NvmlSnapshot.pids_local), as last read.
         self._pids_local = True
 
-    # -- the whole run -------------------------------------------------------------------
-
     def run(self) -> Report:
         report = self.report
-        self.observer.sweep_started(report.id, report.scope)
+        if self.observer is not None:
+            self.observer.sweep_started(report.id, report.scope)
         pinned, nvml, _, warnings = self.scan
         self._pids_local = nvml.pids_local
         report.warnings.extend(warnings)
         targets = self._plan(pinned)
         gpus_in_scope = self._gpus_in_scope(targets, nvml)
-        before = {key: view for key in self._all_keys(nvml)
-                  if (view := memory_view(nvml, key)) is not None}
+        keys: list[MemoryKey] = [*(g.index for g in nvml.gpus), *(i.uuid for g in nvml.gpus for i in g.mig)]
+        before = {key: view for key in keys if (view := memory_view(nvml, key)) is not None}
         if not nvml.gpus_known:
             report.warn(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified",
                         WarningCode.NVML_UNAVAILABLE)
@@ -306,8 +159,6 @@ class Sweep:
         for _, handle in pinned:
             handle.close()
 
-    # -- planning ------------------------------------------------------------------------
-
     def _plan(self, pinned: Pinned) -> Pinned:
         targets: Pinned = []
         for holder, handle in pinned:
@@ -315,7 +166,7 @@ class Sweep:
                 _, why = gpu_scope(holder, self.scope.gpus)
                 code = SpareReason.OTHER_GPU
                 if not why:
-                    why, code = _mig_scope_why(holder, self.scope), SpareReason.OTHER_MIG_INSTANCE
+                    why, code = mig_scope_why(holder, self.scope), SpareReason.OTHER_MIG_INSTANCE
                 # Worth a line for what the scope would otherwise have taken; protected processes
                 # (gpuguard itself among them) are never in question.
                 if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
@@ -338,30 +189,20 @@ class Sweep:
                 self.report.targets.append(Target.of(holder))
         return targets
 
-    @staticmethod
-    def _all_keys(nvml: NvmlSnapshot) -> list[MemoryKey]:
-        return [*(g.index for g in nvml.gpus), *(i.uuid for g in nvml.gpus for i in g.mig)]
-
     def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
         """What to verify: whole GPUs by index, and MIG instances by UUID where the scope
         (or, for a unit or container, its holders) is an instance: that instance's memory is
         what the sweep freed, and the GPU's aggregate also holds its other tenants'."""
-        gpus: list[MemoryKey] = []
         if self.scope.gpus or self.scope.mig:
-            gpus.extend(sorted(self.scope.gpus))
-            gpus.extend(sorted(self.scope.mig))
-            return gpus
+            return [*sorted(self.scope.gpus), *sorted(self.scope.mig)]
         if self.scope.whole_host:
             return [g.index for g in nvml.gpus]
-        gpus.extend(sorted({g for holder, _ in targets if not holder.mig for g in holder.gpus}))
-        gpus.extend(sorted({m for holder, _ in targets for m in holder.mig}))
-        return gpus
-
-    # -- termination ---------------------------------------------------------------------
+        return [*sorted({g for holder, _ in targets if not holder.mig for g in holder.gpus}),
+                *sorted({m for holder, _ in targets for m in holder.mig})]
 
     def _signal(self, holder: Holder, handle: ProcessHandle, sig: signal.Signals) -> str:
         """"sent", "gone" (exited before the signal) or "denied" (not ours to signal)."""
-        if sig == signal.SIGTERM and _ignores_sigterm(holder.pid):
+        if sig == signal.SIGTERM and process.ignores_sigterm(holder.pid):
             self._sigterm_ignored.add(holder.pid)
         try:
             sent = handle.send(sig)
@@ -382,8 +223,7 @@ class Sweep:
         live: dict[int, tuple[Holder, ProcessHandle]] = {}
         for holder, handle in targets:
             self._handled.add((holder.pid, holder.start_time))
-            if holder.state == "Z":
-                # Nothing to signal: a zombie has exited. Only its parent can release it.
+            if holder.state == "Z":  # nothing to signal: only its parent can release it
                 report.survived.append(Survivor.of(holder, f"zombie: parent {holder.ppid} has not reaped it",
                                                    state="Z"))
                 continue
@@ -403,9 +243,7 @@ class Sweep:
                     del live[pid]
 
         def wait(sig: signal.Signals, timeout: float) -> None:
-            def exited(pid: int, seen_at: float) -> None:
-                # Recorded (and announced on the bus) the moment it happens, not when the
-                # slowest target is done.
+            def exited(pid: int, seen_at: float) -> None:  # announced as it happens
                 holder, handle = live.pop(pid)
                 self._record_exit(holder, handle, sig.name, sent_at[pid], seen_at)
             wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
@@ -416,14 +254,11 @@ class Sweep:
             send_all(signal.SIGKILL, signal.SIGTERM.name)
             wait(signal.SIGKILL, self.settings.kill_timeout_sec)
         for pid, (holder, handle) in live.items():
-            # SIGKILL is pending: it is exiting, however slowly (a process tearing down a large
-            # pinned host cache sits in D state 16-26 s, sglang issue 31746). Verification
-            # keeps waiting for it; only what is left when VerifyTimeoutSec ends survived.
+            # SIGKILL is pending: exiting, however slowly (module docstring; sglang issue 31746).
             self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
 
     def _wait_exiting(self, timeout: float) -> None:
-        """Sleep up to `timeout`, recording exits of exiting processes the moment they happen;
-        returns early once none is left."""
+        """Sleep up to `timeout`, recording exits of exiting processes as they happen."""
         if not self._exiting:
             time.sleep(timeout)
             return
@@ -436,7 +271,7 @@ class Sweep:
 
     def _report_exiting(self) -> None:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
-            state, why = _survivor_reason(pid)
+            state, why = process.survivor_reason(pid)
             waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
             self.report.survived.append(Survivor.of(holder, f"{why} ({waited:g} s after SIGKILL)",
                                                     state=state))
@@ -451,8 +286,8 @@ class Sweep:
         stat = procfs.read_stat(holder.pid)
         if stat is not None and stat.start_time != handle.start_time:
             stat = None  # reaped, and its PID is another process's now
-        status = _exit_status(stat)
-        signal_name = _ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
+        status = process.exit_status(stat)
+        signal_name = process.ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
         entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit,
                            uid=holder.uid if holder.uid >= 0 else None, signal=signal_name,
                            exited_after_ms=max(0, int((seen - sent_at) * 1000)), exit_status=status)
@@ -462,10 +297,9 @@ class Sweep:
             entry.zombie_parent = stat.ppid
         self.report.terminated.append(entry)
         self._terminated_pids.add(holder.pid)
-        self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
-                                         signal_name)
-
-    # -- verification --------------------------------------------------------------------
+        if self.observer is not None:
+            self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
+                                             signal_name)
 
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
         """The judge's verdict on a view's memory: what the sweep ended (or waits for) must be
@@ -475,15 +309,11 @@ class Sweep:
                               self._pids_local, ending={*self._terminated_pids, *self._exiting},
                               stuck=set(stuck)))
 
-    def _released(self, view: MemoryView) -> bool:
-        return self._judge(view).released
-
     def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
         """The pids NVML lists there when they are not this /proc's: whether they are the
         sweep's (not yet released) or another tenant's cannot be read, so while there are any,
         neither "freed" nor "not released" can be said."""
-        memory = _memory_of(view)
-        return frozenset() if self._pids_local or memory is None else frozenset(memory.processes)
+        return frozenset() if self._pids_local else frozenset(_memory_of(view).processes)
 
     def _unreadable(self, view: MemoryView) -> str:
         """Why a view's memory proves nothing either way ("" when it does)."""
@@ -491,8 +321,7 @@ class Sweep:
         verdict = self._judge(view)
         if verdict.has(Why.LOST) or verdict.has(Why.UNREADABLE):
             # A hung or lost GPU's figures mean nothing: neither freed nor leaked.
-            memory = _memory_of(view)
-            why = gpu.error or (memory.error if memory else "") or ("lost" if gpu.lost else "unknown")
+            why = gpu.error or _memory_of(view).error or ("lost" if gpu.lost else "unknown")
             return f"memory could not be read ({why})"
         if verdict.has(Why.SUSPENDED):
             # Its figures are the last ones read: asking now would wake it (runtimepm.py).
@@ -525,7 +354,7 @@ class Sweep:
             settled = not self._terminated_pids \
                 or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
             if not self._exiting and snap.gpus_known \
-                    and all(k in current and (self._released(current[k]) or (k in lists and settled))
+                    and all(k in current and (self._judge(current[k]).released or (k in lists and settled))
                             for k in gpus):
                 return current
             if time.monotonic() >= deadline:
@@ -537,16 +366,15 @@ class Sweep:
 
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
                    after: MemoryView | None) -> GpuResult:
-        was = _memory_of(before)
+        was = _memory_of(before) if before else None
         entry = GpuResult(index=before[0].index if before else key if isinstance(key, int) else 0,
                           uuid=before[0].uuid if before else "",
                           memory_used_before=was.memory_used if was else 0,
                           memory_total=was.memory_total if was else 0,
                           mig_uuid=key if isinstance(key, str) else "")
         if after is not None:
-            now = _memory_of(after)
-            entry.memory_used_after = now.memory_used if now else 0
-            entry.released = self._released(after)
+            entry.memory_used_after = _memory_of(after).memory_used
+            entry.released = self._judge(after).released
         else:
             entry.memory_used_after = was.memory_used if was and self.settings.dry_run else 0
         return entry
@@ -560,24 +388,21 @@ class Sweep:
         for key in gpus:
             view = after.get(key)
             name = f"MIG {key}" if isinstance(key, str) else f"GPU {key}"
-            if view is not None and key not in readable:
+            if view is None:
+                was = _memory_of(before[key]) if key in before else None
+                if nvml_available:
+                    report.warnings.append(f"{name}: memory could not be read"
+                                           + (f" ({was.error})" if was and was.error else ""))
+                continue
+            if key not in readable:
                 report.warnings.append(f"{name}: {self._unreadable(view)}")
                 continue
-            if view is None:
-                if nvml_available:
-                    was = _memory_of(before.get(key))
-                    report.warnings.append(
-                        f"{name}: memory could not be read"
-                        + (f" ({was.error})" if was and was.error else ""))
-                continue
-            if not self._released(view):
+            if not self._judge(view).released:
                 not_released.append(key)
-                memory = _memory_of(view)
-                assert memory is not None
                 kind = self._judge(view, (s.pid for s in report.survived if s.state == "D")).leak
                 if kind is not None:
                     report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
-                                             bytes=memory.memory_used,
+                                             bytes=_memory_of(view).memory_used,
                                              mig_uuid=view[1].uuid if view[1] is not None else "",
                                              kind=kind.value))
         report.verified = verified and not not_released
@@ -593,11 +418,9 @@ class Sweep:
             report.outcome = Outcome.FREED
 
 
-def _memory_of(view: MemoryView | None) -> GpuInfo | MigInstance | None:
+def _memory_of(view: MemoryView) -> GpuInfo | MigInstance:
     """Whose memory a view is about: the instance's, or the whole GPU's."""
-    if view is None:
-        return None
-    return view[0] if view[1] is None else view[1]
+    return view[1] or view[0]
 
 
 def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuguardd.engine.attribution import container_scope_label
-from gpuguardd.engine.sweep import gpu_scope
+from gpuguardd.engine.scope import gpu_scope
 from gpuguardd.numbers import UINT32_MAX, is_digits
 from gpuguardd.records.enums import HolderKind
 from gpuguardd.records.models import Holder, NvmlSnapshot

@@ -30,7 +30,7 @@ def sessions() -> Iterator[list[Nvml]]:
         # A stuck call holds the fake library's lock in this process: let it return before the
         # next test talks to NVML.
         deadline = time.monotonic() + 10
-        while nvml._worker.hung is not None and time.monotonic() < deadline:
+        while nvml._worker._hung is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         nvml.shutdown()
 

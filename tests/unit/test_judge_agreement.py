@@ -122,7 +122,7 @@ def by_sweep_verify(case: Case) -> bool:
                   lambda: ([], scan.nvml, [], []), lambda: scan.nvml, "test")
     sweep._pids_local = scan.nvml.pids_local
     view = memory_view(scan.nvml, 0)
-    return view is not None and not sweep._unreadable(view) and sweep._released(view)
+    return view is not None and not sweep._unreadable(view) and sweep._judge(view).released
 
 
 @pytest.mark.parametrize("name", list(CASES))

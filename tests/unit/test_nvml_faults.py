@@ -53,7 +53,7 @@ def test_worker_answers_at_once_while_stuck_and_recovers() -> None:
         worker.run(lambda: 1, 5.0, "next call")
     assert time.monotonic() - started < 0.05, "a call queued behind the stuck one"
     time.sleep(max(0.0, release - time.monotonic()) + 0.1)
-    assert worker.hung is None
+    assert worker._hung is None
     assert worker.run(lambda: 42, 1.0, "after") == 42
     with pytest.raises(ZeroDivisionError):
         worker.run(lambda: 1 // 0, 1.0, "raises")

@@ -10,8 +10,14 @@ from pathlib import Path
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.protection import protection_reason
+from gpuguardd.engine.protection import ProtectedFiles, protection
 from gpuguardd.records.models import Holder
+
+
+def protection_reason(holder: Holder, config: Config, own_chain: list[int],
+                      protected: ProtectedFiles | None = None) -> str | None:
+    found = protection(holder, config, own_chain, protected)
+    return None if found is None else found[1]
 
 
 def holder_for(pid: int, exe: str = "/usr/bin/python3", unit: str = "", container: str = "",

@@ -58,10 +58,11 @@ def test_a_root_job_reaches_only_its_own_cgroup() -> None:
     service and session on the job's GPUs; for a root job only its cgroup is the job's."""
     import os
 
-    from gpuguardd.engine.slurm import in_job_scope, job_of
+    from gpuguardd.engine import procfs
+    from gpuguardd.engine.slurm import in_job_scope, job_of_cgroups
     from gpuguardd.records.models import Holder
     outside = Holder(pid=os.getpid(), comm="exporter", uid=0, unit="dcgm-exporter.service")
-    assert job_of(os.getpid()) == ""  # this test runs in no Slurm job
+    assert job_of_cgroups(procfs.read_cgroup(os.getpid()) or "") == ""  # this test runs in no Slurm job
     assert not in_job_scope(outside, "42", 0, lambda: True)
     user = Holder(pid=os.getpid(), comm="worker", uid=1000, unit="session-3.scope")
     assert in_job_scope(user, "42", 1000, lambda: True)

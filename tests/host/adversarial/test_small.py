@@ -81,10 +81,11 @@ import json, subprocess
 from gpuguardd.engine import procfs
 from gpuguardd.config import Config, load_config
 from gpuguardd.records.models import Holder
-from gpuguardd.engine.protection import protection_reason
+from gpuguardd.engine.protection import protection
 child = subprocess.Popen(["sleep", "30"])
 stat = procfs.read_stat(child.pid)
-reason = protection_reason(Holder(pid=child.pid, exe="/usr/bin/sleep", state="S"), Config(), [1])
+found = protection(Holder(pid=child.pid, exe="/usr/bin/sleep", state="S"), Config(), [1])
+reason = found and found[1]
 child.kill()
 child.wait()
 print(json.dumps({"pid": child.pid, "kthread": stat.is_kernel_thread, "reason": reason}))

@@ -1,0 +1,84 @@
+"""Which holders a scope takes: the rules a sweep plans by, and what listings and the unit
+watch place holders with."""
+
+from __future__ import annotations
+
+from gpuguardd.engine.attribution import container_matches
+from gpuguardd.engine.slurm import in_job_scope
+from gpuguardd.records.enums import HolderKind
+from gpuguardd.records.models import Holder, Scope
+
+
+def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
+    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
+    why it was left out.
+
+    NVML's per-GPU lists say which GPUs a process computes on. A process NVML does not list
+    (NVML unavailable, a process without a context, a PID namespace NVML does not speak for)
+    has only its nodes to show, and every CUDA process holds every GPU's node whichever GPU it
+    uses: it is on the scope's GPUs only if every GPU node it holds is in the scope, since
+    otherwise it may be a tenant of another GPU."""
+    wanted = set(gpus)
+    if holder.nvml_gpus:
+        return bool(wanted & set(holder.nvml_gpus)), ""
+    nodes = set(holder.node_gpus)
+    if nodes and nodes <= wanted:
+        return True, ""
+    if nodes & wanted:
+        others = ", ".join(str(g) for g in sorted(nodes - wanted))
+        return False, f"also holds GPU {others}; NVML lists it on no GPU"
+    return False, ""
+
+
+def holds_no_device_here(holder: Holder) -> bool:
+    """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
+    namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
+    nothing any more and is never signalled (the sweep reports it with its parent)."""
+    return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
+
+
+def _on_mig_scope(holder: Holder, scope: Scope) -> bool:
+    """In a scope of MIG instances only when every instance it runs in is one of them: a
+    tenant of another instance of the same GPU is never touched, and a holder of the GPU
+    whose instance is unknown (no NVML listing, no caps node) is no instance's tenant."""
+    return bool(holder.mig) and set(holder.mig) <= set(scope.mig)
+
+
+def mig_scope_why(holder: Holder, scope: Scope) -> str:
+    """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
+    others = sorted(set(holder.mig) - set(scope.mig))
+    if others and set(holder.mig) & set(scope.mig):
+        return f"also in MIG instance {', '.join(others)}"
+    return ""
+
+
+def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
+    """On the scope's whole GPUs (gpu_scope's rule) or inside its MIG instances."""
+    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or _on_mig_scope(holder, scope)
+
+
+def in_scope(holder: Holder, scope: Scope) -> bool:
+    if scope.slurm_job:
+        # A Slurm epilog's sweep: its own rule, whatever else the scope says (slurm.py).
+        return in_job_scope(holder, scope.slurm_job, scope.slurm_uid,
+                            lambda: _on_scope_gpus(holder, scope))
+    if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
+        # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
+        # the unit watch chose (unitwatch.py), never a recycled PID.
+        return (not scope.gpus and not scope.mig) or _on_scope_gpus(holder, scope)
+    if scope.container:
+        if not container_matches(holder.container, scope.container):
+            return False
+    elif scope.unit and holder.container:
+        # A unit name without a container means the host's unit, never a container's namesake.
+        return False
+    if scope.unit and holder.unit != scope.unit:
+        return False
+    if scope.gpus or scope.mig:
+        return _on_scope_gpus(holder, scope)
+    return True
+
+
+def is_target(holder: Holder, scope: Scope) -> bool:
+    return (in_scope(holder, scope) and not holder.protected and not holds_no_device_here(holder)
+            and (holder.kind == HolderKind.COMPUTE or scope.include_management))
