@@ -27,6 +27,7 @@ from gpuguardd.numbers import UID_MAX, parse_job_id, parse_uid, parse_uint
 from gpuguardd.records.enums import UNVERIFIED_WARNINGS, Outcome
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
+from gpuguardd.records.selectors import PCI, selector
 
 # v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
 # (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:
@@ -67,7 +68,9 @@ def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], b
 class EpilogJob:
     job_id: str
     uid: int
-    minors: tuple[int, ...]
+    # Device minors (/dev/nvidia<N>; an AMD GPU's render node, renderD<N>), or PCI bus ids as
+    # the list gave them.
+    minors: tuple[int | str, ...]
 
     @property
     def reason(self) -> str:
@@ -94,29 +97,33 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
     uid = parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
     name = "SLURM_JOB_GPUS" if "SLURM_JOB_GPUS" in environ else "CUDA_VISIBLE_DEVICES"
     text = environ.get(name, "").strip()
-    minors: list[int] = []
+    minors: list[int | str] = []
     if text not in _NO_GPUS:
-        for item in text.split(","):
-            minor = parse_uint(item.strip(), name, MAX_MINOR)
+        for item in (i.strip() for i in text.split(",")):
+            minor = item if selector(item).kind == PCI else parse_uint(item, name, MAX_MINOR)
             if minor not in minors:
                 minors.append(minor)
     return EpilogJob(job_id, uid, tuple(minors))
 
 
-def gpu_selectors(minors: Iterable[int], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
-    """NVML indices (as the sweep's `gpus` strings) for device minors, and warnings. Without
-    NVML's list, minor N is taken to be GPU N (what /dev/nvidiaN is on almost every host)."""
+def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
+    """Indices (as the sweep's `gpus` strings) for device minors, and warnings; a PCI bus id
+    goes as it is (the sweep resolves it). Without a GPU list, minor N is taken to be GPU N
+    (what /dev/nvidiaN is on almost every host)."""
     by_minor = {-1 if "minor" in g.unread else g.minor: str(g.index) for g in gpus}
     selectors: list[str] = []
     warnings: list[str] = []
     for minor in minors:
-        if minor in by_minor:
+        if isinstance(minor, str):
+            selectors.append(minor)
+        elif minor in by_minor:
             selectors.append(by_minor[minor])
         elif not gpus:
             selectors.append(str(minor))
             warnings.append(f"no GPU list (NVML unavailable?): device minor {minor} taken to be GPU {minor}")
         else:
-            raise InvalidArgument(f"no GPU has device minor {minor} (/dev/nvidia{minor}); "
+            raise InvalidArgument(f"no GPU has device minor {minor} (/dev/nvidia{minor}, "
+                                  f"/dev/dri/renderD{minor}); "
                                   f"minors: {', '.join(str(m) for m in sorted(by_minor)) or 'none'}")
     return selectors, warnings
 

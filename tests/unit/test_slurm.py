@@ -8,6 +8,7 @@ import pytest
 
 from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups
 from gpuguardd.errors import InvalidArgument
+from gpuguardd.records.enums import Vendor
 from gpuguardd.records.models import GpuSummary
 
 
@@ -51,6 +52,17 @@ def test_device_minors_become_nvml_indices() -> None:
         gpu_selectors([5], gpus)
     selectors, warnings = gpu_selectors([2], [])
     assert selectors == ["2"] and "taken to be GPU 2" in warnings[0]
+
+
+def test_amd_render_minors_and_pci_bus_ids_name_gpus() -> None:
+    job = epilog_job({"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "1000", "SLURM_JOB_GPUS": "129,0000:C3:00.0"})
+    assert job.minors == (129, "0000:C3:00.0")
+    gpus = [GpuSummary(index=0, minor=0), GpuSummary(index=1, minor=128, vendor=Vendor.AMD),
+            GpuSummary(index=2, minor=129, vendor=Vendor.AMD)]
+    # renderD129 is GPU 2; the PCI bus id goes to the sweep as typed, which resolves it.
+    assert gpu_selectors(job.minors, gpus) == (["2", "0000:C3:00.0"], [])
+    with pytest.raises(InvalidArgument, match=r"SLURM_JOB_GPUS '0000:c3:00\.8'"):
+        epilog_job({"SLURM_JOB_ID": "7", "SLURM_JOB_UID": "0", "SLURM_JOB_GPUS": "0000:c3:00.8"})
 
 
 def test_a_root_job_reaches_only_its_own_cgroup() -> None:
