@@ -22,7 +22,7 @@ from gpuguardd.bus.interfaces import ContractInterface, GpuInterface, ManagerInt
 from gpuguardd.bus.names import ERROR_PREFIX, GPU_INTERFACE, MANAGER_INTERFACE
 from gpuguardd.errors import InvalidArgument
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 XML = (ROOT / "dbus" / contract.XML_NAME).read_text(encoding="utf-8")
 POLICY = ROOT / "dbus" / "org.gpuguard.GpuGuard1.policy"
 NOT_AUTHORIZED = ERROR_PREFIX + "NotAuthorized"

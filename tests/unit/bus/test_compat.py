@@ -10,7 +10,7 @@ import pytest
 
 from gpuguardd.bus import compat
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_setup_cfg_and_docs_state_the_range() -> None:

@@ -211,7 +211,7 @@ def test_hook_runs_the_gpuguardctl_that_installed_it(tmp_path: Path) -> None:
     program.chmod(0o755)
     root = tmp_path / "root"
     root.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     subprocess.run([str(program), "hook", "install", "sglang-", "--root", str(root)], env=env,
                    check=True, capture_output=True)
     text = (root / ETC / "sglang-.service.d" / "gpuguard.conf").read_text()

@@ -28,7 +28,7 @@ from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
 from tests import dbusxml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DBUS = ROOT / "dbus"
 
 
