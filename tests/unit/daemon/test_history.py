@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from gpuguardd.daemon.history import FILE_NAME, History
-from gpuguardd.records.report import Report
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.report import Report, Target
+from tests.unit.helpers import HOLDER
 
 
 def record(n: int) -> Report:
@@ -128,3 +130,19 @@ def test_shrinking_the_maximum_trims(tmp_path: Path) -> None:
         history.append(record(n))
     history.set_max_entries(3)
     assert [r["id"] for r in history.newest(0)] == [report(n)["id"] for n in (7, 6, 5)]
+
+
+def test_the_history_reads_its_newest_report_once(tmp_path: Path) -> None:
+    """The status line asks for the newest report at every change; one may hold 40,000
+    targets, so it is typed once: the record appended, or the stored one read back."""
+    history = History(str(tmp_path), 10)
+    history.load()
+    assert history.last() is None
+    report = Report(id="f" * 32, outcome=Outcome.FREED, targets=[Target.of(HOLDER)])
+    history.append(report)
+    assert history.last() is report
+    again = History(str(tmp_path), 10)
+    again.load()
+    first = again.last()
+    assert first is not None and first is again.last() and first.to_dict() == report.to_dict()
+

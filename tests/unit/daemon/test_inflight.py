@@ -9,24 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuguardd.cli import retry
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.errors import DaemonUnavailable
-from gpuguardd.records.enums import Outcome
+from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
-from gpuguardd.records.report import Report
-
-ID = "0123456789abcdef" * 2
-
-
-def request(**changes: object) -> SweepRequest:
-    base = SweepRequest(gpus=["0", "GPU-1"], unit="sglang-a.service", grace_ms=2500,
-                        dry_run=False, reason="hook:sglang-a.service result=success",
-                        requested_by="hook:sglang-a.service", adopted=[(41, 9000)],
-                        slurm_job="", report_id=ID)
-    for key, value in changes.items():
-        setattr(base, key, value)
-    return base
+from tests.unit.helpers import ID, request
 
 
 def test_a_record_reads_back_as_written_and_goes_when_removed(tmp_path: Path) -> None:
@@ -64,50 +50,6 @@ def test_a_full_disk_is_reported_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert not InFlightSweeps(str(blocked)).add(InFlightSweep(request(), 1))
 
 
-def finished(outcome: Outcome = Outcome.FREED) -> Report:
-    return Report(id="f" * 32, outcome=outcome)
-
-
-def vanish() -> Report:
-    raise DaemonUnavailable("Message recipient disconnected from message bus without replying")
-
-
-def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
-    asked: list[str] = []
-
-    def again() -> Report:
-        asked.append("again")
-        if len(asked) < 3:  # still restarting
-            raise DaemonUnavailable("org.gpuguard.GpuGuard1 is not running")
-        return finished()
-
-    report = retry.sweep(vanish, again, lambda: pytest.fail("no local sweep"), request())
-    assert report.outcome == Outcome.FREED and len(asked) == 3
-    text = caplog.text
-    assert "gpuguardd stopped during the sweep of sglang-a.service" in text and "retrying" in text
-    assert "finished it: sweep ffffffff, freed" in text
-
-
-def test_root_finishes_locally_when_the_daemon_stays_away(monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    report = retry.sweep(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request(),
-                         retry_sec=0.05)
-    assert report.outcome == Outcome.SURVIVORS  # the exit status is the finishing sweep's
-    assert "sweeping with the local engine" in caplog.text and "finished locally" in caplog.text
-
-
-def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(DaemonUnavailable, match="did not come back within 0 s"):
-        retry.sweep(vanish, vanish, lambda: pytest.fail("no local sweep"), request(),
-                    retry_sec=0.05)
-
-
 def test_progress_is_kept_and_a_late_write_never_undoes_it(tmp_path: Path) -> None:
     from gpuguardd.records.report import Terminated
 
@@ -121,3 +63,25 @@ def test_progress_is_kept_and_a_late_write_never_undoes_it(tmp_path: Path) -> No
     store.remove(ID)
     store.add(InFlightSweep(request(), 1, [one, two]))  # later still: the sweep is over
     assert store.load() == []
+
+
+def test_an_in_flight_record_keeps_its_kind_and_an_older_one_gets_it_from_its_words(
+        tmp_path: Path) -> None:
+    report_id = "0123456789abcdef" * 2
+    store = InFlightSweeps(str(tmp_path))
+    request = SweepRequest(unit="a.service", requested_by="uid 0 (root) :1.5", report_id=report_id,
+                           requester_kind=RequesterKind.RECOVERED, dry_run=False)
+    assert store.add(InFlightSweep(request, 1))
+    (back,) = store.load()
+    assert back.request.requester_kind is RequesterKind.RECOVERED
+    # A record the version before the kinds wrote (a daemon upgraded mid-sweep).
+    path = os.path.join(store.directory, f"{report_id}.json")
+    with open(path, encoding="ascii") as f:
+        data = json.load(f)
+    del data["requester_kind"]
+    data["requested_by"] = "hook:a.service"
+    with open(path, "w", encoding="ascii") as f:
+        json.dump(data, f)
+    (old,) = store.load()
+    assert old.request.requester_kind is RequesterKind.HOOK
+

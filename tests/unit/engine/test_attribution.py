@@ -7,6 +7,7 @@ import pytest
 from gpuguardd.engine.attribution import (
     attribute,
     container_matches,
+    container_scope_label,
     normalize_unit_name,
     validate_container_label,
 )
@@ -84,3 +85,16 @@ def test_container_labels() -> None:
     assert not container_matches(f"docker/{DOCKER_ID}", "podman/3f2a9c1d")
     assert not container_matches("lxc/1290", "lxc/129")
     assert container_matches("", "")
+
+
+def test_scope_names_and_their_containers() -> None:
+    cid = "3f2a9c1d5e6f" + "0" * 52
+    assert container_scope_label(f"docker-{cid}.scope") == f"docker/{cid}"
+    assert container_scope_label(f"libpod-{cid}.scope") == f"podman/{cid}"
+    assert container_scope_label(f"libpod-conmon-{cid}.scope") == f"podman/{cid}"
+    assert container_scope_label(f"cri-containerd-{cid}.scope") == f"containerd/{cid}"
+    assert container_scope_label(f"crio-{cid}.scope") == f"crio/{cid}"
+    for other in ("docker.service", "docker-xyz.scope", f"docker-{cid}.service", "session-3.scope",
+                  f"mydocker-{cid}.scope"):
+        assert container_scope_label(other) == "", other
+

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.protection import protection_reason
+from gpuguardd.engine.protection import ProtectedFiles, mark_protection, protection, protection_reason
+from gpuguardd.records.enums import SpareReason
 from gpuguardd.records.models import Holder
 
 
@@ -85,3 +86,72 @@ def test_a_protected_daemon_stays_protected_when_its_binary_is_upgraded(tmp_path
     finally:
         child.kill()
         child.wait()
+
+
+def test_protection_decides_the_code_with_the_words() -> None:
+    config = Config()
+    chain = procfs.ancestors(os.getpid())
+    assert protection(Holder(pid=1, exe="/sbin/init", state="S"), config, chain) == (
+        SpareReason.INIT, "PID 1 (init)")
+    kthread = next(p for p in procfs.list_pids() if (s := procfs.read_stat(p)) and s.is_kernel_thread)
+    assert protection(Holder(pid=kthread, state="S"), config, chain) == (
+        SpareReason.KERNEL_THREAD, "kernel thread")
+    assert protection(Holder(pid=os.getpid(), state="S"), config, chain) == (
+        SpareReason.SELF, "gpuguard itself")
+    if os.getppid() != 1:
+        assert protection(Holder(pid=os.getppid(), state="S"), config, chain) == (
+            SpareReason.ANCESTOR, "an ancestor of the sweeping process")
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        exe = os.path.realpath(f"/proc/{child.pid}/exe")
+        found = protection(Holder(pid=child.pid, exe=exe, state="S"),
+                           Config(protected_executables=(exe,)), [])
+        assert found is not None and found[0] is SpareReason.PROTECTED_EXECUTABLE
+        assert protection(Holder(pid=child.pid, exe=exe, unit="nvidia-persistenced.service", state="S"),
+                          config, []) == (SpareReason.PROTECTED_UNIT,
+                                          "protected unit nvidia-persistenced.service")
+        unknown = Holder(pid=child.pid, exe="", state="S")
+        mark_protection(unknown, config, [])
+        assert unknown.protected and unknown.protected_code is SpareReason.EXECUTABLE_UNKNOWN
+        assert unknown.protected_why.startswith("executable unknown")
+        free = Holder(pid=child.pid, exe=exe, state="S")
+        mark_protection(free, config, [])
+        assert not free.protected and free.protected_code is None and free.protected_why == ""
+        # Not on the holder's wire form: the holder's keys stay as they were.
+        assert "protected_code" not in unknown.to_dict()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_protected_executables_match_by_file_identity(tmp_path: Path) -> None:
+    """Symlinks and globs in ProtectedExecutables name files; a process is protected when it
+    runs one of those very files (device and inode), never another file at a similar path."""
+    sleep = shutil.which("sleep")
+    assert sleep
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    real = tmp_path / "real-persistenced"
+    shutil.copy2(os.path.realpath(sleep), real)
+    link = tmp_path / "nvidia-persistenced"
+    link.symlink_to(real)
+    shutil.copy2(os.path.realpath(sleep), nv / "nv-hostengine")
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    shutil.copy2(real, twin / "real-persistenced")  # same bytes, another file
+    config = Config(protected_executables=(str(link), f"{nv}/*"))
+    files = ProtectedFiles.resolve(config)
+    procs = [subprocess.Popen([str(path), "30"]) for path in
+             (link, nv / "nv-hostengine", twin / "real-persistenced", Path(os.path.realpath(sleep)))]
+    try:
+        assert files.match(procs[0].pid) == str(link)
+        assert files.match(procs[1].pid) == f"{nv}/nv-hostengine"
+        assert files.match(procs[2].pid) is None
+        assert files.match(procs[3].pid) is None
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert Config().is_protected_unit("nvidia-persistenced.service")
+    assert Config().is_protected_unit("sglang-demo.service") is None
+

@@ -15,9 +15,10 @@ from typing import cast
 import pytest
 
 from gpuguardd.engine.nvml import Nvml
-from gpuguardd.engine.reset import GpuReset, ResetSettings
+from gpuguardd.engine.reset import GpuReset, ResetSettings, refusal
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
+from tests.unit.helpers import DEAD, LIVE
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -164,3 +165,28 @@ def test_a_live_kfd_process_on_the_gpu_refuses_in_kfd_words(host: Host) -> None:
     outcome, error, calls = host.reset()
     assert outcome == Outcome.RESET_REFUSED and calls == []
     assert error.startswith("KFD lists live process(es) on it")
+
+
+def test_a_reset_goes_past_gpuguardd_and_persistenced_only() -> None:
+    gpu = GpuInfo(index=1, uuid="GPU-b", processes={DEAD: GiB})
+    snap = NvmlSnapshot(available=True, gpus=[gpu])
+    persistenced = Holder(pid=10, comm="nvidia-persistenced", exe="/usr/bin/nvidia-persistenced",
+                          node_gpus=[0, 1])
+    own = Holder(pid=11, comm="gpuguardd", node_gpus=[0, 1])
+    assert refusal(gpu, snap, [persistenced, own], frozenset({11})) == ""
+    smi = Holder(pid=12, comm="nvidia-smi", exe="/usr/bin/nvidia-smi", node_gpus=[1], unit="x.service")
+    assert refusal(gpu, snap, [smi], frozenset()) == "pid 12 (nvidia-smi, management) holds it in unit x.service"
+    dcgm = Holder(pid=13, comm="nv-hostengine", exe="/usr/bin/nv-hostengine", node_gpus=[1])
+    assert "stop DCGM first" in refusal(gpu, snap, [dcgm], frozenset())
+    # A compute holder whose GPU nobody can name may be on this one.
+    unplaced = Holder(pid=14, comm="python", kind=HolderKind.COMPUTE)
+    assert "pid 14" in refusal(gpu, snap, [unplaced], frozenset())
+    # Another GPU's management client is no matter.
+    other = Holder(pid=15, comm="nvidia-smi", node_gpus=[0])
+    assert refusal(gpu, snap, [other], frozenset()) == ""
+    alive = GpuInfo(index=1, uuid="GPU-b", processes={LIVE: GiB})
+    assert "NVML lists live process(es) on it" in refusal(alive, NvmlSnapshot(available=True, gpus=[alive]),
+                                                         [], frozenset())
+    foreign = NvmlSnapshot(available=True, gpus=[gpu], pids_local=False)
+    assert "another PID namespace" in refusal(gpu, foreign, [], frozenset())
+

@@ -4,11 +4,16 @@ tests/host/test_slurm.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from gpuguardd.engine import slurm
 from gpuguardd.engine.slurm import epilog_job, gpu_selectors, job_of_cgroups
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.records.models import GpuSummary
+from gpuguardd.records.enums import Outcome, WarningCode
+from gpuguardd.records.models import GpuSummary, Holder
+from gpuguardd.records.report import Report
 
 
 def test_job_of_cgroups_v1_v2_and_others() -> None:
@@ -56,12 +61,24 @@ def test_device_minors_become_nvml_indices() -> None:
 def test_a_root_job_reaches_only_its_own_cgroup() -> None:
     """SLURM_JOB_UID=0: rule 2 ("the job user's, in no job cgroup") would reach every root
     service and session on the job's GPUs; for a root job only its cgroup is the job's."""
-    import os
 
     from gpuguardd.engine.slurm import in_job_scope, job_of
-    from gpuguardd.records.models import Holder
     outside = Holder(pid=os.getpid(), comm="exporter", uid=0, unit="dcgm-exporter.service")
     assert job_of(os.getpid()) == ""  # this test runs in no Slurm job
     assert not in_job_scope(outside, "42", 0, lambda: True)
     user = Holder(pid=os.getpid(), comm="worker", uid=1000, unit="session-3.scope")
     assert in_job_scope(user, "42", 1000, lambda: True)
+
+
+def test_the_epilogs_drain_reason_lists_the_warnings_coded_unverified() -> None:
+    report = Report(outcome=Outcome.UNVERIFIED)
+    # Words that look like the unverified ones, coded otherwise, are not picked.
+    report.warn("[Devices] Paths: memory not verified, memory could not be read")
+    report.warn("no NVML: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
+    report.warn("GPU 1: suspended", WarningCode.MEMORY_UNVERIFIED)
+    assert slurm.summary("7", report) == (
+        "gpuguard: job 7: unverified: no NVML: GPU memory cannot be verified; GPU 1: suspended")
+    # Without a coded one: the general words.
+    assert slurm.summary("7", Report(outcome=Outcome.UNVERIFIED, warnings=["memory not verified"])) \
+        == "gpuguard: job 7: unverified: GPU memory not verified"
+

@@ -4,64 +4,12 @@ watch, resume, the in-flight records) and the warnings the Slurm epilog acts on.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from gpuguardd.bus.auth import Caller
-from gpuguardd.config import Config
-from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.daemon.service import requester
-from gpuguardd.engine import procfs, slurm
-from gpuguardd.engine.protection import mark_protection, protection
 from gpuguardd.engine.sweep import Sweep, SweepSettings
-from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode
-from gpuguardd.records.models import Holder, NvmlSnapshot, Scope, SweepRequest
+from gpuguardd.records.enums import HolderKind, RequesterKind, SpareReason, WarningCode
+from gpuguardd.records.models import Holder, NvmlSnapshot, Scope
 from gpuguardd.records.report import Report
-from gpuguardd.systemd.rules import legacy_requester_kind
-
-ROOT = Caller(sender=":1.42", uid=0, user="root", interactive=False)
-ALICE = Caller(sender=":1.43", uid=1000, user="alice", interactive=True)
-
-
-def test_protection_decides_the_code_with_the_words() -> None:
-    config = Config()
-    chain = procfs.ancestors(os.getpid())
-    assert protection(Holder(pid=1, exe="/sbin/init", state="S"), config, chain) == (
-        SpareReason.INIT, "PID 1 (init)")
-    kthread = next(p for p in procfs.list_pids() if (s := procfs.read_stat(p)) and s.is_kernel_thread)
-    assert protection(Holder(pid=kthread, state="S"), config, chain) == (
-        SpareReason.KERNEL_THREAD, "kernel thread")
-    assert protection(Holder(pid=os.getpid(), state="S"), config, chain) == (
-        SpareReason.SELF, "gpuguard itself")
-    if os.getppid() != 1:
-        assert protection(Holder(pid=os.getppid(), state="S"), config, chain) == (
-            SpareReason.ANCESTOR, "an ancestor of the sweeping process")
-    child = subprocess.Popen(["sleep", "30"])
-    try:
-        exe = os.path.realpath(f"/proc/{child.pid}/exe")
-        found = protection(Holder(pid=child.pid, exe=exe, state="S"),
-                           Config(protected_executables=(exe,)), [])
-        assert found is not None and found[0] is SpareReason.PROTECTED_EXECUTABLE
-        assert protection(Holder(pid=child.pid, exe=exe, unit="nvidia-persistenced.service", state="S"),
-                          config, []) == (SpareReason.PROTECTED_UNIT,
-                                          "protected unit nvidia-persistenced.service")
-        unknown = Holder(pid=child.pid, exe="", state="S")
-        mark_protection(unknown, config, [])
-        assert unknown.protected and unknown.protected_code is SpareReason.EXECUTABLE_UNKNOWN
-        assert unknown.protected_why.startswith("executable unknown")
-        free = Holder(pid=child.pid, exe=exe, state="S")
-        mark_protection(free, config, [])
-        assert not free.protected and free.protected_code is None and free.protected_why == ""
-        # Not on the holder's wire form: the holder's keys stay as they were.
-        assert "protected_code" not in unknown.to_dict()
-    finally:
-        child.kill()
-        child.wait()
 
 
 class Handle:
@@ -108,57 +56,3 @@ def test_every_spared_entry_carries_the_code_of_why() -> None:
     assert report.warning_codes == [WarningCode.NVML_UNAVAILABLE]
     assert len(report.warnings) == 1
 
-
-def test_the_requester_kind_is_decided_with_requested_by() -> None:
-    assert requester(ROOT, "hook:train.service result=exit-code") == (
-        "hook:train.service", RequesterKind.HOOK)
-    assert requester(ALICE, "hook:train.service") == (
-        "hook:train.service via uid 1000 (alice) :1.43", RequesterKind.HOOK_NONROOT)
-    assert requester(ROOT, "", slurm_job="42") == ("slurm:42", RequesterKind.SLURM)
-    assert requester(ALICE, "slurm:42", slurm_job="42") == ("uid 1000 (alice) :1.43",
-                                                            RequesterKind.MANUAL)
-    assert requester(ROOT, "watch:x.service") == ("uid 0 (root) :1.42", RequesterKind.MANUAL)
-
-
-def test_an_in_flight_record_keeps_its_kind_and_an_older_one_gets_it_from_its_words(
-        tmp_path: Path) -> None:
-    report_id = "0123456789abcdef" * 2
-    store = InFlightSweeps(str(tmp_path))
-    request = SweepRequest(unit="a.service", requested_by="uid 0 (root) :1.5", report_id=report_id,
-                           requester_kind=RequesterKind.RECOVERED, dry_run=False)
-    assert store.add(InFlightSweep(request, 1))
-    (back,) = store.load()
-    assert back.request.requester_kind is RequesterKind.RECOVERED
-    # A record the version before the kinds wrote (a daemon upgraded mid-sweep).
-    path = os.path.join(store.directory, f"{report_id}.json")
-    with open(path, encoding="ascii") as f:
-        data = json.load(f)
-    del data["requester_kind"]
-    data["requested_by"] = "hook:a.service"
-    with open(path, "w", encoding="ascii") as f:
-        json.dump(data, f)
-    (old,) = store.load()
-    assert old.request.requester_kind is RequesterKind.HOOK
-
-
-@pytest.mark.parametrize(("requested_by", "kind"), [
-    ("hook:a.service", RequesterKind.HOOK), ("watch:a.service", RequesterKind.WATCH),
-    ("slurm:42", RequesterKind.SLURM), ("recovered:a.service", RequesterKind.RECOVERED),
-    ("hook:a.service via uid 1000 (alice) :1.4", RequesterKind.HOOK_NONROOT),
-    ("uid 1000 (alice) :1.4", RequesterKind.MANUAL), ("hook:", RequesterKind.MANUAL),
-])
-def test_the_legacy_rule_for_records_older_than_the_kinds(requested_by: str, kind: RequesterKind) -> None:
-    assert legacy_requester_kind(requested_by) is kind
-
-
-def test_the_epilogs_drain_reason_lists_the_warnings_coded_unverified() -> None:
-    report = Report(outcome=Outcome.UNVERIFIED)
-    # Words that look like the unverified ones, coded otherwise, are not picked.
-    report.warn("[Devices] Paths: memory not verified, memory could not be read")
-    report.warn("no NVML: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
-    report.warn("GPU 1: suspended", WarningCode.MEMORY_UNVERIFIED)
-    assert slurm.summary("7", report) == (
-        "gpuguard: job 7: unverified: no NVML: GPU memory cannot be verified; GPU 1: suspended")
-    # Without a coded one: the general words.
-    assert slurm.summary("7", Report(outcome=Outcome.UNVERIFIED, warnings=["memory not verified"])) \
-        == "gpuguard: job 7: unverified: GPU memory not verified"

@@ -26,19 +26,33 @@ from gpuguardd.records.enums import (
     WarningCode,
 )
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary, Scope
-from gpuguardd.records.report import (
-    GpuResult,
-    Leak,
-    Report,
-    ReportScope,
-    Spared,
-    Survivor,
-    Target,
-    Terminated,
-)
+from gpuguardd.records.report import GpuResult, Leak, Report, ReportScope, Spared, Survivor, Target, Terminated
+from tests.unit.helpers import HOLDER
 
-HOLDER = Holder(pid=42, comm="python3", exe="/usr/bin/python3", unit="vllm.service",
-                container="", kind=HolderKind.COMPUTE, gpus=[0, 1], gpu_memory=7, state="D", ppid=1)
+# Records no version wrote, as a hand-edited history may hold them (tests/bus/adversarial/
+# test_history_shapes.py serves and prints these through the daemon).
+ODD: list[Any] = [
+    {"id": "a" * 32},
+    {"id": "b" * 32, "outcome": "freed", "scope": "GPU 0", "terminated": [7, None, "x"],
+     "gpus": [{"index": 0, "memory_used_before": "lots"}], "leaks": [{}], "warnings": "one",
+     "omitted_after": 3, "from_a_newer_version": {"x": [1]}},
+    {"id": "c" * 32, "dry_run": True, "targets": {"pid": 1}, "scope": {"gpus": 3, "unit": 5},
+     "survived": [{"pid": "x"}], "spared": "all", "duration_ms": None, "outcome": "partial"},
+    {"id": "d" * 32, "requested_by": ["a", "b"], "gpus": [{"memory_used_after": True}],
+     "terminated": [{"pid": 9, "comm": ["x"], "exited_after_ms": {"a": 1}}]},
+]
+
+
+def coded_report() -> Report:
+    report = Report(id="e" * 32, outcome=Outcome.UNVERIFIED, requested_by="hook:x.service",
+                    requester_kind=RequesterKind.HOOK,
+                    spared=[Spared.of(HOLDER, SpareReason.ANCESTOR, "an ancestor of the sweeping process")])
+    report.warnings.append("resolving: an uncoded warning")
+    report.warn("NVML unavailable: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
+    report.warnings.append("GPU 0: memory not read: the GPU is runtime-suspended")
+    report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
+    report.warnings.append("a warning added after the codes")
+    return report
 
 
 def test_entries_have_the_released_keys_in_the_released_order() -> None:
@@ -96,20 +110,6 @@ def test_a_report_goes_over_the_bus_and_back_unchanged() -> None:
     back = Report.from_dict(marshal.unwrap(typed))
     assert back == report and back.to_dict() == report.to_dict() and not back.unread
     assert json.loads(json.dumps(report.to_dict())) == report.to_dict()
-
-
-# Records no version wrote, as a hand-edited history may hold them (tests/bus/adversarial/
-# test_history_shapes.py serves and prints these through the daemon).
-ODD: list[Any] = [
-    {"id": "a" * 32},
-    {"id": "b" * 32, "outcome": "freed", "scope": "GPU 0", "terminated": [7, None, "x"],
-     "gpus": [{"index": 0, "memory_used_before": "lots"}], "leaks": [{}], "warnings": "one",
-     "omitted_after": 3, "from_a_newer_version": {"x": [1]}},
-    {"id": "c" * 32, "dry_run": True, "targets": {"pid": 1}, "scope": {"gpus": 3, "unit": 5},
-     "survived": [{"pid": "x"}], "spared": "all", "duration_ms": None, "outcome": "partial"},
-    {"id": "d" * 32, "requested_by": ["a", "b"], "gpus": [{"memory_used_after": True}],
-     "terminated": [{"pid": 9, "comm": ["x"], "exited_after_ms": {"a": 1}}]},
-]
 
 
 @pytest.mark.parametrize("record", ODD)
@@ -226,33 +226,6 @@ def test_every_shape_read_back_gives_its_wire_form_back() -> None:
         assert again == record and not again.unread and again.to_dict() == record.to_dict()
 
 
-def test_the_history_reads_its_newest_report_once(tmp_path: Path) -> None:
-    """The status line asks for the newest report at every change; one may hold 40,000
-    targets, so it is typed once: the record appended, or the stored one read back."""
-    history = History(str(tmp_path), 10)
-    history.load()
-    assert history.last() is None
-    report = Report(id="f" * 32, outcome=Outcome.FREED, targets=[Target.of(HOLDER)])
-    history.append(report)
-    assert history.last() is report
-    again = History(str(tmp_path), 10)
-    again.load()
-    first = again.last()
-    assert first is not None and first is again.last() and first.to_dict() == report.to_dict()
-
-
-def coded_report() -> Report:
-    report = Report(id="e" * 32, outcome=Outcome.UNVERIFIED, requested_by="hook:x.service",
-                    requester_kind=RequesterKind.HOOK,
-                    spared=[Spared.of(HOLDER, SpareReason.ANCESTOR, "an ancestor of the sweeping process")])
-    report.warnings.append("resolving: an uncoded warning")
-    report.warn("NVML unavailable: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
-    report.warnings.append("GPU 0: memory not read: the GPU is runtime-suspended")
-    report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
-    report.warnings.append("a warning added after the codes")
-    return report
-
-
 def test_the_codes_travel_with_the_report_over_the_bus_and_through_the_history(tmp_path: Path) -> None:
     report = coded_report()
     wire = report.to_dict()
@@ -292,11 +265,3 @@ def test_records_older_than_the_codes_read_without_them() -> None:
     assert report.warnings_of({WarningCode.NVML_UNAVAILABLE}) == []
     assert report.to_dict() == old
 
-
-def test_escaped_names_keep_the_report_columns() -> None:
-    plain_name, odd_name = (Holder(pid=42, comm=comm, unit="u.service") for comm in ("python", "py\x1bthon"))
-    report = Report(id="c" * 32, survived=[Survivor.of(plain_name, "x"), Survivor.of(odd_name, "x")])
-    out = io.StringIO()
-    output.print_report(report, out)
-    rows = [line for line in out.getvalue().splitlines() if "SURVIVED" in line]
-    assert "py\\x1bthon" in rows[1] and rows[0].index("u.service") == rows[1].index("u.service")

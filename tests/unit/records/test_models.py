@@ -25,6 +25,3 @@ def test_whole_host_and_management() -> None:
     # gpuguardctl has always said "whole host", and leaves management out
     assert printed(ReportScope(include_management=True)) == "whole host"
 
-
-def test_printed_text_is_escaped() -> None:
-    assert printed(ReportScope(unit="x\n<3>forged.service")) == "unit x\\n<3>forged.service"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.cli import main as cli
+from gpuguardd.cli.main import run as ctl
 from gpuguardd.systemd import dropins as hooks
 from gpuguardd.systemd.dropins import HookError, HookTarget, parse_pattern, render_dropin
 
@@ -217,3 +218,32 @@ def test_hook_runs_the_gpuguardctl_that_installed_it(tmp_path: Path) -> None:
     text = (root / ETC / "sglang-.service.d" / "gpuguard.conf").read_text()
     assert f" {program} sweep --unit %n" in text
     assert text == render_dropin(HookTarget("sglang-.service", "prefix"), str(program))
+
+
+def test_start_dropin_is_its_own_file_next_to_the_stop_hook(tmp_path: Path) -> None:
+    assert ctl(["hook", "install", "sglang-", "--root", str(tmp_path)]) == 0
+    assert ctl(["hook", "install", "--start", "sglang-", "--root", str(tmp_path)]) == 0
+    directory = tmp_path / "etc/systemd/system/sglang-.service.d"
+    stop, start = directory / "gpuguard.conf", directory / "gpuguard-start.conf"
+    text = start.read_text()
+    assert "ExecStopPost" not in text
+    exec_lines = [line for line in text.splitlines() if line.startswith("Exec")]
+    assert len(exec_lines) == 1
+    assert exec_lines[0].startswith("ExecStartPre=+") and exec_lines[0].endswith(
+        " wait --timeout 60s $GPUGUARD_WAIT_OPTIONS")
+    assert "TimeoutStartSec" in text  # the guidance is in the file the admin reads
+    # Removing the gate leaves the stop hook, and the other way round.
+    assert ctl(["hook", "remove", "--start", "sglang-", "--root", str(tmp_path)]) == 0
+    assert not start.exists() and "ExecStopPost" in stop.read_text()
+    assert ctl(["hook", "install", "--start", "sglang-", "--root", str(tmp_path)]) == 0
+    assert ctl(["hook", "remove", "sglang-", "--root", str(tmp_path)]) == 0
+    assert start.exists() and not stop.exists()
+
+
+def test_start_dropin_refuses_to_overwrite_an_admins_file(tmp_path: Path) -> None:
+    directory = tmp_path / "etc/systemd/system/vllm-qwen.service.d"
+    directory.mkdir(parents=True)
+    (directory / "gpuguard-start.conf").write_text("[Service]\nExecStartPre=/bin/true\n")
+    assert ctl(["hook", "install", "--start", "vllm-qwen", "--root", str(tmp_path)]) == 1
+    assert (directory / "gpuguard-start.conf").read_text().endswith("/bin/true\n")
+

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from gpuguardd.systemd.adoption import owner_lets_go
-from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep
-
-
-def state(active: str) -> UnitState:
-    return UnitState("sglang.service", active, invocation_id="ab" * 16)
+from gpuguardd.records.enums import RequesterKind
+from gpuguardd.systemd.rules import (
+    became_active,
+    is_stop_to_sweep,
+    legacy_requester_kind,
+    matches,
+    unit_name_from_path,
+)
+from tests.unit.helpers import state
 
 
 @pytest.mark.parametrize(("previous", "now", "job_done", "sweep"), [
@@ -40,10 +43,32 @@ def test_became_active(previous: str, now: str, started: bool) -> None:
     assert became_active(previous, state(now)) is started
 
 
-@pytest.mark.parametrize(("owner", "lets_go"), [
-    (None, False),  # systemd could not be asked: the unit may run
-    ("active", False), ("activating", False), ("reloading", False), ("deactivating", False),
-    ("refreshing", False), ("inactive", True), ("failed", True), ("", True),  # "": unloaded
+@pytest.mark.parametrize(("requested_by", "kind"), [
+    ("hook:a.service", RequesterKind.HOOK), ("watch:a.service", RequesterKind.WATCH),
+    ("slurm:42", RequesterKind.SLURM), ("recovered:a.service", RequesterKind.RECOVERED),
+    ("hook:a.service via uid 1000 (alice) :1.4", RequesterKind.HOOK_NONROOT),
+    ("uid 1000 (alice) :1.4", RequesterKind.MANUAL), ("hook:", RequesterKind.MANUAL),
 ])
-def test_rule_4_only_a_stopped_owner_lets_its_process_go(owner: str | None, lets_go: bool) -> None:
-    assert owner_lets_go(None if owner is None else state(owner)) is lets_go
+def test_the_legacy_rule_for_records_older_than_the_kinds(requested_by: str, kind: RequesterKind) -> None:
+    assert legacy_requester_kind(requested_by) is kind
+
+
+def test_unit_name_from_path() -> None:
+    assert unit_name_from_path("/org/freedesktop/systemd1/unit/sglang_2ddemo_2eservice") \
+        == "sglang-demo.service"
+    assert unit_name_from_path("/org/freedesktop/systemd1/unit/foo_40bar_2eservice") \
+        == "foo@bar.service"
+    assert unit_name_from_path("/org/freedesktop/systemd1/job/42") == ""
+
+
+@pytest.mark.parametrize(("unit", "patterns", "expected"), [
+    ("sglang-demo.service", ["sglang-*"], True),
+    ("sglang-demo.service", ["sglang-demo"], True),
+    ("sglang-demo.service", ["vllm-*", "sglang-*.service"], True),
+    ("sglang-demo.socket", ["sglang-*.service"], False),
+    ("vllm-a.service", ["sglang-*"], False),
+    ("vllm-a.service", [], False),
+])
+def test_matches(unit: str, patterns: list[str], expected: bool) -> None:
+    assert matches(unit, patterns) is expected
+
