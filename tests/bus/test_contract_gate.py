@@ -3,7 +3,7 @@ refused to a real caller through dbus-fast's dispatch, and introspection is the 
 
 The interface here is a small document of its own, served under gpuguardd's names (which the
 installed bus policy lets callers reach); the daemon's XML declares a rule for every method,
-and tests/unit/test_contract.py holds it to that.
+and tests/unit/bus/test_contract.py holds it to that.
 """
 
 from __future__ import annotations

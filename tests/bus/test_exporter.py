@@ -16,7 +16,7 @@ import pytest
 
 from tests.dbus_harness import NOBODY, PYTHON, GuardDaemon, wait_until
 from tests.helpers import free_port
-from tests.unit.test_metrics import promtool_check, samples
+from tests.unit.daemon.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
 

@@ -1,5 +1,5 @@
 """The sweep history through the daemon: restarted, killed mid-write, fed a corrupt file, or on
-a full disk, gpuguardd keeps serving it over D-Bus (the file itself: tests/unit/test_history.py,
+a full disk, gpuguardd keeps serving it over D-Bus (the file itself: tests/unit/daemon/test_history.py,
 tests/host/test_history_disk.py)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 from gpuguardd.daemon.metrics import TEXTFILE_NAME
 from tests.conftest import GiB
 from tests.dbus_harness import FAST_POLL, GuardDaemon, private_gpu, private_holder, wait_until
-from tests.unit.test_metrics import promtool_check, samples
+from tests.unit.daemon.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
 

@@ -5,7 +5,7 @@ A leak, and a sweep of the private GPU that ends the test's own process (whose n
 right-to-left override) and leaves its memory held past the verification: three
 notifications, read back from dunst's history, the process name escaped by the CLI's rule.
 The events' rules alone (another user's process is not "yours", dry runs say nothing) are in
-tests/unit/test_notify_events.py.
+tests/unit/notify/test_events.py.
 """
 
 from __future__ import annotations

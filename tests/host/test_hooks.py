@@ -1,5 +1,5 @@
 """The stop hook's root part: a local sweep (no daemon) records the hook as its requester
-(the drop-ins and patterns: tests/unit/test_hooks.py)."""
+(the drop-ins and patterns: tests/unit/systemd/test_dropins.py)."""
 
 from __future__ import annotations
 

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from gpuguardd.config import Config, config_files, load_config, parse_bool, parse_timespan
-from gpuguardd.engine.protection import ProtectedFiles
 from gpuguardd.errors import ConfigError
 
 
@@ -122,34 +118,3 @@ def test_state_directory_from_systemd(tmp_path: Path, monkeypatch: pytest.Monkey
     path = write(tmp_path / "c.conf", "[Daemon]\nStateDirectory=/srv/gg\n")
     assert load_config([path]).state_directory == "/srv/gg"  # the file is explicit, it wins
 
-
-def test_protected_executables_match_by_file_identity(tmp_path: Path) -> None:
-    """Symlinks and globs in ProtectedExecutables name files; a process is protected when it
-    runs one of those very files (device and inode), never another file at a similar path."""
-    sleep = shutil.which("sleep")
-    assert sleep
-    nv = tmp_path / "nv"
-    nv.mkdir()
-    real = tmp_path / "real-persistenced"
-    shutil.copy2(os.path.realpath(sleep), real)
-    link = tmp_path / "nvidia-persistenced"
-    link.symlink_to(real)
-    shutil.copy2(os.path.realpath(sleep), nv / "nv-hostengine")
-    twin = tmp_path / "twin"
-    twin.mkdir()
-    shutil.copy2(real, twin / "real-persistenced")  # same bytes, another file
-    config = Config(protected_executables=(str(link), f"{nv}/*"))
-    files = ProtectedFiles.resolve(config)
-    procs = [subprocess.Popen([str(path), "30"]) for path in
-             (link, nv / "nv-hostengine", twin / "real-persistenced", Path(os.path.realpath(sleep)))]
-    try:
-        assert files.match(procs[0].pid) == str(link)
-        assert files.match(procs[1].pid) == f"{nv}/nv-hostengine"
-        assert files.match(procs[2].pid) is None
-        assert files.match(procs[3].pid) is None
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-    assert Config().is_protected_unit("nvidia-persistenced.service")
-    assert Config().is_protected_unit("sglang-demo.service") is None

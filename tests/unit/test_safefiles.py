@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.safefiles import write_atomic
-from gpuguardd.safetext import user_name
 
 
 def test_replaces_the_file_with_exactly_the_mode_asked(tmp_path: Path) -> None:
@@ -50,17 +49,3 @@ def test_a_link_in_place_of_the_file_is_replaced_not_followed(tmp_path: Path) ->
     assert victim.read_text() == "untouched"
     assert not target.is_symlink() and target.read_text() == "[Service]\n"
 
-
-def test_user_name() -> None:
-    assert user_name(0) == "root"
-    unused = next(uid for uid in range(2_000_000_000, 2_000_001_000) if not _has_name(uid))
-    assert user_name(unused) == str(unused)
-
-
-def _has_name(uid: int) -> bool:
-    import pwd
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return True

@@ -6,7 +6,7 @@ reason text, and dry runs are counted apart, so no one can inflate a real-sweep 
 from __future__ import annotations
 
 from tests.dbus_harness import GuardDaemon, private_gpu
-from tests.unit.test_metrics import promtool_check, samples
+from tests.unit.daemon.test_metrics import promtool_check, samples
 
 pytest_plugins = ["tests.dbus_harness"]
 

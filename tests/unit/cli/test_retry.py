@@ -1,0 +1,58 @@
+"""Unit tests of gpuguardd/cli/retry.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpuguardd.cli import retry
+from gpuguardd.errors import DaemonUnavailable
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.report import Report
+from tests.unit.helpers import request
+
+
+def finished(outcome: Outcome = Outcome.FREED) -> Report:
+    return Report(id="f" * 32, outcome=outcome)
+
+
+def vanish() -> Report:
+    raise DaemonUnavailable("Message recipient disconnected from message bus without replying")
+
+
+def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    asked: list[str] = []
+
+    def again() -> Report:
+        asked.append("again")
+        if len(asked) < 3:  # still restarting
+            raise DaemonUnavailable("org.gpuguard.GpuGuard1 is not running")
+        return finished()
+
+    report = retry.sweep(vanish, again, lambda: pytest.fail("no local sweep"), request())
+    assert report.outcome == Outcome.FREED and len(asked) == 3
+    text = caplog.text
+    assert "gpuguardd stopped during the sweep of sglang-a.service" in text and "retrying" in text
+    assert "finished it: sweep ffffffff, freed" in text
+
+
+def test_root_finishes_locally_when_the_daemon_stays_away(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    report = retry.sweep(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request(),
+                         retry_sec=0.05)
+    assert report.outcome == Outcome.SURVIVORS  # the exit status is the finishing sweep's
+    assert "sweeping with the local engine" in caplog.text and "finished locally" in caplog.text
+
+
+def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(DaemonUnavailable, match="did not come back within 0 s"):
+        retry.sweep(vanish, vanish, lambda: pytest.fail("no local sweep"), request(),
+                    retry_sec=0.05)
+

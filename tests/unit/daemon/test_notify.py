@@ -1,0 +1,18 @@
+"""Unit tests of gpuguardd/daemon/notify.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuguardd.daemon.notify import watchdog_interval
+
+
+def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert watchdog_interval() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    assert watchdog_interval() is None
+    monkeypatch.delenv("WATCHDOG_USEC")
+    assert watchdog_interval() is None
+
