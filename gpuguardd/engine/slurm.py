@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gpuguardd.engine import procfs
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
-from gpuguardd.numbers import UID_MAX, parse_job_id, parse_uid, parse_uint
+from gpuguardd.numbers import UID_MAX, is_digits, parse_job_id, parse_uid, parse_uint
 from gpuguardd.records.enums import UNVERIFIED_WARNINGS, Outcome
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
@@ -100,7 +100,8 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
     minors: list[int | str] = []
     if text not in _NO_GPUS:
         for item in (i.strip() for i in text.split(",")):
-            minor = item if selector(item).kind == PCI else parse_uint(item, name, MAX_MINOR)
+            pci = not is_digits(item) and selector(item).kind == PCI
+            minor = item if pci else parse_uint(item, name, MAX_MINOR)
             if minor not in minors:
                 minors.append(minor)
     return EpilogJob(job_id, uid, tuple(minors))
