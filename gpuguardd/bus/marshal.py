@@ -1,4 +1,4 @@
-"""Plain engine dicts to typed D-Bus variants and back, and caller options to engine requests.
+"""Plain engine dicts to typed D-Bus variants and back, and the options callers send checked.
 
 The types come from the contract XML (contract.py): each key its org.gpuguard.GpuGuard1.Keys
 annotation lists has a fixed signature, so `gpu_memory` is always `t` and a PID always `u`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dbus_fast.signature import Variant
@@ -211,12 +211,6 @@ def check_text(key: str, value: str) -> None:
         raise InvalidArgument(f"{key} is too long ({len(value)} characters, at most {MAX_TEXT})")
     if any(not ch.isprintable() for ch in value):
         raise InvalidArgument(f"{key} {value[:60]!r} contains control characters")
-
-
-def gpu_list(values: Iterable[int | str]) -> list[str]:
-    """A `gpus` option as the engine's SweepRequest takes it (what a caller typed): indices,
-    or text that resolve_request checks (GPU- and MIG- UUIDs)."""
-    return [str(v) if isinstance(v, str) else str(int(v)) for v in values]
 
 
 def property_value(prop: Property, value: Any) -> Any:

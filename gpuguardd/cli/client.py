@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
@@ -170,40 +170,36 @@ class DBusBackend:
             indices.extend(found)
         return sorted(set(indices))
 
-    async def _gpus_option(self, bus: MessageBus, wanted: list[str]) -> Variant:
-        """The `gpus` option: indices (au) as released, unless a MIG instance is named: it has
-        no index, so then the text goes as typed (as) and the daemon resolves it."""
-        if names_mig(wanted):
-            return marshal.option(marshal.SWEEP, "gpus", [str(item).strip() for item in wanted], "as")
-        return marshal.option(marshal.SWEEP, "gpus", await self._indices(bus, wanted), "au")
+    async def _options(self, bus: MessageBus, dictionary: str, values: Mapping[str, Any]) -> dict[str, Variant]:
+        """`values` as the contract types `dictionary`'s options. `gpus`: indices (au) as
+        released, unless a MIG instance is named: it has no index, so then the text goes as
+        typed (as) and the daemon resolves it."""
+        options = {key: marshal.option(dictionary, key, value) for key, value in values.items() if key != "gpus"}
+        wanted = values.get("gpus")
+        if wanted and names_mig(wanted):
+            options["gpus"] = marshal.option(dictionary, "gpus", [str(item).strip() for item in wanted], "as")
+        elif wanted:
+            options["gpus"] = marshal.option(dictionary, "gpus", await self._indices(bus, wanted), "au")
+        return options
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:
         async def get(bus: MessageBus) -> list[Holder]:
-            given = {"include_protected": include_protected, "fresh": True, "unit": unit, "container": container}
-            options = {key: marshal.option(marshal.FILTER, key, value) for key, value in given.items()
-                       if value or key == "include_protected"}
-            if gpus:
-                options["gpus"] = await self._gpus_option(bus, gpus)
+            asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
+            options = await self._options(bus, marshal.FILTER, {
+                **asked, "include_protected": include_protected, "fresh": True})
             (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
             return [Holder.from_dict(marshal.unwrap(h)) for h in holders]
         return self._run(get)
 
     def sweep(self, request: SweepRequest) -> Report:
         async def run(bus: MessageBus) -> Report:
-            given = {"container": request.container, "grace_ms": request.grace_ms, "dry_run": request.dry_run,
-                     "include_management": request.include_management or None, "reason": request.reason,
-                     "slurm_job": request.slurm_job, "slurm_uid": request.slurm_uid if request.slurm_job else None}
-            options = {key: marshal.option(marshal.SWEEP, key, value) for key, value in given.items()
-                       if value is not None and value != ""}
-            if request.gpus:
-                options["gpus"] = await self._gpus_option(bus, request.gpus)
+            values = request.options()
+            unit = values.pop("unit", "")
+            options = await self._options(bus, marshal.SWEEP, values)
             # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
-            if request.unit:
-                (report,) = await self._manager(bus, "SweepUnit", request.unit, options,
-                                                interactive=True, timeout=None)
-            else:
-                (report,) = await self._manager(bus, "Sweep", options, interactive=True, timeout=None)
+            args = ("SweepUnit", unit, options) if unit else ("Sweep", options)
+            (report,) = await self._manager(bus, *args, interactive=True, timeout=None)
             return Report.from_dict(marshal.unwrap(report))
         return self._run(run)
 
@@ -211,9 +207,7 @@ class DBusBackend:
         """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s):
         the WaitResult as plain values."""
         async def call(bus: MessageBus) -> dict[str, Any]:
-            typed = {key: marshal.option(WAIT, key, value) for key, value in options.items()}
-            if gpus:
-                typed["gpus"] = await self._gpus_option(bus, gpus)
+            typed = await self._options(bus, WAIT, {**options, "gpus": gpus})
             (result,) = await self._manager(bus, "Wait", typed, timeout=CALL_TIMEOUT_SEC)
             unwrapped: dict[str, Any] = marshal.unwrap(result)
             return unwrapped

@@ -107,7 +107,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     """--local: the gate's rule on the local engine's scans, one a poll (no daemon: no sweeps
     to wait for)."""
     from gpuguardd.cli.check import _selected
-    from gpuguardd.engine.gate import GateRule, GateTracker, Target, blockers, targets_of
+    from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, outcome, targets_of
     from gpuguardd.engine.gpustate import gpu_summaries
 
     rule = GateRule(free_below, tolerance, allow_unverified)
@@ -136,29 +136,20 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
         return picked
 
     def call(seconds: float) -> dict[str, Any]:
-        end = time.monotonic() + seconds
+        started = time.monotonic()
         while True:
             scan = engine.scan()
             error = None if scan.nvml.gpus_known else (scan.nvml.error or "unavailable")
-            gpus = gpu_summaries(scan, engine.config.released_below_mib * 1024 * 1024) \
-                if error is None else []
+            gpus = gpu_summaries(scan, engine.config.released_below_mib * MiB) if error is None else []
             tracker.observe(time.monotonic(), time.time_ns() // 1000, gpus, scan.holders, error, ())
-            now = time.monotonic()
-            targets = chosen(gpus)
-            states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
-            waiting_on: list[str] = []
-            if error is not None:  # no GPU list: fail closed, or holders alone (as the daemon)
-                for index in [int(w) for w in wanted if w.isdigit()] or [-1]:
-                    waiting_on += blockers(Target(index, ""), None, scan.holders, rule, error, False)
-            elif wanted and not targets:
-                waiting_on.append("none of the GPUs asked for is listed by NVML")
-            free = not waiting_on and all(s.stable_for(now) >= stable_sec and not s.waiting_on
-                                          for s in states)
-            result = {"free": free, "gpus": [s.to_dict(now) for s in states],
-                      "waiting_on": sorted(set(waiting_on))}
-            if free or now >= end:
-                return result
-            time.sleep(min(LOCAL_POLL_SEC, max(0.0, end - now)))
+            # No GPU list: the holders of the GPUs asked for by index (as the daemon).
+            found = outcome(tracker, chosen(gpus), scan.holders, error, [int(w) for w in wanted if w.isdigit()],
+                            bool(wanted), started, time.monotonic())
+            short = found.short_of(stable_sec)
+            found.free, found.waiting_on = short is not None and short <= 0, sorted(found.waiting_on)
+            if found.free or found.now >= started + seconds:
+                return found.to_dict()
+            time.sleep(min(LOCAL_POLL_SEC, max(0.0, started + seconds - found.now)))
     return call
 
 

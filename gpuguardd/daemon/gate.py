@@ -21,11 +21,10 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from gpuguardd.config import Config
 from gpuguardd.engine import procfs
-from gpuguardd.engine.gate import GateRule, GateState, GateTracker, MiB, Target, blockers, targets_of
+from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, WaitOutcome, outcome, targets_of
 from gpuguardd.records.enums import HolderKind
 from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot
 
@@ -40,19 +39,6 @@ SCAN_LEAD_MIN_SEC = 0.01
 RESCAN_FOR_WAITER_SEC = 30.0
 MAX_TRACKERS = 16  # rules kept at once: each costs an evaluation per poll
 TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropped
-
-
-@dataclass
-class WaitOutcome:
-    free: bool
-    waited_ms: int
-    gpus: list[GateState]
-    waiting_on: list[str]
-    now: float
-
-    def to_dict(self) -> dict[str, object]:
-        return {"free": self.free, "waited_ms": self.waited_ms,
-                "gpus": [g.to_dict(self.now) for g in self.gpus], "waiting_on": self.waiting_on}
 
 
 def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequence[int]) -> set[int]:
@@ -223,25 +209,24 @@ class GateService:
         try:
             while True:
                 event.clear()  # before judging: an observation from here on wakes the wait
-                outcome = self._outcome(self._tracker(rule), gpus, mig, started)
-                now = time.monotonic()
-                ready = not outcome.waiting_on and all(s.free_since is not None for s in outcome.gpus)
-                short = min((stable_sec - s.stable_for(now) for s in outcome.gpus), default=0.0)
+                found = self._outcome(self._tracker(rule), gpus, mig, started)
+                now = found.now
+                short = found.short_of(stable_sec)
                 # Confirmed: by a holder scan asked for within the current steady time, started
                 # ahead by its own duration so that it ends when the steady time does.
-                since = max((s.free_since or now for s in outcome.gpus), default=started)
+                since = max((s.free_since or now for s in found.gpus), default=started)
                 lead = min(stable_sec, SCAN_LEAD_FACTOR * self.scan_cost() + SCAN_LEAD_MIN_SEC)
-                if ready and asked_scan < since and short <= lead:
+                if short is not None and asked_scan < since and short <= lead:
                     asked_scan = time.monotonic()
                     await self.scan()
                     continue
-                if ready and short <= 0:
-                    outcome.free = True
-                    return outcome
+                if short is not None and short <= 0:
+                    found.free = True
+                    return found
                 left = deadline - now
                 if left <= 0:
-                    return outcome
-                pause = min(left, short if asked_scan >= since else short - lead) if ready else left
+                    return found
+                pause = left if short is None else min(left, short if asked_scan >= since else short - lead)
                 try:
                     await asyncio.wait_for(event.wait(), max(0.0, pause))
                 except asyncio.TimeoutError:
@@ -253,24 +238,14 @@ class GateService:
 
     def _outcome(self, tracker: GateTracker, gpus: Sequence[int], mig: Sequence[str],
                  started: float) -> WaitOutcome:
-        now = time.monotonic()
         targets = self._targets(gpus, mig)
-        states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
-        waiting_on: list[str] = []
-        if not targets and self._last is not None:
-            _, holders, snapshot = self._last
-            if not snapshot.gpus_known:
-                # No GPU list to judge: fail closed, unless the caller allows unverified GPUs,
-                # who then pass on their holders alone (any compute holder when none is named).
-                error = snapshot.error or "not loaded"
-                for index in gpus or [-1]:
-                    found = blockers(Target(index, ""), None, holders, tracker.rule, error, False)
-                    waiting_on += [w for w in found if w not in waiting_on]
-                if mig:
-                    waiting_on.append(f"NVML unavailable ({error}): MIG instances cannot be found")
-            elif gpus or mig:
-                waiting_on.append("none of the GPUs asked for is listed by NVML")
-        elif not targets:
-            waiting_on.append("no GPU list yet")
-        return WaitOutcome(False, int((now - started) * 1000), states, waiting_on, now)
-
+        if self._last is None:
+            found = outcome(tracker, [], [], None, gpus, False, started, time.monotonic())
+            found.waiting_on.append("no GPU list yet")  # (nothing to choose targets from)
+            return found
+        _, holders, snapshot = self._last
+        error = None if snapshot.gpus_known else snapshot.error or "not loaded"
+        found = outcome(tracker, targets, holders, error, gpus, bool(gpus or mig), started, time.monotonic())
+        if mig and not targets and error is not None:
+            found.waiting_on.append(f"NVML unavailable ({error}): MIG instances cannot be found")
+        return found

@@ -176,9 +176,7 @@ class Service:
     async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
         holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
         if options.get("gpus") or options.get("unit") or options.get("container"):
-            scope = await self._resolve(SweepRequest(gpus=marshal.gpu_list(options.get("gpus", [])),
-                                                     unit=options.get("unit", ""),
-                                                     container=options.get("container", "")))
+            scope = await self._resolve(SweepRequest.from_options(options))
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
         # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
@@ -216,13 +214,7 @@ class Service:
         return self._typed
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
-        request = SweepRequest(
-            gpus=marshal.gpu_list(options.get("gpus", [])), unit=options.get("unit", ""),
-            container=options.get("container", ""), grace_ms=options.get("grace_ms"),
-            dry_run=options.get("dry_run"),
-            include_management=options.get("include_management", False),
-            reason=options.get("reason", ""), slurm_job=options.get("slurm_job", ""),
-            slurm_uid=options.get("slurm_uid", -1))
+        request = SweepRequest.from_options(options)
         # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
         # to what it authorized: that is what runs (and what the watch sees).
         dry_run = request.dry_run = request.is_dry_run(self.engine.config.dry_run)
@@ -271,7 +263,7 @@ class Service:
         gpus: tuple[int, ...] = ()
         mig: tuple[str, ...] = ()
         if options.get("gpus"):
-            scope = await self._resolve(SweepRequest(gpus=marshal.gpu_list(options["gpus"])))
+            scope = await self._resolve(SweepRequest.from_options({"gpus": options["gpus"]}))
             gpus, mig = scope.gpus, scope.mig
         rule = GateRule(free_below * MiB, config.gate_tolerance_mib * MiB,
                         bool(options.get("allow_unverified", False)))

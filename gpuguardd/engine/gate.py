@@ -90,6 +90,47 @@ def compute_on(target: Target, holders: Sequence[Holder]) -> list[Holder]:
     return [h for h in holders if may_be_on(h, target.index, target.mig_uuid)]
 
 
+@dataclass
+class WaitOutcome:
+    """What a wait for some targets sees at `now` (monotonic): free once every target has
+    been free for the steady time (short_of)."""
+
+    free: bool
+    waited_ms: int
+    gpus: list[GateState]
+    waiting_on: list[str]
+    now: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"free": self.free, "waited_ms": self.waited_ms,
+                "gpus": [g.to_dict(self.now) for g in self.gpus], "waiting_on": self.waiting_on}
+
+    def short_of(self, stable_sec: float) -> float | None:
+        """Seconds until every target has been free for `stable_sec` (at most 0: now); None
+        while something blocks one."""
+        if self.waiting_on or any(s.free_since is None for s in self.gpus):
+            return None
+        return min((stable_sec - s.stable_for(self.now) for s in self.gpus), default=0.0)
+
+
+def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder],
+            nvml_error: str | None, gpus: Sequence[int], asked: bool, started: float,
+            now: float) -> WaitOutcome:
+    """The daemon's Wait and `wait --local` alike: the targets' states under `tracker`. None
+    listed and no GPU list (`nvml_error`): fail closed, unless the rule allows unverified
+    GPUs, which then pass on the holders of the GPUs asked for (`gpus`; none: any GPU)
+    alone; none listed of what was `asked` for: that."""
+    states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
+    waiting_on: list[str] = []
+    if not targets and nvml_error is not None:
+        for index in gpus or [-1]:
+            found = blockers(Target(index, ""), None, holders, tracker.rule, nvml_error, False)
+            waiting_on += [w for w in found if w not in waiting_on]
+    elif not targets and asked:
+        waiting_on.append("none of the GPUs asked for is listed by NVML")
+    return WaitOutcome(False, int((now - started) * 1000), states, waiting_on, now)
+
+
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
     """Why `target` is not free now ([] when nothing blocks it), in the judge's words

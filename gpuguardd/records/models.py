@@ -7,8 +7,9 @@ and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gpuguardd.records.codec import WireRecord
 from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, RequesterKind, SpareReason, Vendor
@@ -214,7 +215,11 @@ class ScanResult:
 @dataclass
 class SweepRequest(WireRecord):
     """What a sweep is asked to do; its to_dict/from_dict (codec.py) are the in-flight record's
-    form (daemon/inflight.py)."""
+    form (daemon/inflight.py), its options/from_options the calls' (SweepOptions)."""
+
+    # The fields a caller may ask for: the keys of the contract's SweepOptions.
+    OPTIONS: ClassVar[tuple[str, ...]] = ("gpus", "unit", "container", "grace_ms", "dry_run",
+                                          "include_management", "reason", "slurm_job", "slurm_uid")
 
     gpus: list[str] = field(default_factory=list)  # NVML index or UUID, as the caller typed it
     unit: str = ""
@@ -248,6 +253,19 @@ class SweepRequest(WireRecord):
         """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`)
         decides; the engine, the daemon's runner and service, and unit sweeps all ask here."""
         return default if self.dry_run is None else self.dry_run
+
+    def options(self) -> dict[str, Any]:
+        """The OPTIONS that say something (not their default): what a call sends."""
+        default = SweepRequest()
+        return {key: getattr(self, key) for key in self.OPTIONS if getattr(self, key) != getattr(default, key)}
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> SweepRequest:
+        """The request of a call's validated options (marshal.parse_options; other keys, a
+        Filter's or WaitOptions', ignored), `gpus` as text: a fresh record, whose to_dict
+        writes every key (the in-flight file's), unlike one from_dict reads."""
+        given = {key: values[key] for key in cls.OPTIONS if key in values}
+        return cls(**{**given, "gpus": [str(gpu) for gpu in given.get("gpus", [])]})
 
 
 @dataclass(frozen=True)

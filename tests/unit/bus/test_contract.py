@@ -67,6 +67,20 @@ def test_the_package_reads_the_file_in_dbus() -> None:
 
 # -- authorization: declared for each method, denied by default ------------------------------
 
+def test_a_requests_options_are_the_sweep_options_and_read_back_whole() -> None:
+    """SweepRequest.options/from_options is the one codec of SweepOptions; a request read from
+    a call's options is a fresh record whose to_dict has every key (the in-flight file's)."""
+    from gpuguardd.records.models import SweepRequest
+
+    assert set(SweepRequest.OPTIONS) == set(contract.contract().options(marshal.SWEEP))
+    request = SweepRequest(gpus=["0", "GPU-x"], grace_ms=0, dry_run=False, slurm_job="7", slurm_uid=5)
+    options = request.options()
+    assert options == {"gpus": ["0", "GPU-x"], "grace_ms": 0, "dry_run": False, "slurm_job": "7", "slurm_uid": 5}
+    back = SweepRequest.from_options({**options, "gpus": [0, "GPU-x"], "fresh": True})
+    assert back == request and back.to_dict() == request.to_dict()
+    assert set(SweepRequest.from_options({}).to_dict()) == set(SweepRequest().to_dict())
+
+
 def test_every_method_of_the_xml_declares_a_rule_naming_a_shipped_polkit_action() -> None:
     actions = {a.get("id") for a in ET.parse(POLICY).getroot().iter("action")}
     methods = [m for i in contract.contract().interfaces.values() for m in i.methods.values()]
