@@ -27,10 +27,13 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
+from gpuguardd.numbers import is_digits
+from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
-from gpuguardd.records.report import Terminated
+from gpuguardd.records.report import Report, ReportScope, Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.rules import legacy_requester_kind
 
@@ -54,6 +57,25 @@ class InFlightSweep:
     @property
     def report_id(self) -> str:
         return self.request.report_id
+
+    def report(self, why: str, outcome: Outcome = Outcome.INTERRUPTED,
+               scope: ReportScope | None = None, finished_by: str = "") -> Report:
+        """The sweep's record as it stands, cut short: what it had ended, and why."""
+        request = self.request
+        if scope is None:
+            scope = ReportScope(gpus=[int(g) for g in request.gpus if is_digits(g) and len(g) < 10],
+                                unit=request.unit, container=request.container,
+                                include_management=request.include_management,
+                                adopted_pids=[pid for pid, _ in request.adopted],
+                                slurm_job=request.slurm_job,
+                                slurm_uid=request.slurm_uid if request.slurm_job else None,
+                                grace_ms=request.grace_ms)
+        return Report(id=self.report_id, started_usec=self.started_usec,
+                      duration_ms=max(0, time.time_ns() // 1000 - self.started_usec) // 1000,
+                      requested_by=request.requested_by, reason=request.reason, scope=scope,
+                      requester_kind=request.requester_kind, dry_run=bool(request.dry_run),
+                      outcome=outcome, finished_by=finished_by,
+                      terminated=list(self.terminated), error=why)
 
 
 def _encode(sweep: InFlightSweep) -> bytes:
