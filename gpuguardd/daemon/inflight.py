@@ -45,6 +45,7 @@ MAX_FILE = 256 * 1024
 _ID = re.compile(r"[0-9a-f]{32}")
 # Sweeps finished, remembered so that a late update cannot bring their record back.
 _REMEMBER = 1024
+_OVER = 2**63
 _U32 = 2**32 - 1
 
 
@@ -125,8 +126,8 @@ class InFlightSweeps:
         # Writes come from several I/O threads: the lock keeps a stale update from replacing
         # a newer one, or from bringing back the record of a sweep that is over.
         self._lock = threading.Lock()
-        self._written: dict[str, int] = {}
-        self._over: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Per sweep, the processes its record on disk lists; _OVER once the sweep is over.
+        self._written: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _path(self, report_id: str) -> str:
         if not _ID.fullmatch(report_id):
@@ -138,8 +139,7 @@ class InFlightSweeps:
         be written, a full or read-only disk: the sweep still runs, it just could not be
         finished by a successor."""
         with self._lock:
-            if sweep.report_id in self._over \
-                    or self._written.get(sweep.report_id, -1) > len(sweep.terminated):
+            if self._written.get(sweep.report_id, -1) > len(sweep.terminated):
                 return True
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -149,18 +149,17 @@ class InFlightSweeps:
                 return True
             except OSError as exc:
                 error = exc
-        if error is not None:
-            log.error("sweep %s: cannot keep its in-flight record in %s (%s): if gpuguardd "
-                      "dies during it, its successor cannot finish it", sweep.report_id[:8],
-                      self.directory, error.strerror or error)
+        log.error("sweep %s: cannot keep its in-flight record in %s (%s): if gpuguardd "
+                  "dies during it, its successor cannot finish it", sweep.report_id[:8],
+                  self.directory, error.strerror or error)
         return False
 
     def remove(self, report_id: str) -> None:
         with self._lock:
-            self._written.pop(report_id, None)
-            self._over[report_id] = None
-            while len(self._over) > _REMEMBER:
-                self._over.popitem(last=False)
+            self._written[report_id] = _OVER
+            self._written.move_to_end(report_id)
+            while len(self._written) > _REMEMBER:
+                self._written.popitem(last=False)
             try:
                 os.unlink(self._path(report_id))
                 return
@@ -168,9 +167,8 @@ class InFlightSweeps:
                 return
             except OSError as exc:
                 error = exc
-        if error is not None:
-            log.error("sweep %s: cannot remove its in-flight record (%s): the next gpuguardd "
-                      "will sweep its scope again", report_id[:8], error.strerror or error)
+        log.error("sweep %s: cannot remove its in-flight record (%s): the next gpuguardd "
+                  "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
         """Every readable record, oldest first; unreadable ones are logged and removed."""
@@ -187,11 +185,9 @@ class InFlightSweeps:
                 self._discard(name, "an unfinished write")
                 continue
             try:
-                fd = open_nofollow(os.path.join(self.directory, name), os.O_RDONLY)
-                try:
-                    text = os.read(fd, MAX_FILE + 1)
-                finally:
-                    os.close(fd)
+                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY),
+                               "rb") as handle:
+                    text = handle.read(MAX_FILE + 1)
                 if len(text) > MAX_FILE:
                     raise ValueError("too large")
                 found.append(_decode(text, name))

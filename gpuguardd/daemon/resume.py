@@ -87,8 +87,7 @@ class Resume:
                    f"began (more than {limit:.0f} s): not swept again, its GPUs may be in "
                    "use by others since; sweep again if anything is left")
         elif request.unit:
-            state = await self.units.systemd.state(request.unit) if self.units.systemd.available \
-                else None
+            state = await self.units.systemd.state(request.unit)
             if state is not None and state.active_state in _RUNS_AGAIN:
                 why = (f"gpuguardd stopped during this sweep; {request.unit} is "
                        f"{state.active_state} again, so its new instance was not swept")

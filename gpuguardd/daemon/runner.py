@@ -319,7 +319,7 @@ class UnitSweeps:
         # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
         # hook a report that signalled nothing.
         dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
-        state = await self.systemd.state(unit) if self.systemd.available else None
+        state = await self.systemd.state(unit)  # None without systemd
         if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
                      state.active_state)
