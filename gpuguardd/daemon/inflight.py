@@ -8,12 +8,10 @@ file is removed once the sweep's report is in the history. Each process the swee
 added to it as it goes, so the record of a sweep cut short lists what it had done. What the
 next daemon finds here was cut short; daemon/resume.py finishes it.
 
-No fsync: a crash of the daemon keeps what it wrote (the kernel has it); only a power loss
-would not, and after the reboot that follows there is nothing left to finish.
-
 The runtime directory is the right home: it outlives the daemon's restarts (the unit keeps
 it with RuntimeDirectoryPreserve=yes) but not a reboot, after which there is nothing left
-to finish. Dry runs are not written: there is nothing to finish.
+to finish. Hence no fsync: a crash of the daemon keeps what it wrote (the kernel has it);
+only a power loss would not. Dry runs are not written: there is nothing to finish.
 
 The files are the daemon's own, in a root-owned directory, but are still read strictly: a
 file that is not exactly what this module writes is reported and removed, never acted on.

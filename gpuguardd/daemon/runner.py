@@ -42,8 +42,7 @@ from gpuguardd.systemd.unitwatch import UnitWatch
 log = logging.getLogger("gpuguard.runner")
 
 
-class SweepEvents(Protocol):
-    """What the service publishes; called on the event loop."""
+class SweepEvents(Protocol):  # the service's signals; called on the event loop
 
     def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
 
@@ -232,10 +231,7 @@ class SweepRunner:
 # -- unit sweeps ---------------------------------------------------------------------------
 # One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
 # once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
-# "watch:") of the same unit and invocation share one sweep and its report. Dry runs never do:
-# they neither join nor stand for a stop's sweep, whatever their reason says. A unit that
-# systemd is already starting again (Restart=) is not swept by the watcher: its new instance
-# owns the GPUs.
+# "watch:") of the same unit and invocation share one sweep and its report.
 
 # Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
 DEDUPE_WINDOW_SEC = 10.0
@@ -248,9 +244,8 @@ AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, Requester
 
 class UnitSweeps:
     """Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
-    resume.py's): systemd says which leftovers are the unit's (unitsweep.leftovers), the
-    runner sweeps, one sweep per stop. `scan` and `snapshot` are the inventory's (a fresh
-    scan, the last NVML snapshot)."""
+    resume.py's), with the unit's escaped leftovers. `scan` and `snapshot` are the
+    inventory's (a fresh scan, the last NVML snapshot)."""
 
     def __init__(self, runner: SweepRunner, watch: UnitWatch,
                  scan: Callable[[], Awaitable[ScanResult]],
