@@ -135,14 +135,13 @@ class History:
             self._load_locked()
 
     def _load_locked(self) -> None:
+        scan = _Scan(collections.deque(maxlen=self.max_entries))
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
             with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as handle:
                 scan = self._scan(handle)
         except FileNotFoundError:
-            self._entries.clear()
-            self._lines_in_file = 0
-            return
+            pass
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 log.error("cannot read the sweep history %s: %s; history is kept in memory only "
@@ -152,10 +151,7 @@ class History:
             # Never followed: the next write replaces the link itself (rename), not its target.
             log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
                       "new file at the next report", self.path)
-            self._entries.clear()
-            self._lines_in_file = 0
             self._file_clean = False
-            return
         if scan.garbled:
             count = scan.garbled_count
             shown = ", ".join(map(str, scan.garbled)) + (" ..." if count > 10 else "")

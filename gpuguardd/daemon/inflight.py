@@ -8,12 +8,10 @@ file is removed once the sweep's report is in the history. Each process the swee
 added to it as it goes, so the record of a sweep cut short lists what it had done. What the
 next daemon finds here was cut short; daemon/resume.py finishes it.
 
-No fsync: a crash of the daemon keeps what it wrote (the kernel has it); only a power loss
-would not, and after the reboot that follows there is nothing left to finish.
-
 The runtime directory is the right home: it outlives the daemon's restarts (the unit keeps
 it with RuntimeDirectoryPreserve=yes) but not a reboot, after which there is nothing left
-to finish. Dry runs are not written: there is nothing to finish.
+to finish. Hence no fsync: a crash of the daemon keeps what it wrote (the kernel has it);
+only a power loss would not. Dry runs are not written: there is nothing to finish.
 
 The files are the daemon's own, in a root-owned directory, but are still read strictly: a
 file that is not exactly what this module writes is reported and removed, never acted on.
@@ -27,10 +25,13 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 
+from gpuguardd.numbers import is_digits
+from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
-from gpuguardd.records.report import Terminated
+from gpuguardd.records.report import Report, ReportScope, Terminated
 from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.rules import legacy_requester_kind
 
@@ -42,6 +43,7 @@ MAX_FILE = 256 * 1024
 _ID = re.compile(r"[0-9a-f]{32}")
 # Sweeps finished, remembered so that a late update cannot bring their record back.
 _REMEMBER = 1024
+_OVER = 2**63
 _U32 = 2**32 - 1
 
 
@@ -54,6 +56,25 @@ class InFlightSweep:
     @property
     def report_id(self) -> str:
         return self.request.report_id
+
+    def report(self, why: str, outcome: Outcome = Outcome.INTERRUPTED,
+               scope: ReportScope | None = None, finished_by: str = "") -> Report:
+        """The sweep's record as it stands, cut short: what it had ended, and why."""
+        request = self.request
+        if scope is None:
+            scope = ReportScope(gpus=[int(g) for g in request.gpus if is_digits(g) and len(g) < 10],
+                                unit=request.unit, container=request.container,
+                                include_management=request.include_management,
+                                adopted_pids=[pid for pid, _ in request.adopted],
+                                slurm_job=request.slurm_job,
+                                slurm_uid=request.slurm_uid if request.slurm_job else None,
+                                grace_ms=request.grace_ms)
+        return Report(id=self.report_id, started_usec=self.started_usec,
+                      duration_ms=max(0, time.time_ns() // 1000 - self.started_usec) // 1000,
+                      requested_by=request.requested_by, reason=request.reason, scope=scope,
+                      requester_kind=request.requester_kind, dry_run=bool(request.dry_run),
+                      outcome=outcome, finished_by=finished_by,
+                      terminated=list(self.terminated), error=why)
 
 
 def _encode(sweep: InFlightSweep) -> bytes:
@@ -103,8 +124,8 @@ class InFlightSweeps:
         # Writes come from several I/O threads: the lock keeps a stale update from replacing
         # a newer one, or from bringing back the record of a sweep that is over.
         self._lock = threading.Lock()
-        self._written: dict[str, int] = {}
-        self._over: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Per sweep, the processes its record on disk lists; _OVER once the sweep is over.
+        self._written: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     def _path(self, report_id: str) -> str:
         if not _ID.fullmatch(report_id):
@@ -116,8 +137,7 @@ class InFlightSweeps:
         be written, a full or read-only disk: the sweep still runs, it just could not be
         finished by a successor."""
         with self._lock:
-            if sweep.report_id in self._over \
-                    or self._written.get(sweep.report_id, -1) > len(sweep.terminated):
+            if self._written.get(sweep.report_id, -1) > len(sweep.terminated):
                 return True
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -127,18 +147,17 @@ class InFlightSweeps:
                 return True
             except OSError as exc:
                 error = exc
-        if error is not None:
-            log.error("sweep %s: cannot keep its in-flight record in %s (%s): if gpuguardd "
-                      "dies during it, its successor cannot finish it", sweep.report_id[:8],
-                      self.directory, error.strerror or error)
+        log.error("sweep %s: cannot keep its in-flight record in %s (%s): if gpuguardd "
+                  "dies during it, its successor cannot finish it", sweep.report_id[:8],
+                  self.directory, error.strerror or error)
         return False
 
     def remove(self, report_id: str) -> None:
         with self._lock:
-            self._written.pop(report_id, None)
-            self._over[report_id] = None
-            while len(self._over) > _REMEMBER:
-                self._over.popitem(last=False)
+            self._written[report_id] = _OVER
+            self._written.move_to_end(report_id)
+            while len(self._written) > _REMEMBER:
+                self._written.popitem(last=False)
             try:
                 os.unlink(self._path(report_id))
                 return
@@ -146,9 +165,8 @@ class InFlightSweeps:
                 return
             except OSError as exc:
                 error = exc
-        if error is not None:
-            log.error("sweep %s: cannot remove its in-flight record (%s): the next gpuguardd "
-                      "will sweep its scope again", report_id[:8], error.strerror or error)
+        log.error("sweep %s: cannot remove its in-flight record (%s): the next gpuguardd "
+                  "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
         """Every readable record, oldest first; unreadable ones are logged and removed."""
@@ -165,11 +183,9 @@ class InFlightSweeps:
                 self._discard(name, "an unfinished write")
                 continue
             try:
-                fd = open_nofollow(os.path.join(self.directory, name), os.O_RDONLY)
-                try:
-                    text = os.read(fd, MAX_FILE + 1)
-                finally:
-                    os.close(fd)
+                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY),
+                               "rb") as handle:
+                    text = handle.read(MAX_FILE + 1)
                 if len(text) > MAX_FILE:
                     raise ValueError("too large")
                 found.append(_decode(text, name))

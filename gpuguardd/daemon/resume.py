@@ -31,10 +31,9 @@ from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.runner import SweepRunner, UnitSweeps, sweep_budget_sec
-from gpuguardd.numbers import is_digits
-from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind
+from gpuguardd.records.enums import HolderKind, RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
-from gpuguardd.records.report import Report, ReportScope
+from gpuguardd.records.report import Report
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.dropins import DROPIN_FILE
 from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
@@ -49,23 +48,6 @@ RESUME_WINDOW_SEC = 60.0
 _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
-def interrupted_report(sweep: InFlightSweep, why: str, finished_by: str = "") -> Report:
-    request = sweep.request
-    scope = ReportScope(gpus=[int(g) for g in request.gpus if is_digits(g) and len(g) < 10],
-                        unit=request.unit, container=request.container,
-                        include_management=request.include_management,
-                        adopted_pids=[pid for pid, _ in request.adopted],
-                        slurm_job=request.slurm_job,
-                        slurm_uid=request.slurm_uid if request.slurm_job else None,
-                        grace_ms=request.grace_ms)
-    return Report(id=sweep.report_id, started_usec=sweep.started_usec,
-                  duration_ms=max(0, time.time_ns() // 1000 - sweep.started_usec) // 1000,
-                  requested_by=request.requested_by, reason=request.reason, scope=scope,
-                  requester_kind=request.requester_kind, dry_run=False,
-                  outcome=Outcome.INTERRUPTED, finished_by=finished_by,
-                  terminated=list(sweep.terminated), error=why)
-
-
 class Resume:
     def __init__(self, inflight: InFlightSweeps, history: History, runner: SweepRunner,
                  units: UnitSweeps, config: Callable[[], Config],
@@ -76,9 +58,7 @@ class Resume:
         self.units = units
         self.config = config
         self.scan = scan
-
-    async def _io(self, fn: Callable[..., object], *args: object) -> object:
-        return await asyncio.get_running_loop().run_in_executor(self.runner.io_executor, fn, *args)
+        self._io = runner.io
 
     async def claim(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short and claim the sweeps that
@@ -107,15 +87,14 @@ class Resume:
                    f"began (more than {limit:.0f} s): not swept again, its GPUs may be in "
                    "use by others since; sweep again if anything is left")
         elif request.unit:
-            state = await self.units.systemd.state(request.unit) if self.units.systemd.available \
-                else None
+            state = await self.units.systemd.state(request.unit)
             if state is not None and state.active_state in _RUNS_AGAIN:
                 why = (f"gpuguardd stopped during this sweep; {request.unit} is "
                        f"{state.active_state} again, so its new instance was not swept")
         if why:
             log.warning("sweep %s (%s): %s", sweep.report_id[:8], request.requested_by, why)
             if not known:
-                await self._io(self.history.append, interrupted_report(sweep, why))
+                await self._io(self.history.append, sweep.report(why))
             await self._io(self.inflight.remove, sweep.report_id)
             return None
         successor = dataclasses.replace(request, report_id=uuid.uuid4().hex,
@@ -125,9 +104,9 @@ class Resume:
         if not known:
             # (Known: recorded as an error at a stop that outlasted its budget, which the
             # contract keeps; the successor's `resumes` still links the two.)
-            await self._io(self.history.append, interrupted_report(
-                sweep, "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
-                       f"was running; sweep {successor.report_id} finished it",
+            await self._io(self.history.append, sweep.report(
+                "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
+                f"was running; sweep {successor.report_id} finished it",
                 finished_by=successor.report_id))
         # The successor's record first, then the predecessor's goes: a crash in between
         # leaves one of them to finish, never none.

@@ -42,8 +42,7 @@ from gpuguardd.systemd.unitwatch import UnitWatch
 log = logging.getLogger("gpuguard.runner")
 
 
-class SweepEvents(Protocol):
-    """What the service publishes; called on the event loop."""
+class SweepEvents(Protocol):  # the service's signals; called on the event loop
 
     def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
 
@@ -67,23 +66,19 @@ def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
 
 
 @dataclass
-class InFlight:
+class InFlight(InFlightSweep):
     """A running sweep as the loop has heard of it: enough to record it if it never ends."""
 
-    request: SweepRequest
-    budget_sec: float
     started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
-    report_id: str = ""
+    budget_sec: float = 0.0
     scope: ReportScope | None = None
-    terminated: list[Terminated] = field(default_factory=list)
 
 
 class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents,
-                 flight: InFlight | None = None,
-                 on_terminated: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlight,
+                 on_terminated: Callable[[], None]) -> None:
         self.loop = loop
         self.events = events
         self.flight = flight
@@ -97,15 +92,12 @@ class LoopObserver:
         self.loop.call_soon_threadsafe(self._terminated, report_id, pid, comm, unit, signal_name)
 
     def _started(self, report_id: str, scope: ReportScope) -> None:
-        if self.flight is not None:
-            self.flight.report_id, self.flight.scope = report_id, scope
+        self.flight.scope = scope
         self.events.sweep_started(report_id, scope)
 
     def _terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
-        if self.flight is not None:
-            self.flight.terminated.append(Terminated(pid=pid, comm=comm, unit=unit,
-                                                     signal=signal_name))
-            self.on_terminated()
+        self.flight.terminated.append(Terminated(pid=pid, comm=comm, unit=unit, signal=signal_name))
+        self.on_terminated()
         self.events.process_terminated(report_id, pid, comm, unit, signal_name)
 
 
@@ -131,8 +123,7 @@ class SweepRunner:
 
     async def validate(self, request: SweepRequest) -> None:
         """Raise InvalidArgument now, before the caller's sweep counts as running."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+        await self.io(self.engine.resolve_request, request)
 
     async def run(self, request: SweepRequest) -> Report:
         if self.closing:
@@ -143,26 +134,34 @@ class SweepRunner:
         self._idle.clear()
         if self.active == 1:
             self.events.busy_changed(True)
-        flight = InFlight(request, sweep_budget_sec(self.engine.config, request))
-        self.in_flight.append(flight)
         request.report_id = request.report_id or uuid.uuid4().hex
-        dry_run = request.is_dry_run(self.engine.config.dry_run)
-        kept = False
+        flight = InFlight(request, budget_sec=sweep_budget_sec(self.engine.config, request))
+        self.in_flight.append(flight)
+        # On disk before the first signal, so that a successor finishes what a crash cuts
+        # short (inflight.py); removed once the sweep is over, its report in the history.
+        # Each process ended is added as it goes (inflight.py keeps a late write from
+        # undoing a newer one), so a sweep cut short is recorded with what it had done.
+        store = self.inflight if not request.is_dry_run(self.engine.config.dry_run) else None
         try:
-            # On disk before the first signal, so that a successor finishes what a crash cuts
-            # short (inflight.py); removed once the sweep is over, its report in the history.
-            if self.inflight is not None and not dry_run:
-                kept = await loop.run_in_executor(self.io_executor, self.inflight.add,
-                                                  InFlightSweep(request, flight.started_usec))
+            if store is not None and not await self.io(store.add, InFlightSweep(
+                    request, flight.started_usec)):
+                store = None
+
+            def progress() -> None:
+                if store is not None:
+                    self.io_executor.submit(store.add, InFlightSweep(
+                        request, flight.started_usec, list(flight.terminated)))
+
             try:
                 report = await loop.run_in_executor(
                     self.sweep_executor, self.engine.sweep, request,
-                    LoopObserver(loop, self.events, flight,
-                                 lambda: self._note_progress(kept, flight)))
+                    LoopObserver(loop, self.events, flight, progress))
             except GpuGuardError:
-                await self._forget(kept, request.report_id)  # it failed: nothing to finish
+                if store is not None:  # it failed: nothing to finish
+                    await self.io(store.remove, request.report_id)
                 raise
-            if flight not in self.in_flight:
+            recorded = flight not in self.in_flight
+            if recorded:
                 # Recorded as interrupted at shutdown, and SweepFinished sent: that record
                 # stays the sweep's one record (a second one under the same id would give
                 # readers, the hook and the history's compaction two answers for one sweep).
@@ -171,13 +170,14 @@ class SweepRunner:
                             "%d process(es) ended, %d survived (the history keeps the "
                             "interrupted record)", report.id[:8], report.outcome,
                             len(report.terminated), len(report.survived))
-                await self._forget(kept, report.id)  # done after all: nothing to resume
-                return report
-            self.in_flight.remove(flight)
-            # Durable before anyone hears of it: a report the caller saw survives a crash.
-            await self._record(request, report)
-            await self._forget(kept, report.id)
-            self.events.sweep_finished(report)
+            else:
+                self.in_flight.remove(flight)
+                # Durable before anyone hears of it: a report the caller saw survives a crash.
+                await self._record(request, report)
+            if store is not None:  # done: nothing to resume
+                await self.io(store.remove, report.id)
+            if not recorded:
+                self.events.sweep_finished(report)
         finally:
             if flight in self.in_flight:
                 self.in_flight.remove(flight)
@@ -187,17 +187,8 @@ class SweepRunner:
                 self.events.busy_changed(False)
         return report
 
-    def _note_progress(self, kept: bool, flight: InFlight) -> None:
-        """The in-flight record learns each process ended, so a sweep cut short is recorded
-        with what it had done (inflight.py keeps a late write from undoing a newer one)."""
-        if kept and self.inflight is not None:
-            self.io_executor.submit(self.inflight.add, InFlightSweep(
-                flight.request, flight.started_usec, list(flight.terminated)))
-
-    async def _forget(self, kept: bool, report_id: str) -> None:
-        if kept and self.inflight is not None:
-            await asyncio.get_running_loop().run_in_executor(self.io_executor,
-                                                             self.inflight.remove, report_id)
+    async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.io_executor, fn, *args)
 
     def budget_sec(self) -> float:
         """How long the running sweeps may still take, were they to run one after another
@@ -210,20 +201,14 @@ class SweepRunner:
         Their in-flight records stay: the next gpuguardd finishes them (resume.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
-            request = flight.request
             # Without the sweep's own word on its scope, only the unit asked for is known.
-            scope = flight.scope or ReportScope.from_dict({"unit": request.unit})
-            report = Report(
-                id=flight.report_id or request.report_id or uuid.uuid4().hex, started_usec=flight.started_usec,
-                requested_by=request.requested_by, requester_kind=request.requester_kind,
-                scope=scope, dry_run=bool(request.dry_run), reason=request.reason, outcome=Outcome.ERROR,
-                duration_ms=(time.time_ns() // 1000 - flight.started_usec) // 1000,
-                terminated=list(flight.terminated),
-                error="gpuguardd stopped while this sweep was still running; what it had "
-                      "ended by then is listed, the rest is unknown")
+            report = flight.report(
+                "gpuguardd stopped while this sweep was still running; what it had ended by "
+                "then is listed, the rest is unknown", Outcome.ERROR,
+                flight.scope or ReportScope.from_dict({"unit": flight.request.unit}))
             log.warning("sweep %s still running at shutdown: recorded as interrupted (%d "
                         "process(es) ended so far)", report.id[:8], len(report.terminated))
-            await self._record(request, report)
+            await self._record(flight.request, report)
             self.events.sweep_finished(report)
 
     async def _record(self, request: SweepRequest, report: Report) -> None:
@@ -231,8 +216,7 @@ class SweepRunner:
             log.debug("sweep %s: a dry run by %s, not kept in the history", report.id[:8],
                      request.requested_by)
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io_executor, self.history.append, report)
+        await self.io(self.history.append, report)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""
@@ -247,10 +231,7 @@ class SweepRunner:
 # -- unit sweeps ---------------------------------------------------------------------------
 # One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
 # once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
-# "watch:") of the same unit and invocation share one sweep and its report. Dry runs never do:
-# they neither join nor stand for a stop's sweep, whatever their reason says. A unit that
-# systemd is already starting again (Restart=) is not swept by the watcher: its new instance
-# owns the GPUs.
+# "watch:") of the same unit and invocation share one sweep and its report.
 
 # Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
 DEDUPE_WINDOW_SEC = 10.0
@@ -261,35 +242,26 @@ REMEMBER_SEC = 300.0
 AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
 
 
-async def _now(value: Report | None) -> Report | None:
-    return value
-
-
 class UnitSweeps:
     """Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
-    resume.py's): systemd says which leftovers are the unit's (unitsweep.leftovers), the
-    runner sweeps, one sweep per stop. `scan` and `snapshot` are the inventory's (a fresh
-    scan, the last NVML snapshot)."""
+    resume.py's), with the unit's escaped leftovers. `scan` and `snapshot` are the
+    inventory's (a fresh scan, the last NVML snapshot)."""
 
     def __init__(self, runner: SweepRunner, watch: UnitWatch,
                  scan: Callable[[], Awaitable[ScanResult]],
                  snapshot: Callable[[], NvmlSnapshot]) -> None:
         self.runner = runner
         self.watch = watch
+        self.systemd: SystemdView = watch.systemd
+        self.records: UnitGpuRecords = watch.records
         self.scan = scan
         self.snapshot = snapshot
-        self._inflight: dict[tuple[str, str], asyncio.Future[Report]] = {}
-        self._recent: collections.OrderedDict[tuple[str, str], tuple[float, Report]] = \
+        # Each stop's automatic sweep, by (unit, InvocationID): running, or done at a time
+        # (then remembered for REMEMBER_SEC, for a late second trigger of the same stop).
+        self._stops: collections.OrderedDict[tuple[str, str],
+                                             tuple[float, asyncio.Future[Report]]] = \
             collections.OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def systemd(self) -> SystemdView:
-        return self.watch.systemd
-
-    @property
-    def records(self) -> UnitGpuRecords:
-        return self.watch.records
 
     async def start(self) -> None:
         """Follow systemd: a watched unit's stop is swept, a starting service hints its GPUs."""
@@ -342,44 +314,48 @@ class UnitSweeps:
         # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
         # hook a report that signalled nothing.
         dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
-        state = await self.systemd.state(unit) if self.systemd.available else None
+        state = await self.systemd.state(unit)  # None without systemd
         if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
             log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
                      state.active_state)
-            return _now(None)
+            return asyncio.sleep(0, None)
         if request.requester_kind not in AUTOMATIC or dry_run:
             return self._sweep(unit, request, state)
         key = (unit, state.invocation_id if state is not None else "")
         now = time.monotonic()
-        while self._recent and now - next(iter(self._recent.values()))[0] > REMEMBER_SEC:
-            self._recent.popitem(last=False)
-        remembered = self._recent.get(key)
-        if remembered is not None and (key[1] or now - remembered[0] < DEDUPE_WINDOW_SEC):
-            log.info("%s: this stop was already swept (%s); same report", unit, remembered[1].id[:8])
-            return _now(remembered[1])
-        running = self._inflight.get(key)
-        if running is not None:
+        while self._stops:
+            first, (at, done) = next(iter(self._stops.items()))
+            if not done.done() or now - at <= REMEMBER_SEC:
+                break
+            del self._stops[first]
+        at, future = self._stops.get(key, (now, None))
+        if future is not None and not future.done():
             log.info("%s: joining the sweep already running for this stop", unit)
-            return asyncio.shield(running)
-        future: asyncio.Future[Report] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
+            return asyncio.shield(future)
+        if future is not None and (key[1] or now - at < DEDUPE_WINDOW_SEC):
+            log.info("%s: this stop was already swept (%s); same report", unit,
+                     future.result().id[:8])
+            return future
+        future = asyncio.get_running_loop().create_future()
+        self._stops[key] = (now, future)
+        self._stops.move_to_end(key)
         return self._own(key, future, unit, request, state)
 
     async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
                    request: SweepRequest, state: UnitState | None) -> Report:
         try:
             report = await self._sweep(unit, request, state)
-        except asyncio.CancelledError:
-            future.cancel()
+        except BaseException as exc:
+            self._stops.pop(key, None)
+            if isinstance(exc, Exception):
+                future.set_exception(exc)
+                future.exception()  # retrieved: a lone sweep's failure is its caller's to see
+            else:
+                future.cancel()
             raise
-        except Exception as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: a lone sweep's failure is its caller's to see
-            raise
-        finally:
-            self._inflight.pop(key, None)
         future.set_result(report)
-        self._recent[key] = (time.monotonic(), report)
+        self._stops[key] = (time.monotonic(), future)
+        self._stops.move_to_end(key)
         return report
 
     async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None) -> Report:

@@ -147,27 +147,24 @@ class UnitGpuRecords:
     def restore(self, items: object) -> int:
         """Take back what dump() gave, checked strictly (it comes from a file); the number
         of units restored. Anything not of dump()'s shape is skipped."""
-        if not isinstance(items, list):
-            return 0
-
         def count(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
         restored = 0
-        for item in items[-self.max_units:]:
-            if not isinstance(item, dict) or not isinstance(item.get("unit"), str) or not item["unit"]:
+        for item in items[-self.max_units:] if isinstance(items, list) else []:
+            get = item.get if isinstance(item, dict) else {}.get
+            unit, gpus, hinted, processes = map(get, ("unit", "gpus", "hinted", "processes"))
+            if not (unit and isinstance(unit, str) and isinstance(gpus, list)
+                    and isinstance(hinted, list) and isinstance(processes, list)
+                    and all(map(count, gpus + hinted))):
                 continue
-            gpus, hinted, processes = item.get("gpus"), item.get("hinted"), item.get("processes")
-            if not (isinstance(gpus, list) and isinstance(hinted, list)
-                    and isinstance(processes, list) and all(map(count, gpus + hinted))):
-                continue
-            pairs = [p for p in processes if isinstance(p, list) and len(p) == 3 and count(p[0])
-                     and count(p[1]) and isinstance(p[2], str)]
-            record = self._record(item["unit"])
+            record = self._record(unit)
             record.gpus.update(gpus)
             record.hinted.update(hinted)
-            for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT]:
-                record.processes[(pid, start)] = comm
+            pairs = [p for p in processes if isinstance(p, list) and len(p) == 3 and count(p[0])
+                     and count(p[1]) and isinstance(p[2], str)]
+            record.processes.update(((pid, start), comm)
+                                    for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT])
             restored += 1
         return restored
 

@@ -1,9 +1,5 @@
 """systemd's manager on the bus (org.freedesktop.systemd1): the few calls the unit watch and
-unit sweeps make, over an existing dbus-fast connection.
-
-`Systemd` is what unitsweep.SystemdView asks for (a unit's state and environment) plus the
-watcher's Subscribe; `local_systemd` connects one for `gpuguardctl sweep --local --unit`.
-"""
+unit sweeps make (unitsweep.SystemdView, plus the watcher's Subscribe)."""
 
 from __future__ import annotations
 
@@ -34,8 +30,6 @@ CALL_TIMEOUT_SEC = 5.0
 
 
 class Systemd:
-    """The few systemd manager calls the watch needs, over an existing dbus-fast connection."""
-
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
         self.available = False
@@ -70,9 +64,10 @@ class Systemd:
             return None  # NoSuchUnit: not loaded, so not running either
         return str(reply.body[0])
 
-    async def get(self, path: str, interface: str, name: str) -> Any | None:
+    async def get(self, path: str | None, interface: str, name: str) -> Any | None:
         # One property at a time: GetAll of a service is a few hundred properties.
-        reply = await self._call(path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
+        reply = None if path is None else await self._call(
+            path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             return None
         return reply.body[0].value
@@ -103,16 +98,14 @@ class Systemd:
         return state
 
     async def environment(self, unit: str) -> list[str]:
-        path = await self.unit_path(unit)
-        if path is None or not unit.endswith(".service"):
+        if not unit.endswith(".service"):
             return []
-        value = await self.get(path, SERVICE_IFACE, "Environment")
+        value = await self.get(await self.unit_path(unit), SERVICE_IFACE, "Environment")
         return [str(item) for item in value or []]
 
     async def dropins(self, unit: str) -> list[str]:
         """The unit's drop-in files (DropInPaths): whether gpuguard's hook applies to it."""
-        path = await self.unit_path(unit)
-        value = None if path is None else await self.get(path, UNIT_IFACE, "DropInPaths")
+        value = await self.get(await self.unit_path(unit), UNIT_IFACE, "DropInPaths")
         return [str(item) for item in value or []] if isinstance(value, list) else []
 
 

@@ -67,11 +67,9 @@ class HookTarget:
     name: str  # e.g. "sglang-.service", "vllm-qwen.service", "foo@.service"
     kind: str  # "prefix", "unit", "template"
 
-    def dropin_dir(self, root: str = "/") -> str:
-        return os.path.join(root, ETC_UNIT_DIR.lstrip("/"), f"{self.name}.d")
-
     def dropin_path(self, root: str = "/", start: bool = False) -> str:
-        return os.path.join(self.dropin_dir(root), START_DROPIN_FILE if start else DROPIN_FILE)
+        return os.path.join(root, ETC_UNIT_DIR.lstrip("/"), f"{self.name}.d",
+                            START_DROPIN_FILE if start else DROPIN_FILE)
 
     def applies_to(self, unit: str) -> bool:
         """Would systemd apply this drop-in to `unit` (a full unit name)?"""
@@ -191,13 +189,6 @@ def requested_by_for_reason(reason: str) -> str:
     return f"{HOOK_PREFIX}{unit}"
 
 
-def _write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    # 0644 as systemd's own units: systemd reads them as root anyway, but `systemctl cat` as a
-    # user and packaging tools expect it. Not synced: systemd re-reads on daemon-reload.
-    write_atomic(path, [text.encode("utf-8")], prefix=f".{DROPIN_FILE}.", fsync=False)
-
-
 def is_ours(text: str) -> bool:
     return text.startswith(HEADER)
 
@@ -265,7 +256,10 @@ def install(pattern: str, root: str = "/", reload: bool = True, start: bool = Fa
                         usage=False)
     if current == wanted:
         return Result("unchanged", target.name, path, "not needed (nothing changed)")
-    _write_atomic(path, wanted)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    # 0644 as systemd's own units: systemd reads them as root anyway, but `systemctl cat` as a
+    # user and packaging tools expect it. Not synced: systemd re-reads on daemon-reload.
+    write_atomic(path, [wanted.encode("utf-8")], prefix=f".{DROPIN_FILE}.", fsync=False)
     return _changed("installed" if current is None else "updated", target, path, root, reload)
 
 
@@ -302,8 +296,8 @@ class InstalledHook:
                 "ours": self.ours, "units": list(self.applies_to)}
 
 
-def _dropin_files(root: str) -> Iterable[tuple[str, str]]:
-    """(unit name of the .d directory, file path) of every drop-in that calls gpuguardctl."""
+def _dropin_files(root: str) -> Iterable[tuple[str, str, str]]:
+    """(unit name of the .d directory, file path, text) of every drop-in that calls gpuguardctl."""
     for base in UNIT_SEARCH_PATH:
         directory = os.path.join(root, base.lstrip("/"))
         try:
@@ -322,7 +316,7 @@ def _dropin_files(root: str) -> Iterable[tuple[str, str]]:
                 path = os.path.join(dropin_dir, file)
                 text = _read(path) or ""
                 if file == DROPIN_FILE or "gpuguardctl" in text:
-                    yield name.removesuffix(".d"), path
+                    yield name.removesuffix(".d"), path, text
 
 
 def known_units(root: str = "/") -> list[str]:
@@ -357,7 +351,7 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
         wanted = parse_pattern(pattern)
     units = known_units(root)
     found: list[InstalledHook] = []
-    for name, path in _dropin_files(root):
+    for name, path, text in _dropin_files(root):
         try:
             target = parse_pattern(name)
         except HookError:
@@ -366,7 +360,6 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
             continue
         if pattern and wanted is None and not fnmatch.fnmatchcase(name, pattern):
             continue
-        text = _read(path) or ""
         found.append(InstalledHook(path, target, is_ours(text),
                                    [u for u in units if target.applies_to(u)]))
     return found

@@ -1,9 +1,6 @@
-"""The unit watch's pure rules: which units are watched, what a unit's object path names, a
-unit's state, which state change of a watched unit is a stop to sweep, and how automatic
-sweeps name who asked ("hook:<unit>", "watch:<unit>"). No D-Bus, no I/O, nothing heavy (the
-CLI's hook verbs import it): the watcher (watcher.py) applies them to what systemd's client
-(client.py) reads; the escaped-leftover rule is adoption.py's, one sweep per stop daemon/runner.py's.
-"""
+"""The unit watch's pure rules (unitwatch.py has the map): which units are watched, a unit's
+state, which change is a stop to sweep, how automatic sweeps name who asked. No D-Bus, no
+I/O, nothing heavy: the CLI's hook verbs import it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""What a unit sweep learns from systemd, for gpuguardd and `gpuguardctl sweep --local` alike:
-which processes outside the unit's cgroup are its escaped leftovers, to be swept with it.
-Free of D-Bus: systemd is asked through `SystemdView` (client.Systemd on a bus connection, or
-`NoSystemd`). It answers, and acts on nothing: the caller sweeps (daemon/runner.py's
-UnitSweeps, the engine in the CLI's process). The rule itself, pure: adoption.py.
-"""
+"""A unit's escaped leftovers, for gpuguardd and `gpuguardctl sweep --local` alike: adoption.py's
+rule applied with systemd's answers. Free of D-Bus (systemd is a `SystemdView`); it sweeps
+nothing itself."""
 
 from __future__ import annotations
 

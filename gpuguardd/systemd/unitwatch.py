@@ -44,12 +44,8 @@ class UnitWatch:
         if not self.records_path:
             return
         try:
-            fd = open_nofollow(self.records_path, os.O_RDONLY)
-            try:
-                text = os.read(fd, 64 * 1024 * 1024)
-            finally:
-                os.close(fd)
-            restored = self.records.restore(json.loads(text))
+            with os.fdopen(open_nofollow(self.records_path, os.O_RDONLY), "rb") as handle:
+                restored = self.records.restore(json.loads(handle.read(64 * 1024 * 1024)))
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:

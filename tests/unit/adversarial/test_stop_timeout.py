@@ -79,7 +79,8 @@ def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path,
 
     async def scenario() -> None:
         runner = SweepRunner(engine, pool, pool, history, events)  # type: ignore[arg-type]
-        request = SweepRequest(gpus=["3"], requested_by="uid 0 (root) :1.7", reason="stop test")
+        request = SweepRequest(gpus=["3"], requested_by="uid 0 (root) :1.7", reason="stop test",
+                               report_id="feedface" * 4)  # the engine reports under it
         task = asyncio.ensure_future(runner.run(request))
         for _ in range(200):
             await asyncio.sleep(0.01)
