@@ -204,7 +204,7 @@ def evidence(population: Population, paths: list[str]) -> float:
     started = time.perf_counter()
     held = [procfs.char_device_fds(pid) for pid in sorted(population.holder_pids)]
     seconds = time.perf_counter() - started
-    if any(sum((dev, ino) in nodes for dev, ino, _ in fds) != 3 for fds in held):
+    if any(sum((dev, ino) in nodes for dev, ino, _, _ in fds) != 3 for fds in held):
         raise BenchError("a holder's fd table did not show its three device nodes")
     return seconds
 

@@ -84,23 +84,27 @@ def _is_drm(path: str) -> bool:
     return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == DRM_MAJOR
 
 
-def drm_clients(pid: int, proc: str = "/proc") -> list[DrmClient]:
+def drm_clients(pid: int, proc: str = "/proc", fds: list[str] | None = None) -> list[DrmClient]:
     """The DRM clients process `pid` holds open, each (pdev, client id) once. A vanished or
-    unreadable fd is left out, silently."""
+    unreadable fd is left out, silently. `fds`: those already known to be DRM nodes' (the
+    holder scan found them), read without a look at the others."""
     base = os.path.join(proc, str(pid))
-    try:
-        fds = [fd for fd in os.listdir(os.path.join(base, "fd")) if numbers.is_digits(fd)]
-    except OSError:
-        return []
+    known = fds is not None
+    if fds is None:
+        try:
+            fds = [fd for fd in os.listdir(os.path.join(base, "fd")) if numbers.is_digits(fd)]
+        except OSError:
+            return []
     found: dict[tuple[str, int] | str, DrmClient] = {}
     for fd in sorted(fds, key=int):
         path = os.path.join(base, "fd", fd)
-        try:
-            target = os.readlink(path)
-        except OSError:
-            continue
-        if not target.startswith("/") or not _is_drm(path):  # sockets, pipes, anon inodes
-            continue
+        if not known:
+            try:
+                target = os.readlink(path)
+            except OSError:
+                continue
+            if not target.startswith("/") or not _is_drm(path):  # sockets, pipes, anon inodes
+                continue
         try:
             with open(os.path.join(base, "fdinfo", fd), "rb") as handle:
                 raw = handle.read(_FDINFO_MAX)

@@ -40,6 +40,8 @@ class RawHolding:
     # Opened before /proc/<pid> was read: while it shows the process alive, what was read was
     # that process's, since a PID is reused only after its process is reaped.
     pidfd: int | None = None
+    # The fds on an AMD GPU's render or card node: the only fdinfo files worth reading.
+    drm_fds: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -50,11 +52,13 @@ class RawHolding:
 def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
     """Note in `raw` the watched nodes among the process's open fds."""
     by_inode = device_map.by_inode
-    for dev, ino, rdev in procfs.char_device_fds(pid):
+    for dev, ino, rdev, fd in procfs.char_device_fds(pid):
         node = by_inode.get((dev, ino)) or device_map.node_for_rdev(rdev)
         if node is not None:
             raw.nodes[node.path] = node
             raw.how.add("fd")
+            if node.role in ("render", "card"):
+                raw.drm_fds.append(fd)
 
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
@@ -178,14 +182,15 @@ def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
     return sorted(gpus)
 
 
-def _drm_listed(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot) -> dict[int, int]:
-    """AMD GPU index -> VRAM bytes this process's DRM clients hold there (fdinfo): memory of a
-    client KFD does not list (Vulkan, OpenCL through Mesa, a compositor)."""
-    if not any(n.role in ("render", "card") for n in nodes):
+def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
+    """AMD GPU index -> VRAM bytes this process's DRM clients (its `fds` on render and card
+    nodes) hold there, from fdinfo: memory of a client KFD does not list (Vulkan, OpenCL
+    through Mesa, a compositor)."""
+    if not fds:
         return {}
     by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
     listed: dict[int, int] = {}
-    for pdev, vram in fdinfo.vram_by_pdev(fdinfo.drm_clients(pid)).items():
+    for pdev, vram in fdinfo.vram_by_pdev(fdinfo.drm_clients(pid, fds=fds)).items():
         index = by_pci.get(pci_key(pdev))
         if index is not None and vram > 0:
             listed[index] = listed.get(index, 0) + vram
@@ -255,7 +260,7 @@ def describe(pid: int, nvml: NvmlSnapshot,
             how.add("kfd" if gpu.vendor == Vendor.AMD else "nvml")
             nvml_gpus.add(gpu.index)
             memory += gpu.processes[pid] or 0
-    for index, vram in _drm_listed(pid, nodes, nvml).items():
+    for index, vram in _drm_listed(pid, raw.drm_fds, nvml).items():
         if index not in nvml_gpus:
             how.add("fdinfo")
             nvml_gpus.add(index)

@@ -94,12 +94,12 @@ def read_cmdline(pid: int) -> str | None:
     return safetext.text(data.replace(b"\0", b" "), safetext.CMDLINE_MAX, already_cut=more)
 
 
-def char_device_fds(pid: int) -> list[tuple[int, int, int]]:
-    """(st_dev, st_ino, st_rdev) of each open fd of `pid` that is a character device, by stat()
-    through the fd link (the node's identity, not its name, decides). OSError when the fd
-    directory cannot be opened (not ours to read, or exited)."""
+def char_device_fds(pid: int) -> list[tuple[int, int, int, str]]:
+    """(st_dev, st_ino, st_rdev, fd) of each open fd of `pid` that is a character device, by
+    stat() through the fd link (the node's identity, not its name, decides). OSError when the
+    fd directory cannot be opened (not ours to read, or exited)."""
     dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    found: list[tuple[int, int, int]] = []
+    found: list[tuple[int, int, int, str]] = []
     try:
         for name in os.listdir(dir_fd):
             try:
@@ -107,7 +107,7 @@ def char_device_fds(pid: int) -> list[tuple[int, int, int]]:
             except OSError:
                 continue  # closed meanwhile, or a file we may not stat
             if st.st_mode & _S_IFMT == _S_IFCHR:
-                found.append((st.st_dev, st.st_ino, st.st_rdev))
+                found.append((st.st_dev, st.st_ino, st.st_rdev, name))
     finally:
         os.close(dir_fd)
     return found

@@ -139,3 +139,14 @@ def test_vram_by_pdev_skips_clients_without_figure_or_address() -> None:
                DrmClient("amdgpu", "0000:c3:00.0", 3, None), DrmClient("amdgpu", "0000:c4:00.0", None, 9),
                DrmClient("amdgpu", "0000:c4:00.0", None, 9)]
     assert fdinfo.vram_by_pdev(clients) == {"0000:c3:00.0": 5, "0000:c4:00.0": 18}
+
+
+def test_fds_the_scan_found_are_read_without_another_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder scan already knows which fds are an AMD GPU's nodes: only theirs are read,
+    with no readlink or stat of any fd."""
+    monkeypatch.setattr(fdinfo, "_is_drm", lambda path: pytest.fail(f"looked at {path} again"))
+    other = AMDGPU_LEGACY.replace("drm-client-id:\t42", "drm-client-id:\t43")
+    proc = _fake_proc(tmp_path, 4242, {3: ("/dev/dri/renderD128", AMDGPU_LEGACY),
+                                       7: ("/dev/dri/renderD128", other)})
+    assert [c.client_id for c in fdinfo.drm_clients(4242, proc, fds=["7"])] == [43]
+    assert fdinfo.drm_clients(4242, proc, fds=[]) == []
