@@ -121,7 +121,7 @@ def test_indicator_follows_gpuguardd(shell: GnomeShell, guard: GuardDaemon,
                "the holder in the menu")
     shown = indicator(shell)
     assert shown["menu_open"]
-    assert gpu_line(shown, 0).startswith("GPU 0: NVIDIA H100 80GB HBM3, ")
+    assert gpu_line(shown, 0).startswith("GPU 0: nvidia NVIDIA H100 80GB HBM3, ")
     assert "2.0 GiB of 80.0 GiB" in gpu_line(shown, 1)
     assert "Sweep GPU 1…" in shown["items"]
     shell.screenshot(shots / "desktop-menu.png", crop="620x420+660+0")
