@@ -70,5 +70,8 @@ def test_a_host_without_nvml_is_a_working_host(daemon: GuardDaemon, tmp_path: Pa
         amd.release_after_exit(rocm, memory_after=0.3, entry_after=0.5)
         done = daemon.ctl("sweep", "--gpu", "0", "--json")
         assert (done.returncode, done.json["outcome"]) == (0, "freed"), done.stdout + done.stderr
+        swept = done.json["id"]
+        done = daemon.ctl("history", "--json")
+        assert done.returncode == 0 and done.json[0]["id"] == swept, done.stdout + done.stderr
     finally:
         amd.close()

@@ -145,10 +145,15 @@ def test_an_amd_host_without_nvml_runs_every_command(amd_only: AmdHost) -> None:
     done = amd_only.cli("wait", "--gpu", "1", "--timeout", "5s", "--stable", "0s", env=env)
     assert done.returncode == EXIT_OK, done.stdout + done.stderr
     pid = amd_only.holder(amd_only.gpus[1], 8 * GiB)
+    code, holders = amd_only.cli_json("holders", "--gpu", "1", env=env)
+    assert [(h["pid"], h["gpus"]) for h in holders] == [(pid, [1])], holders
+    assert amd_only.cli("check", "--gpu", "1", env=env).returncode == EXIT_NOT_FREE
     amd_only.release_after_exit(pid, memory_after=0.5, entry_after=0.8)
     code, report = amd_only.cli_json("sweep", "--gpu", "1", env=env)
     assert (code, report["outcome"]) == (EXIT_OK, "freed"), report
     wait_until(lambda: gone(pid), 5, "the holder gone")
+    done = amd_only.cli("hook", "list", env=env)
+    assert done.returncode == EXIT_OK, done.stderr
 
 
 def test_reset_names_its_gpu_by_pci_bus_id(mixed: AmdHost) -> None:
