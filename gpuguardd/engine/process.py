@@ -14,8 +14,10 @@ import select
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from gpuguardd.engine import procfs
+from gpuguardd.records.enums import SurvivorReason
 
 
 def pidfds_supported() -> bool:
@@ -146,17 +148,20 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
     return done
 
 
-def survivor_reason(pid: int) -> tuple[str, str]:
+def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:
+    """A process still there after SIGKILL: its /proc state, why as a code, and in words."""
     stat = procfs.read_stat(pid)
     if stat is None:
-        return "", "exited"
+        return "", SurvivorReason.EXITED, "exited"
     if stat.state == "Z":
-        return stat.state, f"zombie: parent {stat.ppid} has not reaped it"
+        return stat.state, SurvivorReason.ZOMBIE, f"zombie: parent {stat.ppid} has not reaped it"
     if stat.state == "D":
         wchan = (procfs.read_wchan(pid) or "").strip()
         where = f" in {wchan}" if wchan and wchan != "0" else ""
-        return stat.state, f"uninterruptible (D state){where}: SIGKILL is pending until it wakes"
-    return stat.state, f"still running after SIGKILL (state {stat.state})"
+        return (stat.state, SurvivorReason.UNINTERRUPTIBLE,
+                f"uninterruptible (D state){where}: SIGKILL is pending until it wakes")
+    return (stat.state, SurvivorReason.STILL_RUNNING,
+            f"still running after SIGKILL (state {stat.state})")
 
 
 def ignores_sigterm(pid: int) -> bool:
@@ -170,27 +175,38 @@ def ignores_sigterm(pid: int) -> bool:
                                            and not signals.caught & bit)
 
 
-def exit_status(stat: procfs.ProcStat | None) -> str:
-    """How an exited, not yet reaped process ended ("" once reaped: the kernel forgot)."""
+@dataclass(frozen=True)
+class ExitStatus:
+    """How an exited process ended, as the kernel had it: the signal that killed it, or the
+    status it exited with. str() words it for people (a terminated entry's exit_status)."""
+
+    killed_by: str = ""  # the signal's name ("SIGKILL", or "signal 42"); "" for an exit
+    status: int = 0  # the exit status, when it exited
+
+    def __str__(self) -> str:
+        return f"killed by {self.killed_by}" if self.killed_by else f"exited with status {self.status}"
+
+
+def exit_status(stat: procfs.ProcStat | None) -> ExitStatus | None:
+    """How an exited, not yet reaped process ended (None once reaped: the kernel forgot)."""
     if stat is None or stat.state != "Z" or stat.exit_code is None:
-        return ""
+        return None
     code = stat.exit_code
     if not os.WIFSIGNALED(code):
-        return f"exited with status {os.WEXITSTATUS(code)}"
+        return ExitStatus(status=os.WEXITSTATUS(code))
     try:
-        return f"killed by {signal.Signals(os.WTERMSIG(code)).name}"
+        return ExitStatus(killed_by=signal.Signals(os.WTERMSIG(code)).name)
     except ValueError:
-        return f"killed by signal {os.WTERMSIG(code)}"
+        return ExitStatus(killed_by=f"signal {os.WTERMSIG(code)}")
 
 
-def ended_by(last_sent: str, status: str, sigterm_ignored: bool) -> str:
+def ended_by(last_sent: str, status: ExitStatus | None, sigterm_ignored: bool) -> str:
     """The signal of ours that ended a process, as far as is known; "" for none. `last_sent`:
     the last one sent before its exit was seen, `status`: exit_status()."""
     sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
-    if status.startswith("killed by "):
-        killer = status.removeprefix("killed by ")
-        return killer if killer in sent else ""
-    if status:
+    if status is not None and status.killed_by:
+        return status.killed_by if status.killed_by in sent else ""
+    if status is not None:
         # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
         # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
         return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""

@@ -31,7 +31,7 @@ from gpuguardd.engine.judge import facts_of, judge
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
-from gpuguardd.records.enums import HolderKind, Outcome, Vendor
+from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
 from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, ReportScope
 
@@ -188,7 +188,7 @@ class GpuReset:
                 self._refuse("a sweep covers it now")
             else:
                 if problem:
-                    self.report.warnings.append(problem)
+                    self.report.warn(problem, WarningCode.LOCKS_UNAVAILABLE)
                 self._reset()
         except (NvmlHung, NvmlCallFailed, OSError) as exc:
             self.report.outcome = Outcome.RESET_FAILED
@@ -320,7 +320,8 @@ class GpuReset:
                 h, pynvml.NVML_FEATURE_ENABLED), "nvmlDeviceSetPersistenceMode")
             self.step("restored persistence mode")
         except (NvmlCallFailed, NvmlHung) as exc:
-            self.report.warnings.append(f"persistence mode could not be restored: {exc}")
+            self.report.warn(f"persistence mode could not be restored: {exc}",
+                             WarningCode.PERSISTENCE_NOT_RESTORED)
             self.step(f"could not restore persistence mode: {exc}", logging.ERROR)
 
     def _command(self, bus_id: str, command: tuple[str, ...] | None = None) -> bool:

@@ -20,7 +20,15 @@ from gpuguardd.engine import process, procfs
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
 from gpuguardd.engine.scope import gpu_scope, holds_no_device_here, in_scope, is_target, mig_scope_why
-from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode, Why
+from gpuguardd.records.enums import (
+    HolderKind,
+    Outcome,
+    RequesterKind,
+    SpareReason,
+    SurvivorReason,
+    WarningCode,
+    Why,
+)
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
 from gpuguardd.records.report import (
     GpuResult,
@@ -136,7 +144,8 @@ class Sweep:
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             report.targets.extend(Target.of(holder) for holder, _ in targets)
             gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
-        report.survived.extend(Survivor.of(holder, f"appeared again after {MAX_ROUNDS} rounds: "
+        report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED,
+                                                   f"appeared again after {MAX_ROUNDS} rounds: "
                                                    "something keeps starting new holders")
                                for holder, _ in targets)
         self._close(pinned)
@@ -224,7 +233,8 @@ class Sweep:
         for holder, handle in targets:
             self._handled.add((holder.pid, holder.start_time))
             if holder.state == "Z":  # nothing to signal: only its parent can release it
-                report.survived.append(Survivor.of(holder, f"zombie: parent {holder.ppid} has not reaped it",
+                report.survived.append(Survivor.of(holder, SurvivorReason.ZOMBIE,
+                                                   f"zombie: parent {holder.ppid} has not reaped it",
                                                    state="Z"))
                 continue
             live[holder.pid] = (holder, handle)
@@ -238,7 +248,8 @@ class Sweep:
                     self._record_exit(holder, handle, gone_as, sent_at[pid])
                     del live[pid]
                 elif result == "denied":
-                    report.survived.append(Survivor.of(holder, f"permission denied sending {sig.name} "
+                    report.survived.append(Survivor.of(holder, SurvivorReason.PERMISSION_DENIED,
+                                                               f"permission denied sending {sig.name} "
                                                                "(run as root)"))
                     del live[pid]
 
@@ -271,9 +282,9 @@ class Sweep:
 
     def _report_exiting(self) -> None:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
-            state, why = process.survivor_reason(pid)
+            state, code, why = process.survivor_reason(pid)
             waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
-            self.report.survived.append(Survivor.of(holder, f"{why} ({waited:g} s after SIGKILL)",
+            self.report.survived.append(Survivor.of(holder, code, f"{why} ({waited:g} s after SIGKILL)",
                                                     state=state))
             handle.close()
         self._exiting.clear()
@@ -290,7 +301,8 @@ class Sweep:
         signal_name = process.ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
         entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit,
                            uid=holder.uid if holder.uid >= 0 else None, signal=signal_name,
-                           exited_after_ms=max(0, int((seen - sent_at) * 1000)), exit_status=status)
+                           exited_after_ms=max(0, int((seen - sent_at) * 1000)),
+                           exit_status="" if status is None else str(status))
         if stat is not None:
             # Exited but not reaped: harmless unless NVML still charges memory to it (checked
             # at verification), but worth naming the parent that should reap it.

@@ -121,6 +121,21 @@ class SpareReason(WireEnum):
     OTHER = "other"
 
 
+class SurvivorReason(WireEnum):
+    """Why a sweep could not end a process (a report's survived entries' `code`; their `why`
+    words it for people). Decided where the survivor is recorded: engine/sweep.py, and
+    engine/process.survivor_reason for those still there after SIGKILL."""
+
+    ZOMBIE = "zombie"  # exited, not reaped: only its parent can release it
+    UNINTERRUPTIBLE = "uninterruptible"  # in D state: SIGKILL is pending until it wakes
+    STILL_RUNNING = "still-running"  # neither: still running after SIGKILL
+    PERMISSION_DENIED = "permission-denied"  # a signal of ours was refused (not root)
+    REAPPEARED = "reappeared"  # holders kept appearing, round after round: the last ones
+    EXITED = "exited"  # gone by the time it was recorded, after the wait for it had ended
+    # Read back from a record that carries no code (written before the codes).
+    OTHER = "other"
+
+
 class RequesterKind(WireEnum):
     """Who asked for a sweep or a reset, as the daemon decided when the request came (a
     report's `requester_kind`; `requested_by` words it for people). The metrics' `trigger`
@@ -147,6 +162,11 @@ class WarningCode(WireEnum):
     # A GPU's (or MIG instance's) memory could not be read, or proves nothing (hung, lost,
     # suspended, NVML's pids another namespace's): it was not verified.
     MEMORY_UNVERIFIED = "memory-unverified"
+    # The GPU lock directory or a lock file could not be used: sweeps (and resets) of the
+    # same GPU are not serialized.
+    LOCKS_UNAVAILABLE = "locks-unavailable"
+    # A reset turned persistence mode off and could not turn it back on.
+    PERSISTENCE_NOT_RESTORED = "persistence-not-restored"
     OTHER = "other"
 
 

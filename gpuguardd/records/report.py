@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from gpuguardd.records.codec import WireRecord
-from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, WarningCode
+from gpuguardd.records.enums import (
+    HolderKind,
+    Outcome,
+    RequesterKind,
+    SpareReason,
+    SurvivorReason,
+    WarningCode,
+)
 
 if TYPE_CHECKING:
     from gpuguardd.records.models import Holder, Scope
@@ -88,19 +95,25 @@ class Terminated(WireRecord):
 
 @dataclass
 class Survivor(WireRecord):
-    """A process the sweep could not end, and why."""
+    """A process the sweep could not end, and why: `code` for programs, `why` in words for
+    people."""
+
+    # Optional: absent from records written before the codes (read back as OTHER).
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
 
     pid: int
     comm: str = ""
     unit: str = ""
     state: str = ""  # /proc state: "D", "Z", "R"...; "" once it has gone
     why: str = ""
+    code: SurvivorReason = SurvivorReason.OTHER
 
     @classmethod
-    def of(cls, holder: Holder, why: str, state: str | None = None) -> Survivor:
+    def of(cls, holder: Holder, code: SurvivorReason, why: str,
+           state: str | None = None) -> Survivor:
         """The one way a survivor is named; `state` when it was read after the scan."""
         return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit,
-                   state=holder.state if state is None else state, why=why)
+                   state=holder.state if state is None else state, why=why, code=code)
 
 
 @dataclass
@@ -186,8 +199,8 @@ class Report(WireRecord):
     # metrics' trigger label is. Optional: absent from records written before the codes.
     requester_kind: RequesterKind = RequesterKind.MANUAL
     # The code of each warning, in the order of `warnings`: warning_codes[i] is warnings[i]'s.
-    # A warning past its end has none (a record older than the codes, a reset's warnings, the
-    # note a copy trimmed for the bus ends with). Consumers test codes, never the words.
+    # A warning past its end has none (a record older than the codes, the note a copy trimmed
+    # for the bus ends with). Consumers test codes, never the words.
     warning_codes: list[WarningCode] = field(default_factory=list)
 
     def warn(self, text: str, code: WarningCode = WarningCode.OTHER) -> None:

@@ -10,7 +10,7 @@ from gpuguardd.cli.output import describe_scope, human_bytes, print_gpus, print_
 from gpuguardd.cli.output import describe_scope as printed
 from gpuguardd.cli.watch import describe
 from gpuguardd.engine.gpustate import gpu_summaries
-from gpuguardd.records.enums import HolderKind, Vendor
+from gpuguardd.records.enums import HolderKind, SurvivorReason, Vendor
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, NvmlSnapshot, ScanResult
 from gpuguardd.records.report import Report, ReportScope, Survivor
 from tests.conftest import GiB
@@ -100,7 +100,8 @@ def test_printed_text_is_escaped() -> None:
 
 def test_escaped_names_keep_the_report_columns() -> None:
     plain_name, odd_name = (Holder(pid=42, comm=comm, unit="u.service") for comm in ("python", "py\x1bthon"))
-    report = Report(id="c" * 32, survived=[Survivor.of(plain_name, "x"), Survivor.of(odd_name, "x")])
+    report = Report(id="c" * 32, survived=[Survivor.of(plain_name, SurvivorReason.OTHER, "x"),
+                                               Survivor.of(odd_name, SurvivorReason.OTHER, "x")])
     out = io.StringIO()
     output.print_report(report, out)
     rows = [line for line in out.getvalue().splitlines() if "SURVIVED" in line]

@@ -16,8 +16,9 @@ import pytest
 
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.reset import GpuReset, ResetSettings, refusal
-from gpuguardd.records.enums import HolderKind, Outcome, Vendor
+from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.records.report import Report
 from tests.unit.helpers import DEAD, LIVE
 
 MiB = 1024 * 1024
@@ -44,6 +45,7 @@ class Host:
         self.memory.write_text(str(5 * GiB))
         self.calls = root / "calls.jsonl"
         self.holders: list[Holder] = []
+        self.report = Report()
         self.others: list[GpuInfo] = []
         self.available = True
         self.smi = root / "amd-smi"
@@ -79,7 +81,7 @@ class Host:
                                  lock_directory=str(self.root / "locks"), poll_sec=0.02,
                                  amd_command=(str(self.smi), "reset", "--gpureset", "--gpu"),
                                  sysfs_path=str(self.sysfs))
-        report = GpuReset(0, cast(Nvml, NoNvml()), self.scan, settings, "test").run()
+        report = self.report = GpuReset(0, cast(Nvml, NoNvml()), self.scan, settings, "test").run()
         calls = [json.loads(line) for line in self.calls.read_text().splitlines()] \
             if self.calls.exists() else []
         return report.outcome, report.error, calls
@@ -103,6 +105,17 @@ def test_amd_reset_runs_the_command_with_the_bus_id_and_verifies(host: Host) -> 
     outcome, error, calls = host.reset()
     assert (outcome, error) == (Outcome.RESET, "")
     assert calls == [["reset", "--gpureset", "--gpu", BUS]]
+
+
+def test_a_reset_reports_warnings_with_their_codes(host: Host) -> None:
+    # The lock directory cannot be made (a file is in its way): the reset goes on, unserialized,
+    # and says so with a code, as a sweep's report does.
+    (host.root / "locks").write_text("")
+    outcome, error, _ = host.reset()
+    assert outcome == Outcome.RESET and not error
+    assert len(host.report.warnings) == 1 and "not serialized" in host.report.warnings[0]
+    assert host.report.warning_codes == [WarningCode.LOCKS_UNAVAILABLE]
+    assert host.report.to_dict()["warning_codes"] == ["locks-unavailable"]
 
 
 def test_amd_reset_verifies_against_the_amd_threshold(host: Host) -> None:

@@ -1,13 +1,14 @@
 """Facts travel as codes, decided where they are known, never read back from the words:
-spared reasons (protection.py, the sweep's plan), requester kinds (the service, the unit
-watch, resume, the in-flight records) and the warnings the Slurm epilog acts on."""
+spared reasons (protection.py, the sweep's plan), survivors' reasons (the sweep, where each
+is recorded), requester kinds (the service, the unit watch, resume, the in-flight records)
+and the warnings the Slurm epilog acts on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpuguardd.engine.sweep import Sweep, SweepSettings
-from gpuguardd.records.enums import HolderKind, RequesterKind, SpareReason, WarningCode
+from gpuguardd.engine.sweep import MAX_ROUNDS, Sweep, SweepSettings
+from gpuguardd.records.enums import HolderKind, RequesterKind, SpareReason, SurvivorReason, WarningCode
 from gpuguardd.records.models import Holder, NvmlSnapshot, Scope
 from gpuguardd.records.report import Report
 
@@ -56,3 +57,29 @@ def test_every_spared_entry_carries_the_code_of_why() -> None:
     assert report.warning_codes == [WarningCode.NVML_UNAVAILABLE]
     assert len(report.warnings) == 1
 
+
+
+def test_every_survivor_carries_the_code_of_why() -> None:
+    """Zombies are survivors without a signal sent (only their parent can release them); a
+    new one every round is what keeps appearing: after MAX_ROUNDS the last ones survive as
+    that. Each is coded where it is recorded, its words unchanged."""
+    settings = SweepSettings(grace_sec=0.01, kill_timeout_sec=0.01, verify_timeout_sec=0.01, dry_run=False,
+                             released_below_bytes=0)
+    nvml = NvmlSnapshot(available=False)
+    rounds = iter(range(1, 100))
+
+    def zombie(start: int) -> Holder:
+        return Holder(pid=200, exe="/x", kind=HolderKind.COMPUTE, how=["fd"], gpus=[0],
+                      node_gpus=[0], state="Z", ppid=7, start_time=start)
+
+    def rescan() -> Any:
+        return [(zombie(next(rounds) + 1), Handle())], nvml, [], []
+
+    pinned: Any = [(zombie(1), Handle())]
+    report = Sweep(Scope(gpus=(0,)), settings, (pinned, nvml, [], []), rescan, lambda: nvml,
+                   requested_by="x").run()
+    codes = [s.code for s in report.survived]
+    assert codes == [SurvivorReason.ZOMBIE] * MAX_ROUNDS + [SurvivorReason.REAPPEARED]
+    assert report.survived[0].why == "zombie: parent 7 has not reaped it"
+    assert report.survived[-1].why.startswith(f"appeared again after {MAX_ROUNDS} rounds")
+    assert [s["code"] for s in report.to_dict()["survived"]][-1] == "reappeared"

@@ -23,6 +23,7 @@ from gpuguardd.records.enums import (
     Outcome,
     RequesterKind,
     SpareReason,
+    SurvivorReason,
     WarningCode,
 )
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary, Scope
@@ -46,7 +47,8 @@ ODD: list[Any] = [
 def coded_report() -> Report:
     report = Report(id="e" * 32, outcome=Outcome.UNVERIFIED, requested_by="hook:x.service",
                     requester_kind=RequesterKind.HOOK,
-                    spared=[Spared.of(HOLDER, SpareReason.ANCESTOR, "an ancestor of the sweeping process")])
+                    spared=[Spared.of(HOLDER, SpareReason.ANCESTOR, "an ancestor of the sweeping process")],
+                    survived=[Survivor.of(HOLDER, SurvivorReason.ZOMBIE, "zombie: parent 1 has not reaped it")])
     report.warnings.append("resolving: an uncoded warning")
     report.warn("NVML unavailable: GPU memory cannot be verified", WarningCode.NVML_UNAVAILABLE)
     report.warnings.append("GPU 0: memory not read: the GPU is runtime-suspended")
@@ -61,9 +63,11 @@ def test_entries_have_the_released_keys_in_the_released_order() -> None:
         ("kind", "compute"), ("gpus", [0, 1]), ("gpu_memory", 7), ("exe", "/usr/bin/python3")]
     mig = Holder(pid=43, mig=["MIG-1234abcd-0000"], kind=HolderKind.COMPUTE)
     assert Target.of(mig).to_dict()["mig"] == ["MIG-1234abcd-0000"]
-    assert list(Survivor.of(HOLDER, "stuck").to_dict().items()) == [
-        ("pid", 42), ("comm", "python3"), ("unit", "vllm.service"), ("state", "D"), ("why", "stuck")]
-    assert Survivor.of(HOLDER, "gone", state="").to_dict()["state"] == ""
+    # The code is additive: after the released keys.
+    assert list(Survivor.of(HOLDER, SurvivorReason.UNINTERRUPTIBLE, "stuck").to_dict().items()) == [
+        ("pid", 42), ("comm", "python3"), ("unit", "vllm.service"), ("state", "D"), ("why", "stuck"),
+        ("code", "uninterruptible")]
+    assert Survivor.of(HOLDER, SurvivorReason.EXITED, "gone", state="").to_dict()["state"] == ""
     # The code is additive: after the released keys.
     assert list(Spared.of(HOLDER, SpareReason.PROTECTED_UNIT, "protected").to_dict().items()) == [
         ("pid", 42), ("comm", "python3"), ("unit", "vllm.service"), ("why", "protected"),
@@ -101,7 +105,8 @@ def test_scope_and_report_keys() -> None:
 def test_a_report_goes_over_the_bus_and_back_unchanged() -> None:
     report = Report(id="a" * 32, started_usec=1, requested_by="hook:x.service", dry_run=False,
                     scope=ReportScope.of(Scope(gpus=(0,)), grace_ms=10), outcome=Outcome.SURVIVORS,
-                    targets=[Target.of(HOLDER)], survived=[Survivor.of(HOLDER, "D state")],
+                    targets=[Target.of(HOLDER)],
+                    survived=[Survivor.of(HOLDER, SurvivorReason.UNINTERRUPTIBLE, "D state")],
                     terminated=[Terminated(pid=9, signal="SIGKILL", zombie_parent=1)],
                     gpus=[GpuResult(index=0, memory_used_before=5)], leaks=[Leak(gpu=0)],
                     warnings=["w"])
@@ -203,7 +208,7 @@ def test_every_shape_read_back_gives_its_wire_form_back() -> None:
     read back and written out again, each is what came, key for key."""
     built = Report(id="e" * 32, outcome=Outcome.SURVIVORS, dry_run=True,
                    scope=ReportScope.of(Scope(gpus=(0,), slurm_job="9", slurm_uid=5), grace_ms=1),
-                   targets=[Target.of(HOLDER)], survived=[Survivor.of(HOLDER, "D")],
+                   targets=[Target.of(HOLDER)], survived=[Survivor.of(HOLDER, SurvivorReason.UNINTERRUPTIBLE, "D")],
                    terminated=[Terminated(pid=1, zombie_parent=0), Terminated(pid=2)],
                    gpus=[GpuResult(index=0, mig_uuid="MIG-a")], leaks=[Leak(gpu=0)])
     trimmed = built.to_dict()
@@ -232,14 +237,17 @@ def test_the_codes_travel_with_the_report_over_the_bus_and_through_the_history(t
     assert list(wire)[-2:] == ["requester_kind", "warning_codes"]
     assert wire["requester_kind"] == "hook"
     assert wire["spared"][0]["code"] == "ancestor"
+    assert wire["survived"][0]["code"] == "zombie"
     assert wire["warning_codes"] == ["other", "nvml-unavailable", "memory-unverified"]
     typed = marshal.report(wire)
     assert typed["requester_kind"].signature == "s" and typed["warning_codes"].signature == "as"
     assert typed["spared"].value[0]["code"].value == "ancestor"
+    assert typed["survived"].value[0]["code"].value == "zombie"
     for back in (Report.from_dict(marshal.unwrap(typed)), Report.from_dict(json.loads(json.dumps(wire)))):
         assert back == report and not back.unread
         assert back.requester_kind is RequesterKind.HOOK
         assert back.spared[0].code is SpareReason.ANCESTOR
+        assert back.survived[0].code is SurvivorReason.ZOMBIE
         assert back.warnings_of({WarningCode.NVML_UNAVAILABLE, WarningCode.MEMORY_UNVERIFIED}) == [
             "NVML unavailable: GPU memory cannot be verified",
             "GPU 0: memory not read: the GPU is runtime-suspended"]
@@ -251,15 +259,19 @@ def test_the_codes_travel_with_the_report_over_the_bus_and_through_the_history(t
     stored = again.last()
     assert stored is not None and stored.requester_kind is RequesterKind.HOOK
     assert stored.spared[0].code is SpareReason.ANCESTOR and stored.to_dict() == wire
+    assert stored.survived[0].code is SurvivorReason.ZOMBIE
 
 
 def test_records_older_than_the_codes_read_without_them() -> None:
     old = {"id": "a" * 32, "outcome": "freed", "requested_by": "hook:x.service",
            "spared": [{"pid": 1, "comm": "init", "unit": "", "why": "PID 1 (init)"}],
+           "survived": [{"pid": 7, "comm": "x", "unit": "", "state": "Z",
+                         "why": "zombie: parent 1 has not reaped it"}],
            "warnings": ["NVML unavailable: GPU memory cannot be verified"]}
     report = Report.from_dict(old)
     assert "requester_kind" not in report.unread and "warning_codes" not in report.unread
     assert report.spared[0].code is SpareReason.OTHER and not report.spared[0].unread
+    assert report.survived[0].code is SurvivorReason.OTHER and not report.survived[0].unread
     # Nothing is read back from the words.
     assert report.requester_kind is RequesterKind.MANUAL
     assert report.warnings_of({WarningCode.NVML_UNAVAILABLE}) == []
