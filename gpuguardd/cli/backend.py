@@ -88,11 +88,10 @@ class LocalBackend:
                                      requester_description(), reason)
 
     async def _sweep_unit(self, request: SweepRequest) -> Report:
-        """The daemon's rule (unitsweep.leftovers): the unit's escaped leftovers go with it."""
+        """The daemon's rule (adoption.leftovers): the unit's escaped leftovers go with it."""
         from gpuguardd.engine.attribution import normalize_unit_name
-        from gpuguardd.systemd.adoption import UnitGpuRecords
+        from gpuguardd.systemd.adoption import UnitGpuRecords, leftovers
         from gpuguardd.systemd.client import local_systemd  # dbus-fast only where a unit is swept
-        from gpuguardd.systemd.unitsweep import leftovers
 
         systemd, bus = await local_systemd(self.bus_address)
         try:

@@ -34,9 +34,8 @@ from gpuguardd.errors import GpuGuardError
 from gpuguardd.records.enums import Outcome, RequesterKind
 from gpuguardd.records.models import NvmlSnapshot, ScanResult, SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
-from gpuguardd.systemd.adoption import UnitGpuRecords
+from gpuguardd.systemd.adoption import SystemdView, UnitGpuRecords, leftovers
 from gpuguardd.systemd.rules import WATCH_PREFIX, UnitState
-from gpuguardd.systemd.unitsweep import SystemdView, leftovers
 from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.runner")

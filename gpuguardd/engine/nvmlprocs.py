@@ -19,6 +19,7 @@ meaningless in another PID namespace (pids_are_local).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ _DETAIL_LIST_V1 = ctypes.sizeof(_DetailList) | (1 << 24)
 
 Entry = tuple[int, int | None]  # (pid as NVML wrote it, bytes or None where not available)
 Reader = Callable[[Any, int], list[Entry]]  # (handle, detail-list mode)
+# (handle, mode, array or None, its capacity) -> (NVML's return code, count it wrote)
+Call = Callable[[Any, int, Any, int], tuple[int, int]]
 
 
 def _function(name: str) -> Any | None:
@@ -85,45 +88,39 @@ def _entries(items: Any, count: int) -> list[Entry]:
             for e in items[:count]]
 
 
+def _read(call: Call, struct: type[ctypes.Structure], handle: Any, mode: int) -> list[Entry]:
+    """NVML's two-call protocol: ask how many (no array), then read into an array."""
+    ret, count = call(handle, mode, None, 0)
+    for _ in range(_RETRIES):
+        if ret == _SUCCESS and not count:
+            return []
+        if ret not in (_SUCCESS, _INSUFFICIENT_SIZE):
+            break
+        # Twice what was asked for: room for processes started meanwhile, and never less
+        # than a driver writing wider entries than we think would need.
+        capacity = count * 2 + 5
+        array = (struct * capacity)()
+        ret, count = call(handle, mode, array, capacity)
+        if ret == _SUCCESS:
+            return _entries(array, min(count, capacity))
+    raise pynvml.NVMLError(ret)
+
+
 def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
-    def read(handle: Any, _mode: int) -> list[Entry]:
-        count = ctypes.c_uint(0)
-        ret = function(handle, ctypes.byref(count), None)
-        for _ in range(_RETRIES):
-            if ret == _SUCCESS:
-                return []
-            if ret != _INSUFFICIENT_SIZE:
-                break
-            # Twice what was asked for: room for processes started meanwhile, and never less
-            # than a driver writing wider entries than we think would need.
-            capacity = count.value * 2 + 5
-            buffer = (struct * capacity)()
-            count = ctypes.c_uint(capacity)
-            ret = function(handle, ctypes.byref(count), buffer)
-            if ret == _SUCCESS:
-                return _entries(buffer, min(count.value, capacity))
-        raise pynvml.NVMLError(ret)
-    return read
+    def call(handle: Any, _mode: int, array: Any, capacity: int) -> tuple[int, int]:
+        count = ctypes.c_uint(capacity)
+        ret = function(handle, ctypes.byref(count), array)
+        # A size query these calls answer with success has nothing to list.
+        return ret, 0 if ret == _SUCCESS and array is None else count.value
+    return functools.partial(_read, call, struct)
 
 
 def _detail_list(function: Any) -> Reader:
-    def read(handle: Any, mode: int) -> list[Entry]:
-        query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=0)
-        ret = function(handle, ctypes.byref(query))
-        for _ in range(_RETRIES):
-            if ret == _SUCCESS and not query.numProcArrayEntries:
-                return []
-            if ret not in (_SUCCESS, _INSUFFICIENT_SIZE):
-                break
-            capacity = query.numProcArrayEntries * 2 + 5
-            array = (_Info32 * capacity)()
-            query.procArray = ctypes.cast(array, ctypes.POINTER(_Info32))
-            query.numProcArrayEntries = capacity
-            ret = function(handle, ctypes.byref(query))
-            if ret == _SUCCESS:
-                return _entries(array, min(query.numProcArrayEntries, capacity))
-        raise pynvml.NVMLError(ret)
-    return read
+    def call(handle: Any, mode: int, array: Any, capacity: int) -> tuple[int, int]:
+        query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=capacity,
+                            procArray=ctypes.cast(array, ctypes.POINTER(_Info32)))
+        return function(handle, ctypes.byref(query)), query.numProcArrayEntries
+    return functools.partial(_read, call, _Info32)
 
 
 def _reader_for(name: str) -> Reader | None:

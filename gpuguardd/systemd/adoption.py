@@ -1,6 +1,7 @@
 """The escaped-leftover (adoption) rule, pure: what each host unit held, and which holders
-outside a unit were its own. No D-Bus, no I/O: unitsweep.leftovers applies it to a scan with
-systemd's answers (client.Systemd).
+outside a unit were its own, and `leftovers`, the rule applied to a scan with systemd's answers
+(for gpuguardd and `gpuguardctl sweep --local` alike). No D-Bus, no I/O: systemd is a
+`SystemdView` (client.Systemd), and nothing is swept here.
 
 `UnitGpuRecords` remembers, for every host unit whose processes hold GPUs, which GPUs those
 were and which processes (PID + start time) were the unit's. The daemon feeds it every scan
@@ -28,17 +29,20 @@ because there every process looks like it belongs to no unit.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpuguardd.engine.attribution import container_scope_label
 from gpuguardd.engine.scope import gpu_scope
 from gpuguardd.numbers import UINT32_MAX, is_digits
 from gpuguardd.records.enums import HolderKind
-from gpuguardd.records.models import Holder, NvmlSnapshot
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
 from gpuguardd.systemd.rules import UnitState
+
+log = logging.getLogger("gpuguard.unitwatch")
 
 MAX_UNITS = 1024
 MAX_PROCESSES_PER_UNIT = 4096
@@ -198,3 +202,47 @@ def owner_lets_go(owner_state: UnitState | None) -> bool:
     """Rule 4 for a holder in another unit's cgroup: only a unit systemd reports stopped (or
     no longer knows) lets its process go; a running one, or one we cannot ask about, keeps it."""
     return owner_state is not None and not owner_state.running
+
+
+class SystemdView(Protocol):
+    """What a unit sweep asks systemd (client.Systemd)."""
+
+    available: bool
+
+    async def state(self, unit: str) -> UnitState | None: ...
+
+    async def environment(self, unit: str) -> list[str]: ...
+
+    async def dropins(self, unit: str) -> list[str]: ...
+
+
+async def leftovers(systemd: SystemdView, records: UnitGpuRecords, unit: str, result: ScanResult,
+                    include_management: bool = False) -> list[tuple[int, int]]:
+    """(pid, start time) of the holders in `result` that are `unit`'s escaped leftovers.
+
+    What the unit holds in `result` counts too: all a one-shot `gpuguardctl sweep --local` has
+    seen of it, and the daemon's record of a unit that started before it did. Without systemd,
+    nothing: there every process looks like it belongs to no unit.
+    """
+    if not systemd.available:
+        return []
+    records.observe(result.holders)
+    record = records.get(unit)
+    if record is None or not record.hinted:
+        gpus = cuda_visible_gpus(await systemd.environment(unit), result.nvml)
+        if gpus:
+            records.hint(unit, gpus)
+            record = records.get(unit)
+    adopted: list[tuple[int, int]] = []
+    states: dict[str, UnitState | None] = {}
+    for holder, why in adoption_candidates(unit, record, result.holders, include_management):
+        owner = holder.unit
+        if owner:
+            if owner not in states:
+                states[owner] = await systemd.state(owner)
+            if not owner_lets_go(states[owner]):
+                continue  # rule 4: a running unit (or one we cannot ask about) owns it
+        log.info("%s: pid %d (%s) is in %s, outside the unit, and %s: swept with it", unit,
+                 holder.pid, holder.comm, owner or f"cgroup {holder.cgroup or '?'} of no unit", why)
+        adopted.append((holder.pid, holder.start_time))
+    return adopted

@@ -1,5 +1,5 @@
 """systemd's manager on the bus (org.freedesktop.systemd1): the few calls the unit watch and
-unit sweeps make (unitsweep.SystemdView, plus the watcher's Subscribe)."""
+unit sweeps make (adoption.SystemdView, plus the watcher's Subscribe)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from gpuguardd.bus.connection import name_owner
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
 from gpuguardd.systemd.adoption import MAX_UNITS
 from gpuguardd.systemd.rules import UnitState
-from gpuguardd.systemd.unitsweep import NoSystemd
 
 log = logging.getLogger("gpuguard.unitwatch")
 
@@ -30,7 +29,10 @@ CALL_TIMEOUT_SEC = 5.0
 
 
 class Systemd:
-    def __init__(self, bus: MessageBus) -> None:
+    """Without a bus (`bus` None) there is no systemd to ask: nothing is adopted, automatic
+    sweeps dedupe by time."""
+
+    def __init__(self, bus: MessageBus | None) -> None:
         self.bus = bus
         self.available = False
         # The last state read of each unit. systemd unloads an inactive unit nobody references
@@ -44,6 +46,8 @@ class Systemd:
                           signature=signature, body=list(body),
                           # systemd is never bus-activated; a bus without it answers at once.
                           flags=MessageFlag.NO_AUTOSTART)
+        if self.bus is None:
+            return None
         try:
             reply = await asyncio.wait_for(self.bus.call(message), CALL_TIMEOUT_SEC)
         except (asyncio.TimeoutError, OSError, EOFError) as exc:
@@ -109,17 +113,17 @@ class Systemd:
         return [str(item) for item in value or []] if isinstance(value, list) else []
 
 
-async def local_systemd(address: str | None) -> tuple[Systemd | NoSystemd, MessageBus | None]:
+async def local_systemd(address: str | None) -> tuple[Systemd, MessageBus | None]:
     """systemd's manager on the system bus (or `address`), for a unit sweep outside the
-    daemon (`gpuguardctl sweep --local`), and the connection to close afterwards; NoSystemd
-    where there is no bus or no systemd on it (then nothing is adopted, as in the daemon)."""
+    daemon (`gpuguardctl sweep --local`), and the connection to close afterwards; one with no
+    bus where there is no bus or no systemd on it (then nothing is adopted, as in the daemon)."""
     try:
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
         await asyncio.wait_for(bus.connect(), CALL_TIMEOUT_SEC)
     except Exception as exc:  # OSError, AuthError, a wedged bus...
         log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
                  "looked for", exc)
-        return NoSystemd(), None
+        return Systemd(None), None
     owner = await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC)
     systemd = Systemd(bus)
     systemd.available = bool(owner)

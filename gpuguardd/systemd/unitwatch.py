@@ -4,8 +4,8 @@ as systemd reports them. It tells; it sweeps nothing: daemon/runner.py's UnitSwe
 `watcher.events` and acts.
 
 The pieces: rules.py (which units, what counts as a stop; pure), adoption.py (what each unit
-held, the escaped-leftover rule; pure), unitsweep.py (a unit's escaped leftovers, asked of
-systemd), client.py (systemd's manager on the bus), watcher.py (systemd's signals).
+held, the escaped-leftover rule and a unit's escaped leftovers, asked of systemd; no D-Bus),
+client.py (systemd's manager on the bus), watcher.py (systemd's signals).
 """
 
 from __future__ import annotations

@@ -54,7 +54,6 @@ FORBIDDEN: dict[str, frozenset[str]] = {
 PURE: dict[str, frozenset[str]] = {
     "gpuguardd.systemd.rules": frozenset({"dbus_fast", "gpuguardd.bus"}),
     "gpuguardd.systemd.adoption": frozenset({"dbus_fast", "gpuguardd.bus"}),
-    "gpuguardd.systemd.unitsweep": frozenset({"dbus_fast", "gpuguardd.bus"}),
     "gpuguardd.notify.events": frozenset({"dbus_fast", "gpuguardd.bus"}),
 }
 

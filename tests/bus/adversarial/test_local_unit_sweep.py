@@ -1,6 +1,6 @@
 """One code path for unit sweeps: `gpuguardctl sweep --local --unit U` skipped the
 unit adoption and one-sweep-per-stop of the daemon, so the drop-in's fallback (no daemon)
-left U's escaped leftovers alive. Both now ask unitsweep.leftovers.
+left U's escaped leftovers alive. Both now ask adoption.leftovers.
 
 On the tests' bus a stand-in systemd says U stopped with CUDA_VISIBLE_DEVICES naming the
 private GPU; a holder on that GPU in no unit (the cgroup root) is U's escaped leftover by the
