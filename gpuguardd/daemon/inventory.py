@@ -211,6 +211,12 @@ class Inventory:
         """Poll now instead of at the end of the current interval."""
         self._wake.set()
 
+    def republish(self) -> None:
+        """Tell the listener the last snapshot and holders again, without reading the GPUs:
+        for a change on the daemon's side (a sweep began or ended, which the start gate
+        judges), not the GPUs'. A sweep's start reads the GPUs itself (Engine.prepare)."""
+        self._publish(self.snapshot)
+
     def _publish_scan(self, result: ScanResult) -> None:
         self.holders = result.holders
         self._scanned_key = _nvml_key(result.nvml)

@@ -113,7 +113,9 @@ class Publisher:
 
     def busy_changed(self, busy: bool) -> None:
         self.manager.update(Busy=busy)
-        self.inventory.wake()  # the start gate judges sweeps in flight: look again now
+        # The start gate judges sweeps in flight: judge again now, on the last reading (a
+        # sweep's end asks for a rescan anyway, reset_finished; its start reads the GPUs).
+        self.inventory.republish()
         self.on_change()
 
     def reset_finished(self, report: Report) -> None:

@@ -29,7 +29,7 @@ from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.engine.attribution import normalize_unit_name
-from gpuguardd.engine.engine import Engine
+from gpuguardd.engine.engine import Engine, Prepared
 from gpuguardd.errors import GpuGuardError
 from gpuguardd.records.enums import Outcome, RequesterKind
 from gpuguardd.records.models import NvmlSnapshot, ScanResult, SweepRequest
@@ -120,22 +120,24 @@ class SweepRunner:
     def busy(self) -> bool:
         return self.active > 0
 
-    async def validate(self, request: SweepRequest) -> None:
-        """Raise InvalidArgument now, before the caller's sweep counts as running."""
-        await self.io(self.engine.resolve_request, request)
+    async def validate(self, request: SweepRequest) -> Prepared:
+        """Raise InvalidArgument now, before the caller's sweep counts as running. What it
+        returns is the sweep's GPU reading and scope (Engine.prepare): give it to run()."""
+        prepared: Prepared = await self.io(self.engine.prepare, request)
+        return prepared
 
-    async def run(self, request: SweepRequest) -> Report:
+    async def run(self, request: SweepRequest, prepared: Prepared | None = None) -> Report:
         if self.closing:
             # Shutdown waits for running sweeps; new ones would keep it waiting forever.
             raise GpuGuardError("gpuguardd is stopping; sweep again once it is back")
         loop = asyncio.get_running_loop()
         self.active += 1
         self._idle.clear()
-        if self.active == 1:
-            self.events.busy_changed(True)
         request.report_id = request.report_id or uuid.uuid4().hex
         flight = InFlight(request, budget_sec=sweep_budget_sec(self.engine.config, request))
-        self.in_flight.append(flight)
+        self.in_flight.append(flight)  # before Busy: its listeners judge the sweeps in flight
+        if self.active == 1:
+            self.events.busy_changed(True)
         # On disk before the first signal, so that a successor finishes what a crash cuts
         # short (inflight.py); removed once the sweep is over, its report in the history.
         # Each process ended is added as it goes (inflight.py keeps a late write from
@@ -154,7 +156,7 @@ class SweepRunner:
             try:
                 report = await loop.run_in_executor(
                     self.sweep_executor, self.engine.sweep, request,
-                    LoopObserver(loop, self.events, flight, progress))
+                    LoopObserver(loop, self.events, flight, progress), prepared)
             except GpuGuardError:
                 if store is not None:  # it failed: nothing to finish
                     await self.io(store.remove, request.report_id)
@@ -297,12 +299,15 @@ class UnitSweeps:
         except Exception:
             log.exception("handling %s (%s)", state.unit, state.active_state)
 
-    async def sweep_unit(self, request: SweepRequest) -> Report | None:
+    async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
+                         ) -> Report | None:
         """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
-        None only when the watcher's sweep is skipped because the unit runs again."""
-        return await (await self.begin(request))
+        None only when the watcher's sweep is skipped because the unit runs again.
+        `prepared`: the request's check (SweepRunner.validate), which its sweep works from."""
+        return await (await self.begin(request, prepared))
 
-    async def begin(self, request: SweepRequest) -> Awaitable[Report | None]:
+    async def begin(self, request: SweepRequest, prepared: Prepared | None = None
+                    ) -> Awaitable[Report | None]:
         """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
         and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
         returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
@@ -319,7 +324,7 @@ class UnitSweeps:
                      state.active_state)
             return asyncio.sleep(0, None)
         if request.requester_kind not in AUTOMATIC or dry_run:
-            return self._sweep(unit, request, state)
+            return self._sweep(unit, request, state, prepared)
         key = (unit, state.invocation_id if state is not None else "")
         now = time.monotonic()
         while self._stops:
@@ -338,12 +343,13 @@ class UnitSweeps:
         future = asyncio.get_running_loop().create_future()
         self._stops[key] = (now, future)
         self._stops.move_to_end(key)
-        return self._own(key, future, unit, request, state)
+        return self._own(key, future, unit, request, state, prepared)
 
     async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
-                   request: SweepRequest, state: UnitState | None) -> Report:
+                   request: SweepRequest, state: UnitState | None,
+                   prepared: Prepared | None) -> Report:
         try:
-            report = await self._sweep(unit, request, state)
+            report = await self._sweep(unit, request, state, prepared)
         except BaseException as exc:
             self._stops.pop(key, None)
             if isinstance(exc, Exception):
@@ -357,14 +363,17 @@ class UnitSweeps:
         self._stops.move_to_end(key)
         return report
 
-    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None) -> Report:
+    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None,
+                     prepared: Prepared | None = None) -> Report:
         if not request.container and self.systemd.available:
             # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
             # processes, by PID and start time, whatever the records lost with the crash.
             found = await leftovers(self.systemd, self.records, unit, await self.scan(),
                                     request.include_management)
             request.adopted = sorted(set(request.adopted) | set(found))
-        report = await self.runner.run(request)
+        # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).
+        report = await (self.runner.run(request, prepared) if prepared is not None
+                        else self.runner.run(request))
         if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):
             self.records.forget(unit)  # everything the unit left is gone: start afresh

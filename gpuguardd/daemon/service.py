@@ -221,13 +221,14 @@ class Service:
         request.requested_by, request.requester_kind = requester(caller, request.reason,
                                                                 request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
-        await self.runner.validate(request)
+        # Checked before the sweep counts as running, on the GPU reading the sweep works from.
+        prepared = await self.runner.validate(request)
         if request.unit:
             # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
-            unit_report = await self.units.sweep_unit(request)
+            unit_report = await self.units.sweep_unit(request, prepared)
             assert unit_report is not None  # None only for the watch's own requests
             return unit_report.to_dict()
-        report = await self.runner.run(request)
+        report = await self.runner.run(request, prepared)
         return report.to_dict()
 
     async def reset_gpu(self, caller: Caller, gpu: int, options: dict[str, Any]) -> Wire:

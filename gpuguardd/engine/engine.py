@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuguardd.config import Config, command_argv
 from gpuguardd.engine import amd, leaks, nvmlprocs, procfs, slurm
@@ -85,6 +85,19 @@ def may_be_on(holder: Holder, on: Scope) -> bool:
 def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
     """NVML's GPUs, for matching selectors (selectors.py)."""
     return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig), g.pci_bus_id) for g in nvml.gpus]
+
+
+@dataclass
+class Prepared:
+    """A request resolved on one reading of the GPUs, which its sweep then works from: the
+    request's check (before the sweep counts as running) and the sweep share one GPU read and
+    one scope resolution. `since`: clock ticks before that read (holders started after it are
+    what a later round looks at)."""
+
+    since: int
+    nvml: NvmlSnapshot
+    scope: Scope
+    warnings: list[str]
 
 
 class Engine:
@@ -229,7 +242,6 @@ class Engine:
 
     def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None
                         ) -> tuple[Scope, SweepSettings, list[str]]:
-        config = self.config
         nvml = nvml or self.snapshot(with_processes=False)
         mig, others = self.resolve_mig(request.gpus, nvml)
         gpus, warnings = self.resolve_gpus(others, nvml)
@@ -237,8 +249,6 @@ class Engine:
         container = _checked(validate_container_label, request.container)
         if request.grace_ms is not None and not 0 <= request.grace_ms <= MAX_GRACE_MS:
             raise InvalidArgument(f"grace_ms {request.grace_ms} out of range (0-{MAX_GRACE_MS})")
-        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
-        dry_run = request.is_dry_run(config.dry_run)
         slurm.check_request(request)
         if unit and not container:
             # docker-<id>.scope and kin: the host unit of a container (attribution.py).
@@ -247,11 +257,16 @@ class Engine:
                       include_management=request.include_management,
                       adopted=tuple((int(p), int(s)) for p, s in request.adopted),
                       slurm_job=request.slurm_job, slurm_uid=request.slurm_uid)
-        settings = SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
-                                 verify_timeout_sec=config.verify_timeout_sec,
-                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
-                                 dry_run=dry_run)
-        return scope, settings, warnings
+        return scope, self._settings(request), warnings
+
+    def _settings(self, request: SweepRequest) -> SweepSettings:
+        """The sweep settings of a (checked) request under the current configuration."""
+        config = self.config
+        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+        return SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
+                             verify_timeout_sec=config.verify_timeout_sec,
+                             released_below_bytes=config.released_below_mib * 1024 * 1024,
+                             dry_run=request.is_dry_run(config.dry_run))
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}
@@ -268,10 +283,27 @@ class Engine:
             names.add(UNKNOWN_GPU)
         return names
 
-    def sweep(self, request: SweepRequest, observer: SweepObserver | None = None) -> Report:
+    def prepare(self, request: SweepRequest) -> Prepared:
+        """`request` resolved on a fresh reading of every GPU (with its process lists, for the
+        sweep's scan): InvalidArgument for a bad request. Never the inventory's last poll: a
+        GPU named by UUID or PCI bus id is found by what the driver says now (one that came
+        since is known, one that went is refused, indices that moved are the new ones)."""
         since = clock_ticks()
         nvml = self.snapshot()  # one reading for the request's GPUs and the scan
-        scope, settings, warnings = self.resolve_request(request, nvml)
+        scope, _, warnings = self.resolve_request(request, nvml)
+        return Prepared(since, nvml, scope, warnings)
+
+    def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
+              prepared: Prepared | None = None) -> Report:
+        """Sweep `request`, from `prepared` (Engine.prepare, the request's check) when given:
+        no second GPU reading or resolution. What may change since then comes from the
+        request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
+        if prepared is None:
+            prepared = self.prepare(request)
+        since, nvml = prepared.since, prepared.nvml
+        scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
+        settings = self._settings(request)
+        warnings = list(prepared.warnings)
         locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
             first = self._scan_pinned(nvml)

@@ -60,7 +60,7 @@ class _HungEngine:
         self.config = Config()
         self.release = threading.Event()
 
-    def sweep(self, request: SweepRequest, observer: Any) -> Report:
+    def sweep(self, request: SweepRequest, observer: Any, prepared: Any = None) -> Report:
         observer.sweep_started("feedface" * 4, ReportScope(gpus=[3]))
         observer.process_terminated("feedface" * 4, 4242, "vllm", "vllm.service", "SIGTERM")
         self.release.wait(30)

@@ -170,3 +170,17 @@ def test_a_scan_queued_when_the_daemon_stops_is_cancelled_not_a_traceback(
     asyncio.run(scenario())
     assert errors == []
 
+
+
+def test_republish_tells_the_last_reading_again_without_reading() -> None:
+    """A sweep beginning or ending (Busy) is judged on the last reading: no GPU read."""
+    seen: list[NvmlSnapshot] = []
+
+    class Told(Listener):
+        def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[dict[str, Any]]) -> None:
+            seen.append(snapshot)
+
+    engine = FakeEngine()
+    inventory = inv.Inventory(engine, None, Told())  # type: ignore[arg-type]
+    inventory.republish()  # FakeEngine has no snapshot(): a read would raise
+    assert seen == [inventory.snapshot] and engine.scans == 0

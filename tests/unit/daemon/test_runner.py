@@ -7,13 +7,21 @@ unloaded after their stop, Restart=) is covered by tests/e2e/test_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gpuguardd.daemon.runner import UnitSweeps
+import pytest
+
+from gpuguardd.config import Config
+from gpuguardd.daemon.runner import SweepRunner, UnitSweeps
+from gpuguardd.engine.engine import Engine
+from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import Outcome, RequesterKind
-from gpuguardd.records.models import Holder, ScanResult, SweepRequest
-from gpuguardd.records.report import Report
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.rules import UnitState
 from gpuguardd.systemd.unitwatch import UnitWatch
 from tests.unit.helpers import NVML, holder
@@ -141,3 +149,71 @@ def test_watch_does_not_sweep_a_unit_that_runs_again() -> None:
     # The drop-in's hook still sweeps: it runs in ExecStopPost, before the restart.
     assert asyncio.run(h.watch.sweep_unit(hook(unit))) is not None
 
+
+
+class CountingNvml:
+    """NVML as a list of its full GPU readings (with_processes of each): nothing else asked."""
+
+    def __init__(self) -> None:
+        self.reads: list[bool] = []
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        self.reads.append(with_processes)
+        return copy.deepcopy(NVML)
+
+
+class SweepCounter:
+    """SweepEvents; `reads_at_start`: the GPU readings made when the sweep began."""
+
+    def __init__(self, nvml: CountingNvml) -> None:
+        self.nvml = nvml
+        self.reads_at_start = -1
+
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.reads_at_start = len(self.nvml.reads)
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        pass
+
+    def sweep_finished(self, report: Report) -> None:
+        pass
+
+    def busy_changed(self, busy: bool) -> None:
+        pass
+
+
+def test_a_sweep_reads_the_gpus_and_resolves_its_scope_once(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request's check and the sweep share one GPU reading and one scope resolution
+    (Service.sweep's order: validate, then run), and a bad request is refused by the check."""
+    nvml = CountingNvml()
+    engine = Engine(Config(runtime_directory=str(tmp_path / "run"), sysfs_path=str(tmp_path / "sys"),
+                           device_paths=(str(tmp_path / "dev" / "nvidia*"),)),
+                    nvml=nvml, use_pidfd=False)  # type: ignore[arg-type]
+    resolved: list[SweepRequest] = []
+    resolve = engine.resolve_request
+
+    def counted(request: SweepRequest, snap: NvmlSnapshot | None = None) -> Any:
+        resolved.append(request)
+        return resolve(request, snap)
+    monkeypatch.setattr(engine, "resolve_request", counted)
+    events = SweepCounter(nvml)
+
+    async def sweep(request: SweepRequest) -> Report:
+        with ThreadPoolExecutor(1) as sweeps, ThreadPoolExecutor(1) as io:
+            runner = SweepRunner(engine, sweeps, io, None, events)  # type: ignore[arg-type]
+            prepared: Any = await runner.validate(request)
+            return await (runner.run(request, prepared) if prepared is not None
+                          else runner.run(request))
+
+    request = SweepRequest(gpus=[NVML.gpus[1].uuid], unit="sglang-a.service", dry_run=True,
+                           requested_by="test", audited=False)
+    report = asyncio.run(sweep(request))
+    assert report.outcome == Outcome.DRY_RUN and report.scope.gpus == [1]
+    assert events.reads_at_start == 1 and nvml.reads[0], nvml.reads  # the scan needs the lists
+    assert len(resolved) == 1
+
+    with pytest.raises(InvalidArgument, match="unknown GPU UUID"):
+        asyncio.run(sweep(SweepRequest(gpus=["GPU-ffff0000-0000-4000-8000-000000000009"],
+                                       dry_run=True, audited=False)))
