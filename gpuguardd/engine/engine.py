@@ -28,7 +28,7 @@ from gpuguardd.engine.reset import GpuReset, ResetSettings
 from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
 from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.records.enums import HolderKind, Outcome, Vendor
+from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import (
     Holder,
     NvmlSnapshot,
@@ -304,6 +304,7 @@ class Engine:
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         settings = self._settings(request)
         warnings = list(prepared.warnings)
+        lock_problem = ""
         locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
             first = self._scan_pinned(nvml)
@@ -315,9 +316,8 @@ class Engine:
                 while not wanted <= held:
                     locks.release()
                     held = held | wanted
-                    problem = locks.acquire(held)
-                    if problem:
-                        warnings.append(problem)
+                    lock_problem = locks.acquire(held) or ""
+                    if lock_problem:
                         break
                     if not locks.waited:
                         break
@@ -334,6 +334,8 @@ class Engine:
                           observer=observer, report_id=request.report_id,
                           resumes=request.resumes, requester_kind=request.requester_kind)
             sweep.report.warnings.extend(warnings)
+            if lock_problem:
+                sweep.report.warn(lock_problem, WarningCode.LOCKS_UNAVAILABLE)
             if not self.use_pidfd:
                 sweep.report.warnings.append(
                     "pidfds unavailable: PIDs were checked by start time before each signal")

@@ -350,7 +350,8 @@ class Sweep:
         for only until they settle (FOREIGN_SETTLE_SEC)."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
         if not gpus or not nvml_available:
-            self._wait_exiting(max(0.0, deadline - time.monotonic()))
+            if self._exiting:  # nothing to read: wait for the processes alone, not the clock
+                self._wait_exiting(max(0.0, deadline - time.monotonic()))
             return {}
         delay = self.settings.poll_start_sec
         foreign: dict[MemoryKey, frozenset[int]] = {}
