@@ -121,8 +121,9 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
         new = record.getMessage() not in seen
         seen.add(record.getMessage())
         return new
-    logging.getLogger("gpuguard").addFilter(once)
-    for handler in logging.getLogger().handlers:
+    # On the handler gpuguardctl's logging set up (log.setup_logging): its records, this
+    # process's; a caller that set up none (an embedding program, a test) keeps its own.
+    for handler in logging.getLogger("gpuguard").handlers:
         handler.addFilter(once)
 
     def chosen(gpus: list[Any]) -> list[Target]:

@@ -56,3 +56,34 @@ def test_bad_numbers_on_the_command_line_are_usage_errors(capsys: pytest.Capture
         assert exit_.value.code == 2
         assert "Traceback" not in capsys.readouterr().err
 
+
+
+def test_local_waits_say_each_warning_once_and_leave_no_filter_behind() -> None:
+    """Every --local poll scans again and meets the same oddities: gpuguardctl's own handler
+    says each once; a handler it did not set up (the caller's) is left as it was."""
+    import logging
+    from types import SimpleNamespace
+
+    from gpuguardd.cli.wait import local_call
+    from gpuguardd.config import Config
+    from gpuguardd.records.models import NvmlSnapshot, ScanResult
+
+    said: list[str] = []
+    ours = logging.Handler()
+    ours.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("gpuguard")
+    logger.addHandler(ours)
+    scans = 0
+
+    def scan() -> ScanResult:
+        nonlocal scans
+        scans += 1
+        logging.getLogger("gpuguard.engine").warning("an odd device node")
+        return ScanResult(holders=[], nvml=NvmlSnapshot(available=False, error="no NVML"))
+    try:
+        engine = SimpleNamespace(scan=scan, config=Config())
+        local_call(SimpleNamespace(engine=engine), ["0"], 256 << 20, 0.0, False, 0)(0.6)
+    finally:
+        logger.removeHandler(ours)
+    assert scans >= 2 and said == ["an odd device node"], (scans, said)
+    assert not any(h.filters for h in logging.getLogger().handlers) and not logger.filters
