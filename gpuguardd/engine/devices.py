@@ -201,26 +201,3 @@ def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
     return tuple(sorted(prefixes | devs))
-
-
-def amdgpu_drm_minors(sysfs: str) -> frozenset[int]:
-    """The minors of the DRM nodes (renderD<N>, card<N>) whose device amdgpu drives, from
-    {sysfs}/class/drm: each entry's device/driver link names the driver, and reading a link
-    never wakes a GPU."""
-    drm = os.path.join(sysfs, "class/drm")
-    try:
-        names = os.listdir(drm)
-    except OSError:
-        return frozenset()
-    minors = set()
-    for name in names:
-        match = _DRM_NAME.match(name)
-        if not match:
-            continue
-        try:
-            driver = os.path.basename(os.readlink(os.path.join(drm, name, "device/driver")))
-        except OSError:
-            continue
-        if driver == "amdgpu":
-            minors.add(int(match.group(2)))
-    return frozenset(minors)

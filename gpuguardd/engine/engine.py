@@ -16,7 +16,7 @@ from gpuguardd.engine.attribution import (
     normalize_unit_name,
     validate_container_label,
 )
-from gpuguardd.engine.devices import DeviceMap, amdgpu_drm_minors, build_device_map
+from gpuguardd.engine.devices import DeviceMap, build_device_map
 from gpuguardd.engine.gpustate import node_gpus
 from gpuguardd.engine.holders import clock_ticks, find_holders, started_since
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
@@ -157,7 +157,7 @@ class Engine:
     def _scan_pinned(self, nvml: NvmlSnapshot | None = None, pids: list[int] | None = None) -> Scan:
         config = self.config
         snap = nvml if nvml is not None else self.snapshot()
-        device_map = _device_map(config)
+        device_map = _device_map(config, snap)
         annotate_device_paths(snap, device_map.mig_caps, device_map.nodes)
         pinned, unreadable = find_holders(device_map, snap, use_pidfd=self.use_pidfd, pids=pids)
         own_chain = procfs.ancestors(os.getpid())
@@ -371,10 +371,13 @@ def log_device_refusals(config: Config) -> None:
         log.warning("%s", warning)
 
 
-def _device_map(config: Config) -> DeviceMap:
+def _device_map(config: Config, snap: NvmlSnapshot | None = None) -> DeviceMap:
+    """The configured nodes; with a reading, also its AMD GPUs' DRM nodes (engine/amd.py found
+    them by their driver: the scan needs no second look at sysfs)."""
+    amd = frozenset(minor for g in snap.gpus if g.vendor == Vendor.AMD
+                    for minor in (g.minor, g.card_minor) if minor is not None) if snap else frozenset()
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
-                            origin=config.origin, mig_minors=config.mig_minors_path,
-                            amd_minors=amdgpu_drm_minors(config.sysfs_path))
+                            origin=config.origin, mig_minors=config.mig_minors_path, amd_minors=amd)
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:
