@@ -76,18 +76,20 @@ class LocalBackend:
             request.requested_by = hook or requester_description()
             if hook:
                 request.requester_kind = RequesterKind.HOOK if os.geteuid() == 0 else RequesterKind.HOOK_NONROOT
+        # One reading: the request is checked on it (a bad unit name is refused before
+        # anything), a unit's leftovers are found on it, and the sweep starts from it.
+        prepared = self.engine.prepare(request)
         if request.unit:
-            self.engine.resolve_request(request)  # a bad unit name is refused before anything
             import asyncio
 
-            return asyncio.run(self._sweep_unit(request))
-        return self.engine.sweep(request)
+            return asyncio.run(self._sweep_unit(request, prepared))
+        return self.engine.sweep(request, prepared=prepared)
 
     def reset(self, gpu: str, reason: str) -> Report:
         return self.engine.reset_gpu(one_gpu(self.engine.resolve_gpus([gpu])[0], gpu),
                                      requester_description(), reason)
 
-    async def _sweep_unit(self, request: SweepRequest) -> Report:
+    async def _sweep_unit(self, request: SweepRequest, prepared: Prepared) -> Report:
         """The daemon's rule (adoption.leftovers): the unit's escaped leftovers go with it."""
         from gpuguardd.engine.attribution import normalize_unit_name
         from gpuguardd.systemd.adoption import UnitGpuRecords, leftovers
@@ -97,12 +99,12 @@ class LocalBackend:
         try:
             if not request.container:
                 request.adopted = sorted(set(request.adopted) | set(await leftovers(
-                    systemd, UnitGpuRecords(), normalize_unit_name(request.unit), self.engine.scan(),
-                    request.include_management)))
+                    systemd, UnitGpuRecords(), normalize_unit_name(request.unit),
+                    self.engine.scan(prepared.nvml), request.include_management)))
         finally:
             if bus is not None:
                 bus.disconnect()
-        return self.engine.sweep(request)
+        return self.engine.sweep(request, prepared=prepared)
 
     def history(self, count: int) -> list[Report]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")
@@ -110,6 +112,7 @@ class LocalBackend:
 
 if TYPE_CHECKING:
     from gpuguardd.cli.client import DBusBackend
+    from gpuguardd.engine.engine import Prepared
 Backend: TypeAlias = "DBusBackend | LocalBackend"
 
 

@@ -372,8 +372,7 @@ class UnitSweeps:
                                     request.include_management)
             request.adopted = sorted(set(request.adopted) | set(found))
         # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).
-        report = await (self.runner.run(request, prepared) if prepared is not None
-                        else self.runner.run(request))
+        report = await self.runner.run(request, prepared)
         if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):
             self.records.forget(unit)  # everything the unit left is gone: start afresh

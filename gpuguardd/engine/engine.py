@@ -173,8 +173,9 @@ class Engine:
                             + ("; run as root to see every holder" if os.geteuid() != 0 else ""))
         return pinned, snap, unreadable, warnings
 
-    def scan(self) -> ScanResult:
-        pinned, snap, unreadable, warnings = self._scan_pinned()
+    def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
+        """Every holder, on `nvml` (a reading taken already) or a fresh one."""
+        pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
         for _, handle in pinned:
             handle.close()
         return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,

@@ -36,9 +36,6 @@ UNNAMED = 0
 UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})
 # Reasons that leave it free.
 HARMLESS = frozenset({Why.SUSPENDED})
-# Reasons that say its memory cannot be told released (a sweep's "unverified").
-UNREAD = frozenset({Why.NO_BACKEND, Why.NOT_LISTED, Why.LOST, Why.UNREADABLE, Why.SUSPENDED,
-                    Why.FOREIGN})
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class Harness:
     async def scan(self) -> ScanResult:
         return ScanResult(holders=self.holders, nvml=NVML)
 
-    async def run(self, request: SweepRequest) -> Report:
+    async def run(self, request: SweepRequest, prepared: object = None) -> Report:
         self.requests.append(request)
         await self.release.wait()
         return Report(id=f"r{len(self.requests)}", requested_by=request.requested_by,
