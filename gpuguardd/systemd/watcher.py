@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from dbus_fast import Message, MessageType
@@ -30,12 +30,8 @@ class UnitEvent(NamedTuple):
 
 
 class UnitWatcher:
-    """Puts on `events` each stop of a unit matching `patterns`, once, and each service that
-    becomes active (for GPU hints).
-
-    Only signals from systemd's own connection count; each event is confirmed by asking
-    systemd for the unit's state, so a forged or stale signal can at most cause a lookup.
-    """
+    """Only signals from systemd's own connection count; each event is confirmed by asking
+    systemd for the unit's state, so a forged or stale signal can at most cause a lookup."""
 
     def __init__(self, bus: MessageBus, systemd: Systemd, patterns: Sequence[str]) -> None:
         self.bus = bus
@@ -49,21 +45,17 @@ class UnitWatcher:
         self._again: set[str] = set()
         self._stale: set[str] = set()  # signalled while its state was being read: read again
         self._tasks: set[asyncio.Task[None]] = set()
-        self._started = False
 
     async def start(self) -> bool:
-        if not self._started:
-            self._started = True
-            self.bus.add_message_handler(self._on_message)
-            for rule in (f"type='signal',sender='{SYSTEMD}',interface='{MANAGER_IFACE}',"
-                         "member='JobRemoved'",
-                         f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES_INTERFACE}',"
-                         f"member='PropertiesChanged',path_namespace='{SYSTEMD_PATH}/unit'",
-                         f"type='signal',sender='{BUS_DAEMON}',interface='{BUS_DAEMON}',"
-                         f"member='NameOwnerChanged',arg0='{SYSTEMD}'"):
-                reply = await add_match(self.bus, rule)
-                if reply is not None and reply.message_type == MessageType.ERROR:
-                    raise OSError(f"AddMatch {rule}: {reply.error_name}")
+        self.bus.add_message_handler(self._on_message)
+        for rule in (f"type='signal',sender='{SYSTEMD}',interface='{MANAGER_IFACE}',member='JobRemoved'",
+                     f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES_INTERFACE}',"
+                     f"member='PropertiesChanged',path_namespace='{SYSTEMD_PATH}/unit'",
+                     f"type='signal',sender='{BUS_DAEMON}',interface='{BUS_DAEMON}',"
+                     f"member='NameOwnerChanged',arg0='{SYSTEMD}'"):
+            reply = await add_match(self.bus, rule)
+            if reply is not None and reply.message_type == MessageType.ERROR:
+                raise OSError(f"AddMatch {rule}: {reply.error_name}")
         return await self._subscribe()
 
     async def _subscribe(self) -> bool:
@@ -78,11 +70,6 @@ class UnitWatcher:
                      if self.patterns else " (no [Watch] Units: recording GPUs only)")
         return ok
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _on_message(self, msg: Message) -> bool | None:
         if msg.message_type != MessageType.SIGNAL:
             return None
@@ -93,7 +80,9 @@ class UnitWatcher:
             # systemd re-executed (daemon-reexec) or came back: subscriptions are per
             # connection, so subscribe again on its new one.
             if new_owner:
-                self._spawn(self._resubscribe())
+                task = asyncio.ensure_future(self._resubscribe())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             else:
                 self._owner = ""
                 self.systemd.available = False
