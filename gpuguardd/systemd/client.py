@@ -42,18 +42,17 @@ class Systemd:
 
     async def _call(self, path: str, interface: str, member: str, signature: str = "",
                     body: Sequence[Any] = ()) -> Message | None:
+        if self.bus is None:
+            return None
         message = Message(destination=SYSTEMD, path=path, interface=interface, member=member,
                           signature=signature, body=list(body),
                           # systemd is never bus-activated; a bus without it answers at once.
                           flags=MessageFlag.NO_AUTOSTART)
-        if self.bus is None:
-            return None
         try:
-            reply = await asyncio.wait_for(self.bus.call(message), CALL_TIMEOUT_SEC)
+            return await asyncio.wait_for(self.bus.call(message), CALL_TIMEOUT_SEC)
         except (asyncio.TimeoutError, OSError, EOFError) as exc:
             log.debug("systemd %s: %s", member, exc)
             return None
-        return reply
 
     async def subscribe(self) -> bool:
         reply = await self._call(SYSTEMD_PATH, MANAGER_IFACE, "Subscribe")
