@@ -28,7 +28,6 @@ from http import HTTPStatus
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
-from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,8 +69,6 @@ async def _get_metrics(address: str | None) -> str:
 
 @dataclass(eq=False)
 class _Parsed:
-    """A collector that yields the families parsed from the daemon's text."""
-
     families: list[Metric]
 
     def collect(self) -> Iterator[Metric]:
@@ -80,10 +77,9 @@ class _Parsed:
 
 def render(text: str, accept: str | None) -> tuple[bytes, str]:
     """The daemon's exposition, validated and in the format the scraper accepts."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Parsed(list(text_string_to_metric_families(text))))
+    families = _Parsed(list(text_string_to_metric_families(text)))
     encoder, content_type = choose_encoder(accept or "")
-    return encoder(registry), content_type
+    return encoder(families), content_type
 
 
 # -- serving -----------------------------------------------------------------------------------
