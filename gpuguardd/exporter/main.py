@@ -22,13 +22,12 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
-from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -70,8 +69,6 @@ async def _get_metrics(address: str | None) -> str:
 
 @dataclass(eq=False)
 class _Parsed:
-    """A collector that yields the families parsed from the daemon's text."""
-
     families: list[Metric]
 
     def collect(self) -> Iterator[Metric]:
@@ -80,10 +77,9 @@ class _Parsed:
 
 def render(text: str, accept: str | None) -> tuple[bytes, str]:
     """The daemon's exposition, validated and in the format the scraper accepts."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Parsed(list(text_string_to_metric_families(text))))
+    families = _Parsed(list(text_string_to_metric_families(text)))
     encoder, content_type = choose_encoder(accept or "")
-    return encoder(registry), content_type
+    return encoder(families), content_type
 
 
 # -- serving -----------------------------------------------------------------------------------
@@ -112,11 +108,9 @@ class _Connection:
 class Exporter:
     """The HTTP side: connections, their bounds, and scrapes sharing one GetMetrics call."""
 
-    def __init__(self, bus_address: str | None, call_timeout: float = CALL_TIMEOUT_SEC) -> None:
+    def __init__(self, bus_address: str | None) -> None:
         self.bus_address = bus_address
-        self.call_timeout = call_timeout
         self.connections: list[_Connection] = []  # oldest first
-        self.handled = 0
         self.last_request = time.monotonic()
         self._fetching: asyncio.Future[str] | None = None
 
@@ -153,7 +147,6 @@ class Exporter:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # closed before a whole request
             connection.pending = False
-            self.handled += 1
             self.last_request = time.monotonic()
             await self._answer(writer, head)
         except (ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
@@ -168,7 +161,7 @@ class Exporter:
             return
         method, path, accept = request
         if method not in ("GET", "HEAD"):
-            await self._reply(writer, 405, b"only GET\n", _TEXT, head_only=False)
+            await self._reply(writer, 405, b"only GET\n", _TEXT)
             return
         head_only = method == "HEAD"
         if path == "/":
@@ -205,11 +198,11 @@ class Exporter:
 
     async def _fetch(self) -> str:
         try:
-            return await asyncio.wait_for(_get_metrics(self.bus_address), self.call_timeout)
+            return await asyncio.wait_for(_get_metrics(self.bus_address), CALL_TIMEOUT_SEC)
         except DaemonError:
             raise
         except (asyncio.TimeoutError, TimeoutError):
-            raise DaemonError(f"gpuguardd did not answer within {self.call_timeout:.0f} s") from None
+            raise DaemonError(f"gpuguardd did not answer within {CALL_TIMEOUT_SEC:.0f} s") from None
         except Exception as exc:  # connection refused, auth, parse errors of the bus library
             raise DaemonError(f"{type(exc).__name__}: {exc}") from None
 
@@ -267,7 +260,7 @@ async def _serve(sock: socket.socket, exporter: Exporter, idle_exit: float) -> N
                 return
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main() -> None:
     parser = argparse.ArgumentParser(
         prog="gpuguard-exporter",
         description="Serve gpuguardd's Prometheus metrics over HTTP (socket-activated).")
@@ -278,12 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ask gpuguardd on this D-Bus address instead of the system bus")
     parser.add_argument("--idle-exit", default="0", metavar="SEC",
                         help="exit after this long without a request (0: never)")
-    return parser
-
-
-def run(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     setup_logging("gpuguard-exporter")
     try:
         idle_exit = parse_timespan(args.idle_exit)
@@ -294,14 +282,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         sock, activated = listening_socket(args.listen)
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", args.listen, exc)
-        return 1
+        sys.exit(1)
     log.info("serving /metrics on %s%s", sock.getsockname()[:2], " (socket-activated)" if activated else "")
     asyncio.run(_serve(sock, Exporter(address), idle_exit))
-    return 0
-
-
-def main() -> None:
-    sys.exit(run())
 
 
 if __name__ == "__main__":

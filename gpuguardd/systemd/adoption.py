@@ -1,13 +1,8 @@
 """The escaped-leftover (adoption) rule, pure: what each host unit held, and which holders
 outside a unit were its own, and `leftovers`, the rule applied to a scan with systemd's answers
 (for gpuguardd and `gpuguardctl sweep --local` alike). No D-Bus, no I/O: systemd is a
-`SystemdView` (client.Systemd), and nothing is swept here.
-
-`UnitGpuRecords` remembers, for every host unit whose processes hold GPUs, which GPUs those
-were and which processes (PID + start time) were the unit's. The daemon feeds it every scan
-while the units run; a sweep adds what its own scan sees and the unit's
-`CUDA_VISIBLE_DEVICES` (a hint). After the stop, a unit sweep therefore still knows the
-unit's GPUs, even when its processes left the cgroup.
+`SystemdView` (client.Systemd), and nothing is swept here. `UnitGpuRecords` is fed every scan
+while the units run, so a unit sweep still knows the unit's GPUs after its processes left.
 
 The escaped-leftover rule. A sweep of unit U also ends a holder H outside U's cgroup when all
 of these hold:
@@ -30,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,15 +77,12 @@ def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int
     return gpus
 
 
-# -- what each unit held -------------------------------------------------------------------
-
 @dataclass
 class UnitGpuRecord:
     unit: str
     gpus: set[int] = field(default_factory=set)  # held by the unit's processes
     hinted: set[int] = field(default_factory=set)  # from CUDA_VISIBLE_DEVICES
     processes: dict[tuple[int, int], str] = field(default_factory=dict)  # (pid, start) -> comm
-    updated: float = field(default_factory=time.monotonic)
 
     @property
     def all_gpus(self) -> set[int]:
@@ -101,18 +92,16 @@ class UnitGpuRecord:
 class UnitGpuRecords:
     """Per host unit: the GPUs and processes seen in it. Bounded; oldest units go first."""
 
-    def __init__(self, max_units: int = MAX_UNITS) -> None:
-        self.max_units = max_units
+    def __init__(self) -> None:
         self._records: collections.OrderedDict[str, UnitGpuRecord] = collections.OrderedDict()
 
     def _record(self, unit: str) -> UnitGpuRecord:
         record = self._records.get(unit)
         if record is None:
             record = self._records[unit] = UnitGpuRecord(unit)
-            while len(self._records) > self.max_units:
+            while len(self._records) > MAX_UNITS:
                 self._records.popitem(last=False)
         self._records.move_to_end(unit)
-        record.updated = time.monotonic()
         return record
 
     def observe(self, holders: Iterable[Holder]) -> None:
@@ -155,7 +144,7 @@ class UnitGpuRecords:
             return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
         restored = 0
-        for item in items[-self.max_units:] if isinstance(items, list) else []:
+        for item in items[-MAX_UNITS:] if isinstance(items, list) else []:
             get = item.get if isinstance(item, dict) else {}.get
             unit, gpus, hinted, processes = map(get, ("unit", "gpus", "hinted", "processes"))
             if not (unit and isinstance(unit, str) and isinstance(gpus, list)
@@ -198,12 +187,6 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
     return found
 
 
-def owner_lets_go(owner_state: UnitState | None) -> bool:
-    """Rule 4 for a holder in another unit's cgroup: only a unit systemd reports stopped (or
-    no longer knows) lets its process go; a running one, or one we cannot ask about, keeps it."""
-    return owner_state is not None and not owner_state.running
-
-
 class SystemdView(Protocol):
     """What a unit sweep asks systemd (client.Systemd)."""
 
@@ -240,7 +223,8 @@ async def leftovers(systemd: SystemdView, records: UnitGpuRecords, unit: str, re
         if owner:
             if owner not in states:
                 states[owner] = await systemd.state(owner)
-            if not owner_lets_go(states[owner]):
+            owner_state = states[owner]
+            if owner_state is None or owner_state.running:
                 continue  # rule 4: a running unit (or one we cannot ask about) owns it
         log.info("%s: pid %d (%s) is in %s, outside the unit, and %s: swept with it", unit,
                  holder.pid, holder.comm, owner or f"cgroup {holder.cgroup or '?'} of no unit", why)

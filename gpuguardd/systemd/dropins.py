@@ -20,7 +20,6 @@ import fnmatch
 import os
 import re
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpuguardd.engine.attribution import UNIT_NAME_CHARS
@@ -189,10 +188,6 @@ def requested_by_for_reason(reason: str) -> str:
     return f"{HOOK_PREFIX}{unit}"
 
 
-def is_ours(text: str) -> bool:
-    return text.startswith(HEADER)
-
-
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
@@ -251,7 +246,7 @@ def install(pattern: str, root: str = "/", reload: bool = True, start: bool = Fa
     render = render_start_dropin if start else render_dropin
     wanted = render(target, running_gpuguardctl())
     current = _read(path)
-    if current is not None and not is_ours(current):
+    if current is not None and not current.startswith(HEADER):
         raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",
                         usage=False)
     if current == wanted:
@@ -270,7 +265,7 @@ def remove(pattern: str, root: str = "/", reload: bool = True, start: bool = Fal
     if current is None:
         return Result("absent", target.name, path, "not needed (nothing changed)",
                       [f"no gpuguard hook for {target.name} (nothing at {path})"])
-    if not is_ours(current):
+    if not current.startswith(HEADER):
         raise HookError(f"{path} was not written by gpuguard; not removing it", usage=False)
     os.unlink(path)
     try:
@@ -296,40 +291,34 @@ class InstalledHook:
                 "ours": self.ours, "units": list(self.applies_to)}
 
 
-def _dropin_files(root: str) -> Iterable[tuple[str, str, str]]:
-    """(unit name of the .d directory, file path, text) of every drop-in that calls gpuguardctl."""
+def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
+    """Installed drop-ins that call gpuguardctl, optionally only those matching `pattern` (anything
+    `parse_pattern` takes, or a glob over drop-in names), with the services each applies to: unit
+    files under `root`, plus the loaded ones when systemd runs."""
+    wanted = parse_pattern(pattern) if pattern and not glob_chars(pattern) else None
+    units: set[str] = set()
+    found: list[tuple[str, str, str]] = []  # (unit name of the .d directory, file path, text)
     for base in UNIT_SEARCH_PATH:
         directory = os.path.join(root, base.lstrip("/"))
         try:
             names = sorted(os.listdir(directory))
         except OSError:
             continue
+        units.update(name for name in names if name.endswith(".service"))
         for name in names:
             if not name.endswith(".service.d"):
                 continue
-            dropin_dir = os.path.join(directory, name)
             try:
-                files = sorted(f for f in os.listdir(dropin_dir) if f.endswith(".conf"))
+                files = sorted(f for f in os.listdir(os.path.join(directory, name)) if f.endswith(".conf"))
             except OSError:
                 continue
             for file in files:
-                path = os.path.join(dropin_dir, file)
+                path = os.path.join(directory, name, file)
                 text = _read(path) or ""
                 if file == DROPIN_FILE or "gpuguardctl" in text:
-                    yield name.removesuffix(".d"), path, text
-
-
-def known_units(root: str = "/") -> list[str]:
-    """Service names systemd knows: unit files under `root`, plus loaded ones when it runs."""
-    names: set[str] = set()
-    for base in UNIT_SEARCH_PATH:
-        try:
-            names.update(n for n in os.listdir(os.path.join(root, base.lstrip("/")))
-                         if n.endswith(".service"))
-        except OSError:
-            continue
+                    found.append((name.removesuffix(".d"), path, text))
     if systemd_running(root):
-        import subprocess
+        import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
 
         done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain",
                                "--no-legend", "--no-pager"], check=False, capture_output=True,
@@ -337,29 +326,16 @@ def known_units(root: str = "/") -> list[str]:
         for line in done.stdout.splitlines():
             fields = line.split()
             if fields and fields[0].endswith(".service"):
-                names.add(fields[0])
-    return sorted(names)
-
-
-def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
-    """Installed drop-ins that call gpuguardctl, optionally only those matching `pattern`.
-
-    `pattern` may be anything `parse_pattern` takes, or a glob over drop-in names.
-    """
-    wanted: HookTarget | None = None
-    if pattern and not glob_chars(pattern):
-        wanted = parse_pattern(pattern)
-    units = known_units(root)
-    found: list[InstalledHook] = []
-    for name, path, text in _dropin_files(root):
+                units.add(fields[0])
+    services = sorted(units)
+    hooks: list[InstalledHook] = []
+    for name, path, text in found:
         try:
             target = parse_pattern(name)
         except HookError:
             continue
-        if wanted is not None and target.name != wanted.name:
+        if pattern and not (target.name == wanted.name if wanted else fnmatch.fnmatchcase(name, pattern)):
             continue
-        if pattern and wanted is None and not fnmatch.fnmatchcase(name, pattern):
-            continue
-        found.append(InstalledHook(path, target, is_ours(text),
-                                   [u for u in units if target.applies_to(u)]))
-    return found
+        hooks.append(InstalledHook(path, target, text.startswith(HEADER),
+                                   [u for u in services if target.applies_to(u)]))
+    return hooks

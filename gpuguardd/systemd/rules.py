@@ -29,12 +29,10 @@ _LEGACY_KINDS = ((HOOK_PREFIX, RequesterKind.HOOK), (WATCH_PREFIX, RequesterKind
 
 
 def legacy_requester_kind(requested_by: str) -> RequesterKind:
-    """The requester kind of a request recorded before the kinds were (an in-flight record a
-    daemon of an older version left: daemon/inflight.py), from the requested_by that daemon
-    wrote, never from a caller's words. Everything newer carries its kind, decided where the
-    request was made. Only the daemon's own forms are bare ("hook:<unit>" and "slurm:<job>"
-    for root, "watch:<unit>", "recovered:<unit>"); every other caller is named with its uid
-    ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."), which has a space."""
+    """The kind of a request an older daemon's in-flight record (daemon/inflight.py) left
+    without one, from the requested_by that daemon wrote. Only the daemon's own forms are bare
+    ("hook:<unit>" and "slurm:<job>" for root, "watch:<unit>", "recovered:<unit>"); every other
+    caller is named with its uid ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."): a space."""
     if " " in requested_by:
         return RequesterKind.HOOK_NONROOT if requested_by.startswith(HOOK_PREFIX) \
             else RequesterKind.MANUAL

@@ -5,7 +5,7 @@ as systemd reports them. It tells; it sweeps nothing: daemon/runner.py's UnitSwe
 
 The pieces: rules.py (which units, what counts as a stop; pure), adoption.py (what each unit
 held, the escaped-leftover rule and a unit's escaped leftovers, asked of systemd; no D-Bus),
-client.py (systemd's manager on the bus), watcher.py (systemd's signals).
+client.py (systemd's manager on the bus: its calls and its signals).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from dbus_fast.aio import MessageBus
 from gpuguardd.records.models import Holder, NvmlSnapshot
 from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.adoption import UnitGpuRecords, cuda_visible_gpus
-from gpuguardd.systemd.client import Systemd
+from gpuguardd.systemd.client import Systemd, UnitWatcher
 from gpuguardd.systemd.rules import UnitState, matches
-from gpuguardd.systemd.watcher import UnitWatcher
 
 log = logging.getLogger("gpuguard.unitwatch")
 

@@ -3,10 +3,15 @@ holders and the fake NVML: tests/host/test_gpu_attribution.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gpuguardd.records.enums import HolderKind
-from gpuguardd.systemd.adoption import UnitGpuRecords, adoption_candidates, cuda_visible_gpus, owner_lets_go
+from gpuguardd.records.models import ScanResult
+from gpuguardd.systemd import adoption
+from gpuguardd.systemd.adoption import UnitGpuRecords, adoption_candidates, cuda_visible_gpus, leftovers
+from gpuguardd.systemd.rules import UnitState
 from tests.unit.helpers import NVML, holder, state
 
 
@@ -36,7 +41,23 @@ def test_unit_watch_adopts_by_the_same_gpu_rule() -> None:
     ("refreshing", False), ("inactive", True), ("failed", True), ("", True),  # "": unloaded
 ])
 def test_rule_4_only_a_stopped_owner_lets_its_process_go(owner: str | None, lets_go: bool) -> None:
-    assert owner_lets_go(None if owner is None else state(owner)) is lets_go
+    class Systemd:
+        available = True
+
+        async def state(self, unit: str) -> UnitState | None:
+            return None if owner is None else state(owner)
+
+        async def environment(self, unit: str) -> list[str]:
+            return []
+
+        async def dropins(self, unit: str) -> list[str]:
+            return []
+
+    records = UnitGpuRecords()
+    records.observe([holder(10, "llm.service", [0])])
+    scan = ScanResult(holders=[holder(10, "other.service", [0])], nvml=NVML)
+    adopted = asyncio.run(leftovers(Systemd(), records, "llm.service", scan))
+    assert adopted == ([(10, 100)] if lets_go else [])
 
 
 @pytest.mark.parametrize(("value", "gpus"), [
@@ -53,8 +74,9 @@ def test_cuda_visible_devices_hint(value: str, gpus: set[int]) -> None:
     assert cuda_visible_gpus(["PATH=/bin"], NVML) == set()
 
 
-def test_records_note_host_units_only() -> None:
-    records = UnitGpuRecords(max_units=2)
+def test_records_note_host_units_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adoption, "MAX_UNITS", 2)
+    records = UnitGpuRecords()
     records.observe([holder(10, "a.service", [0]), holder(11, "a.service", [1], start=5),
                      holder(12, "", [2]), holder(13, "b.service", [2], container="lxc/1"),
                      holder(14, "c.service", [])])

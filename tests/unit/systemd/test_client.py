@@ -1,11 +1,11 @@
-"""Unit tests of gpuguardd/systemd/watcher.py."""
+"""Unit tests of gpuguardd/systemd/client.py."""
 
 from __future__ import annotations
 
 import asyncio
 
+from gpuguardd.systemd.client import UnitWatcher
 from gpuguardd.systemd.rules import UnitState
-from gpuguardd.systemd.watcher import UnitWatcher
 
 
 class SlowSystemd:
