@@ -15,7 +15,7 @@ from typing import NamedTuple
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.bus.connection import BUS_DAEMON, add_match, name_owner, name_owner_change
+from gpuguardd.bus.connection import BUS_DAEMON, bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
 from gpuguardd.systemd.adoption import MAX_UNITS
 from gpuguardd.systemd.client import MANAGER_IFACE, SYSTEMD, SYSTEMD_PATH, UNIT_IFACE, Systemd
@@ -61,7 +61,7 @@ class UnitWatcher:
                          f"member='PropertiesChanged',path_namespace='{SYSTEMD_PATH}/unit'",
                          f"type='signal',sender='{BUS_DAEMON}',interface='{BUS_DAEMON}',"
                          f"member='NameOwnerChanged',arg0='{SYSTEMD}'"):
-                reply = await add_match(self.bus, rule)
+                reply = await bus_daemon_call(self.bus, "AddMatch", "s", [rule])
                 if reply is not None and reply.message_type == MessageType.ERROR:
                     raise OSError(f"AddMatch {rule}: {reply.error_name}")
         return await self._subscribe()
