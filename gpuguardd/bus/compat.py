@@ -1,37 +1,29 @@
 """Every dbus-fast workaround of gpuguardd, and the only module that touches dbus-fast's
-private internals (the bus's `_writer`, its `sock` and `messages`, `_disconnected`,
-`_emit_interface_added/_removed`, `ServiceInterface._get_all_property_values`).
+private internals (the bus's `_writer`, `_disconnected`, `_emit_interface_added/_removed`,
+`ServiceInterface._get_all_property_values`).
 
 Supported: SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to SUPPORTED_BELOW, as
-setup.cfg and docs/architecture.md say. tests/bus/test_dbus_compat.py checks, on 1.84.2 and
-on 5.2.0 from pip, that each bug is there exactly where its gate says and that the
-workaround fixes it.
+setup.cfg and docs/architecture.md say; tests/bus/test_dbus_compat.py shows, on 1.84.2 and
+5.2.0, each bug exactly where its gate says and the workaround fixing it.
 
-1. Strings' lengths in characters, not bytes (< 2.11.1, dbus-fast#261): one non-ASCII
-   character (a process named "café", a caller's value quoted in an error) corrupts the
-   message and the bus daemon drops the connection, so any local user could cut the daemon
-   off the bus. There every outgoing string is made ASCII (backslash escapes).
-2. The writer's queue pops the newest (< 1.91.3, dbus-fast#225): under backpressure signals
-   (SweepStarted, SweepFinished) arrive reversed. There the queue pops the oldest.
-3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): a
-   burst of large replies, faster than the bus daemon reads, would cut gpuguardd off the
-   bus. The socket is wrapped so that a send that would block sends nothing; the writer then
-   waits for the socket to become writable, as after a partial send.
-4. org.freedesktop.DBus.Peer (every version): GetMachineId is forwarded to the bus daemon,
-   which the system bus's policy refuses; before 2.36.0 (dbus-fast#400) an error reply (no
-   machine-id), or any call after the first, also leaves it unanswered. gpuguardd answers
-   Peer itself from /etc/machine-id.
-5. ObjectManager signals (every version so far): InterfacesAdded/Removed are sent from the
-   object's own path; the D-Bus specification (and GDBusObjectManagerClient, cockpit) expect
-   them from the object manager's path, with the object in the arguments.
-6. The incoming call, for the method that handles it (every version): dbus-fast passes a
-   method only its arguments, but authorization needs the sender and the
-   interactive-authorization flag. Message handlers run synchronously, in the order added,
-   before an async method's task is created: one that sets a context variable gives each
-   call's task its own message.
-7. A message sent after the connection closed (5.x: a traceback from asyncio; 1.84 drops it
-   silently) is dropped (debug log). The daemon answers the calls still running before it
-   disconnects (interfaces.cancel_running_calls).
+1. Strings' lengths written in characters, not bytes (< 2.11.1, dbus-fast#261): one non-ASCII
+   character (a process named "café") corrupts the message and the bus daemon drops the
+   connection, so any local user could cut the daemon off the bus. Strings are sent ASCII.
+2. The writer's queue pops the newest (< 1.91.3, dbus-fast#225): under backpressure, signals
+   (SweepStarted, SweepFinished) arrive reversed. The queue pops the oldest.
+3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): large
+   replies faster than the bus daemon reads would cut gpuguardd off the bus. A send that
+   would block sends nothing, and the writer waits for the socket, as after a partial send.
+4. Peer.GetMachineId is forwarded to the bus daemon, which a system bus refuses (every
+   version; before 2.36.0, dbus-fast#400, an error reply or any later call also goes
+   unanswered). gpuguardd answers Peer itself from /etc/machine-id.
+5. InterfacesAdded/Removed come from the object's own path (every version so far); the D-Bus
+   specification (and GDBusObjectManagerClient, cockpit) want the object manager's.
+6. A method gets only its arguments (every version), but authorization needs the sender and
+   the interactive-authorization flag. Message handlers run, in order, before an async
+   method's task is created: one that sets a context variable gives each task its message.
+7. A message sent after the connection closed (5.x: a traceback; 1.84 drops it) is dropped.
+   The daemon answers running calls before it disconnects (interfaces.cancel_running_calls).
 """
 
 from __future__ import annotations
@@ -78,8 +70,7 @@ def supported_range() -> str:
 
 
 def version_warning(version: tuple[int, ...] = VERSION) -> str:
-    """What the daemon logs at start on a dbus-fast outside the supported range ("" inside):
-    its workarounds' gates were checked only inside it."""
+    """What the daemon logs at start on a dbus-fast outside the supported range ("" inside)."""
     if SUPPORTED_MIN <= version < SUPPORTED_BELOW:
         return ""
     return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the "
@@ -130,10 +121,8 @@ class FifoQueue(collections.deque):  # type: ignore[type-arg]
 
 
 def repair_writer(bus: MessageBus, eagain: bool = True, order: bool = WRITER_TAKES_NEWEST) -> None:
-    """Fix the connected bus's writer where the installed version needs it (see 2 and 3).
-
-    The writer exists once connected (dbus-fast 5) or from the constructor (1.84): call this
-    after connect(). `eagain`/`order` are for the regression tests, which show each bug."""
+    """Fix the writer (2, 3). It exists once connected (dbus-fast 5) or from the constructor
+    (1.84): call this after connect(). `eagain`/`order`: for the tests that show each bug."""
     writer = getattr(bus, "_writer", None)
     if writer is None:
         return
@@ -158,8 +147,7 @@ def machine_id() -> str:
 
 
 def peer_reply(msg: Message) -> Message | bool | None:
-    """For a message handler: our answer to a Peer call where dbus-fast's would fail (True:
-    handled, no reply wanted), None where the library's own answer is right."""
+    """For a message handler: our answer to a Peer call (True: no reply wanted), None for others."""
     if msg.interface != PEER_INTERFACE or msg.signature != "":
         return None
     reply: Message | None = None
@@ -183,8 +171,7 @@ current_call = CURRENT_CALL.get
 
 
 def note_call(msg: Message) -> None:
-    """From the bus's first message handler: `msg` is what current_call() returns in the
-    method call it dispatches next (see 6)."""
+    """From the bus's first message handler: what current_call() returns in the call (6)."""
     if msg.message_type == MessageType.METHOD_CALL:
         CURRENT_CALL.set(msg)
 
@@ -192,8 +179,7 @@ def note_call(msg: Message) -> None:
 # -- the bus ---------------------------------------------------------------------------------
 
 class CompatBus(MessageBus):
-    """dbus-fast's MessageBus with the workarounds 1 and 5 built in; `repair_writer` (2, 3),
-    `peer_reply` (4) and `note_call` (6) are for the daemon's connection to apply.
+    """dbus-fast's MessageBus with 1, 5 and 7 built in (2, 3, 4 and 6: connection.GuardBus).
 
     `object_manager_path`: where InterfacesAdded/Removed come from (5), for objects below it;
     "" keeps dbus-fast's own signals."""
@@ -215,13 +201,9 @@ class CompatBus(MessageBus):
         if not self.object_manager_path:
             super()._emit_interface_added(path, interface)
             return
-        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
-            return
 
         def got(iface: ServiceInterface, result: Any, _user: Any, error: Exception | None) -> None:
-            self.send(Message.new_signal(
-                path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
-                member="InterfacesAdded", signature="oa{sa{sv}}", body=[path, {iface.name: dict(result or {})}]))
+            self._from_manager(path, "InterfacesAdded", "oa{sa{sv}}", {iface.name: dict(result or {})})
 
         # Our property getters are plain attributes, so this calls back synchronously.
         ServiceInterface._get_all_property_values(interface, got)
@@ -229,9 +211,10 @@ class CompatBus(MessageBus):
     def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
         if not self.object_manager_path:
             super()._emit_interface_removed(path, removed_interfaces)
-            return
-        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
-            return
-        self.send(Message.new_signal(
-            path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
-            member="InterfacesRemoved", signature="oas", body=[path, list(removed_interfaces)]))
+        else:
+            self._from_manager(path, "InterfacesRemoved", "oas", list(removed_interfaces))
+
+    def _from_manager(self, path: str, member: str, signature: str, about: Any) -> None:
+        if not self._disconnected and path.startswith(self.object_manager_path + "/"):
+            self.send(Message.new_signal(path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
+                                         member=member, signature=signature, body=[path, about]))
