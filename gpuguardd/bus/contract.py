@@ -118,10 +118,6 @@ class Signal:
     def signature(self) -> str:
         return "".join(a.signature for a in self.args)
 
-    @property
-    def arg_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args)
-
 
 @dataclass(frozen=True)
 class Property:

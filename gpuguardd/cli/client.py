@@ -259,7 +259,7 @@ class DBusBackend:
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \
                         and msg.signature == defined.signature:
-                    on_signal(msg.member or "", dict(zip(defined.arg_names, (marshal.unwrap(v) for v in msg.body))))
+                    on_signal(msg.member or "", {a.name: marshal.unwrap(v) for a, v in zip(defined.args, msg.body)})
 
             signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)
