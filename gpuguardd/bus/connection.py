@@ -14,7 +14,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface
 
 from gpuguardd.bus.compat import CompatBus, note_call, peer_reply, repair_writer
-from gpuguardd.bus.names import MANAGER_PATH, error_name
+from gpuguardd.bus.names import ERROR_PREFIX, MANAGER_PATH
 
 BUS_DAEMON = "org.freedesktop.DBus"
 BUS_DAEMON_PATH = "/org/freedesktop/DBus"
@@ -100,5 +100,5 @@ class GuardBus(CompatBus):
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True  # handled: dropped, as the caller asked for no reply
         return Message.new_error(
-            msg, error_name("InvalidArgument"),
+            msg, ERROR_PREFIX + "InvalidArgument",
             f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")

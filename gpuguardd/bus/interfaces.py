@@ -34,7 +34,7 @@ from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
 from gpuguardd.bus.marshal import VarDict
-from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
+from gpuguardd.bus.names import ERROR_PREFIX, GPU_INTERFACE, MANAGER_INTERFACE
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
@@ -182,18 +182,17 @@ class ContractInterface(ServiceInterface):
             except asyncio.CancelledError:
                 # cancel_running_calls: the caller gets an answer while the bus is still there.
                 log.info("%s not answered: gpuguardd is stopping", member.name)
-                raise DBusError(error_name("Failed"), "gpuguardd is stopping; call again when "
+                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when "
                                 "it is back") from None
-            except NotAuthorized as exc:
-                admission = _REFUSALS.admit((member.name, exc.uid))
-                if admission.allowed:  # once per method and uid: any user may ask again and again
-                    log.info("%s refused: %s%s", member.name, exc, held_back(admission.held_back))
-                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
             except GpuGuardError as exc:
-                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
+                if isinstance(exc, NotAuthorized):
+                    admission = _REFUSALS.admit((member.name, exc.uid))
+                    if admission.allowed:  # once per method and uid: any user may ask again and again
+                        log.info("%s refused: %s%s", member.name, exc, held_back(admission.held_back))
+                raise DBusError(ERROR_PREFIX + exc.dbus_name, str(exc)) from None
             except Exception as exc:
                 log.exception("internal error in %s", member.name)
-                raise DBusError(error_name("Failed"), f"internal error: {type(exc).__name__}") from None
+                raise DBusError(ERROR_PREFIX + "Failed", f"internal error: {type(exc).__name__}") from None
             finally:
                 _CALLER.reset(token)
                 _IN_FLIGHT.discard(task)
@@ -328,7 +327,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         key = str(report.get("id", ""))
         sized = self._typed_reports.get(key)
         if sized is None:
-            sized = replysize.bound_report(report, marshal.report)
+            sized = replysize.bound_report(report)
             if len(self._typed_reports) >= self.REPORT_CACHE:
                 self._typed_reports.clear()
             if key:

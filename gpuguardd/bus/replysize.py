@@ -17,13 +17,13 @@ Sizes are upper bounds of the marshalled sizes (alignment included), estimated w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
-from gpuguardd.bus import names
+from gpuguardd.bus import marshal, names
 
 log = logging.getLogger("gpuguard.replysize")
 
@@ -124,11 +124,10 @@ def bound_reports(reports: list[dict[str, Variant]], sizes: list[int]) -> list[d
     return kept
 
 
-def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], dict[str, Variant]]
-                 ) -> tuple[dict[str, Variant], int]:
+def bound_report(data: Mapping[str, Any]) -> tuple[dict[str, Variant], int]:
     """The typed report as sent (wire_report), its lists cut to fit REPORT_BUDGET, and its size."""
     data = wire_report(data)
-    first = typed(data)
+    first = marshal.report(data)
     size = wire_size(first)
     if size <= REPORT_BUDGET:
         return first, size
@@ -142,7 +141,7 @@ def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], d
                 f"file keeps the whole report")
         trimmed = {**data, **{k: v[:keep] for k, v in lists.items()}}
         trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
-        result = typed(trimmed)
+        result = marshal.report(trimmed)
         size = wire_size(result)
         if size <= REPORT_BUDGET or keep == 0:
             log.warning("report %s: %s", str(data.get("id", ""))[:8], note)
