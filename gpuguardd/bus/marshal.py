@@ -72,9 +72,7 @@ def _typed(value: Any, signature: str) -> Any:
         # The last line of defence: one string that is not valid UTF-8 (or holds NUL) would
         # fail the whole reply, and none may be long enough to threaten the message limit.
         # Text from /proc is already clean and bounded where it is read.
-        if not safetext.is_clean(value):
-            return safetext.clean(value, safetext.STRING_MAX)
-        return safetext.cut(value, safetext.STRING_MAX)
+        return safetext.clean(value, safetext.STRING_MAX)
     raise _Mismatch(f"unsupported signature {signature}")
 
 
