@@ -32,11 +32,9 @@ _NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
               "org.freedesktop.DBus.Error.Spawn.ExecFailed",
               "org.freedesktop.DBus.Error.Spawn.ChildExited"}
 _CACHE_SIZE = 1024
-# How long polkit's answer for one connection and action is reused. Any user can call in a
-# loop (ListHolders asks about view-details whenever other users' holders exist); without
-# this, each call is a round trip to polkitd, which runs its rules each time. The subject is
-# the bus name, which stays the same process, so the answer only ages (a session going
-# inactive, rules edited): a few seconds is fresh enough.
+# How long polkit's answer for one connection and action is reused: any user can call in a
+# loop, and polkitd runs its rules for each check. The subject (a bus name) stays the same
+# process, so the answer only ages (a session going inactive, rules edited).
 POLKIT_DECISION_SEC = 5.0
 
 
@@ -58,15 +56,12 @@ class Caller:
 class Authorizer:
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
-        # Unique names are never reused on a bus, so a uid learnt for one stays true; the
-        # cache only saves a round trip per call and is bounded.
+        # Unique names are never reused on a bus, so a uid learnt for one stays true.
         self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
-        # Denials are logged once per uid and action (ratelimit.py): any user can ask again
-        # and again, and the journal is the admin's.
+        # Any user can ask again and again, and the journal is the admin's.
         self._denials = RateLimit(DENIAL_LOG_INTERVAL_SEC)
-        # (sender, action, interactive) -> (when polkit answered, granted), for
-        # POLKIT_DECISION_SEC; bounded like _uids. Calls that come while polkit is being asked
-        # wait for that one answer.
+        # (sender, action, interactive) -> (when polkit answered, granted); calls that come
+        # while polkit is being asked wait for that one answer.
         self._decisions: collections.OrderedDict[tuple[str, str, bool], tuple[float, bool]] = \
             collections.OrderedDict()
         self._asking: dict[tuple[str, str, bool], asyncio.Future[bool]] = {}

@@ -1,48 +1,29 @@
-"""Every dbus-fast workaround of gpuguardd, in one place (and the only module that touches
-dbus-fast's private internals).
+"""Every dbus-fast workaround of gpuguardd, and the only module that touches dbus-fast's
+private internals (the bus's `_writer`, `_disconnected`, `_emit_interface_added/_removed`,
+`ServiceInterface._get_all_property_values`).
 
-Supported: dbus-fast SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to, not
-including, SUPPORTED_BELOW, as setup.cfg, the packages and docs/architecture.md state.
-Each workaround is applied only on the versions its gate below names; for each version
-installed (5.2.0 from pip, 1.84.2 through /usr/bin/python3), tests/bus/test_dbus_compat.py checks
-that the bug is there exactly where the gate says and that the workaround fixes it.
+Supported: SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to SUPPORTED_BELOW, as
+setup.cfg and docs/architecture.md say; tests/bus/test_dbus_compat.py shows, on 1.84.2 and
+5.2.0, each bug exactly where its gate says and the workaround fixing it.
 
-1. Strings' lengths in characters (< 2.11.1, fixed by dbus-fast#261): the marshaller writes a
-   string's length in characters, not bytes, so one non-ASCII character anywhere (a process
-   named "café", a reason, an error text quoting a caller's value) corrupts the message and
-   the bus daemon drops the connection: any local user could cut the daemon off the bus.
-   There every outgoing string is made ASCII (backslash escapes) before it is marshalled.
-2. The writer's queue (< 1.91.3, fixed by dbus-fast#225): queued messages are taken from the
-   wrong end, so under backpressure signals (SweepStarted, SweepFinished) arrive reversed.
-   There the queue is replaced by one whose pop() takes the oldest.
-3. A full socket (every version so far: python-dbus-next#153, still so in 5.2): the writer
-   treats EAGAIN from send() as fatal and drops the connection, so a burst of clients with
-   large replies, faster than the bus daemon reads, would cut gpuguardd off the bus. The
-   writer's socket is wrapped so that a send that would block sends nothing; the writer then
-   waits for the socket to become writable, as it does after a partial send.
-4. org.freedesktop.DBus.Peer (every version): the library forwards GetMachineId to the bus
-   daemon, which the system bus's policy refuses (AccessDenied: it allows callers only the
-   org.freedesktop.DBus interface of the bus daemon). Before 2.36.0 (fixed by dbus-fast#400) it
-   also fails on an error reply (a machine without a machine-id) and, once it has the id, on
-   every later call (a string given as the reply's body), without answering. gpuguardd answers
-   Peer itself from /etc/machine-id.
-5. ObjectManager signals (every version so far): InterfacesAdded/Removed are sent from the
-   exported object's own path; the D-Bus specification (and GDBusObjectManagerClient,
-   cockpit) expect them from the object manager's path, with the object in the arguments.
-   The bus's `_emit_interface_added/_removed` (which export()/unexport() call) are replaced.
-6. The incoming call, for the method that handles it (every version): dbus-fast passes a
-   method only its arguments, but authorization needs the sender and the
-   interactive-authorization flag. dbus-fast runs message handlers, in the order added and
-   synchronously, before it dispatches a method call and creates an async method's task: a
-   handler that sets a context variable gives each call's task its own message.
-7. A message sent after the connection closed (5.x; 1.84 drops it silently): a method call
-   still running when the daemon leaves the bus has its reply sent on the closed socket, and
-   asyncio logs a traceback. The daemon answers such calls before it disconnects
-   (interfaces.cancel_running_calls); whatever is still sent after is dropped (debug log), on
-   every version: dropping is right everywhere.
-
-Private names used, all here: the bus's `_writer` (its `sock` and `messages`),
-`_disconnected`, `_emit_interface_added/_removed`, `ServiceInterface._get_all_property_values`.
+1. Strings' lengths written in characters, not bytes (< 2.11.1, dbus-fast#261): one non-ASCII
+   character (a process named "café") corrupts the message and the bus daemon drops the
+   connection, so any local user could cut the daemon off the bus. Strings are sent ASCII.
+2. The writer's queue pops the newest (< 1.91.3, dbus-fast#225): under backpressure, signals
+   (SweepStarted, SweepFinished) arrive reversed. The queue pops the oldest.
+3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): large
+   replies faster than the bus daemon reads would cut gpuguardd off the bus. A send that
+   would block sends nothing, and the writer waits for the socket, as after a partial send.
+4. Peer.GetMachineId is forwarded to the bus daemon, which a system bus refuses (every
+   version; before 2.36.0, dbus-fast#400, an error reply or any later call also goes
+   unanswered). gpuguardd answers Peer itself from /etc/machine-id.
+5. InterfacesAdded/Removed come from the object's own path (every version so far); the D-Bus
+   specification (and GDBusObjectManagerClient, cockpit) want the object manager's.
+6. A method gets only its arguments (every version), but authorization needs the sender and
+   the interactive-authorization flag. Message handlers run, in order, before an async
+   method's task is created: one that sets a context variable gives each task its message.
+7. A message sent after the connection closed (5.x: a traceback; 1.84 drops it) is dropped.
+   The daemon answers running calls before it disconnects (interfaces.cancel_running_calls).
 """
 
 from __future__ import annotations
@@ -78,14 +59,10 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
 
-# The gates: True where the installed dbus-fast needs the workaround.
-STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)  # 1
-WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)  # 2
-WRITER_DIES_ON_EAGAIN = True  # 3: not fixed upstream yet
-# 4: forwarded to the bus daemon, which a system bus refuses, in every version; and its
-# replies broken before 2.36.0 (this gate is what the regression test checks).
-PEER_REPLIES_BROKEN = VERSION < (2, 36, 0)
-OBJECT_MANAGER_SIGNALS_FROM_OBJECT = True  # 5: not fixed upstream yet
+# The gates of 1 and 2: True where the installed dbus-fast needs the workaround (3 to 7 are
+# needed on every version so far).
+STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)
+WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)
 
 
 def supported_range() -> str:
@@ -93,8 +70,7 @@ def supported_range() -> str:
 
 
 def version_warning(version: tuple[int, ...] = VERSION) -> str:
-    """What the daemon logs at start on a dbus-fast outside the supported range ("" inside):
-    its workarounds' gates were checked only inside it."""
+    """What the daemon logs at start on a dbus-fast outside the supported range ("" inside)."""
     if SUPPORTED_MIN <= version < SUPPORTED_BELOW:
         return ""
     return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the "
@@ -144,12 +120,9 @@ class FifoQueue(collections.deque):  # type: ignore[type-arg]
         return self.popleft()
 
 
-def repair_writer(bus: MessageBus, eagain: bool = WRITER_DIES_ON_EAGAIN,
-                  order: bool = WRITER_TAKES_NEWEST) -> None:
-    """Fix the connected bus's writer where the installed version needs it (see 2 and 3).
-
-    The writer exists once connected (dbus-fast 5) or from the constructor (1.84): call this
-    after connect(). `eagain`/`order` are for the regression tests, which show each bug."""
+def repair_writer(bus: MessageBus, eagain: bool = True, order: bool = WRITER_TAKES_NEWEST) -> None:
+    """Fix the writer (2, 3). It exists once connected (dbus-fast 5) or from the constructor
+    (1.84): call this after connect(). `eagain`/`order`: for the tests that show each bug."""
     writer = getattr(bus, "_writer", None)
     if writer is None:
         return
@@ -174,8 +147,7 @@ def machine_id() -> str:
 
 
 def peer_reply(msg: Message) -> Message | bool | None:
-    """For a message handler: our answer to a Peer call where dbus-fast's would fail (True:
-    handled, no reply wanted), None where the library's own answer is right."""
+    """For a message handler: our answer to a Peer call (True: no reply wanted), None for others."""
     if msg.interface != PEER_INTERFACE or msg.signature != "":
         return None
     reply: Message | None = None
@@ -199,8 +171,7 @@ current_call = CURRENT_CALL.get
 
 
 def note_call(msg: Message) -> None:
-    """From the bus's first message handler: `msg` is what current_call() returns in the
-    method call it dispatches next (see 6)."""
+    """From the bus's first message handler: what current_call() returns in the call (6)."""
     if msg.message_type == MessageType.METHOD_CALL:
         CURRENT_CALL.set(msg)
 
@@ -208,8 +179,7 @@ def note_call(msg: Message) -> None:
 # -- the bus ---------------------------------------------------------------------------------
 
 class CompatBus(MessageBus):
-    """dbus-fast's MessageBus with the workarounds 1 and 5 built in; `repair_writer` (2, 3),
-    `peer_reply` (4) and `note_call` (6) are for the daemon's connection to apply.
+    """dbus-fast's MessageBus with 1, 5 and 7 built in (2, 3, 4 and 6: connection.GuardBus).
 
     `object_manager_path`: where InterfacesAdded/Removed come from (5), for objects below it;
     "" keeps dbus-fast's own signals."""
@@ -228,28 +198,23 @@ class CompatBus(MessageBus):
 
     # dbus-fast calls these from export()/unexport().
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
-        if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
+        if not self.object_manager_path:
             super()._emit_interface_added(path, interface)
             return
-        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
-            return
-        values: dict[str, Any] = {}
 
         def got(iface: ServiceInterface, result: Any, _user: Any, error: Exception | None) -> None:
-            values.update(result or {})
-            self.send(Message.new_signal(
-                path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
-                member="InterfacesAdded", signature="oa{sa{sv}}", body=[path, {iface.name: values}]))
+            self._from_manager(path, "InterfacesAdded", "oa{sa{sv}}", {iface.name: dict(result or {})})
 
         # Our property getters are plain attributes, so this calls back synchronously.
         ServiceInterface._get_all_property_values(interface, got)
 
     def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
-        if not (OBJECT_MANAGER_SIGNALS_FROM_OBJECT and self.object_manager_path):
+        if not self.object_manager_path:
             super()._emit_interface_removed(path, removed_interfaces)
-            return
-        if self._disconnected or not path.startswith(self.object_manager_path + "/"):
-            return
-        self.send(Message.new_signal(
-            path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
-            member="InterfacesRemoved", signature="oas", body=[path, list(removed_interfaces)]))
+        else:
+            self._from_manager(path, "InterfacesRemoved", "oas", list(removed_interfaces))
+
+    def _from_manager(self, path: str, member: str, signature: str, about: Any) -> None:
+        if not self._disconnected and path.startswith(self.object_manager_path + "/"):
+            self.send(Message.new_signal(path=self.object_manager_path, interface=OBJECT_MANAGER_INTERFACE,
+                                         member=member, signature=signature, body=[path, about]))

@@ -1,11 +1,7 @@
-"""The daemon's bus connection: dbus-fast's MessageBus with what the service needs from it.
+"""The daemon's bus connection (GuardBus), and the bus daemon's own calls and signals read safely.
 
-* The incoming method call, for the method that handles it (current_call; compat.py, 6).
-* A wrong signature on one of our methods is answered with InvalidArgument naming what was
-  expected, instead of dbus-fast's generic "unknown method".
-* Signals about the bus daemon's names (NameOwnerChanged, GetNameOwner) read safely.
-
-The dbus-fast workarounds, and the versions supported: compat.py.
+A wrong signature on one of our methods is answered with InvalidArgument naming what was
+expected, instead of dbus-fast's generic "unknown method". The dbus-fast workarounds: compat.py.
 """
 
 from __future__ import annotations
@@ -17,11 +13,8 @@ from dbus_fast import Message, MessageFlag, MessageType
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface
 
-from gpuguardd.bus.compat import CompatBus, current_call, note_call, peer_reply, repair_writer
-from gpuguardd.bus.names import MANAGER_PATH, error_name
-
-__all__ = ["BUS_DAEMON", "BUS_DAEMON_PATH", "GuardBus", "SafeBus", "add_match", "bus_daemon_call",
-           "current_call", "name_owner", "name_owner_change"]
+from gpuguardd.bus.compat import CompatBus, note_call, peer_reply, repair_writer
+from gpuguardd.bus.names import ERROR_PREFIX, MANAGER_PATH
 
 BUS_DAEMON = "org.freedesktop.DBus"
 BUS_DAEMON_PATH = "/org/freedesktop/DBus"
@@ -45,16 +38,12 @@ def name_owner_change(msg: Message, name: str) -> str | None:
 
 async def bus_daemon_call(bus: MessageBus, member: str, signature: str = "",
                           body: Sequence[Any] = ()) -> Message:
-    """Call `member` of the bus daemon itself (org.freedesktop.DBus); its reply, which may be
-    an error reply: each caller knows what a refusal means to it."""
+    """Call `member` of the bus daemon itself; its reply, which may be an error reply: each
+    caller knows what a refusal means to it. AddMatch is a broadcast filter, never proof of a
+    signal's sender (name_owner_change)."""
     return await bus.call(Message(destination=BUS_DAEMON, path=BUS_DAEMON_PATH,
                                   interface=BUS_DAEMON, member=member, signature=signature,
                                   body=list(body)))
-
-
-async def add_match(bus: MessageBus, rule: str) -> Message:
-    """AddMatch `rule` (a broadcast filter; never proof of a signal's sender: name_owner_change)."""
-    return await bus_daemon_call(bus, "AddMatch", "s", [rule])
 
 
 async def name_owner(bus: MessageBus, name: str) -> str:
@@ -66,13 +55,8 @@ async def name_owner(bus: MessageBus, name: str) -> str:
     return str(reply.body[0])
 
 
-# The CLI's and exporter's connection: dbus-fast with the workarounds every client needs.
-SafeBus = CompatBus
-
-
 class GuardBus(CompatBus):
-    """The daemon's connection: every workaround of compat.py, our methods' signature check,
-    current_call, and ObjectManager signals from the manager's path."""
+    """The daemon's connection: every workaround of compat.py and our methods' signature check."""
 
     object_manager_path = MANAGER_PATH
 
@@ -116,5 +100,5 @@ class GuardBus(CompatBus):
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True  # handled: dropped, as the caller asked for no reply
         return Message.new_error(
-            msg, error_name("InvalidArgument"),
+            msg, ERROR_PREFIX + "InvalidArgument",
             f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")

@@ -1,19 +1,14 @@
 """The D-Bus interface as dbus/org.gpuguard.GpuGuard1.xml defines it, read once.
 
-Everything else learns the interface from here: the daemon's member signatures and argument
-names, what Introspect returns (the file's interface elements), the keys and types of every
-a{sv} (the org.gpuguard.GpuGuard1.Keys annotations, from which options are checked and
-replies typed), each method's authorization rule (org.gpuguard.GpuGuard1.Authorization), and
-gpuguardctl's call signatures and signal argument names. The file's header comment describes
-the annotations.
+Everything else learns the interface from here: members, their signatures and argument names,
+what Introspect returns, the keys and types of every a{sv} (org.gpuguard.GpuGuard1.Keys
+annotations) and each method's authorization rule (org.gpuguard.GpuGuard1.Authorization).
+The file's header comment describes the annotations.
 
-The file travels with the code, as package data next to this module: the build puts it there
-(setup.py's build_py for wheels, sdists, the .deb and the .rpm; `make install` copies it), so
-the daemon serves the definition of the code it runs whatever the prefix or Python path. The
-source tree has no copy and no link there (a link is lost by tools that copy regular files
-only, as a release tarball's build was): run from a checkout, the module reads dbus/ itself.
-
-No dbus_fast here: gpuguardctl and the tests read the contract without the bus library.
+The build puts the file next to this module as package data (setup.py's build_py; `make
+install` copies it), so the daemon serves the definition of the code it runs. The source tree
+has no copy or link there (a link is lost by tools that copy regular files only): run from a
+checkout, the module reads dbus/ itself. No dbus_fast here: gpuguardctl reads it without it.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from typing import Union
 
 XML_NAME = "org.gpuguard.GpuGuard1.xml"
 _INSTALLED = Path(__file__).with_name(XML_NAME)
-# A checkout (tests, an editable install): the one copy, two levels up.
+# A checkout (tests, an editable install).
 _SOURCE_TREE = Path(__file__).resolve().parents[2] / "dbus" / XML_NAME
 XML_PATH = _INSTALLED if _INSTALLED.is_file() or not _SOURCE_TREE.is_file() else _SOURCE_TREE
 
@@ -68,14 +63,14 @@ class KeyType:
 
 @dataclass(frozen=True)
 class Rule:
-    """Who may call a method. `action` empty: anyone; else root or whom polkit grants it.
-    `dry_run_public`: anyone when the call asks for a dry run."""
+    """Who may call a method. `action` empty: anyone; else root or whom polkit grants it
+    (anyone for a dry run if `dry_run_public`)."""
 
     action: str = ""
     dry_run_public: bool = False
 
     def needs(self, dry_run: bool) -> str:
-        """The polkit action this call needs ("" for none)."""
+        """The polkit action ("" for none)."""
         return "" if self.dry_run_public and dry_run else self.action
 
     @classmethod
@@ -122,10 +117,6 @@ class Signal:
     @property
     def signature(self) -> str:
         return "".join(a.signature for a in self.args)
-
-    @property
-    def arg_names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args)
 
 
 @dataclass(frozen=True)
@@ -237,9 +228,8 @@ class Contract:
         return {key: kind.signatures for key, kind in self.dictionaries[name].items()}
 
     def introspection(self, name: str) -> ET.Element:
-        """A copy of interface `name`'s element as Introspect serves it: the file's, with the
-        whitespace of multi-line annotation values folded (documentation is in comments,
-        which the parser drops)."""
+        """A copy of interface `name`'s element as Introspect serves it, multi-line annotation
+        values folded (documentation is in comments, which the parser drops)."""
         copy = ET.fromstring(ET.tostring(self.interfaces[name].element))
         for annotation in copy.iter("annotation"):
             annotation.set("value", " ".join(annotation.get("value", "").split()))
@@ -250,7 +240,6 @@ class Contract:
 
 @functools.cache
 def contract() -> Contract:
-    """The installed contract, parsed on first use."""
     try:
         text = XML_PATH.read_text(encoding="utf-8")
     except OSError as exc:

@@ -3,19 +3,15 @@
 ContractInterface turns dbus/org.gpuguard.GpuGuard1.xml (contract.py) into dbus-fast members
 when a subclass is created, and refuses a subclass that does not match it:
 
-* methods: each XML method is a Python coroutine of the same name whose parameters are the
-  XML's in-arguments, in order, by name (a trailing "_" allowed, as in `id_`). Its signature
-  is the XML's. Before the body runs, the call passes through one gate: a method whose XML
-  member declares no org.gpuguard.GpuGuard1.Authorization is refused (NotAuthorized); each
-  a{sv} argument is checked against its Keys (unknown key or wrong type: InvalidArgument
-  naming it) and arrives as a plain dict, each string argument as checked text; then the
-  declared rule is applied (see `_authorize`). Engine exceptions become the contract's errors.
-* signals: each XML signal is a typed Python stub of the same name (arguments by name, as
-  for methods); calling it emits the signal with its arguments in the XML's order.
-* properties: served from one table (`update`), with PropertiesChanged for real
-  changes only; their names and types are the XML's, so no Python getter exists per property.
-* Introspect returns the file's interface element (annotations included), not what dbus-fast
-  would rebuild from Python, on every dbus-fast version.
+* methods: coroutines of the same name, whose parameters are the XML's in-arguments by name
+  (a trailing "_" allowed, as in `id_`). Before the body runs, a method without an
+  org.gpuguard.GpuGuard1.Authorization annotation is refused (NotAuthorized); a{sv}
+  arguments are checked against their Keys (InvalidArgument naming the key) and arrive as
+  plain dicts, strings as checked text; then the declared rule is applied (`_authorize`).
+  Engine exceptions become the contract's errors.
+* signals: typed stubs of the same name; calling one emits the signal.
+* properties: served from one table (`update`), with PropertiesChanged for real changes only.
+* Introspect returns the file's interface element (annotations included) on every version.
 
 What a call means (holders, sweeping, history) is the ManagerBackend's business.
 """
@@ -38,7 +34,7 @@ from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Caller
 from gpuguardd.bus.marshal import VarDict
-from gpuguardd.bus.names import GPU_INTERFACE, MANAGER_INTERFACE, error_name
+from gpuguardd.bus.names import ERROR_PREFIX, GPU_INTERFACE, MANAGER_INTERFACE
 from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
@@ -53,9 +49,8 @@ _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguar
 
 
 class Gate(Protocol):
-    """What authorization needs from the daemon: the caller of the call being handled (bus
-    credentials), a check that raises NotAuthorized unless polkit grants an action (root:
-    always), and whether a sweep that does not say is a dry run ([Sweep] DryRun=)."""
+    """What authorization needs from the daemon: who is calling, a check that raises
+    NotAuthorized unless polkit grants an action (root: always), and [Sweep] DryRun=."""
 
     async def caller(self) -> Caller: ...
 
@@ -75,7 +70,7 @@ def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
 
 
 def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signature:
-    """What dbus-fast reads a member's D-Bus types from: signature strings as annotations."""
+    """What dbus-fast reads a member's types from: signature strings as annotations."""
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     params = [inspect.Parameter("self", kind)]
     params += [inspect.Parameter(a.name, kind, annotation=a.signature) for a in args]
@@ -145,8 +140,7 @@ class ContractInterface(ServiceInterface):
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
-        # The class's own definition, else the one a base class was built from (a subclass
-        # may be built again from another document).
+        # Else the base class's (a subclass may be built again from another document).
         fn = vars(cls).get(name) or getattr(cls, "_PYTHON_MEMBERS", {}).get(name)
         if not callable(fn):
             raise TypeError(f"{where}: {name} is in the XML but not implemented")
@@ -186,21 +180,19 @@ class ContractInterface(ServiceInterface):
             except DBusError:
                 raise
             except asyncio.CancelledError:
-                # The daemon is stopping (cancel_running_calls): a stop is no service error,
-                # and the caller gets an answer while the bus is still there.
+                # cancel_running_calls: the caller gets an answer while the bus is still there.
                 log.info("%s not answered: gpuguardd is stopping", member.name)
-                raise DBusError(error_name("Failed"), "gpuguardd is stopping; call again when "
+                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when "
                                 "it is back") from None
-            except NotAuthorized as exc:
-                admission = _REFUSALS.admit((member.name, exc.uid))
-                if admission.allowed:  # once per method and uid: any user may ask again and again
-                    log.info("%s refused: %s%s", member.name, exc, held_back(admission.held_back))
-                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
             except GpuGuardError as exc:
-                raise DBusError(error_name(exc.dbus_name), str(exc)) from None
+                if isinstance(exc, NotAuthorized):
+                    admission = _REFUSALS.admit((member.name, exc.uid))
+                    if admission.allowed:  # once per method and uid: any user may ask again and again
+                        log.info("%s refused: %s%s", member.name, exc, held_back(admission.held_back))
+                raise DBusError(ERROR_PREFIX + exc.dbus_name, str(exc)) from None
             except Exception as exc:
                 log.exception("internal error in %s", member.name)
-                raise DBusError(error_name("Failed"), f"internal error: {type(exc).__name__}") from None
+                raise DBusError(ERROR_PREFIX + "Failed", f"internal error: {type(exc).__name__}") from None
             finally:
                 _CALLER.reset(token)
                 _IN_FLIGHT.discard(task)
@@ -244,7 +236,7 @@ class ContractInterface(ServiceInterface):
         raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
 
     async def caller(self) -> Caller:
-        """Who sent the call being handled (asked of the bus once per call)."""
+        """Who sent the call being handled (asked once per call)."""
         known = _CALLER.get()
         if known is None:
             known = await self.gate().caller()
@@ -288,8 +280,7 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
 
 class ManagerBackend(Gate, Protocol):
     async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
-        """Typed holders (marshal.holder), filtered and redacted for `caller`, bounded in
-        size (replysize.bound_holders)."""
+        """Typed holders, filtered and redacted for `caller`, bounded (replysize.bound_holders)."""
 
     async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]:
         """A sweep the caller is authorized for (options["dry_run"] is set)."""
@@ -297,7 +288,7 @@ class ManagerBackend(Gate, Protocol):
     def history(self, count: int) -> list[dict[str, Any]]: ...
 
     async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]:
-        """A GPU reset the caller is authorized for (daemon/recovery.py): its report."""
+        """A GPU reset the caller is authorized for: its report."""
 
     async def reload(self, caller: Caller) -> None: ...
 
@@ -322,8 +313,8 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     def __init__(self, backend: ManagerBackend, values: Mapping[str, Any]) -> None:
         super().__init__(values)
         self.backend = backend
-        # Stored reports never change, and typing them costs more than sending them: GetHistory
-        # under load is mostly this, so each report is typed once (by id), with its size.
+        # Stored reports never change, and typing them is most of GetHistory's cost under
+        # load: each is typed once (by id), with its size.
         self._typed_reports: dict[str, tuple[VarDict, int]] = {}
 
     def gate(self) -> Gate:
@@ -333,18 +324,17 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self._sized_report(report)[0]
 
     def _sized_report(self, report: Mapping[str, Any]) -> tuple[VarDict, int]:
-        """The report typed, bounded to replysize.REPORT_BUDGET, and its size."""
         key = str(report.get("id", ""))
         sized = self._typed_reports.get(key)
         if sized is None:
-            sized = replysize.bound_report(report, marshal.report)
+            sized = replysize.bound_report(report)
             if len(self._typed_reports) >= self.REPORT_CACHE:
                 self._typed_reports.clear()
             if key:
                 self._typed_reports[key] = sized
         return sized
 
-    # -- methods (rules: the XML's Authorization annotations) ----------------------------
+    # -- methods ------------------------------------------------------------------------
 
     async def ListHolders(self, filter: Options) -> list[VarDict]:
         return await self.backend.list_holders(await self.caller(), filter)

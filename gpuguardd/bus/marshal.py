@@ -1,10 +1,8 @@
 """Plain engine dicts to typed D-Bus variants and back, and the options callers send checked.
 
-The types come from the contract XML (contract.py): each key its org.gpuguard.GpuGuard1.Keys
-annotation lists has a fixed signature, so `gpu_memory` is always `t` and a PID always `u`
-whatever Python type the engine happened to use. Keys the engine adds later get a signature
-inferred from the value rather than breaking the call; the contract's keys never depend on
-inference. Options callers send are checked against the same annotations.
+The types come from the contract XML's Keys annotations (contract.py), so `gpu_memory` is
+always `t` and a PID always `u` whatever Python type the engine used. A key the contract does
+not list (a later engine's, an old history entry's) gets a type inferred from its value.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ SCOPE: Schema = contract().schema("Scope")
 
 
 def snake_case(name: str) -> str:
-    """A property's name as the engine's and gpuguardctl's dicts spell it (MemoryTotal ->
-    memory_total): one rule instead of a table per interface."""
+    """A property's name as the engine's and gpuguardctl's dicts spell it: MemoryTotal -> memory_total."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
@@ -75,9 +72,7 @@ def _typed(value: Any, signature: str) -> Any:
         # The last line of defence: one string that is not valid UTF-8 (or holds NUL) would
         # fail the whole reply, and none may be long enough to threaten the message limit.
         # Text from /proc is already clean and bounded where it is read.
-        if not safetext.is_clean(value):
-            return safetext.clean(value, safetext.STRING_MAX)
-        return safetext.cut(value, safetext.STRING_MAX)
+        return safetext.clean(value, safetext.STRING_MAX)
     raise _Mismatch(f"unsupported signature {signature}")
 
 
@@ -167,16 +162,11 @@ def unwrap(value: Any) -> Any:
 MAX_TEXT = 1024
 
 
-def option_label(dictionary: str) -> str:
-    """How errors name a dictionary of options: "sweep" for SweepOptions, "filter" for Filter."""
-    return dictionary.removesuffix("Options").lower()
-
-
 def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]:
     """Validated plain values of an `a{sv}` argument typed as the contract's `dictionary`;
     InvalidArgument names the bad key."""
     spec = contract().options(dictionary)
-    what = option_label(dictionary)
+    what = dictionary.removesuffix("Options").lower()  # "sweep", "filter"
     values: dict[str, Any] = {}
     for key, variant in options.items():
         if key not in spec:
@@ -214,8 +204,7 @@ def check_text(key: str, value: str) -> None:
 
 
 def property_value(prop: Property, value: Any) -> Any:
-    """An engine value as property `prop` carries it: text for s, a non-negative integer for
-    u and t, a boolean for b, typed dictionaries for a{sv} and aa{sv} (None: empty)."""
+    """An engine value as property `prop` carries it (None: empty, zero or false)."""
     if prop.signature == "s":
         return str(value or "")
     if prop.signature in ("u", "t"):

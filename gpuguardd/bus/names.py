@@ -28,10 +28,6 @@ def gpu_path(index: int) -> str:
     return f"{MANAGER_PATH}/gpu/{index}"
 
 
-def error_name(suffix: str) -> str:
-    return ERROR_PREFIX + suffix
-
-
 def default_address(explicit: str | None) -> str | None:
     """The bus gpuguardctl talks on: `explicit`, else $GPUGUARD_BUS_ADDRESS, else None (the
     system bus). Here, not in cli/client.py, so that --local needs no dbus-fast to ask."""

@@ -1,36 +1,34 @@
 """Every reply and signal stays far below the bus's message limit, whatever the host holds.
 
-dbus-daemon refuses a message over its max_message_size (32 MiB on the system bus: the default,
-/usr/share/dbus-1/system.conf) and disconnects the sender, so one oversized reply would take
-gpuguardd off the bus. The fields are bounded where they are read (safetext: a command line or
-a path is at most 4 KiB); what is bounded here is how many of them go into one message:
+dbus-daemon disconnects the sender of a message over its max_message_size (32 MiB on the
+system bus), so one oversized reply would take gpuguardd off the bus. Each field is bounded
+where it is read (safetext); here, how many go into one message:
 
-* a report (a Sweep/SweepUnit reply, SweepFinished, LastSweep, a GetHistory entry) is at most
-  REPORT_BUDGET: past it, its lists are cut and a warning in it says how many entries were left
+* a report (Sweep/SweepUnit/ResetGpu reply, SweepFinished, LastSweep, a GetHistory entry) is at
+  most REPORT_BUDGET: past it, its lists are cut and a warning says how many entries were left
   out (the history file keeps the whole report);
-* a ListHolders or GetHistory reply is at most REPLY_BUDGET: holders past it are first sent in
-  a compact form (each text cut to COMPACT_TEXT bytes), and whatever still does not fit is left
-  out, the last entry sent carrying `omitted_after` (u): how many were left out.
+* a ListHolders or GetHistory reply is at most REPLY_BUDGET: holders are then sent with each
+  text cut to COMPACT_TEXT bytes, and what still does not fit is left out, the last entry sent
+  carrying `omitted_after` (u): how many.
 
-Sizes are the marshalled sizes, estimated from above (alignment included), without marshalling.
+Sizes are upper bounds of the marshalled sizes (alignment included), estimated without marshalling.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
-from gpuguardd.bus import names
+from gpuguardd.bus import marshal, names
 
 log = logging.getLogger("gpuguard.replysize")
 
 MiB = 1024 * 1024
-# A quarter of dbus-daemon's default max_message_size (32 MiB): headers, and a bus configured
-# lower, have room.
+# A quarter of dbus-daemon's default max_message_size: room for headers and a bus set lower.
 REPLY_BUDGET = 8 * MiB
 REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
@@ -39,13 +37,9 @@ COMPACT_TEXT = 256
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
                  "warning_codes")
 
-# What a reader needs of a report's entries (gpuguardctl's printer, the Cockpit page, scripts
-# per docs/contract.md): keys the contract does not promise in every entry, and whose empty value says
-# no more than their absence ("" unit: none; [] mig: no MIG instance), are left out of each
-# entry on the wire. A host process's target then carries pid, comm, kind, gpus, gpu_memory and
-# exe, not two empty strings as well: GetHistory(10) of 20-target reports, 58.6 -> 47.6 KiB.
-# Every key docs/contract.md lists for an entry (terminated: pid, comm, unit, signal, exited_after_ms;
-# survived: state; gpus: index, uuid, memory_*, released) is always sent.
+# Keys of a report's entries that docs/contract.md does not promise, and whose empty value says
+# no more than their absence ("" unit: none), are left out on the wire: GetHistory(10) of
+# 20-target reports, 58.6 -> 47.6 KiB. Every key docs/contract.md lists for an entry stays.
 OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
     "targets": ("unit", "container", "mig", "exe"),
     "survived": ("unit",),
@@ -108,7 +102,7 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
 
 def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
                   sizes: list[int] | None = None) -> list[dict[str, Variant]]:
-    """`sizes`: each holder's wire_size() or more, if the caller knows them already."""
+    """`sizes`: each holder's wire_size() or more, if known already."""
     if sizes is None:
         sizes = [wire_size(h) for h in holders]
     if sum(sizes) + 8 <= budget:
@@ -121,11 +115,8 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     return kept
 
 
-def bound_reports(reports: list[dict[str, Variant]], sizes: list[int] | None = None
-                  ) -> list[dict[str, Variant]]:
+def bound_reports(reports: list[dict[str, Variant]], sizes: list[int]) -> list[dict[str, Variant]]:
     """Newest first, as many as fit; the last sent says how many older ones were left out."""
-    if sizes is None:
-        sizes = [wire_size(r) for r in reports]
     kept = _fit(reports, sizes, REPLY_BUDGET)
     if len(kept) < len(reports):
         log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
@@ -133,12 +124,10 @@ def bound_reports(reports: list[dict[str, Variant]], sizes: list[int] | None = N
     return kept
 
 
-def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], dict[str, Variant]]
-                 ) -> tuple[dict[str, Variant], int]:
-    """The typed report as sent (wire_report) and its size, its lists cut to fit REPORT_BUDGET
-    if they must be."""
+def bound_report(data: Mapping[str, Any]) -> tuple[dict[str, Variant], int]:
+    """The typed report as sent (wire_report), its lists cut to fit REPORT_BUDGET, and its size."""
     data = wire_report(data)
-    first = typed(data)
+    first = marshal.report(data)
     size = wire_size(first)
     if size <= REPORT_BUDGET:
         return first, size
@@ -152,7 +141,7 @@ def bound_report(data: Mapping[str, Any], typed: Callable[[Mapping[str, Any]], d
                 f"file keeps the whole report")
         trimmed = {**data, **{k: v[:keep] for k, v in lists.items()}}
         trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
-        result = typed(trimmed)
+        result = marshal.report(trimmed)
         size = wire_size(result)
         if size <= REPORT_BUDGET or keep == 0:
             log.warning("report %s: %s", str(data.get("id", ""))[:8], note)

@@ -15,7 +15,8 @@ from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus import contract, marshal
-from gpuguardd.bus.connection import SafeBus, add_match, bus_daemon_call, name_owner, name_owner_change
+from gpuguardd.bus.compat import CompatBus
+from gpuguardd.bus.connection import bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import (
     BUS_NAME,
     ERROR_PREFIX,
@@ -75,7 +76,7 @@ class DBusBackend:
 
     async def _connect(self) -> MessageBus:
         try:
-            bus = SafeBus(bus_address=self.address) if self.address else SafeBus(bus_type=BusType.SYSTEM)
+            bus = CompatBus(bus_address=self.address) if self.address else CompatBus(bus_type=BusType.SYSTEM)
             return await bus.connect()
         except Exception as exc:
             raise DaemonUnavailable(f"cannot connect to {self._where()}: {exc}") from None
@@ -258,12 +259,12 @@ class DBusBackend:
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \
                         and msg.signature == defined.signature:
-                    on_signal(msg.member or "", dict(zip(defined.arg_names, (marshal.unwrap(v) for v in msg.body))))
+                    on_signal(msg.member or "", {a.name: marshal.unwrap(v) for a, v in zip(defined.args, msg.body)})
 
             signals = contract.interface(MANAGER_INTERFACE).signals
             bus.add_message_handler(handler)
             for match in (owner_rule, rule):
-                reply = await add_match(bus, match)
+                reply = await bus_daemon_call(bus, "AddMatch", "s", [match])
                 if reply.message_type == MessageType.ERROR:
                     raise error_from_reply(reply)
             # After the owner match is in place: a change from here on reaches the handler.

@@ -15,7 +15,8 @@ from typing import Any
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
-from gpuguardd.bus.connection import GuardBus, current_call
+from gpuguardd.bus.compat import current_call
+from gpuguardd.bus.connection import GuardBus
 from gpuguardd.bus.interfaces import ManagerInterface
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit

@@ -65,10 +65,9 @@ def connected(bus: MessageBus) -> bool:
 
 async def check_version(_address: str, _mode: str, _pid: int) -> dict[str, Any]:
     return {"version": list(compat.VERSION), "supported": not compat.version_warning(),
-            "gates": {"strings": compat.STRING_LENGTHS_IN_CHARACTERS,
-                      "order": compat.WRITER_TAKES_NEWEST, "eagain": compat.WRITER_DIES_ON_EAGAIN,
-                      "peer": compat.PEER_REPLIES_BROKEN,
-                      "object_manager": compat.OBJECT_MANAGER_SIGNALS_FROM_OBJECT}}
+            "gates": {"strings": compat.STRING_LENGTHS_IN_CHARACTERS, "order": compat.WRITER_TAKES_NEWEST,
+                      # Peer's replies also break before 2.36.0 (compat.py, 4).
+                      "peer": compat.VERSION < (2, 36, 0)}}
 
 
 async def check_strings(address: str, mode: str, _pid: int) -> dict[str, Any]:

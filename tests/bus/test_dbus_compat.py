@@ -123,8 +123,7 @@ def test_strings_with_non_ascii_characters(python: str, plain_bus: PlainBus) -> 
 def test_writer_survives_a_full_socket_and_keeps_order(python: str, plain_bus: PlainBus) -> None:
     seen_gates = gates(python, plain_bus)
     raw = observe(python, plain_bus, "writer", "raw")
-    # EAGAIN: every version so far drops the connection (when one stops, narrow the gate).
-    assert seen_gates["eagain"] is True
+    # EAGAIN: every version so far drops the connection (when one stops, add a gate).
     assert not raw["sender_connected"] and len(raw["sequence"]) < raw["count"], raw
     order_only = observe(python, plain_bus, "writer", "eagain")
     assert order_only["sender_connected"], order_only
@@ -149,7 +148,6 @@ def test_peer_get_machine_id_answered_every_time(python: str, plain_bus: PlainBu
 
 
 def test_object_manager_signals_come_from_the_manager(python: str, plain_bus: PlainBus) -> None:
-    assert gates(python, plain_bus)["object_manager"] is True
     manager, child = "/org/gpuguard/CompatCheck", "/org/gpuguard/CompatCheck/child"
     raw = observe(python, plain_bus, "object_manager", "raw")
     # Every version so far sends them from the object itself (when one stops, add a gate).

@@ -15,5 +15,5 @@ def test_rate_limit_bounds_and_counts() -> None:
     assert limit.admit("a") == Admission(True, 2)  # let through again, with the two held back
     for key in range(10):
         limit.admit(key)
-    assert len(limit) == 3  # bounded: the least recently seen went
+    assert len(limit._seen) == 3  # bounded: the least recently seen went
     assert held_back(0) == "" and "3 more" in held_back(3)

@@ -36,7 +36,6 @@ def test_gates_follow_the_fixed_versions() -> None:
     # What each gate is for is in compat.py; the bus tests check them against the library.
     assert compat.STRING_LENGTHS_IN_CHARACTERS is (compat.VERSION < (2, 11, 1))
     assert compat.WRITER_TAKES_NEWEST is (compat.VERSION < (1, 91, 3))
-    assert compat.PEER_REPLIES_BROKEN is (compat.VERSION < (2, 36, 0))
 
 
 @pytest.mark.parametrize(("version", "warned"), [

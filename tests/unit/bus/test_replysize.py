@@ -48,7 +48,7 @@ def test_empty_optional_keys_are_left_out_of_entries_only() -> None:
 
 def test_the_sent_report_is_smaller_and_the_original_untouched() -> None:
     original = report()
-    typed, size = replysize.bound_report(original, marshal.report)
+    typed, size = replysize.bound_report(original)
     assert original == report()
     assert set(typed["targets"].value[0]) == {"pid", "comm", "kind", "gpus", "gpu_memory", "exe"}
     assert size < replysize.wire_size(marshal.report(report()))
