@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from dbus_fast import BusType, Message, MessageFlag, MessageType
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.bus.connection import BUS_DAEMON, add_match, name_owner, name_owner_change
+from gpuguardd.bus.connection import BUS_DAEMON, bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
 from gpuguardd.systemd.adoption import MAX_UNITS
 from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep, matches, unit_name_from_path
@@ -164,7 +164,7 @@ class UnitWatcher:
                      f"member='PropertiesChanged',path_namespace='{SYSTEMD_PATH}/unit'",
                      f"type='signal',sender='{BUS_DAEMON}',interface='{BUS_DAEMON}',"
                      f"member='NameOwnerChanged',arg0='{SYSTEMD}'"):
-            reply = await add_match(self.bus, rule)
+            reply = await bus_daemon_call(self.bus, "AddMatch", "s", [rule])
             if reply is not None and reply.message_type == MessageType.ERROR:
                 raise OSError(f"AddMatch {rule}: {reply.error_name}")
         return await self._subscribe()
