@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping
 from typing import Any, TypeVar
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
@@ -31,15 +31,9 @@ from gpuguardd.records.report import Report
 from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, one_gpu, selector
 
 CALL_TIMEOUT_SEC = 120.0
-WAIT = "WaitOptions"
-_UNAVAILABLE = {"org.freedesktop.DBus.Error.ServiceUnknown",
-                "org.freedesktop.DBus.Error.NameHasNoOwner",
-                "org.freedesktop.DBus.Error.NoReply",
-                "org.freedesktop.DBus.Error.Disconnected",
-                "org.freedesktop.DBus.Error.Spawn.ChildExited",
-                "org.freedesktop.DBus.Error.Spawn.ExecFailed",
-                "org.freedesktop.DBus.Error.Spawn.ServiceNotFound",
-                "org.freedesktop.DBus.Error.TimedOut"}
+_UNAVAILABLE = {"org.freedesktop.DBus.Error." + name for name in (
+    "ServiceUnknown", "NameHasNoOwner", "NoReply", "Disconnected", "Spawn.ChildExited",
+    "Spawn.ExecFailed", "Spawn.ServiceNotFound", "TimedOut")}
 _ERRORS: dict[str, type[GpuGuardError]] = {
     ERROR_PREFIX + "NotAuthorized": NotAuthorized,
     ERROR_PREFIX + "InvalidArgument": InvalidArgument,
@@ -59,6 +53,11 @@ def error_from_reply(reply: Message) -> Exception:
     if name in _ERRORS:
         return _ERRORS[name](text)
     return GpuGuardError(f"{text} ({name})" if text != name else name)
+
+
+def _plain(props: Mapping[str, Any], known: Container[str] | None = None) -> dict[str, Any]:
+    """Properties (those `known`) as LocalBackend's dicts spell them: snake_case, plain values."""
+    return {marshal.snake_case(k): marshal.unwrap(v) for k, v in props.items() if known is None or k in known}
 
 
 class DBusBackend:
@@ -107,16 +106,23 @@ class DBusBackend:
         return list(reply.body)
 
     async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool = False,
-                       timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
-        """Call a Manager method with the signature the contract gives it."""
+                       timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+        """A Manager method's one result, as plain values; its arguments typed by the contract."""
         signature = contract.interface(MANAGER_INTERFACE).methods[member].in_signature
-        return await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
-                                interactive=interactive, timeout=timeout)
+        (result,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
+                                     interactive=interactive, timeout=timeout)
+        return marshal.unwrap(result)
+
+    def _ask(self, member: str, *args: Any, options: tuple[str, Mapping[str, Any]] | None = None,
+             interactive: bool = False, timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+        """_manager on a connection of its own; `options` (dictionary, values) typed, last."""
+        async def call(bus: MessageBus) -> Any:
+            typed = [await self._options(bus, *options)] if options else []
+            return await self._manager(bus, member, *args, *typed, interactive=interactive, timeout=timeout)
+        return self._run(call)
 
     async def _probe(self, bus: MessageBus) -> None:
-        asks: tuple[tuple[str, str, list[Any]], ...] = (("NameHasOwner", "s", [BUS_NAME]),
-                                                       ("ListActivatableNames", "", []))
-        for member, signature, body in asks:
+        for member, signature, body in (("NameHasOwner", "s", [BUS_NAME]), ("ListActivatableNames", "", [])):
             reply = await bus_daemon_call(bus, member, signature, body)
             if reply.message_type == MessageType.ERROR:
                 raise DaemonUnavailable(f"{self._where()}: {reply.error_name}")
@@ -129,24 +135,15 @@ class DBusBackend:
         async def get(bus: MessageBus) -> dict[str, Any]:
             (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
                                         [MANAGER_INTERFACE])
-            # LocalBackend.status()'s keys: the properties' names in snake_case.
-            return {marshal.snake_case(k): marshal.unwrap(v) for k, v in props.items()}
-        status = self._run(get)
-        status["mode"] = "daemon"
-        return status
+            return {**_plain(props), "mode": "daemon"}
+        return self._run(get)
 
     async def _gpus(self, bus: MessageBus) -> list[GpuSummary]:
         (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
                                       "GetManagedObjects")
-        gpus = []
-        gpu_properties = contract.interface(GPU_INTERFACE).properties
-        for interfaces in objects.values():
-            props = interfaces.get(GPU_INTERFACE)
-            if props is None:
-                continue
-            gpus.append(GpuSummary.from_dict({
-                marshal.snake_case(prop): marshal.unwrap(value) for prop, value in props.items()
-                if prop in gpu_properties}))
+        known = contract.interface(GPU_INTERFACE).properties
+        gpus = [GpuSummary.from_dict(_plain(interfaces[GPU_INTERFACE], known))
+                for interfaces in objects.values() if GPU_INTERFACE in interfaces]
         return sorted(gpus, key=lambda g: g.index)
 
     def gpus(self) -> list[GpuSummary]:
@@ -184,51 +181,36 @@ class DBusBackend:
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:
-        async def get(bus: MessageBus) -> list[Holder]:
-            asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
-            options = await self._options(bus, marshal.FILTER, {
-                **asked, "include_protected": include_protected, "fresh": True})
-            (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
-            return [Holder.from_dict(marshal.unwrap(h)) for h in holders]
-        return self._run(get)
+        asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
+        found = self._ask("ListHolders", interactive=True, options=(marshal.FILTER, {
+            **asked, "include_protected": include_protected, "fresh": True}))
+        return [Holder.from_dict(h) for h in found]
 
     def sweep(self, request: SweepRequest) -> Report:
-        async def run(bus: MessageBus) -> Report:
-            values = request.options()
-            unit = values.pop("unit", "")
-            options = await self._options(bus, marshal.SWEEP, values)
-            # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
-            args = ("SweepUnit", unit, options) if unit else ("Sweep", options)
-            (report,) = await self._manager(bus, *args, interactive=True, timeout=None)
-            return Report.from_dict(marshal.unwrap(report))
-        return self._run(run)
+        values = request.options()
+        unit = values.pop("unit", "")
+        # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
+        member, args = ("SweepUnit", [unit]) if unit else ("Sweep", [])
+        return Report.from_dict(self._ask(member, *args, options=(marshal.SWEEP, values),
+                                          interactive=True, timeout=None))
 
     def wait(self, gpus: list[str], options: dict[str, Any]) -> dict[str, Any]:
-        """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s):
-        the WaitResult as plain values."""
-        async def call(bus: MessageBus) -> dict[str, Any]:
-            typed = await self._options(bus, WAIT, {**options, "gpus": gpus})
-            (result,) = await self._manager(bus, "Wait", typed, timeout=CALL_TIMEOUT_SEC)
-            unwrapped: dict[str, Any] = marshal.unwrap(result)
-            return unwrapped
-        return self._run(call)
+        """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s)."""
+        result: dict[str, Any] = self._ask("Wait", options=("WaitOptions", {**options, "gpus": gpus}))
+        return result
 
     def reset(self, gpu: str, reason: str) -> Report:
         async def call(bus: MessageBus) -> Report:
             options = {"reason": marshal.option("ResetOptions", "reason", reason)} if reason else {}
             index = one_gpu(await self._indices(bus, [gpu]), gpu)
             # A reset waits for the command and the verification (ResetTimeoutSec and more).
-            (report,) = await self._manager(bus, "ResetGpu", index, options, interactive=True,
-                                            timeout=None)
-            return Report.from_dict(marshal.unwrap(report))
+            report = await self._manager(bus, "ResetGpu", index, options, interactive=True, timeout=None)
+            return Report.from_dict(report)
         return self._run(call)
 
     def history(self, count: int) -> list[Report]:
-        async def get(bus: MessageBus) -> list[Report]:
-            (reports,) = await self._manager(bus, "GetHistory", count)
-            # Records of any shape: a history may hold what an older version wrote (codec.py).
-            return [Report.from_dict(marshal.unwrap(r)) for r in reports]
-        return self._run(get)
+        # Records of any shape: a history may hold what an older version wrote (codec.py).
+        return [Report.from_dict(r) for r in self._ask("GetHistory", count)]
 
     def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
               on_owner: Callable[[str], None] | None = None,
