@@ -10,19 +10,84 @@ bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from gpuguardd import __version__
-from gpuguardd.cli import argtypes, hook
+from gpuguardd.cli import hook
 from gpuguardd.cli.backend import connect
 from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
 
 log = logging.getLogger("gpuguard.cli")
+T = TypeVar("T")
+
+
+# The options' types. Each reads one option's text, or says why argparse refuses it, and
+# imports its parser only when that option is given, not at start-up.
+def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse`, with its complaint (a ValueError or InvalidArgument) as argparse's own."""
+    @functools.wraps(parse)
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, InvalidArgument) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+@_refusing
+def grace_ms(text: str) -> int:
+    """A time span of at most MAX_GRACE_SEC, in milliseconds (--grace, --deadline)."""
+    from gpuguardd.config import MAX_GRACE_SEC, parse_timespan
+
+    return int(parse_timespan(text, MAX_GRACE_SEC) * 1000)
+
+
+@_refusing
+def positive(text: str) -> int:
+    from gpuguardd.numbers import parse_uint
+
+    return parse_uint(text, "count", minimum=1)
+
+
+@_refusing
+def mib(text: str) -> int:
+    from gpuguardd.config import MAX_RELEASED_BELOW_MIB
+    from gpuguardd.numbers import parse_uint
+
+    return parse_uint(text, "MiB", MAX_RELEASED_BELOW_MIB, 1)
+
+
+@_refusing
+def stable_sec(text: str) -> float:
+    from gpuguardd.config import MAX_GATE_STABLE_SEC, parse_timespan
+
+    return parse_timespan(text, MAX_GATE_STABLE_SEC)
+
+
+@_refusing
+def timeout_sec(text: str) -> float:
+    from gpuguardd.config import parse_timespan
+
+    return parse_timespan(text, 24 * 3600.0)
+
+
+@_refusing
+def gpu(text: str) -> str:
+    """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
+    ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
+    from gpuguardd.records.selectors import selector
+
+    selector(text).check()
+    return text
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
 
     def gpu_arg(p: argparse.ArgumentParser, text: str) -> None:
-        p.add_argument("--gpu", action="append", default=[], type=argtypes.gpu, metavar="N|UUID",
+        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID",
                        help=text)
 
     def scope_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = verbs.add_parser("sweep", parents=[common],
                              help="end the holders in a scope and verify the memory came back")
     scope_args(sweep)
-    sweep.add_argument("--grace", type=argtypes.grace_ms, default=None, metavar="SEC",
+    sweep.add_argument("--grace", type=grace_ms, default=None, metavar="SEC",
                        help="time between SIGTERM and SIGKILL (default: GraceSec)")
     sweep.add_argument("--dry-run", action="store_true", default=None,
                        help="report what would be done, signal nothing")
@@ -77,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--reset-leaked", action="store_true",
                        help="with --slurm-epilog: when only leaked memory (nothing holding it) "
                             "would drain the node, reset those GPUs first; drain if that fails")
-    sweep.add_argument("--deadline", type=argtypes.grace_ms, default=None, metavar="SEC",
+    sweep.add_argument("--deadline", type=grace_ms, default=None, metavar="SEC",
                        help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
 
     check = verbs.add_parser("check", parents=[common],
@@ -90,11 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                   "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
     wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
                       help="the GPUs as a CUDA_VISIBLE_DEVICES value")
-    wait.add_argument("--free-below", type=argtypes.mib, default=None, metavar="MIB",
+    wait.add_argument("--free-below", type=mib, default=None, metavar="MIB",
                       help="memory in use must be below this (default: [Gate] FreeBelowMiB)")
-    wait.add_argument("--stable", type=argtypes.stable_sec, default=None, metavar="SEC",
+    wait.add_argument("--stable", type=stable_sec, default=None, metavar="SEC",
                       help="free and steady this long (default: [Gate] StableSec)")
-    wait.add_argument("--timeout", type=argtypes.timeout_sec, default=None, metavar="SEC",
+    wait.add_argument("--timeout", type=timeout_sec, default=None, metavar="SEC",
                       help=f"give up after this long with exit status {EXIT_GATE_TIMEOUT} "
                            "(default: wait for ever; 60s with --slurm-prolog)")
     wait.add_argument("--sweep-leftovers", default="", metavar="UNIT",
@@ -107,12 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     reset = verbs.add_parser("reset", parents=[common],
                              help="reset a GPU that nothing holds (frees leaked memory)")
-    reset.add_argument("--gpu", required=True, type=argtypes.gpu, metavar="N",
+    reset.add_argument("--gpu", required=True, type=gpu, metavar="N",
                        help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
     history = verbs.add_parser("history", parents=[common], help="past sweep reports")
-    history.add_argument("-n", "--count", type=argtypes.positive, default=10,
+    history.add_argument("-n", "--count", type=positive, default=10,
                          help="how many (newest first)")
 
     verbs.add_parser("watch", parents=[common],
