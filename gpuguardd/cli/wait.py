@@ -157,7 +157,7 @@ def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
     on stdout, the drain reason."""
     try:
         if args.sweep_leftovers:
-            from gpuguardd.cli.retry import sweep_through_restarts
+            from gpuguardd.cli.sweep import sweep_through_restarts
             from gpuguardd.records.models import SweepRequest
             request = SweepRequest(unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}")
             report = sweep_through_restarts(backend, request, args)
