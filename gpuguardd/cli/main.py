@@ -88,8 +88,6 @@ def gpu(text: str) -> str:
     return text
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
