@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from gpuguardd import __version__
-from gpuguardd.cli import hook
 from gpuguardd.cli.backend import connect
 from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
@@ -106,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
-    verbs.add_parser("status", parents=[common], help="daemon and NVML state")
-    verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
+    def verb(name: str, text: str, into: argparse._SubParsersAction[argparse.ArgumentParser] = verbs
+             ) -> argparse.ArgumentParser:
+        return into.add_parser(name, parents=[common], help=text)
+
+    verb("status", "daemon and NVML state")
+    verb("gpus", "GPUs, memory and holder counts")
 
     def gpu_arg(p: argparse.ArgumentParser, text: str) -> None:
         p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID",
@@ -119,13 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--container", default="", metavar="ID",
                        help="only this container (lxc/129, docker/3f2a...)")
 
-    holders = verbs.add_parser("holders", parents=[common], help="processes holding GPUs")
+    holders = verb("holders", "processes holding GPUs")
     scope_args(holders)
     holders.add_argument("--hide-protected", action="store_true",
                          help="leave out processes a sweep would never touch")
 
-    sweep = verbs.add_parser("sweep", parents=[common],
-                             help="end the holders in a scope and verify the memory came back")
+    sweep = verb("sweep", "end the holders in a scope and verify the memory came back")
     scope_args(sweep)
     sweep.add_argument("--grace", type=grace_ms, default=None, metavar="SEC",
                        help="time between SIGTERM and SIGKILL (default: GraceSec)")
@@ -143,12 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--deadline", type=grace_ms, default=None, metavar="SEC",
                        help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
 
-    check = verbs.add_parser("check", parents=[common],
-                             help="exit 0 when the GPUs have no compute holder and no leaked memory")
+    check = verb("check", "exit 0 when the GPUs have no compute holder and no leaked memory")
     gpu_arg(check, "only this GPU or MIG instance (repeatable; default: all)")
 
-    wait = verbs.add_parser("wait", parents=[common],
-                            help="wait until the GPUs are free for the next job (the start gate)")
+    wait = verb("wait", "wait until the GPUs are free for the next job (the start gate)")
     gpu_arg(wait, "this GPU or MIG instance (repeatable; default: CUDA_VISIBLE_DEVICES "
                   "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
     wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
@@ -168,21 +168,33 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as Slurm's Prolog=: the job's GPUs (SLURM_JOB_GPUS); stdout is the "
                            "drain reason when the exit status is not 0")
 
-    reset = verbs.add_parser("reset", parents=[common],
-                             help="reset a GPU that nothing holds (frees leaked memory)")
+    reset = verb("reset", "reset a GPU that nothing holds (frees leaked memory)")
     reset.add_argument("--gpu", required=True, type=gpu, metavar="N",
                        help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
-    history = verbs.add_parser("history", parents=[common], help="past sweep reports")
-    history.add_argument("-n", "--count", type=positive, default=10,
-                         help="how many (newest first)")
-
-    verbs.add_parser("watch", parents=[common],
-                     help="print the daemon's signals (sweeps, terminations, leaks) as they come")
+    verb("history", "past sweep reports").add_argument("-n", "--count", type=positive, default=10,
+                                                       help="how many (newest first)")
+    verb("watch", "print the daemon's signals (sweeps, terminations, leaks) as they come")
 
     # `hook install|remove|list`: ExecStopPost drop-ins (systemd/dropins.py, cli/hook.py); needs no daemon.
-    hook.add_parser(verbs, common)
+    hook = verb("hook", "install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
+    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
+    actions.required = True
+    for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
+                         ("remove", "delete the drop-in and reload systemd"),
+                         ("list", "show installed hooks and the units they apply to")):
+        sub = verb(action, text, actions)
+        sub.add_argument("pattern", nargs="?" if action == "list" else None, default="", metavar="PATTERN",
+                         help="a unit (vllm-qwen.service), a prefix ending in '-' (sglang-) "
+                              "or a template (foo@.service)")
+        sub.add_argument("--root", default="/", metavar="DIR",
+                         help="operate on the tree under DIR (packaging, tests); no daemon-reload")
+        if action != "list":
+            sub.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+            sub.add_argument("--start", action="store_true",
+                             help="the start gate's ExecStartPre drop-in (gpuguard-start.conf: "
+                                  "`gpuguardctl wait` on the unit's GPUs) instead of the stop hook")
     return parser
 
 
@@ -212,7 +224,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     setup_logging("gpuguardctl")
     out = sys.stdout
     if args.verb == "hook":
-        return hook.run_command(args, out)
+        from gpuguardd.cli.hook import run_command
+
+        return run_command(args, out)
     from gpuguardd.cli import output
 
     try:
