@@ -65,19 +65,17 @@ class DBusBackend:
 
     def __init__(self, bus_address: str | None = None, interactive: bool | None = None) -> None:
         self.address = default_address(bus_address)
+        self.where = self.address or "the system bus"
         # Let polkit ask for a password only when someone is at a terminal to type it.
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self._run(self._probe)
-
-    def _where(self) -> str:
-        return self.address or "the system bus"
 
     async def _connect(self) -> MessageBus:
         try:
             bus = SafeBus(bus_address=self.address) if self.address else SafeBus(bus_type=BusType.SYSTEM)
             return await bus.connect()
         except Exception as exc:
-            raise DaemonUnavailable(f"cannot connect to {self._where()}: {exc}") from None
+            raise DaemonUnavailable(f"cannot connect to {self.where}: {exc}") from None
 
     def _run(self, fn: Callable[[MessageBus], Awaitable[T]]) -> T:
         async def session() -> T:
@@ -85,7 +83,7 @@ class DBusBackend:
             try:
                 return await fn(bus)
             except (EOFError, ConnectionError) as exc:
-                raise DaemonUnavailable(f"lost the connection to {self._where()}: {exc}") from None
+                raise DaemonUnavailable(f"lost the connection to {self.where}: {exc}") from None
             finally:
                 bus.disconnect()
         return asyncio.run(session())
@@ -125,11 +123,11 @@ class DBusBackend:
         for member, signature, body in (("NameHasOwner", "s", [BUS_NAME]), ("ListActivatableNames", "", [])):
             reply = await bus_daemon_call(bus, member, signature, body)
             if reply.message_type == MessageType.ERROR:
-                raise DaemonUnavailable(f"{self._where()}: {reply.error_name}")
+                raise DaemonUnavailable(f"{self.where}: {reply.error_name}")
             value = reply.body[0]
             if (value is True) or (isinstance(value, list) and BUS_NAME in value):
                 return
-        raise DaemonUnavailable(f"{BUS_NAME} is not running on {self._where()}")
+        raise DaemonUnavailable(f"{BUS_NAME} is not running on {self.where}")
 
     def status(self) -> dict[str, Any]:
         async def get(bus: MessageBus) -> dict[str, Any]:
@@ -255,5 +253,5 @@ class DBusBackend:
             if on_ready is not None:
                 on_ready()
             await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
-            raise DaemonUnavailable(f"the connection to {self._where()} was closed")
+            raise DaemonUnavailable(f"the connection to {self.where} was closed")
         self._run(listen)

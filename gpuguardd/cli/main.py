@@ -231,15 +231,9 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     try:
         backend = connect(args)
-        if args.verb in ("sweep", "check", "wait"):
+        if args.verb in ("sweep", "check", "wait", "watch"):
             verb = importlib.import_module(f"gpuguardd.cli.{args.verb}")
             return int(verb.run(backend, args, out))
-        if args.verb == "watch":
-            from gpuguardd.cli.client import DBusBackend
-            from gpuguardd.cli.watch import run_watch
-            if not isinstance(backend, DBusBackend):
-                raise InvalidArgument("watch needs gpuguardd")
-            return run_watch(backend, args.json, out)
         if args.verb == "reset":
             report = backend.reset(args.gpu, args.reason)
             output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)

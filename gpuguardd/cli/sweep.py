@@ -173,7 +173,6 @@ def retried(first: Callable[[], Report], again: Callable[[], Report],
 
 
 def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
-    """backend.sweep, finished even when gpuguardd dies during it."""
     if isinstance(backend, LocalBackend):
         return backend.sweep(request)
     from gpuguardd.cli.client import DBusBackend
