@@ -201,10 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the common options' defaults, or parser.error for what argparse
     cannot refuse on its own: options that only apply together, or never do."""
-    args = parser.parse_args(argv)
-    for name, value in (("json", False), ("local", False), ("config", None), ("bus_address", None)):
-        if not hasattr(args, name):
-            setattr(args, name, value)
+    args = parser.parse_args(argv, argparse.Namespace(json=False, local=False, config=None, bus_address=None))
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
