@@ -161,9 +161,7 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     if not chosen:
         anywhere = judge(facts_of_record(None, "", None, holders, "no GPU list"))
         named.update(id(r.holder) for r in anywhere.reasons if r.holder is not None)
-    for holder in holders:
-        if id(holder) not in named:
-            continue
+    for holder in (h for h in holders if id(h) in named):
         where = ",".join(str(g) for g in holder.gpus) or "?"
         first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")

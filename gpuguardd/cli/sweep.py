@@ -141,17 +141,16 @@ def _warn(message: str) -> None:
     journal_too("gpuguardctl", logging.WARNING, message)
 
 
-def retried(first: Callable[[], Report], again: Callable[[], Report],
-            local: Callable[[], Report], request: SweepRequest,
-            retry_sec: float = RETRY_SEC) -> Report:
+def retried(first: Callable[[], Report], again: Callable[[], Report], local: Callable[[], Report],
+            request: SweepRequest) -> Report:
     """`first()` the sweep through the daemon; if the daemon vanishes during it, `again()`
-    (a new connection) until it answers or `retry_sec` pass, then `local()` as root."""
+    (a new connection) until it answers or RETRY_SEC pass, then `local()` as root."""
     try:
         return first()
     except DaemonUnavailable as exc:
         what = f"the sweep of {request.unit or 'its scope'}"
         _warn(f"gpuguardd stopped during {what} ({exc}); retrying")
-    deadline = time.monotonic() + retry_sec
+    deadline = time.monotonic() + RETRY_SEC
     last: Exception | None = None
     while time.monotonic() < deadline:
         time.sleep(RETRY_INTERVAL_SEC)
@@ -163,7 +162,7 @@ def retried(first: Callable[[], Report], again: Callable[[], Report],
         _warn(f"gpuguardd stopped during {what}; the restarted gpuguardd finished it: "
               f"sweep {report.id[:8]}, {report.outcome}")
         return report
-    gone = f"gpuguardd stopped during {what} and did not come back within {retry_sec:.0f} s ({last})"
+    gone = f"gpuguardd stopped during {what} and did not come back within {RETRY_SEC:.0f} s ({last})"
     if os.geteuid() != 0:
         raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
     _warn(f"{gone}; sweeping with the local engine")

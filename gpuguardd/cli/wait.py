@@ -159,8 +159,8 @@ def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
         if args.sweep_leftovers:
             from gpuguardd.cli.sweep import sweep_through_restarts
             from gpuguardd.records.models import SweepRequest
-            request = SweepRequest(unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}")
-            report = sweep_through_restarts(backend, request, args)
+            report = sweep_through_restarts(backend, SweepRequest(
+                unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}"), args)
             output.print_report(report, sys.stderr)  # the gate below judges what is left
         return gate(backend, args, out)
     except GpuGuardError as exc:

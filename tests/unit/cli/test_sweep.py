@@ -42,16 +42,17 @@ def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.Mo
 def test_root_finishes_locally_when_the_daemon_stays_away(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(sweep, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_SEC", 0.05)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    report = sweep.retried(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request(), retry_sec=0.05)
+    report = sweep.retried(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request())
     assert report.outcome == Outcome.SURVIVORS  # the exit status is the finishing sweep's
     assert "sweeping with the local engine" in caplog.text and "finished locally" in caplog.text
 
 
 def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_SEC", 0.05)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(DaemonUnavailable, match="did not come back within 0 s"):
-        sweep.retried(vanish, vanish, lambda: pytest.fail("no local sweep"), request(),
-                      retry_sec=0.05)
+        sweep.retried(vanish, vanish, lambda: pytest.fail("no local sweep"), request())
 
