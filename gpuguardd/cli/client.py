@@ -70,16 +70,13 @@ class DBusBackend:
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self._run(self._probe)
 
-    async def _connect(self) -> MessageBus:
-        try:
-            bus = SafeBus(bus_address=self.address) if self.address else SafeBus(bus_type=BusType.SYSTEM)
-            return await bus.connect()
-        except Exception as exc:
-            raise DaemonUnavailable(f"cannot connect to {self.where}: {exc}") from None
-
     def _run(self, fn: Callable[[MessageBus], Awaitable[T]]) -> T:
         async def session() -> T:
-            bus = await self._connect()
+            try:
+                bus = await (SafeBus(bus_address=self.address) if self.address
+                             else SafeBus(bus_type=BusType.SYSTEM)).connect()
+            except Exception as exc:
+                raise DaemonUnavailable(f"cannot connect to {self.where}: {exc}") from None
             try:
                 return await fn(bus)
             except (EOFError, ConnectionError) as exc:

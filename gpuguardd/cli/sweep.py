@@ -2,12 +2,10 @@
 --slurm-epilog, the finished Slurm job's sweep, whose exit status is the drain decision (and,
 with --reset-leaked, the reset of GPUs that only leaked memory keeps from the next job).
 
-A sweep outlives gpuguardd: when the daemon dies during one (a crash, an OOM kill, an
-upgrade), the request is sent again once it is back, rather than the stop hook leaving the
-unit's GPUs held. A sweep is safe to repeat, and the restarted daemon, which finishes its
-predecessor's sweep itself (daemon/resume.py), lets the second call join it. If none answers
-within RETRY_SEC, root sweeps with the local engine. The words also go to the journal, which
-an admin's terminal does not reach.
+If gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the request, safe to repeat,
+is sent again once it is back, so the stop hook never leaves the GPUs held: the restarted daemon
+finishes its predecessor's sweep (daemon/resume.py) and the second call joins it. After RETRY_SEC,
+root sweeps locally. The words also go to the journal, which an admin's terminal does not reach.
 """
 
 from __future__ import annotations
