@@ -208,7 +208,7 @@ class DBusBackend:
         return [Report.from_dict(r) for r in self._ask("GetHistory", count)]
 
     def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
-              on_owner: Callable[[str], None] | None = None,
+              on_owner: Callable[[str], None],
               on_ready: Callable[[], None] | None = None) -> None:
         """Call on_signal(member, {argument name: plain value}) for each Manager signal as the
         contract defines it (another member or signature: a later version's, not ours to guess
@@ -229,8 +229,7 @@ class DBusBackend:
                 new_owner = name_owner_change(msg, BUS_NAME)
                 if new_owner is not None:
                     owner[0] = new_owner
-                    if on_owner is not None:
-                        on_owner(new_owner)
+                    on_owner(new_owner)
                 elif msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH \
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \

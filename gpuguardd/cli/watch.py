@@ -51,10 +51,8 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         # Vendor and name of each GPU, for the lines that name a GPU; read beside the
         # subscription (its own connection), so no signal waits for it. Without them (no
         # daemon yet, a failed call) a GPU is named by index and UUID, as before.
-        try:
+        with contextlib.suppress(Exception):  # names are a nicety: any failure leaves them out
             titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
-        except Exception:  # names are a nicety: any failure leaves them out
-            return
 
     if not as_json:
         threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
