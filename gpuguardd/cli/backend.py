@@ -82,14 +82,14 @@ class LocalBackend:
         if request.unit:
             import asyncio
 
-            return asyncio.run(self._sweep_unit(request, prepared))
+            asyncio.run(self._adopt_leftovers(request, prepared))
         return self.engine.sweep(request, prepared=prepared)
 
     def reset(self, gpu: str, reason: str) -> Report:
         return self.engine.reset_gpu(one_gpu(self.engine.resolve_gpus([gpu])[0], gpu),
                                      requester_description(), reason)
 
-    async def _sweep_unit(self, request: SweepRequest, prepared: Prepared) -> Report:
+    async def _adopt_leftovers(self, request: SweepRequest, prepared: Prepared) -> None:
         """The daemon's rule (adoption.leftovers): the unit's escaped leftovers go with it."""
         from gpuguardd.engine.attribution import normalize_unit_name
         from gpuguardd.systemd.adoption import UnitGpuRecords, leftovers
@@ -104,7 +104,6 @@ class LocalBackend:
         finally:
             if bus is not None:
                 bus.disconnect()
-        return self.engine.sweep(request, prepared=prepared)
 
     def history(self, count: int) -> list[Report]:
         raise InvalidArgument("history is kept by the daemon; it is not available with --local")

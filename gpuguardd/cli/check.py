@@ -12,13 +12,13 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from gpuguardd.cli import output
 from gpuguardd.cli.backend import Backend
 from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
-from gpuguardd.cli.output import gpu_title, human_bytes, vendor_of
+from gpuguardd.cli.output import gpu_title, human_bytes, sent
 from gpuguardd.engine.judge import facts_of_record, judge
 from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -48,8 +48,7 @@ class Problem:
     pid: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu": -1 if self.gpu is None else self.gpu, "uuid": self.uuid, "kind": self.kind,
-                "message": self.message, "pid": self.pid}
+        return {**asdict(self), "gpu": -1 if self.gpu is None else self.gpu}
 
 
 @dataclass
@@ -108,13 +107,6 @@ def _known(gpu: GpuSummary) -> KnownGpu:
                     tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
-def _state(record: GpuSummary | MigSummary) -> str:
-    """Its state as shown: as a newer daemon named it, unknown for none at all."""
-    if "state" not in record.unread:
-        return record.state.value
-    return str(record.to_dict().get("state", GpuState.UNKNOWN.value))
-
-
 def _selected(gpus: list[GpuSummary], selectors: list[str]
               ) -> list[tuple[GpuSummary, MigSummary | None]]:
     """(GPU summary, MIG instance or None) for each selector; every GPU when there is none."""
@@ -149,30 +141,27 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
     indices = {g.index for g, _ in chosen}
     named: set[int] = set()  # id() of the holders the judge names
     for gpu, instance in chosen:
-        index, uuid = gpu.index, instance.uuid if instance else gpu.uuid
+        record = instance or gpu
+        index, uuid = gpu.index, record.uuid
         title = ", ".join(part for part in (uuid, gpu_title(gpu)) if part)
         name = f"GPU {index} ({printable(title)})" if title else f"GPU {index}"
-        state = _state(instance or gpu)
-        used = (instance or gpu).memory_used
-        result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": used,
-                               "vendor": vendor_of(gpu), "name": gpu.name})
-        verdict = judge(facts_of_record(index, instance.uuid if instance else "", instance or gpu,
-                                        holders, None))
+        state = sent(record, "state", GpuState.UNKNOWN.value)
+        result.checked.append({"index": index, "uuid": uuid, "state": state, "memory_used": record.memory_used,
+                               "vendor": sent(gpu, "vendor", "?"), "name": gpu.name})
+        verdict = judge(facts_of_record(index, instance.uuid if instance else "", record, holders, None))
         named.update(id(r.holder) for r in verdict.reasons if r.holder is not None)
         for why in filter(verdict.has, DETAILS):
             detail = DETAILS[why]
             if why == Why.LEAKED:
-                kind = (instance or gpu).leak_kind
-                detail = f"{human_bytes(used)} {detail}" + (f" ({printable(kind)})" if kind else "")
+                kind = record.leak_kind
+                detail = f"{human_bytes(record.memory_used)} {detail}" + (f" ({printable(kind)})" if kind else "")
             elif gpu.error and why != Why.PROCESSES:
                 detail += f": {printable(gpu.error)}"
             result.problems.append(Problem(index, uuid, state, f"{name}: {state}, {detail}"))
     if not chosen:
         anywhere = judge(facts_of_record(None, "", None, holders, "no GPU list"))
         named.update(id(r.holder) for r in anywhere.reasons if r.holder is not None)
-    for holder in holders:
-        if id(holder) not in named:
-            continue
+    for holder in (h for h in holders if id(h) in named):
         where = ",".join(str(g) for g in holder.gpus) or "?"
         first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping
 from typing import Any, TypeVar
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
@@ -32,15 +32,9 @@ from gpuguardd.records.report import Report
 from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, one_gpu, selector
 
 CALL_TIMEOUT_SEC = 120.0
-WAIT = "WaitOptions"
-_UNAVAILABLE = {"org.freedesktop.DBus.Error.ServiceUnknown",
-                "org.freedesktop.DBus.Error.NameHasNoOwner",
-                "org.freedesktop.DBus.Error.NoReply",
-                "org.freedesktop.DBus.Error.Disconnected",
-                "org.freedesktop.DBus.Error.Spawn.ChildExited",
-                "org.freedesktop.DBus.Error.Spawn.ExecFailed",
-                "org.freedesktop.DBus.Error.Spawn.ServiceNotFound",
-                "org.freedesktop.DBus.Error.TimedOut"}
+_UNAVAILABLE = {"org.freedesktop.DBus.Error." + name for name in (
+    "ServiceUnknown", "NameHasNoOwner", "NoReply", "Disconnected", "Spawn.ChildExited",
+    "Spawn.ExecFailed", "Spawn.ServiceNotFound", "TimedOut")}
 _ERRORS: dict[str, type[GpuGuardError]] = {
     ERROR_PREFIX + "NotAuthorized": NotAuthorized,
     ERROR_PREFIX + "InvalidArgument": InvalidArgument,
@@ -62,32 +56,32 @@ def error_from_reply(reply: Message) -> Exception:
     return GpuGuardError(f"{text} ({name})" if text != name else name)
 
 
+def _plain(props: Mapping[str, Any], known: Container[str] | None = None) -> dict[str, Any]:
+    """Properties (those `known`) as LocalBackend's dicts spell them: snake_case, plain values."""
+    return {marshal.snake_case(k): marshal.unwrap(v) for k, v in props.items() if known is None or k in known}
+
+
 class DBusBackend:
     """cli.Backend over D-Bus. Raises DaemonUnavailable at construction if nobody answers."""
 
     def __init__(self, bus_address: str | None = None, interactive: bool | None = None) -> None:
         self.address = default_address(bus_address)
+        self.where = self.address or "the system bus"
         # Let polkit ask for a password only when someone is at a terminal to type it.
         self.interactive = sys.stdin.isatty() if interactive is None else interactive
         self._run(self._probe)
 
-    def _where(self) -> str:
-        return self.address or "the system bus"
-
-    async def _connect(self) -> MessageBus:
-        try:
-            bus = CompatBus(bus_address=self.address) if self.address else CompatBus(bus_type=BusType.SYSTEM)
-            return await bus.connect()
-        except Exception as exc:
-            raise DaemonUnavailable(f"cannot connect to {self._where()}: {exc}") from None
-
     def _run(self, fn: Callable[[MessageBus], Awaitable[T]]) -> T:
         async def session() -> T:
-            bus = await self._connect()
+            try:
+                bus = await (CompatBus(bus_address=self.address) if self.address
+                             else CompatBus(bus_type=BusType.SYSTEM)).connect()
+            except Exception as exc:
+                raise DaemonUnavailable(f"cannot connect to {self.where}: {exc}") from None
             try:
                 return await fn(bus)
             except (EOFError, ConnectionError) as exc:
-                raise DaemonUnavailable(f"lost the connection to {self._where()}: {exc}") from None
+                raise DaemonUnavailable(f"lost the connection to {self.where}: {exc}") from None
             finally:
                 bus.disconnect()
         return asyncio.run(session())
@@ -108,46 +102,44 @@ class DBusBackend:
         return list(reply.body)
 
     async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool = False,
-                       timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
-        """Call a Manager method with the signature the contract gives it."""
+                       timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+        """A Manager method's one result, as plain values; its arguments typed by the contract."""
         signature = contract.interface(MANAGER_INTERFACE).methods[member].in_signature
-        return await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
-                                interactive=interactive, timeout=timeout)
+        (result,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
+                                     interactive=interactive, timeout=timeout)
+        return marshal.unwrap(result)
+
+    def _ask(self, member: str, *args: Any, options: tuple[str, Mapping[str, Any]] | None = None,
+             interactive: bool = False, timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+        """_manager on a connection of its own; `options` (dictionary, values) typed, last."""
+        async def call(bus: MessageBus) -> Any:
+            typed = [await self._options(bus, *options)] if options else []
+            return await self._manager(bus, member, *args, *typed, interactive=interactive, timeout=timeout)
+        return self._run(call)
 
     async def _probe(self, bus: MessageBus) -> None:
-        asks: tuple[tuple[str, str, list[Any]], ...] = (("NameHasOwner", "s", [BUS_NAME]),
-                                                       ("ListActivatableNames", "", []))
-        for member, signature, body in asks:
+        for member, signature, body in (("NameHasOwner", "s", [BUS_NAME]), ("ListActivatableNames", "", [])):
             reply = await bus_daemon_call(bus, member, signature, body)
             if reply.message_type == MessageType.ERROR:
-                raise DaemonUnavailable(f"{self._where()}: {reply.error_name}")
+                raise DaemonUnavailable(f"{self.where}: {reply.error_name}")
             value = reply.body[0]
             if (value is True) or (isinstance(value, list) and BUS_NAME in value):
                 return
-        raise DaemonUnavailable(f"{BUS_NAME} is not running on {self._where()}")
+        raise DaemonUnavailable(f"{BUS_NAME} is not running on {self.where}")
 
     def status(self) -> dict[str, Any]:
         async def get(bus: MessageBus) -> dict[str, Any]:
             (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
                                         [MANAGER_INTERFACE])
-            # LocalBackend.status()'s keys: the properties' names in snake_case.
-            return {marshal.snake_case(k): marshal.unwrap(v) for k, v in props.items()}
-        status = self._run(get)
-        status["mode"] = "daemon"
-        return status
+            return {**_plain(props), "mode": "daemon"}
+        return self._run(get)
 
     async def _gpus(self, bus: MessageBus) -> list[GpuSummary]:
         (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
                                       "GetManagedObjects")
-        gpus = []
-        gpu_properties = contract.interface(GPU_INTERFACE).properties
-        for interfaces in objects.values():
-            props = interfaces.get(GPU_INTERFACE)
-            if props is None:
-                continue
-            gpus.append(GpuSummary.from_dict({
-                marshal.snake_case(prop): marshal.unwrap(value) for prop, value in props.items()
-                if prop in gpu_properties}))
+        known = contract.interface(GPU_INTERFACE).properties
+        gpus = [GpuSummary.from_dict(_plain(interfaces[GPU_INTERFACE], known))
+                for interfaces in objects.values() if GPU_INTERFACE in interfaces]
         return sorted(gpus, key=lambda g: g.index)
 
     def gpus(self) -> list[GpuSummary]:
@@ -185,54 +177,39 @@ class DBusBackend:
 
     def holders(self, gpus: list[str], unit: str, container: str,
                 include_protected: bool) -> list[Holder]:
-        async def get(bus: MessageBus) -> list[Holder]:
-            asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
-            options = await self._options(bus, marshal.FILTER, {
-                **asked, "include_protected": include_protected, "fresh": True})
-            (holders,) = await self._manager(bus, "ListHolders", options, interactive=True)
-            return [Holder.from_dict(marshal.unwrap(h)) for h in holders]
-        return self._run(get)
+        asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
+        found = self._ask("ListHolders", interactive=True, options=(marshal.FILTER, {
+            **asked, "include_protected": include_protected, "fresh": True}))
+        return [Holder.from_dict(h) for h in found]
 
     def sweep(self, request: SweepRequest) -> Report:
-        async def run(bus: MessageBus) -> Report:
-            values = request.options()
-            unit = values.pop("unit", "")
-            options = await self._options(bus, marshal.SWEEP, values)
-            # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
-            args = ("SweepUnit", unit, options) if unit else ("Sweep", options)
-            (report,) = await self._manager(bus, *args, interactive=True, timeout=None)
-            return Report.from_dict(marshal.unwrap(report))
-        return self._run(run)
+        values = request.options()
+        unit = values.pop("unit", "")
+        # A sweep waits for grace periods, NVML and other sweeps of its GPUs: no timeout.
+        member, args = ("SweepUnit", [unit]) if unit else ("Sweep", [])
+        return Report.from_dict(self._ask(member, *args, options=(marshal.SWEEP, values),
+                                          interactive=True, timeout=None))
 
     def wait(self, gpus: list[str], options: dict[str, Any]) -> dict[str, Any]:
-        """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s):
-        the WaitResult as plain values."""
-        async def call(bus: MessageBus) -> dict[str, Any]:
-            typed = await self._options(bus, WAIT, {**options, "gpus": gpus})
-            (result,) = await self._manager(bus, "Wait", typed, timeout=CALL_TIMEOUT_SEC)
-            unwrapped: dict[str, Any] = marshal.unwrap(result)
-            return unwrapped
-        return self._run(call)
+        """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s)."""
+        result: dict[str, Any] = self._ask("Wait", options=("WaitOptions", {**options, "gpus": gpus}))
+        return result
 
     def reset(self, gpu: str, reason: str) -> Report:
         async def call(bus: MessageBus) -> Report:
             options = {"reason": marshal.option("ResetOptions", "reason", reason)} if reason else {}
             index = one_gpu(await self._indices(bus, [gpu]), gpu)
             # A reset waits for the command and the verification (ResetTimeoutSec and more).
-            (report,) = await self._manager(bus, "ResetGpu", index, options, interactive=True,
-                                            timeout=None)
-            return Report.from_dict(marshal.unwrap(report))
+            report = await self._manager(bus, "ResetGpu", index, options, interactive=True, timeout=None)
+            return Report.from_dict(report)
         return self._run(call)
 
     def history(self, count: int) -> list[Report]:
-        async def get(bus: MessageBus) -> list[Report]:
-            (reports,) = await self._manager(bus, "GetHistory", count)
-            # Records of any shape: a history may hold what an older version wrote (codec.py).
-            return [Report.from_dict(marshal.unwrap(r)) for r in reports]
-        return self._run(get)
+        # Records of any shape: a history may hold what an older version wrote (codec.py).
+        return [Report.from_dict(r) for r in self._ask("GetHistory", count)]
 
     def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
-              on_owner: Callable[[str], None] | None = None,
+              on_owner: Callable[[str], None],
               on_ready: Callable[[], None] | None = None) -> None:
         """Call on_signal(member, {argument name: plain value}) for each Manager signal as the
         contract defines it (another member or signature: a later version's, not ours to guess
@@ -253,8 +230,7 @@ class DBusBackend:
                 new_owner = name_owner_change(msg, BUS_NAME)
                 if new_owner is not None:
                     owner[0] = new_owner
-                    if on_owner is not None:
-                        on_owner(new_owner)
+                    on_owner(new_owner)
                 elif msg.interface == MANAGER_INTERFACE and msg.path == MANAGER_PATH \
                         and owner[0] and msg.sender == owner[0] \
                         and (defined := signals.get(msg.member or "")) is not None \
@@ -274,5 +250,5 @@ class DBusBackend:
             if on_ready is not None:
                 on_ready()
             await bus.wait_for_disconnect()  # type: ignore[no-untyped-call]
-            raise DaemonUnavailable(f"the connection to {self._where()} was closed")
+            raise DaemonUnavailable(f"the connection to {self.where} was closed")
         self._run(listen)

@@ -22,10 +22,8 @@ OUTCOME_EXIT = {
     Outcome.SURVIVORS: EXIT_SURVIVORS,
     Outcome.NOT_RELEASED: EXIT_NOT_RELEASED,
     Outcome.UNVERIFIED: EXIT_UNVERIFIED,
-    Outcome.ERROR: EXIT_ERROR,
     Outcome.RESET: EXIT_OK,
     Outcome.RESET_REFUSED: EXIT_NOT_FREE,  # something holds the GPU
-    Outcome.RESET_FAILED: EXIT_ERROR,
 }
 
 

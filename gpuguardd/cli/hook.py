@@ -1,4 +1,5 @@
-"""`gpuguardctl hook install|remove|list PATTERN [--start]`: the verb over systemd/dropins.py.
+"""`gpuguardctl hook install|remove|list PATTERN [--start]` (its parser: cli/main.py): the verb
+over systemd/dropins.py.
 
 Needs no daemon: it writes and lists files under /etc/systemd/system (or --root) and asks
 systemd to reload.
@@ -7,12 +8,12 @@ systemd to reload.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from gpuguardd.cli.output import print_json
 from gpuguardd.escaping import escape_text
 from gpuguardd.systemd.dropins import HookError, InstalledHook, install, list_hooks, remove
 
@@ -32,41 +33,13 @@ def format_list(hooks: Sequence[InstalledHook]) -> str:
     return "\n".join(escape_text(line) for line in lines) + "\n"
 
 
-def add_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser],
-               common: argparse.ArgumentParser) -> None:
-    hook = verbs.add_parser(
-        "hook", parents=[common],
-        help="install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
-    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
-    actions.required = True
-    for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
-                         ("remove", "delete the drop-in and reload systemd"),
-                         ("list", "show installed hooks and the units they apply to")):
-        sub = actions.add_parser(action, parents=[common], help=text)
-        sub.add_argument("pattern", nargs="?" if action == "list" else None, default="",
-                         metavar="PATTERN",
-                         help="a unit (vllm-qwen.service), a prefix ending in '-' (sglang-) "
-                              "or a template (foo@.service)")
-        sub.add_argument("--root", default="/", metavar="DIR",
-                         help="operate on the tree under DIR (packaging, tests); no daemon-reload")
-        if action != "list":
-            sub.add_argument("--no-reload", action="store_true",
-                             help="do not run systemctl daemon-reload")
-            sub.add_argument("--start", action="store_true",
-                             help="the start gate's ExecStartPre drop-in (gpuguard-start.conf: "
-                                  "`gpuguardctl wait` on the unit's GPUs) instead of the stop hook")
-
-
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
     """Exit status: 0 done (also: already installed, nothing to remove), 1 error, 2 bad pattern."""
     root = os.path.abspath(args.root)
     try:
         if args.hook_action == "list":
             hooks = list_hooks(args.pattern, root)
-            if args.json:
-                out.write(json.dumps([h.to_dict() for h in hooks], indent=2, sort_keys=True) + "\n")
-            else:
-                out.write(format_list(hooks))
+            print_json([h.to_dict() for h in hooks], out) if args.json else out.write(format_list(hooks))
             return 0
         act = install if args.hook_action == "install" else remove
         result = act(args.pattern, root, reload=not args.no_reload, start=args.start)
@@ -78,7 +51,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
         return 1
     if args.json:
-        out.write(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        print_json(result.to_dict(), out)
         return 0
     for message in result.messages:
         out.write(escape_text(message) + "\n")

@@ -10,19 +10,81 @@ bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from gpuguardd import __version__
-from gpuguardd.cli import argtypes, hook
 from gpuguardd.cli.backend import connect
 from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
 
 log = logging.getLogger("gpuguard.cli")
+T = TypeVar("T")
+
+
+# The options' types. Each reads one option's text, or says why argparse refuses it, and
+# imports its parser only when that option is given, not at start-up.
+def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse`, with its complaint (a ValueError or InvalidArgument) as argparse's own."""
+    @functools.wraps(parse)
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except (ValueError, InvalidArgument) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+@_refusing
+def grace_ms(text: str) -> int:
+    """A time span of at most MAX_GRACE_SEC, in milliseconds (--grace, --deadline)."""
+    from gpuguardd.config import MAX_GRACE_SEC, parse_timespan
+
+    return int(parse_timespan(text, MAX_GRACE_SEC) * 1000)
+
+
+@_refusing
+def positive(text: str) -> int:
+    from gpuguardd.numbers import parse_uint
+
+    return parse_uint(text, "count", minimum=1)
+
+
+@_refusing
+def mib(text: str) -> int:
+    from gpuguardd.config import MAX_RELEASED_BELOW_MIB
+    from gpuguardd.numbers import parse_uint
+
+    return parse_uint(text, "MiB", MAX_RELEASED_BELOW_MIB, 1)
+
+
+@_refusing
+def stable_sec(text: str) -> float:
+    from gpuguardd.config import MAX_GATE_STABLE_SEC, parse_timespan
+
+    return parse_timespan(text, MAX_GATE_STABLE_SEC)
+
+
+@_refusing
+def timeout_sec(text: str) -> float:
+    from gpuguardd.config import parse_timespan
+
+    return parse_timespan(text, 24 * 3600.0)
+
+
+@_refusing
+def gpu(text: str) -> str:
+    """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
+    ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
+    from gpuguardd.records.selectors import selector
+
+    selector(text).check()
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,11 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     verbs.required = True
 
-    verbs.add_parser("status", parents=[common], help="daemon and NVML state")
-    verbs.add_parser("gpus", parents=[common], help="GPUs, memory and holder counts")
+    def verb(name: str, text: str, into: argparse._SubParsersAction[argparse.ArgumentParser] = verbs
+             ) -> argparse.ArgumentParser:
+        return into.add_parser(name, parents=[common], help=text)
+
+    verb("status", "daemon and NVML state")
+    verb("gpus", "GPUs, memory and holder counts")
 
     def gpu_arg(p: argparse.ArgumentParser, text: str) -> None:
-        p.add_argument("--gpu", action="append", default=[], type=argtypes.gpu, metavar="N|UUID",
+        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID",
                        help=text)
 
     def scope_args(p: argparse.ArgumentParser) -> None:
@@ -56,15 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--container", default="", metavar="ID",
                        help="only this container (lxc/129, docker/3f2a...)")
 
-    holders = verbs.add_parser("holders", parents=[common], help="processes holding GPUs")
+    holders = verb("holders", "processes holding GPUs")
     scope_args(holders)
     holders.add_argument("--hide-protected", action="store_true",
                          help="leave out processes a sweep would never touch")
 
-    sweep = verbs.add_parser("sweep", parents=[common],
-                             help="end the holders in a scope and verify the memory came back")
+    sweep = verb("sweep", "end the holders in a scope and verify the memory came back")
     scope_args(sweep)
-    sweep.add_argument("--grace", type=argtypes.grace_ms, default=None, metavar="SEC",
+    sweep.add_argument("--grace", type=grace_ms, default=None, metavar="SEC",
                        help="time between SIGTERM and SIGKILL (default: GraceSec)")
     sweep.add_argument("--dry-run", action="store_true", default=None,
                        help="report what would be done, signal nothing")
@@ -77,24 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--reset-leaked", action="store_true",
                        help="with --slurm-epilog: when only leaked memory (nothing holding it) "
                             "would drain the node, reset those GPUs first; drain if that fails")
-    sweep.add_argument("--deadline", type=argtypes.grace_ms, default=None, metavar="SEC",
+    sweep.add_argument("--deadline", type=grace_ms, default=None, metavar="SEC",
                        help="with --slurm-epilog: give up (exit 1) after this long (default 60s)")
 
-    check = verbs.add_parser("check", parents=[common],
-                             help="exit 0 when the GPUs have no compute holder and no leaked memory")
+    check = verb("check", "exit 0 when the GPUs have no compute holder and no leaked memory")
     gpu_arg(check, "only this GPU or MIG instance (repeatable; default: all)")
 
-    wait = verbs.add_parser("wait", parents=[common],
-                            help="wait until the GPUs are free for the next job (the start gate)")
+    wait = verb("wait", "wait until the GPUs are free for the next job (the start gate)")
     gpu_arg(wait, "this GPU or MIG instance (repeatable; default: CUDA_VISIBLE_DEVICES "
                   "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
     wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
                       help="the GPUs as a CUDA_VISIBLE_DEVICES value")
-    wait.add_argument("--free-below", type=argtypes.mib, default=None, metavar="MIB",
+    wait.add_argument("--free-below", type=mib, default=None, metavar="MIB",
                       help="memory in use must be below this (default: [Gate] FreeBelowMiB)")
-    wait.add_argument("--stable", type=argtypes.stable_sec, default=None, metavar="SEC",
+    wait.add_argument("--stable", type=stable_sec, default=None, metavar="SEC",
                       help="free and steady this long (default: [Gate] StableSec)")
-    wait.add_argument("--timeout", type=argtypes.timeout_sec, default=None, metavar="SEC",
+    wait.add_argument("--timeout", type=timeout_sec, default=None, metavar="SEC",
                       help=f"give up after this long with exit status {EXIT_GATE_TIMEOUT} "
                            "(default: wait for ever; 60s with --slurm-prolog)")
     wait.add_argument("--sweep-leftovers", default="", metavar="UNIT",
@@ -105,31 +168,40 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as Slurm's Prolog=: the job's GPUs (SLURM_JOB_GPUS); stdout is the "
                            "drain reason when the exit status is not 0")
 
-    reset = verbs.add_parser("reset", parents=[common],
-                             help="reset a GPU that nothing holds (frees leaked memory)")
-    reset.add_argument("--gpu", required=True, type=argtypes.gpu, metavar="N",
+    reset = verb("reset", "reset a GPU that nothing holds (frees leaked memory)")
+    reset.add_argument("--gpu", required=True, type=gpu, metavar="N",
                        help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
-    history = verbs.add_parser("history", parents=[common], help="past sweep reports")
-    history.add_argument("-n", "--count", type=argtypes.positive, default=10,
-                         help="how many (newest first)")
-
-    verbs.add_parser("watch", parents=[common],
-                     help="print the daemon's signals (sweeps, terminations, leaks) as they come")
+    verb("history", "past sweep reports").add_argument("-n", "--count", type=positive, default=10,
+                                                       help="how many (newest first)")
+    verb("watch", "print the daemon's signals (sweeps, terminations, leaks) as they come")
 
     # `hook install|remove|list`: ExecStopPost drop-ins (systemd/dropins.py, cli/hook.py); needs no daemon.
-    hook.add_parser(verbs, common)
+    hook = verb("hook", "install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
+    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
+    actions.required = True
+    for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
+                         ("remove", "delete the drop-in and reload systemd"),
+                         ("list", "show installed hooks and the units they apply to")):
+        sub = verb(action, text, actions)
+        sub.add_argument("pattern", nargs="?" if action == "list" else None, default="", metavar="PATTERN",
+                         help="a unit (vllm-qwen.service), a prefix ending in '-' (sglang-) "
+                              "or a template (foo@.service)")
+        sub.add_argument("--root", default="/", metavar="DIR",
+                         help="operate on the tree under DIR (packaging, tests); no daemon-reload")
+        if action != "list":
+            sub.add_argument("--no-reload", action="store_true", help="do not run systemctl daemon-reload")
+            sub.add_argument("--start", action="store_true",
+                             help="the start gate's ExecStartPre drop-in (gpuguard-start.conf: "
+                                  "`gpuguardctl wait` on the unit's GPUs) instead of the stop hook")
     return parser
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line, with the common options' defaults, or parser.error for what argparse
     cannot refuse on its own: options that only apply together, or never do."""
-    args = parser.parse_args(argv)
-    for name, value in (("json", False), ("local", False), ("config", None), ("bus_address", None)):
-        if not hasattr(args, name):
-            setattr(args, name, value)
+    args = parser.parse_args(argv, argparse.Namespace(json=False, local=False, config=None, bus_address=None))
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
@@ -149,20 +221,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     setup_logging("gpuguardctl")
     out = sys.stdout
     if args.verb == "hook":
-        return hook.run_command(args, out)
+        from gpuguardd.cli.hook import run_command
+
+        return run_command(args, out)
     from gpuguardd.cli import output
 
     try:
         backend = connect(args)
-        if args.verb in ("sweep", "check", "wait"):
+        if args.verb in ("sweep", "check", "wait", "watch"):
             verb = importlib.import_module(f"gpuguardd.cli.{args.verb}")
             return int(verb.run(backend, args, out))
-        if args.verb == "watch":
-            from gpuguardd.cli.client import DBusBackend
-            from gpuguardd.cli.watch import run_watch
-            if not isinstance(backend, DBusBackend):
-                raise InvalidArgument("watch needs gpuguardd")
-            return run_watch(backend, args.json, out)
         if args.verb == "reset":
             report = backend.reset(args.gpu, args.reason)
             output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)

@@ -44,32 +44,33 @@ def _state(record: GpuSummary | MigSummary) -> str:
     return _shown(record, "state") + (f" ({record.leak_kind})" if record.leak_kind else "")
 
 
-def vendor_of(gpu: GpuSummary) -> str:
-    """The GPU's vendor as shown: "nvidia", "amd", or a value a newer daemon sent as it came
-    (the caller escapes it); a daemon from before vendors names only NVIDIA GPUs."""
-    if "vendor" in gpu.unread:
-        return str(gpu.to_dict().get("vendor", "?"))
-    return str(gpu.vendor)
+def sent(record: WireRecord, name: str, missing: str) -> str:
+    """A field as shown: a value this version cannot read (a newer daemon's vendor or state) as
+    it came, unescaped; `missing` when none came. A daemon from before vendors has only NVIDIA's."""
+    if name in record.unread:
+        return str(record.to_dict().get(name, missing))
+    return str(getattr(record, name))
 
 
 def gpu_title(gpu: GpuSummary) -> str:
     """"nvidia NVIDIA H100 80GB HBM3": vendor and product name, as check and watch name a
     GPU (unescaped: the caller escapes the line)."""
-    return " ".join(part for part in (vendor_of(gpu), gpu.name) if part)
+    return " ".join(part for part in (sent(gpu, "vendor", "?"), gpu.name) if part)
 
 
 def print_gpus(gpus: Sequence[GpuSummary], out: TextIO) -> None:
     rows = []
     for gpu in gpus:
+        vendor = sent(gpu, "vendor", "?")
         memory = (f"{human_bytes(gpu.memory_used)} / {human_bytes(gpu.memory_total)}"
                   if gpu.memory_total else "unknown")
-        rows.append([str(gpu.index), vendor_of(gpu), gpu.name, gpu.uuid, gpu.pci_bus_id, memory,
+        rows.append([str(gpu.index), vendor, gpu.name, gpu.uuid, gpu.pci_bus_id, memory,
                      str(gpu.holder_count), _state(gpu)])
         # MIG instances under their GPU, by the UUID users name them with.
         for mig in gpu.mig_instances or []:
             memory = f"{human_bytes(mig.memory_used)} / {human_bytes(mig.memory_total)}"
             rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}",
-                         vendor_of(gpu), "MIG instance", mig.uuid, mig.device_path or "-", memory,
+                         vendor, "MIG instance", mig.uuid, mig.device_path or "-", memory,
                          str(mig.holder_count), _state(mig)])
     table(["GPU", "VENDOR", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 

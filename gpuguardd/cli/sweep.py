@@ -1,26 +1,39 @@
 """`gpuguardctl sweep`: end the holders in a scope and verify the memory came back; with
 --slurm-epilog, the finished Slurm job's sweep, whose exit status is the drain decision (and,
 with --reset-leaked, the reset of GPUs that only leaked memory keeps from the next job).
+
+If gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the request, safe to repeat,
+is sent again once it is back, so the stop hook never leaves the GPUs held: the restarted daemon
+finishes its predecessor's sweep (daemon/resume.py) and the second call joins it. After RETRY_SEC,
+root sweeps locally. The words also go to the journal, which an admin's terminal does not reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 from gpuguardd.cli import output
-from gpuguardd.cli.backend import Backend
+from gpuguardd.cli.backend import Backend, LocalBackend, local
 from gpuguardd.cli.exits import EXIT_ERROR, EXIT_NOT_RELEASED, EXIT_OK, error_exit, outcome_exit
-from gpuguardd.cli.retry import sweep_through_restarts
-from gpuguardd.errors import GpuGuardError
+from gpuguardd.errors import DaemonUnavailable, GpuGuardError
+from gpuguardd.log import journal_too
 from gpuguardd.records.enums import Outcome, RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report
 
 log = logging.getLogger("gpuguard.cli")
+
+# Under the drop-in's 80 s timeout even after a long sweep; systemd's Restart=on-failure
+# (RestartSec=1s) brings the daemon back in a second or two.
+RETRY_SEC = 30.0
+RETRY_INTERVAL_SEC = 0.5
 
 
 def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
@@ -119,3 +132,48 @@ def reset_leaks(backend: Backend, report: Report, job_id: str) -> bool:
         if reset.outcome != Outcome.RESET:
             return False
     return True
+
+
+def _warn(message: str) -> None:
+    log.warning("%s", message)
+    journal_too("gpuguardctl", logging.WARNING, message)
+
+
+def retried(first: Callable[[], Report], again: Callable[[], Report], local: Callable[[], Report],
+            request: SweepRequest) -> Report:
+    """`first()` the sweep through the daemon; if the daemon vanishes during it, `again()`
+    (a new connection) until it answers or RETRY_SEC pass, then `local()` as root."""
+    try:
+        return first()
+    except DaemonUnavailable as exc:
+        what = f"the sweep of {request.unit or 'its scope'}"
+        _warn(f"gpuguardd stopped during {what} ({exc}); retrying")
+    deadline = time.monotonic() + RETRY_SEC
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        time.sleep(RETRY_INTERVAL_SEC)
+        try:
+            report = again()
+        except DaemonUnavailable as exc:
+            last = exc
+            continue
+        _warn(f"gpuguardd stopped during {what}; the restarted gpuguardd finished it: "
+              f"sweep {report.id[:8]}, {report.outcome}")
+        return report
+    gone = f"gpuguardd stopped during {what} and did not come back within {RETRY_SEC:.0f} s ({last})"
+    if os.geteuid() != 0:
+        raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
+    _warn(f"{gone}; sweeping with the local engine")
+    report = local()
+    _warn(f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
+    return report
+
+
+def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
+    if isinstance(backend, LocalBackend):
+        return backend.sweep(request)
+    from gpuguardd.cli.client import DBusBackend
+
+    return retried(lambda: backend.sweep(request),
+                   lambda: DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request)),
+                   lambda: local(args).sweep(dataclasses.replace(request)), request)

@@ -19,8 +19,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from gpuguardd.cli import output
+from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, error_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text
+from gpuguardd.numbers import is_digits
 from gpuguardd.records.selectors import selector
 
 log = logging.getLogger("gpuguard.cli")
@@ -67,11 +70,9 @@ def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list
 
 def describe(result: Mapping[str, Any]) -> list[str]:
     """One line per GPU: its memory, and what it waits on or how long it has been free."""
-    from gpuguardd.cli.output import human_bytes
-
     lines = [f"waiting on: {escape_text(str(w))}" for w in result.get("waiting_on", [])]
     for gpu in result.get("gpus", []):
-        used = human_bytes(int(gpu.get("memory_used", 0)))
+        used = output.human_bytes(int(gpu.get("memory_used", 0)))
         waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
         if waits:
             lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits))
@@ -130,11 +131,8 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
         every = targets_of(gpus)
         if not wanted or not gpus:  # no GPU list: judged below on the holders, as `check` is
             return every
-        picked = []
-        for gpu, instance in _selected(gpus, wanted):
-            picked += [t for t in every if t.index == gpu.index
-                       and t.mig_uuid == (instance.uuid if instance else "")]
-        return picked
+        return [t for gpu, instance in _selected(gpus, wanted) for t in every
+                if t.index == gpu.index and t.mig_uuid == (instance.uuid if instance else "")]
 
     def call(seconds: float) -> dict[str, Any]:
         started = time.monotonic()
@@ -157,21 +155,17 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
 def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
     """The verb, after --sweep-leftovers' sweep. With --slurm-prolog every failure is one line
     on stdout, the drain reason."""
-    from gpuguardd.cli import output
-
     try:
         if args.sweep_leftovers:
-            from gpuguardd.cli.retry import sweep_through_restarts
+            from gpuguardd.cli.sweep import sweep_through_restarts
             from gpuguardd.records.models import SweepRequest
-            request = SweepRequest(unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}")
-            report = sweep_through_restarts(backend, request, args)
+            report = sweep_through_restarts(backend, SweepRequest(
+                unit=args.sweep_leftovers, reason=f"gate: leftovers of {args.sweep_leftovers}"), args)
             output.print_report(report, sys.stderr)  # the gate below judges what is left
         return gate(backend, args, out)
     except GpuGuardError as exc:
         if not args.slurm_prolog:
             raise
-        from gpuguardd.cli.exits import error_exit
-        from gpuguardd.numbers import is_digits
         job = os.environ.get("SLURM_JOB_ID", "?")
         line = f"gpuguard: job {job if is_digits(job) else '?'}: prolog failed: {escape_text(str(exc))}"
         log.error("%s", line)
@@ -182,9 +176,7 @@ def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
 def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
     """0 when free, EXIT_GATE_TIMEOUT at --timeout (what holds each GPU on stdout, one line
     each: the journal's and the drain reason's text)."""
-    from gpuguardd.cli import output
     from gpuguardd.cli.client import DBusBackend
-    from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT
     from gpuguardd.engine.gate import MiB
 
     prefix = "gpuguard: "
@@ -201,9 +193,8 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
     else:
         selectors = selectors_from(args, os.environ)
     if selectors == []:
-        line = f"{prefix}no GPUs to wait for (the job or unit sees none)"
         output.print_json({"free": True, "gpus": [], "waiting_on": []}, out) if args.json \
-            else out.write(line + "\n")
+            else out.write(f"{prefix}no GPUs to wait for (the job or unit sees none)\n")
         return 0
     given = {"free_below_mib": args.free_below, "stable_ms": None if args.stable is None else int(args.stable * 1000),
              "allow_unverified": args.allow_unverified or None}
@@ -211,10 +202,8 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
     timeout = SLURM_PROLOG_TIMEOUT_SEC if args.timeout is None and args.slurm_prolog else args.timeout
     call: Callable[[float], dict[str, Any]]
     if isinstance(backend, DBusBackend):
-        daemon = backend
-
         def call(seconds: float) -> dict[str, Any]:
-            return daemon.wait(selectors or [], {**options, "timeout_ms": int(seconds * 1000)})
+            return backend.wait(selectors or [], {**options, "timeout_ms": int(seconds * 1000)})
     else:
         config = backend.engine.config
         call = local_call(
@@ -233,8 +222,6 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"{prefix}free after {waited:.1f} s: {names}\n")
         return 0
     text = f"{prefix}not free after {waited:.0f} s: " + "; ".join(describe(result))
-    if args.slurm_prolog:
-        from gpuguardd.engine.slurm import MAX_REASON
-        text = text[:MAX_REASON]  # a node's drain reason: one short line in sinfo
-    out.write(text + "\n")
+    # A node's drain reason: one short line in sinfo.
+    out.write((text[:slurm.MAX_REASON] if args.slurm_prolog else text) + "\n")
     return EXIT_GATE_TIMEOUT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -10,8 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from gpuguardd.cli.backend import Backend
 from gpuguardd.cli.client import DBusBackend
 from gpuguardd.cli.output import describe_scope, gpu_title, human_bytes
+from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text, escaped
 from gpuguardd.records.report import Report, ReportScope
 
@@ -38,18 +41,18 @@ def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | No
     return f"{member} {fields}"
 
 
-def run_watch(backend: DBusBackend, as_json: bool, out: TextIO = sys.stdout,
-              err: TextIO = sys.stderr) -> int:
+def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
+    if not isinstance(backend, DBusBackend):
+        raise InvalidArgument("watch needs gpuguardd")
+    as_json, err = args.json, sys.stderr
     titles: dict[int, str] = {}
 
     def read_titles() -> None:
         # Vendor and name of each GPU, for the lines that name a GPU; read beside the
         # subscription (its own connection), so no signal waits for it. Without them (no
         # daemon yet, a failed call) a GPU is named by index and UUID, as before.
-        try:
+        with contextlib.suppress(Exception):  # names are a nicety: any failure leaves them out
             titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
-        except Exception:  # names are a nicety: any failure leaves them out
-            return
 
     if not as_json:
         threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()

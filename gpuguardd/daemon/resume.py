@@ -7,7 +7,7 @@ that restarts it mid-sweep):
   `finished_by` naming the sweep that finishes it, and swept again, same scope, same caller,
   with `resumes` naming it. A sweep is safe to repeat: processes already gone are simply not
   found. A unit's sweep is claimed before the daemon owns its bus name, so the stop hook,
-  which asks again once the daemon is back (cli/retry.py), joins it instead of running a
+  which asks again once the daemon is back (cli/sweep.py), joins it instead of running a
   second one. Not swept again, only recorded: a record older than the sweep's own budget
   plus RESUME_WINDOW_SEC (its GPUs may have been given to someone since), and a unit
   sweep whose unit runs again (its new instance owns the GPUs).

@@ -30,7 +30,7 @@ ENGINE = {"gpuguardd.engine.engine", "gpuguardd.engine.holders", "gpuguardd.engi
 DBUS = {"dbus_fast", "gpuguardd.cli.client", "gpuguardd.bus.marshal"}
 NEVER = {"psutil"}  # the engine reads /proc itself
 # Each verb's own module: loaded by its verb, never at start-up.
-VERB_MODULES = {"gpuguardd.cli.output", "gpuguardd.cli.sweep", "gpuguardd.cli.retry",
+VERB_MODULES = {"gpuguardd.cli.output", "gpuguardd.cli.sweep",
                 "gpuguardd.cli.check", "gpuguardd.cli.wait", "gpuguardd.cli.watch"}
 
 

@@ -1,5 +1,5 @@
 """The pieces that let a sweep outlive gpuguardd: in-flight records (daemon/inflight.py) and
-the caller's retry (cli/retry.py). The daemon doing it for real: tests/bus/test_resume.py."""
+the caller's retry (cli/sweep.py). The daemon doing it for real: tests/bus/test_resume.py."""
 
 from __future__ import annotations
 

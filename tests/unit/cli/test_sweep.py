@@ -1,4 +1,4 @@
-"""Unit tests of gpuguardd/cli/retry.py."""
+"""Unit tests of gpuguardd/cli/sweep.py: a sweep that outlives the daemon."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpuguardd.cli import retry
+from gpuguardd.cli import sweep
 from gpuguardd.errors import DaemonUnavailable
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.report import Report
@@ -23,7 +23,7 @@ def vanish() -> Report:
 
 def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_INTERVAL_SEC", 0.01)
     asked: list[str] = []
 
     def again() -> Report:
@@ -32,7 +32,7 @@ def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.Mo
             raise DaemonUnavailable("org.gpuguard.GpuGuard1 is not running")
         return finished()
 
-    report = retry.sweep(vanish, again, lambda: pytest.fail("no local sweep"), request())
+    report = sweep.retried(vanish, again, lambda: pytest.fail("no local sweep"), request())
     assert report.outcome == Outcome.FREED and len(asked) == 3
     text = caplog.text
     assert "gpuguardd stopped during the sweep of sglang-a.service" in text and "retrying" in text
@@ -41,18 +41,18 @@ def test_the_sweep_is_asked_again_once_the_daemon_is_back(monkeypatch: pytest.Mo
 
 def test_root_finishes_locally_when_the_daemon_stays_away(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_SEC", 0.05)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    report = retry.sweep(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request(),
-                         retry_sec=0.05)
+    report = sweep.retried(vanish, vanish, lambda: finished(Outcome.SURVIVORS), request())
     assert report.outcome == Outcome.SURVIVORS  # the exit status is the finishing sweep's
     assert "sweeping with the local engine" in caplog.text and "finished locally" in caplog.text
 
 
 def test_a_user_is_told_to_sweep_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(retry, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_INTERVAL_SEC", 0.01)
+    monkeypatch.setattr(sweep, "RETRY_SEC", 0.05)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(DaemonUnavailable, match="did not come back within 0 s"):
-        retry.sweep(vanish, vanish, lambda: pytest.fail("no local sweep"), request(),
-                    retry_sec=0.05)
+        sweep.retried(vanish, vanish, lambda: pytest.fail("no local sweep"), request())
 
