@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuguardd import numbers, safetext
 
-DRM_MAJOR = 226
 _FDINFO_MAX = 65536  # amdgpu's is ~1 KiB; a driver with many engines a few
 _VALUE_MAX = 2**63 - 1
 _UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -75,38 +73,13 @@ def parse(text: str) -> DrmClient | None:
                      vram_bytes=sum(size for _, size in vram.values()) if vram else None)
 
 
-def _is_drm(path: str) -> bool:
-    """Whether fd link `path` is a character device of DRM's major (stat: opens nothing)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == DRM_MAJOR
-
-
-def drm_clients(pid: int, proc: str = "/proc", fds: list[str] | None = None) -> list[DrmClient]:
-    """The DRM clients process `pid` holds open, each (pdev, client id) once. A vanished or
-    unreadable fd is left out, silently. `fds`: those already known to be DRM nodes' (the
-    holder scan found them), read without a look at the others."""
-    base = os.path.join(proc, str(pid))
-    known = fds is not None
-    if fds is None:
-        try:
-            fds = [fd for fd in os.listdir(os.path.join(base, "fd")) if numbers.is_digits(fd)]
-        except OSError:
-            return []
+def drm_clients(pid: int, proc: str = "/proc", *, fds: list[str]) -> list[DrmClient]:
+    """The DRM clients behind process `pid`'s `fds` (those the holder scan found on DRM nodes),
+    each (pdev, client id) once. A vanished or unreadable fd is left out, silently."""
     found: dict[tuple[str, int] | str, DrmClient] = {}
     for fd in sorted(fds, key=int):
-        path = os.path.join(base, "fd", fd)
-        if not known:
-            try:
-                target = os.readlink(path)
-            except OSError:
-                continue
-            if not target.startswith("/") or not _is_drm(path):  # sockets, pipes, anon inodes
-                continue
         try:
-            with open(os.path.join(base, "fdinfo", fd), "rb") as handle:
+            with open(os.path.join(proc, str(pid), "fdinfo", fd), "rb") as handle:
                 raw = handle.read(_FDINFO_MAX)
         except OSError:
             continue
@@ -118,15 +91,9 @@ def drm_clients(pid: int, proc: str = "/proc", fds: list[str] | None = None) -> 
 
 
 def vram_by_pdev(clients: Iterable[DrmClient]) -> dict[str, int]:
-    """Bytes of VRAM by PCI address over `clients`, each (pdev, client id) counted once."""
-    seen: set[tuple[str, int]] = set()
+    """Bytes of VRAM by PCI address over one process's `clients`."""
     totals: dict[str, int] = {}
     for client in clients:
-        if client.vram_bytes is None or not client.pdev:
-            continue
-        if client.client_id is not None:
-            if (client.pdev, client.client_id) in seen:
-                continue
-            seen.add((client.pdev, client.client_id))
-        totals[client.pdev] = totals.get(client.pdev, 0) + client.vram_bytes
+        if client.vram_bytes is not None and client.pdev:
+            totals[client.pdev] = totals.get(client.pdev, 0) + client.vram_bytes
     return totals
