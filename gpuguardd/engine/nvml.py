@@ -429,12 +429,11 @@ class Nvml:
     @staticmethod
     def _processes(handle: Any, gpu: GpuInfo) -> dict[int, int | None]:
         lists, errors = nvmlprocs.read_lists(handle)
-        failed = [exc for exc in errors if not isinstance(exc, pynvml.NVMLError_NotSupported)]
-        for exc in failed:
+        for exc in errors:
             _note(gpu, exc)
-        if failed and not lists:
+        if errors and not lists:
             gpu.unknown = True  # who uses it, and so whether its memory leaks, is unknown
-        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
+        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index)
         return found
 
 
