@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuguardd import numbers, safetext
+from gpuguardd.engine.runtimepm import BDF
 from gpuguardd.records.enums import Vendor
 from gpuguardd.records.models import GpuInfo
 
@@ -54,7 +55,6 @@ ACTIVE = frozenset(("active", "unsupported", ""))  # "": no runtime_status, no r
 _ATTR_MAX = 256  # one attribute: a number, a word, a product name (64 bytes in amdgpu)
 _PROPS_MAX = 65536  # a topology node's properties: at most a page
 _IDS_MAX = 8 << 20  # pci.ids is ~1.4 MB today
-_BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
 _HEX = re.compile(r"0x([0-9a-f]{1,8})")
 _RENDER = re.compile(r"renderD([0-9]{1,7})")
 _CARD = re.compile(r"card([0-9]{1,7})")
@@ -269,7 +269,7 @@ def _uuid(node: _Node | None, device: int, bdf: str) -> str:
     of the same hardware. The vendor is left out: it is always 1002."""
     if node is not None and node.unique_id:
         return f"GPU-{node.unique_id:016x}"
-    match = _BDF.fullmatch(bdf)
+    match = BDF.fullmatch(bdf)
     assert match is not None  # every caller checked
     domain, bus, slot, function = (int(part, 16) for part in match.groups())
     return f"GPU-{device:04x}{domain:08x}{bus << 8 | slot << 3 | function:04x}"
@@ -285,7 +285,7 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: 
     except OSError as exc:
         raise _Bad(f"cannot read {pci}: {exc.strerror or exc}") from None
     expected = node.bdf if node is not None else ""
-    if _BDF.fullmatch(target):
+    if BDF.fullmatch(target):
         if expected and target != expected:
             raise _Bad(f"{pci} is {target}, but KFD places GPU {gpu.gpu_id} at {expected}")
         gpu.pci_bus_id = target

@@ -286,6 +286,8 @@ class Nvml:
             gpus = []
             for index in range(count):
                 progress.gpu = index
+                # Its bus id as NVML last gave it; before that, the nvidia driver's i-th device
+                # (bus order is NVML's), only where both count the same GPUs.
                 identity = self._identity.get(index)
                 bus_id = bus_key(identity[3]) if identity is not None else (
                     bound[index] if len(bound) == count else "")

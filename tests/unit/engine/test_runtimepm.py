@@ -16,19 +16,22 @@ def _status(root: Path, bdf: str, raw: bytes) -> None:
 def test_status_by_either_spelling_of_the_bus_id(tmp_path: Path) -> None:
     _status(tmp_path, "0000:01:00.0", b"suspended\n")
     _status(tmp_path, "0000:02:00.0", b"active\n")
-    assert runtimepm.runtime_status(str(tmp_path), "00000000:01:00.0") == "suspended"
+    _status(tmp_path, "0000:06:00.0", b"suspending\n")
     assert runtimepm.asleep(str(tmp_path), "00000000:01:00.0")
+    assert runtimepm.asleep(str(tmp_path), "0000:06:00.0")
     assert not runtimepm.asleep(str(tmp_path), "0000:02:00.0")
-    assert runtimepm.runtime_status(str(tmp_path), "0000:03:00.0") == ""  # no such device
+    assert not runtimepm.asleep(str(tmp_path), "0000:03:00.0")  # no such device
 
 
 def test_odd_text_and_paths_are_no_status(tmp_path: Path) -> None:
     _status(tmp_path, "0000:04:00.0", "suspended\u0660".encode())
     _status(tmp_path, "0000:05:00.0", b"x" * 500)
-    assert runtimepm.runtime_status(str(tmp_path), "0000:04:00.0") == ""
-    assert runtimepm.runtime_status(str(tmp_path), "0000:05:00.0") == ""
+    assert not runtimepm.asleep(str(tmp_path), "0000:04:00.0")
+    assert not runtimepm.asleep(str(tmp_path), "0000:05:00.0")
     # A bus id that is no PCI address never becomes a path.
-    assert runtimepm.runtime_status(str(tmp_path), "../../../etc") == ""
+    (tmp_path / "bus/pci/power").mkdir(parents=True)
+    (tmp_path / "bus/pci/power/runtime_status").write_bytes(b"suspended\n")
+    assert not runtimepm.asleep(str(tmp_path), "..")
 
 
 def test_the_nvidia_drivers_devices_in_bus_order(tmp_path: Path) -> None:
