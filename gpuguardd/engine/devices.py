@@ -72,11 +72,9 @@ class DeviceMap:
     by_rdev: dict[int, DeviceNode] = field(default_factory=dict)
     by_inode: dict[tuple[int, int], DeviceNode] = field(default_factory=dict)
     majors: dict[int, str] = field(default_factory=dict)
-    # Substrings that reveal a watched device in /proc/<pid>/maps, checked before parsing it.
-    maps_tokens: tuple[bytes, ...] = ()
-    # Fewer, shorter substrings, one of which is on every maps line that maps_tokens would
-    # find: " <common path prefix>" per directory of nodes and " <dev> " per filesystem. Two
-    # searches per process instead of two per node; a line that has one is then checked exactly.
+    # Substrings, one of which is on every /proc/<pid>/maps line naming a watched node (by path
+    # or by dev and inode): " <common path prefix>" per directory of nodes and " <dev> " per
+    # filesystem. Two searches per process, not two per node; a line found is checked exactly.
     maps_prefilter: tuple[bytes, ...] = ()
     warnings: list[str] = field(default_factory=list)
     # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
@@ -146,7 +144,6 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
         if problem:
             device_map.warnings.append(problem)
-    tokens: list[bytes] = []
     for pattern in patterns:
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for path in paths:
@@ -179,13 +176,10 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             device_map.by_path[path] = node
             device_map.by_rdev.setdefault(rdev, node)
             device_map.by_inode[(st.st_dev, st.st_ino)] = node
-            tokens.append(b" " + _maps_dev(st.st_dev) + b" " + str(st.st_ino).encode() + b" ")
-            tokens.append(b" " + path.encode() + b"\n")
     if not device_map.nodes and not device_map.majors:
         device_map.warnings.append(
             "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
             "in /proc/devices: nothing can hold a GPU here")
-    device_map.maps_tokens = tuple(tokens)
     device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
     return device_map
 

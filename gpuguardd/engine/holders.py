@@ -62,8 +62,7 @@ def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    tokens = device_map.maps_prefilter or device_map.maps_tokens
-    for line in procfs.maps_lines(pid, tokens):
+    for line in procfs.maps_lines(pid, device_map.maps_prefilter):
         node = _maps_line_node(line, device_map)
         if node is not None:
             raw.nodes[node.path] = node
