@@ -30,10 +30,6 @@ from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
 PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
-# How long one snapshot (all NVML calls for every GPU, normally milliseconds) may take before
-# the driver counts as hung; [Daemon] NvmlTimeoutSec.
-DEFAULT_TIMEOUT_SEC = 5.0
-
 _SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
@@ -114,15 +110,15 @@ class Nvml:
     caller's.
     """
 
-    def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
-                 driver_gpus_dir: str = DRIVER_GPUS_DIR,
-                 sysfs: str | Callable[[], str] = runtimepm.DEFAULT_SYSFS) -> None:
+    def __init__(self, timeout: Callable[[], float], sysfs: Callable[[], str],
+                 driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
         # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
         self._seen: dict[int, GpuInfo] = {}
         self.last_error = ""
+        # How long one snapshot (all its NVML calls) may take before the driver counts as hung.
         self._timeout = timeout
         self._worker = NvmlWorker()
         # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
@@ -137,14 +133,6 @@ class Nvml:
         # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
         self._sysfs = sysfs
         self._released = False  # closed as every GPU slept: what was seen of them still holds
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout() if callable(self._timeout) else self._timeout
-
-    @property
-    def sysfs(self) -> str:
-        return self._sysfs() if callable(self._sysfs) else self._sysfs
 
     def _ensure_init(self) -> bool:
         if self._initialized:
@@ -190,7 +178,7 @@ class Nvml:
                     return call(pynvml.nvmlDeviceGetHandleByIndex(index))
                 except pynvml.NVMLError as exc:
                     raise NvmlCallFailed(_error_text(exc), _unsupported(exc)) from None
-        return self._worker.run(job, self.timeout, what)
+        return self._worker.run(job, self._timeout(), what)
 
     def pause(self, reason: str) -> None:
         """Close the NVML session (its handles keep the GPUs' device nodes open, and a reset
@@ -200,7 +188,7 @@ class Nvml:
             with self._lock:
                 self._paused = reason
                 self._close()
-        self._worker.run(job, self.timeout, "nvmlShutdown")
+        self._worker.run(job, self._timeout(), "nvmlShutdown")
 
     def resume(self) -> None:
         with self._lock:
@@ -229,7 +217,7 @@ class Nvml:
             finally:
                 _job.progress = None
         try:
-            snap = self._worker.run(job, self.timeout, progress)  # type: ignore[arg-type]
+            snap = self._worker.run(job, self._timeout(), progress)  # type: ignore[arg-type]
         except NvmlHung as hung:
             self.last_error = message = hung.describe()
             count = progress.count if progress.count is not None else self._last_count
@@ -254,7 +242,7 @@ class Nvml:
             return self._driver_gpus  # fixed while the driver stays loaded
         try:
             self._driver_gpus = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
-                                                        self.timeout, self._driver_gpus_dir)
+                                                        self._timeout(), self._driver_gpus_dir)
         except NvmlHung:
             return []
         return self._driver_gpus
@@ -263,7 +251,7 @@ class Nvml:
         with self._lock:
             if self._paused:
                 return self._unknown(self._paused, self._last_count or 0, self._last_driver, {})
-            sysfs = self.sysfs
+            sysfs = self._sysfs()
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
             bound = runtimepm.nvidia_bus_ids(sysfs)
@@ -308,7 +296,7 @@ class Nvml:
             self._released = True
             self._close()
         self._last_count = len(bound)
-        driver = self._last_driver or runtimepm.driver_version(self.sysfs)
+        driver = self._last_driver or runtimepm.driver_version(self._sysfs())
         return NvmlSnapshot(available=True, driver_version=driver,
                             gpus=[self._asleep(index, bus) for index, bus in enumerate(bound)])
 

@@ -14,7 +14,6 @@ import re
 
 from gpuguardd.engine.driverinfo import bus_key
 
-DEFAULT_SYSFS = "/sys"
 # What the kernel writes there (drivers/base/power/sysfs.c, rtpm_status_show) for a device
 # (going) down: a query now would resume it.
 ASLEEP = frozenset(("suspended", "suspending"))
