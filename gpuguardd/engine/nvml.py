@@ -79,27 +79,19 @@ class _Progress:
 _job = threading.local()
 
 
-def _name_entry_points() -> None:
-    """Name each NVML entry point in the running job's _Progress as it is called, so a hang is
-    reported by name without wrapping every call site: pynvml looks every C function up by
-    name right before calling it, so that one lookup is wrapped, once (a profile hook cost
-    ~15 ms of CPU a poll)."""
-    lookup = getattr(pynvml, "_nvmlGetFunctionPointer", None)
-    if lookup is None or getattr(lookup, "names_entry_points", False):
-        return
-
-    def named(name: str) -> Any:
-        progress = getattr(_job, "progress", None)
-        if progress is not None:
-            progress.call = str(name)[:128]
-        return lookup(name)
-
-    named.names_entry_points = True  # type: ignore[attr-defined]
-    pynvml._nvmlGetFunctionPointer = named
+def _named(name: str) -> Any:
+    """pynvml looks every C function up by name right before calling it: this wrapper of that
+    one lookup names each entry point in the running job's _Progress, so that a hang is
+    reported by name without wrapping every call site (a profile hook cost ~15 ms a poll)."""
+    progress = getattr(_job, "progress", None)
+    if progress is not None:
+        progress.call = str(name)[:128]
+    return _lookup(name)
 
 
 if pynvml is not None:
-    _name_entry_points()
+    _lookup = pynvml._nvmlGetFunctionPointer
+    pynvml._nvmlGetFunctionPointer = _named
 
 
 class Nvml:
