@@ -25,10 +25,9 @@ none of its mem_info_* files is opened (an amdgpu attribute may resume the devic
 PCI config attributes (vendor, device, revision) and KFD's files are the kernel's copies and
 never touch the device. /dev/kfd and /dev/dri are never opened.
 
-Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A GPU
-whose files cannot be read is `unknown`, its `error` naming the file; the others carry on, and
-nothing raises. A KFD proc entry that is no PID is left out, named in the `warnings` of the
-GPUs it has a vram_ file for (of every KFD GPU where it has none).
+Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A KFD
+proc entry that is no PID is left out, named in the `warnings` of the GPUs it has a vram_ file
+for (of every KFD GPU where it has none).
 """
 
 from __future__ import annotations
@@ -122,17 +121,9 @@ class _Node:
 
     gpu_id: int
     minor: int | None = None
-    domain: int | None = None
-    location_id: int | None = None
+    bdf: str = ""
     unique_id: int = 0
     error: str = ""
-
-    @property
-    def bdf(self) -> str:
-        if self.domain is None or self.location_id is None:
-            return ""
-        loc = self.location_id
-        return f"{self.domain:04x}:{loc >> 8:02x}:{(loc >> 3) & 0x1F:02x}.{loc & 7}"
 
 
 def _kfd_nodes(sysfs: str) -> list[_Node]:
@@ -158,9 +149,9 @@ def _kfd_nodes(sysfs: str) -> list[_Node]:
                     values[key] = _uint(props[key], f"{path} ({key})", maximum)
             if "drm_render_minor" not in values or "location_id" not in values:
                 raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
-            node.minor = values["drm_render_minor"]
-            node.domain = values.get("domain", 0)  # before Linux 4.20 there was none: 0
-            node.location_id = values["location_id"]
+            node.minor, loc = values["drm_render_minor"], values["location_id"]
+            domain = values.get("domain", 0)  # before Linux 4.20 there was none: 0
+            node.bdf = f"{domain:04x}:{loc >> 8:02x}:{(loc >> 3) & 0x1F:02x}.{loc & 7}"
             node.unique_id = values.get("unique_id", 0)
         except _Bad as exc:
             node.error = str(exc)
