@@ -54,10 +54,10 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     return "control", None
 
 
-def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
+def driver_majors() -> dict[int, str]:
     """Character majors registered by the GPU drivers (NVIDIA's, amdkfd, DRM) -> a role family."""
     try:
-        with open(proc_devices, encoding="ascii", errors="replace") as handle:
+        with open("/proc/devices", encoding="ascii", errors="replace") as handle:
             chars = handle.read().partition("Character devices")[2].partition("Block devices")[0]
     except OSError:
         return {}
@@ -108,11 +108,6 @@ class DeviceMap:
         return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
 
 
-def _maps_dev(st_dev: int) -> bytes:
-    # /proc/<pid>/maps prints the device of the file's filesystem as "%02x:%02x".
-    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}".encode()
-
-
 def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
     """Why a watched path must not count as a GPU device, or None.
 
@@ -130,15 +125,14 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
     return None
 
 
-def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
-                     allow_majors: Iterable[int] = (),
-                     origin: Callable[[str], str] | None = None,
-                     mig_minors: str | None = None, amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
+def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
+                     origin: Callable[[str], str] | None = None, mig_minors: str | None = None,
+                     amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
     """The nodes `patterns` name now. Entries that are not character devices of a GPU
     driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
     where it was configured (`origin(pattern)`) and why. DRM nodes of a GPU amdgpu does not
     drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
-    device_map = DeviceMap(majors=driver_majors(proc_devices), amd_minors=amd_minors)
+    device_map = DeviceMap(majors=driver_majors(), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
     if mig_minors:
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
@@ -189,8 +183,8 @@ def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
     devs: set[bytes] = set()
     for node in nodes:
         by_dir.setdefault(os.path.dirname(node.path), []).append(os.path.basename(node.path))
-        if node.inode is not None:
-            devs.add(b" " + _maps_dev(node.inode[0]) + b" ")
+        if node.inode is not None:  # maps prints the file's filesystem as "%02x:%02x"
+            devs.add(f" {os.major(node.inode[0]):02x}:{os.minor(node.inode[0]):02x} ".encode())
     # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
