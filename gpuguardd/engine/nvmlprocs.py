@@ -47,17 +47,14 @@ class _Info16(ctypes.Structure):
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
 
-class _Info24(ctypes.Structure):
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+class _Info24(_Info16):  # a subclass's fields follow its base's
+    _fields_ = [("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
 
-class _Info32(ctypes.Structure):
+class _Info32(_Info24):
     """nvmlProcessDetail_v1_t, and what drivers 535.43-535.86 write through the _v3 lists."""
 
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint),
-                ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
+    _fields_ = [("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
 
 
 class _DetailList(ctypes.Structure):
