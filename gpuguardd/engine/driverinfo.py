@@ -29,15 +29,6 @@ class DriverGpu:
 bus_key = pci_key  # one spelling of a PCI address, shared with the selectors
 
 
-def _parse(text: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    return fields
-
-
 def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
     """Every GPU the module drives and NVML enumerates (excluded ones left out), by bus id."""
     try:
@@ -48,9 +39,10 @@ def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
     for name in names:
         try:
             with open(os.path.join(directory, name, "information"), "rb") as handle:
-                fields = _parse(handle.read(_MAX_READ).decode("utf-8", "replace"))
+                lines = handle.read(_MAX_READ).decode("utf-8", "replace").splitlines()
         except OSError:
             continue
+        fields = {key.strip(): value.strip() for key, sep, value in (line.partition(":") for line in lines) if sep}
         minor_text = fields.get("Device Minor", "")
         # Untrusted text: a minor that is not a small number is no minor.
         if not is_digits(minor_text) or len(minor_text) > 6:
