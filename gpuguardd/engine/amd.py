@@ -240,8 +240,8 @@ def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
     return table
 
 
-def _name(pci: str, device: int, revision: int, ids_path: str, pci_ids: str) -> str:
-    name = _table(ids_path, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
+def _name(pci: str, device: int, revision: int) -> str:
+    name = _table(AMDGPU_IDS, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
     if name:
         return name
     try:
@@ -250,7 +250,7 @@ def _name(pci: str, device: int, revision: int, ids_path: str, pci_ids: str) -> 
         product = ""
     if product and product.isprintable():
         return product
-    return _table(pci_ids, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
+    return _table(PCI_IDS, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
 
 
 def _uuid(node: _Node | None, device: int, bdf: str) -> str:
@@ -266,7 +266,7 @@ def _uuid(node: _Node | None, device: int, bdf: str) -> str:
     return f"GPU-{device:04x}{domain:08x}{bus << 8 | slot << 3 | function:04x}"
 
 
-def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: str) -> None:
+def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None) -> None:
     if node is not None and node.error:
         raise _Bad(node.error)
     render = os.path.join(sysfs, f"class/drm/renderD{gpu.minor}")
@@ -295,7 +295,7 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: 
         raise _Bad(f"cannot read {pci}: not a PCI device: {numbers.shown(target)}")
     device = _hex(os.path.join(pci, "device"), 0xFFFF)
     gpu.uuid = _uuid(node, device, gpu.pci_bus_id)
-    gpu.name = _name(pci, device, _hex(os.path.join(pci, "revision"), 0xFF), ids_path, pci_ids)
+    gpu.name = _name(pci, device, _hex(os.path.join(pci, "revision"), 0xFF))
     try:
         status = _read(os.path.join(pci, "power/runtime_status"), 64).strip("\n")
     except _Bad as exc:
@@ -339,8 +339,7 @@ def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
                     gpu.warnings.append(str(exc))
 
 
-def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
-              ids_path: str = AMDGPU_IDS, pci_ids: str = PCI_IDS) -> list[GpuInfo]:
+def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> list[GpuInfo]:
     """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
     then amdgpu's render nodes KFD does not list, in PCI order. With `with_processes`, each
     GPU's `processes` from KFD's proc entries (pid -> bytes, None where unreadable). Never
@@ -353,7 +352,7 @@ def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
         gpu = GpuInfo(index=first_index + offset, vendor=Vendor.AMD, minor=minor,
                       gpu_id=max(node.gpu_id, 0) if node is not None else 0)
         try:
-            _fill(gpu, sysfs, node, ids_path, pci_ids)
+            _fill(gpu, sysfs, node)
         except _Bad as exc:
             gpu.unknown = True
             gpu.error = safetext.clean(str(exc), safetext.PATH_MAX)
