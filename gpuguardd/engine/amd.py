@@ -4,9 +4,9 @@ Where each figure comes from (the kernel's sources named, as of Linux 6.x):
 - The GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c,
   node_show): `gpu_id` (one decimal, 0 for a CPU node), `properties` (one "key value" a line,
   printed "%s %u" or "%s %llu": decimal), of which `drm_render_minor`, `domain`, `location_id`
-  (pci_dev_id(): bus << 8 | devfn), `vendor_id`, `device_id` and `unique_id` (0 where the ASIC
-  has none) are read. Then the amdgpu devices KFD does not list (an APU or a Radeon without
-  KFD), found by their render nodes, class/drm/renderD<N>.
+  (pci_dev_id(): bus << 8 | devfn) and `unique_id` (0 where the ASIC has none) are read. Then
+  the amdgpu devices KFD does not list (an APU or a Radeon without KFD), found by their render
+  nodes, class/drm/renderD<N>.
 - Per GPU, the render node's PCI device (class/drm/renderD<N>/device/): `vendor`, `device`,
   `revision` ("0x%04x"), `mem_info_vram_total` and `mem_info_vram_used` (decimal bytes,
   amdgpu/amdgpu_vram_mgr.c), `power/runtime_status` (drivers/base/power/sysfs.c), and
@@ -143,10 +143,7 @@ def _kfd_nodes(sysfs: str) -> list[_Node]:
             props = _properties(path)
             limits = {"drm_render_minor": MINOR_MAX, "domain": numbers.UINT32_MAX,
                       "location_id": 0xFFFF, "unique_id": UINT64_MAX}
-            values: dict[str, int] = {}
-            for key, maximum in limits.items():
-                if key in props:
-                    values[key] = _uint(props[key], f"{path} ({key})", maximum)
+            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in limits.items() if key in props}
             if "drm_render_minor" not in values or "location_id" not in values:
                 raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
             node.minor, loc = values["drm_render_minor"], values["location_id"]
@@ -341,8 +338,7 @@ def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
 
 def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> list[GpuInfo]:
     """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
-    then amdgpu's render nodes KFD does not list, in PCI order. With `with_processes`, each
-    GPU's `processes` from KFD's proc entries (pid -> bytes, None where unreadable). Never
+    then the rest in PCI order; `processes`: pid -> bytes, None where unreadable. Never
     raises: a GPU that cannot be read is `unknown` with an `error` naming the file."""
     pairs: list[tuple[int | None, _Node | None]] = [(node.minor, node) for node in _kfd_nodes(sysfs)]
     seen = {minor for minor, _ in pairs}

@@ -95,12 +95,8 @@ if pynvml is not None:
 
 
 class Nvml:
-    """A lazily initialised NVML session, safe to share between threads.
-
-    Initialisation is retried on each snapshot while it fails, so a daemon started before the
-    driver was loaded picks NVML up later. NVML calls run on the worker thread, never the
-    caller's.
-    """
+    """A lazily initialised NVML session, safe to share between threads: initialisation is
+    retried on each call while it fails, so a daemon started before the driver picks it up."""
 
     def __init__(self, timeout: Callable[[], float], sysfs: Callable[[], str],
                  driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
