@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from gpuguardd import safetext
 from gpuguardd.engine import fdinfo, procfs
 from gpuguardd.engine.attribution import attribute
-from gpuguardd.engine.devices import DeviceMap
-from gpuguardd.engine.mig import instances_for_caps
+from gpuguardd.engine.devices import DeviceMap, instances_for_caps
 from gpuguardd.engine.process import ProcessHandle
 from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
