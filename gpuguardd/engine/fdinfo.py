@@ -32,7 +32,6 @@ _RANK = {"resident": 0, "memory": 1, "total": 2}  # lower wins, per region
 
 @dataclass(frozen=True)
 class DrmClient:
-    driver: str
     pdev: str = ""  # "0000:c3:00.0", "" where not given
     client_id: int | None = None
     vram_bytes: int | None = None  # None: no VRAM figure given
@@ -62,13 +61,10 @@ def parse(text: str) -> DrmClient | None:
             rank = _RANK[memory.group(1)]
             if memory.group(2) not in vram or rank < vram[memory.group(2)][0]:
                 vram[memory.group(2)] = (rank, size)
-    driver = fields.get("drm-driver", "")
-    if not driver:
+    if not fields.get("drm-driver"):
         return None
     client = fields.get("drm-client-id", "")
-    pdev = fields.get("drm-pdev", "").lower()
-    return DrmClient(driver=safetext.clean(driver, safetext.NAME_MAX),
-                     pdev=safetext.clean(pdev, safetext.NAME_MAX),
+    return DrmClient(pdev=safetext.clean(fields.get("drm-pdev", "").lower(), safetext.NAME_MAX),
                      client_id=int(client) if numbers.is_digits(client) and len(client) <= 20 else None,
                      vram_bytes=sum(size for _, size in vram.values()) if vram else None)
 

@@ -66,33 +66,33 @@ drm-resident-vram1: 1048576
 
 
 def test_amdgpus_legacy_keys_in_kib() -> None:
-    assert fdinfo.parse(AMDGPU_LEGACY) == DrmClient("amdgpu", "0000:c3:00.0", 42, 25 * MiB)
+    assert fdinfo.parse(AMDGPU_LEGACY) == DrmClient("0000:c3:00.0", 42, 25 * MiB)
 
 
 def test_resident_is_preferred_to_total() -> None:
-    assert fdinfo.parse(AMDGPU_GENERIC) == DrmClient("amdgpu", "0000:c3:00.0", 7, 1536 * MiB)
+    assert fdinfo.parse(AMDGPU_GENERIC) == DrmClient("0000:c3:00.0", 7, 1536 * MiB)
     # Both legacy and generic (6.10..6.12 printed both): one figure, not their sum.
     both = AMDGPU_GENERIC + "drm-memory-vram:\t1572864 KiB\n"
-    assert fdinfo.parse(both) == DrmClient("amdgpu", "0000:c3:00.0", 7, 1536 * MiB)
+    assert fdinfo.parse(both) == DrmClient("0000:c3:00.0", 7, 1536 * MiB)
 
 
 def test_regions_are_summed_each_by_its_best_figure() -> None:
     # vram0 has a total only, vram1 a resident figure that wins over its total.
-    assert fdinfo.parse(GENERIC_NUMBERED) == DrmClient("xe", "0000:03:00.0", 3, 4 * MiB + MiB)
+    assert fdinfo.parse(GENERIC_NUMBERED) == DrmClient("0000:03:00.0", 3, 4 * MiB + MiB)
 
 
 @pytest.mark.parametrize("value", ["12 kB", "-1", "1.5 MiB", "\u0661\u0662", "1 KiB extra",
                                    "9" * 25, "99999999999999999999 GiB"])
 def test_odd_sizes_are_no_figure(value: str) -> None:
     client = fdinfo.parse(f"drm-driver:\tamdgpu\ndrm-client-id:\t1\ndrm-resident-vram:\t{value}\n")
-    assert client == DrmClient("amdgpu", "", 1, None)
+    assert client == DrmClient("", 1, None)
 
 
 def test_no_driver_is_no_client_and_odd_ids_are_none() -> None:
     assert fdinfo.parse("pos:\t0\nflags:\t02\n") is None
     assert fdinfo.parse("") is None
     client = fdinfo.parse("drm-driver:\tamdgpu\ndrm-client-id:\t\u0663\ndrm-pdev:\t0000:c3:00.0\n")
-    assert client == DrmClient("amdgpu", "0000:c3:00.0", None, None)
+    assert client == DrmClient("0000:c3:00.0", None, None)
 
 
 def _fake_proc(root: Path, pid: int, fds: dict[int, str | None]) -> str:
@@ -123,7 +123,7 @@ def test_the_fds_the_scan_found_each_context_once(tmp_path: Path) -> None:
 
 
 def test_vram_by_pdev_skips_clients_without_figure_or_address() -> None:
-    clients = [DrmClient("amdgpu", "0000:c3:00.0", 1, 5), DrmClient("amdgpu", "", 2, 7),
-               DrmClient("amdgpu", "0000:c3:00.0", 3, None), DrmClient("amdgpu", "0000:c4:00.0", None, 9),
-               DrmClient("amdgpu", "0000:c4:00.0", None, 9)]
+    clients = [DrmClient("0000:c3:00.0", 1, 5), DrmClient("", 2, 7),
+               DrmClient("0000:c3:00.0", 3, None), DrmClient("0000:c4:00.0", None, 9),
+               DrmClient("0000:c4:00.0", None, 9)]
     assert fdinfo.vram_by_pdev(clients) == {"0000:c3:00.0": 5, "0000:c4:00.0": 18}
