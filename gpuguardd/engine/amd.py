@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuguardd import numbers, safetext
-from gpuguardd.engine.runtimepm import BDF
+from gpuguardd.engine.driverinfo import BDF
 from gpuguardd.records.enums import Vendor
 from gpuguardd.records.models import GpuInfo
 

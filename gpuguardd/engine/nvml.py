@@ -18,14 +18,7 @@ try:
 except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
     pynvml = None
 
-from gpuguardd.engine import nvmlprocs, runtimepm
-from gpuguardd.engine.driverinfo import (
-    DRIVER_GPUS_DIR,
-    DriverGpu,
-    bus_key,
-    fill_from_driver,
-    read_driver_gpus,
-)
+from gpuguardd.engine import driverinfo, nvmlprocs
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
@@ -99,7 +92,7 @@ class Nvml:
     retried on each call while it fails, so a daemon started before the driver picks it up."""
 
     def __init__(self, timeout: Callable[[], float], sysfs: Callable[[], str],
-                 driver_gpus_dir: str = DRIVER_GPUS_DIR) -> None:
+                 driver_gpus_dir: str = driverinfo.DRIVER_GPUS_DIR) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
@@ -113,7 +106,7 @@ class Nvml:
         # Read through a worker of its own: the nvidia module answers it under its own locks.
         self._driver_gpus_dir = driver_gpus_dir
         self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
-        self._driver_gpus: list[DriverGpu] | None = None
+        self._driver_gpus: list[driverinfo.DriverGpu] | None = None
         # The last GPU count and driver NVML gave: what a hung snapshot still knows.
         self._last_count: int | None = None
         self._last_driver = ""
@@ -212,7 +205,7 @@ class Nvml:
             snap = NvmlSnapshot(available=False, error=message) if count is None else self._unknown(
                 message, count, progress.driver or self._last_driver, {g.index: g for g in list(progress.done)})
         if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
-            fill_from_driver(snap.gpus, self._read_driver_gpus())
+            driverinfo.fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
 
     def _recall(self, gpu: GpuInfo) -> None:
@@ -225,11 +218,11 @@ class Nvml:
         if seen is not None and seen.uuid == gpu.uuid:
             _copy_mig(seen, gpu, figures=False)
 
-    def _read_driver_gpus(self) -> list[DriverGpu]:
+    def _read_driver_gpus(self) -> list[driverinfo.DriverGpu]:
         if self._driver_gpus:
             return self._driver_gpus  # fixed while the driver stays loaded
         try:
-            self._driver_gpus = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
+            self._driver_gpus = self._driver_worker.run(lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir),
                                                         self._timeout(), self._driver_gpus_dir)
         except NvmlHung:
             return []
@@ -242,9 +235,9 @@ class Nvml:
             sysfs = self._sysfs()
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
-            bound = runtimepm.nvidia_bus_ids(sysfs)
+            bound = driverinfo.nvidia_bus_ids(sysfs)
             if bound and self._last_count in (None, len(bound)) \
-                    and all(runtimepm.asleep(sysfs, bus) for bus in bound):
+                    and all(driverinfo.asleep(sysfs, bus) for bus in bound):
                 return self._all_asleep(bound)
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
@@ -265,9 +258,9 @@ class Nvml:
                 # Its bus id as NVML last gave it; before that, the nvidia driver's i-th device
                 # (bus order is NVML's), only where both count the same GPUs.
                 identity = self._identity.get(index)
-                bus_id = bus_key(identity[3]) if identity is not None else (
+                bus_id = driverinfo.bus_key(identity[3]) if identity is not None else (
                     bound[index] if len(bound) == count else "")
-                if bus_id in bound and runtimepm.asleep(sysfs, bus_id):
+                if bus_id in bound and driverinfo.asleep(sysfs, bus_id):
                     # Not one NVML call names it, not even its handle: any could resume it.
                     gpus.append(self._asleep(index, bus_id))
                 else:
@@ -284,7 +277,7 @@ class Nvml:
             self._released = True
             self._close()
         self._last_count = len(bound)
-        driver = self._last_driver or runtimepm.driver_version(self._sysfs())
+        driver = self._last_driver or driverinfo.driver_version(self._sysfs())
         return NvmlSnapshot(available=True, driver_version=driver,
                             gpus=[self._asleep(index, bus) for index, bus in enumerate(bound)])
 
@@ -293,7 +286,7 @@ class Nvml:
         domain, _, rest = bus_id.partition(":")
         # NVML's spelling ("00000000:01:00.0") until NVML itself has named it.
         gpu = GpuInfo(index=index, suspended=True, pci_bus_id=f"{int(domain, 16):08X}:{rest.upper()}")
-        seen = next((g for g in self._seen.values() if bus_key(g.pci_bus_id) == bus_id), None)
+        seen = next((g for g in self._seen.values() if driverinfo.bus_key(g.pci_bus_id) == bus_id), None)
         if seen is not None:
             gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = seen.uuid, seen.name, seen.minor, seen.pci_bus_id
             gpu.memory_total, gpu.memory_used = seen.memory_total, seen.memory_used
