@@ -13,9 +13,17 @@ Where each figure comes from (the kernel's sources named, as of Linux 6.x):
   `drm/card<N>` (the primary node).
 - Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (amdkfd/kfd_process.c), decimal
   bytes of the process's KFD (ROCm) allocations on that GPU; graphics (GEM) buffers are not in
-  it: engine/fdinfo.py reads those. <pid> is the process's lead thread in the initial PID
-  namespace, and the entry goes only when KFD's release worker has run (kfd_process_wq_release),
-  after the process is gone: it can outlive the PID.
+  it: a DRM client's fdinfo says those (below). <pid> is the process's lead thread in the initial
+  PID namespace, and the entry goes only when KFD's release worker has run
+  (kfd_process_wq_release), after the process is gone: it can outlive the PID.
+- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of an open render or card node (the kernel's
+  Documentation/gpu/drm-usage-stats.rst, amdgpu/amdgpu_fdinfo.c): "key:<tab>value" lines,
+  `drm-driver` (mandatory), `drm-pdev` (the PCI address), `drm-client-id` (one per open file
+  description: fds dup()ed or passed on share it), and `drm-<category>-<region>: <uint> [KiB|MiB]`
+  (no unit: bytes; GiB accepted too); amdgpu's regions are "cpu", "gtt", "vram", xe's "vram0".
+  `drm-resident-vram` is what the buffers occupy in VRAM now (what mem_info_vram_used drops by
+  when the client goes), `drm-memory-vram` (amdgpu's, KiB) its deprecated alias;
+  `drm-total-vram` counts evicted buffers too, so it is used only where neither is given.
 - Names: libdrm's data/amdgpu.ids ("DEVICE,\tREVISION,\tNAME", hex), amdgpu's `product_name`
   (read from the board's FRU at probe), pci.ids, in that order.
 
@@ -60,6 +68,12 @@ _CARD = re.compile(r"card([0-9]{1,7})")
 _VRAM = re.compile(r"vram_([0-9]{1,10})")
 _IDS_LINE = re.compile(r"([0-9A-Fa-f]{4}),\s*([0-9A-Fa-f]{2}),\s*(\S.*)")
 _PCI_DEVICE = re.compile(r"\t([0-9a-f]{4})\s+(\S.*)")
+_FDINFO_MAX = 65536  # amdgpu's is ~1 KiB; a driver with many engines a few
+_FDINFO_LINE = re.compile(r"([a-z0-9_-]+):\s*(.*)")
+_FDINFO_VRAM = re.compile(r"drm-(memory|resident|total)-(vram[0-9]*)")
+_FDINFO_SIZE = re.compile(r"([0-9]{1,20})(?: (KiB|MiB|GiB))?")
+_FDINFO_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_FDINFO_RANK = {"resident": 0, "memory": 1, "total": 2}  # lower wins, per region
 
 
 class _Bad(Exception):
@@ -356,3 +370,63 @@ def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> l
     if with_processes:
         _kfd_processes(sysfs, gpus)
     return gpus
+
+
+@dataclass(frozen=True)
+class DrmClient:
+    pdev: str = ""  # "0000:c3:00.0", "" where not given
+    client_id: int | None = None
+    vram_bytes: int | None = None  # None: no VRAM figure given
+
+
+def _fdinfo_size(text: str) -> int | None:
+    match = _FDINFO_SIZE.fullmatch(text.strip())
+    if match is None:
+        return None
+    value = int(match.group(1)) * _FDINFO_UNITS[match.group(2) or ""]
+    return value if value <= 2**63 - 1 else None
+
+
+def parse_fdinfo(text: str) -> DrmClient | None:
+    """A DRM client from one fdinfo file's text; None when it is none (no drm-driver)."""
+    fields: dict[str, str] = {}
+    vram: dict[str, tuple[int, int]] = {}  # region -> (rank, bytes)
+    for line in text.splitlines():
+        match = _FDINFO_LINE.fullmatch(line.strip())
+        if match is None:
+            continue
+        key, value = match.groups()
+        fields.setdefault(key, value.strip())
+        memory = _FDINFO_VRAM.fullmatch(key)
+        size = _fdinfo_size(value) if memory else None
+        if memory and size is not None:
+            rank = _FDINFO_RANK[memory.group(1)]
+            if memory.group(2) not in vram or rank < vram[memory.group(2)][0]:
+                vram[memory.group(2)] = (rank, size)
+    if not fields.get("drm-driver"):
+        return None
+    client = fields.get("drm-client-id", "")
+    return DrmClient(pdev=safetext.clean(fields.get("drm-pdev", "").lower(), safetext.NAME_MAX),
+                     client_id=int(client) if numbers.is_digits(client) and len(client) <= 20 else None,
+                     vram_bytes=sum(size for _, size in vram.values()) if vram else None)
+
+
+def drm_vram(pid: int, fds: list[str], proc: str = "/proc") -> dict[str, int]:
+    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (those
+    the holder scan found on DRM nodes), each (pdev, client id) once. A vanished or unreadable
+    fd is left out, silently."""
+    seen: set[tuple[str, int] | str] = set()
+    totals: dict[str, int] = {}
+    for fd in sorted(fds, key=int):
+        try:
+            with open(os.path.join(proc, str(pid), "fdinfo", fd), "rb") as handle:
+                client = parse_fdinfo(handle.read(_FDINFO_MAX).decode("utf-8", "replace"))
+        except OSError:
+            continue
+        key = fd if client is None or client.client_id is None else (client.pdev, client.client_id)
+        if client is None or key in seen:
+            continue
+        seen.add(key)
+        if client.vram_bytes is not None and client.pdev:
+            totals[client.pdev] = totals.get(client.pdev, 0) + client.vram_bytes
+    return totals

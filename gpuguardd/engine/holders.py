@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from gpuguardd import safetext
-from gpuguardd.engine import fdinfo, procfs
+from gpuguardd.engine import procfs
+from gpuguardd.engine.amd import drm_vram
 from gpuguardd.engine.attribution import attribute
 from gpuguardd.engine.devices import DeviceMap, instances_for_caps
 from gpuguardd.engine.process import ProcessHandle
@@ -188,7 +189,7 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
         return {}
     by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
     listed: dict[int, int] = {}
-    for pdev, vram in fdinfo.vram_by_pdev(fdinfo.drm_clients(pid, fds=fds)).items():
+    for pdev, vram in drm_vram(pid, fds).items():
         index = by_pci.get(pci_key(pdev))
         if index is not None and vram > 0:
             listed[index] = listed.get(index, 0) + vram
