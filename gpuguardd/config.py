@@ -91,10 +91,10 @@ class Config:
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     allow_majors: tuple[int, ...] = ()
-    # Which nvidia-caps minor opens which MIG instance (gpuguardd/mig.py); tests point it at
+    # Which nvidia-caps minor opens which MIG instance (engine/devices.py); tests point it at
     # a file they write.
     mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"
-    # Where GPUs' runtime PM status is read (engine/runtimepm.py); tests point it at a tree
+    # Where GPUs' runtime PM status is read (engine/driverinfo.py); tests point it at a tree
     # of their own.
     sysfs_path: str = "/sys"
     poll_interval_sec: float = 2.0

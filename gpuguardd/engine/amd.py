@@ -4,18 +4,26 @@ Where each figure comes from (the kernel's sources named, as of Linux 6.x):
 - The GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c,
   node_show): `gpu_id` (one decimal, 0 for a CPU node), `properties` (one "key value" a line,
   printed "%s %u" or "%s %llu": decimal), of which `drm_render_minor`, `domain`, `location_id`
-  (pci_dev_id(): bus << 8 | devfn), `vendor_id`, `device_id` and `unique_id` (0 where the ASIC
-  has none) are read. Then the amdgpu devices KFD does not list (an APU or a Radeon without
-  KFD), found by their render nodes, class/drm/renderD<N>.
+  (pci_dev_id(): bus << 8 | devfn) and `unique_id` (0 where the ASIC has none) are read. Then
+  the amdgpu devices KFD does not list (an APU or a Radeon without KFD), found by their render
+  nodes, class/drm/renderD<N>.
 - Per GPU, the render node's PCI device (class/drm/renderD<N>/device/): `vendor`, `device`,
   `revision` ("0x%04x"), `mem_info_vram_total` and `mem_info_vram_used` (decimal bytes,
   amdgpu/amdgpu_vram_mgr.c), `power/runtime_status` (drivers/base/power/sysfs.c), and
   `drm/card<N>` (the primary node).
 - Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (amdkfd/kfd_process.c), decimal
   bytes of the process's KFD (ROCm) allocations on that GPU; graphics (GEM) buffers are not in
-  it: engine/fdinfo.py reads those. <pid> is the process's lead thread in the initial PID
-  namespace, and the entry goes only when KFD's release worker has run (kfd_process_wq_release),
-  after the process is gone: it can outlive the PID.
+  it: a DRM client's fdinfo says those (below). <pid> is the process's lead thread in the initial
+  PID namespace, and the entry goes only when KFD's release worker has run
+  (kfd_process_wq_release), after the process is gone: it can outlive the PID.
+- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of an open render or card node (the kernel's
+  Documentation/gpu/drm-usage-stats.rst, amdgpu/amdgpu_fdinfo.c): "key:<tab>value" lines,
+  `drm-driver` (mandatory), `drm-pdev` (the PCI address), `drm-client-id` (one per open file
+  description: fds dup()ed or passed on share it), and `drm-<category>-<region>: <uint> [KiB|MiB]`
+  (no unit: bytes; GiB accepted too); amdgpu's regions are "cpu", "gtt", "vram", xe's "vram0".
+  `drm-resident-vram` is what the buffers occupy in VRAM now (what mem_info_vram_used drops by
+  when the client goes), `drm-memory-vram` (amdgpu's, KiB) its deprecated alias;
+  `drm-total-vram` counts evicted buffers too, so it is used only where neither is given.
 - Names: libdrm's data/amdgpu.ids ("DEVICE,\tREVISION,\tNAME", hex), amdgpu's `product_name`
   (read from the board's FRU at probe), pci.ids, in that order.
 
@@ -25,10 +33,9 @@ none of its mem_info_* files is opened (an amdgpu attribute may resume the devic
 PCI config attributes (vendor, device, revision) and KFD's files are the kernel's copies and
 never touch the device. /dev/kfd and /dev/dri are never opened.
 
-Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A GPU
-whose files cannot be read is `unknown`, its `error` naming the file; the others carry on, and
-nothing raises. A KFD proc entry that is no PID is left out, named in the `warnings` of the
-GPUs it has a vram_ file for (of every KFD GPU where it has none).
+Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A KFD
+proc entry that is no PID is left out, named in the `warnings` of the GPUs it has a vram_ file
+for (of every KFD GPU where it has none).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuguardd import numbers, safetext
+from gpuguardd.engine.driverinfo import BDF
 from gpuguardd.records.enums import Vendor
 from gpuguardd.records.models import GpuInfo
 
@@ -54,13 +62,18 @@ ACTIVE = frozenset(("active", "unsupported", ""))  # "": no runtime_status, no r
 _ATTR_MAX = 256  # one attribute: a number, a word, a product name (64 bytes in amdgpu)
 _PROPS_MAX = 65536  # a topology node's properties: at most a page
 _IDS_MAX = 8 << 20  # pci.ids is ~1.4 MB today
-_BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
 _HEX = re.compile(r"0x([0-9a-f]{1,8})")
 _RENDER = re.compile(r"renderD([0-9]{1,7})")
 _CARD = re.compile(r"card([0-9]{1,7})")
 _VRAM = re.compile(r"vram_([0-9]{1,10})")
 _IDS_LINE = re.compile(r"([0-9A-Fa-f]{4}),\s*([0-9A-Fa-f]{2}),\s*(\S.*)")
 _PCI_DEVICE = re.compile(r"\t([0-9a-f]{4})\s+(\S.*)")
+_FDINFO_MAX = 65536  # amdgpu's is ~1 KiB; a driver with many engines a few
+_FDINFO_LINE = re.compile(r"([a-z0-9_-]+):\s*(.*)")
+_FDINFO_VRAM = re.compile(r"drm-(memory|resident|total)-(vram[0-9]*)")
+_FDINFO_SIZE = re.compile(r"([0-9]{1,20})(?: (KiB|MiB|GiB))?")
+_FDINFO_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_FDINFO_RANK = {"resident": 0, "memory": 1, "total": 2}  # lower wins, per region
 
 
 class _Bad(Exception):
@@ -122,17 +135,9 @@ class _Node:
 
     gpu_id: int
     minor: int | None = None
-    domain: int | None = None
-    location_id: int | None = None
+    bdf: str = ""
     unique_id: int = 0
     error: str = ""
-
-    @property
-    def bdf(self) -> str:
-        if self.domain is None or self.location_id is None:
-            return ""
-        loc = self.location_id
-        return f"{self.domain:04x}:{loc >> 8:02x}:{(loc >> 3) & 0x1F:02x}.{loc & 7}"
 
 
 def _kfd_nodes(sysfs: str) -> list[_Node]:
@@ -152,15 +157,12 @@ def _kfd_nodes(sysfs: str) -> list[_Node]:
             props = _properties(path)
             limits = {"drm_render_minor": MINOR_MAX, "domain": numbers.UINT32_MAX,
                       "location_id": 0xFFFF, "unique_id": UINT64_MAX}
-            values: dict[str, int] = {}
-            for key, maximum in limits.items():
-                if key in props:
-                    values[key] = _uint(props[key], f"{path} ({key})", maximum)
+            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in limits.items() if key in props}
             if "drm_render_minor" not in values or "location_id" not in values:
                 raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
-            node.minor = values["drm_render_minor"]
-            node.domain = values.get("domain", 0)  # before Linux 4.20 there was none: 0
-            node.location_id = values["location_id"]
+            node.minor, loc = values["drm_render_minor"], values["location_id"]
+            domain = values.get("domain", 0)  # before Linux 4.20 there was none: 0
+            node.bdf = f"{domain:04x}:{loc >> 8:02x}:{(loc >> 3) & 0x1F:02x}.{loc & 7}"
             node.unique_id = values.get("unique_id", 0)
         except _Bad as exc:
             node.error = str(exc)
@@ -249,8 +251,8 @@ def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
     return table
 
 
-def _name(pci: str, device: int, revision: int, ids_path: str, pci_ids: str) -> str:
-    name = _table(ids_path, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
+def _name(pci: str, device: int, revision: int) -> str:
+    name = _table(AMDGPU_IDS, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
     if name:
         return name
     try:
@@ -259,7 +261,7 @@ def _name(pci: str, device: int, revision: int, ids_path: str, pci_ids: str) -> 
         product = ""
     if product and product.isprintable():
         return product
-    return _table(pci_ids, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
+    return _table(PCI_IDS, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
 
 
 def _uuid(node: _Node | None, device: int, bdf: str) -> str:
@@ -269,13 +271,13 @@ def _uuid(node: _Node | None, device: int, bdf: str) -> str:
     of the same hardware. The vendor is left out: it is always 1002."""
     if node is not None and node.unique_id:
         return f"GPU-{node.unique_id:016x}"
-    match = _BDF.fullmatch(bdf)
+    match = BDF.fullmatch(bdf)
     assert match is not None  # every caller checked
     domain, bus, slot, function = (int(part, 16) for part in match.groups())
     return f"GPU-{device:04x}{domain:08x}{bus << 8 | slot << 3 | function:04x}"
 
 
-def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: str) -> None:
+def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None) -> None:
     if node is not None and node.error:
         raise _Bad(node.error)
     render = os.path.join(sysfs, f"class/drm/renderD{gpu.minor}")
@@ -285,7 +287,7 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: 
     except OSError as exc:
         raise _Bad(f"cannot read {pci}: {exc.strerror or exc}") from None
     expected = node.bdf if node is not None else ""
-    if _BDF.fullmatch(target):
+    if BDF.fullmatch(target):
         if expected and target != expected:
             raise _Bad(f"{pci} is {target}, but KFD places GPU {gpu.gpu_id} at {expected}")
         gpu.pci_bus_id = target
@@ -304,7 +306,7 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None, ids_path: str, pci_ids: 
         raise _Bad(f"cannot read {pci}: not a PCI device: {numbers.shown(target)}")
     device = _hex(os.path.join(pci, "device"), 0xFFFF)
     gpu.uuid = _uuid(node, device, gpu.pci_bus_id)
-    gpu.name = _name(pci, device, _hex(os.path.join(pci, "revision"), 0xFF), ids_path, pci_ids)
+    gpu.name = _name(pci, device, _hex(os.path.join(pci, "revision"), 0xFF))
     try:
         status = _read(os.path.join(pci, "power/runtime_status"), 64).strip("\n")
     except _Bad as exc:
@@ -348,11 +350,9 @@ def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
                     gpu.warnings.append(str(exc))
 
 
-def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
-              ids_path: str = AMDGPU_IDS, pci_ids: str = PCI_IDS) -> list[GpuInfo]:
+def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> list[GpuInfo]:
     """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
-    then amdgpu's render nodes KFD does not list, in PCI order. With `with_processes`, each
-    GPU's `processes` from KFD's proc entries (pid -> bytes, None where unreadable). Never
+    then the rest in PCI order; `processes`: pid -> bytes, None where unreadable. Never
     raises: a GPU that cannot be read is `unknown` with an `error` naming the file."""
     pairs: list[tuple[int | None, _Node | None]] = [(node.minor, node) for node in _kfd_nodes(sysfs)]
     seen = {minor for minor, _ in pairs}
@@ -362,7 +362,7 @@ def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
         gpu = GpuInfo(index=first_index + offset, vendor=Vendor.AMD, minor=minor,
                       gpu_id=max(node.gpu_id, 0) if node is not None else 0)
         try:
-            _fill(gpu, sysfs, node, ids_path, pci_ids)
+            _fill(gpu, sysfs, node)
         except _Bad as exc:
             gpu.unknown = True
             gpu.error = safetext.clean(str(exc), safetext.PATH_MAX)
@@ -370,3 +370,63 @@ def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True,
     if with_processes:
         _kfd_processes(sysfs, gpus)
     return gpus
+
+
+@dataclass(frozen=True)
+class DrmClient:
+    pdev: str = ""  # "0000:c3:00.0", "" where not given
+    client_id: int | None = None
+    vram_bytes: int | None = None  # None: no VRAM figure given
+
+
+def _fdinfo_size(text: str) -> int | None:
+    match = _FDINFO_SIZE.fullmatch(text.strip())
+    if match is None:
+        return None
+    value = int(match.group(1)) * _FDINFO_UNITS[match.group(2) or ""]
+    return value if value <= 2**63 - 1 else None
+
+
+def parse_fdinfo(text: str) -> DrmClient | None:
+    """A DRM client from one fdinfo file's text; None when it is none (no drm-driver)."""
+    fields: dict[str, str] = {}
+    vram: dict[str, tuple[int, int]] = {}  # region -> (rank, bytes)
+    for line in text.splitlines():
+        match = _FDINFO_LINE.fullmatch(line.strip())
+        if match is None:
+            continue
+        key, value = match.groups()
+        fields.setdefault(key, value.strip())
+        memory = _FDINFO_VRAM.fullmatch(key)
+        size = _fdinfo_size(value) if memory else None
+        if memory and size is not None:
+            rank = _FDINFO_RANK[memory.group(1)]
+            if memory.group(2) not in vram or rank < vram[memory.group(2)][0]:
+                vram[memory.group(2)] = (rank, size)
+    if not fields.get("drm-driver"):
+        return None
+    client = fields.get("drm-client-id", "")
+    return DrmClient(pdev=safetext.clean(fields.get("drm-pdev", "").lower(), safetext.NAME_MAX),
+                     client_id=int(client) if numbers.is_digits(client) and len(client) <= 20 else None,
+                     vram_bytes=sum(size for _, size in vram.values()) if vram else None)
+
+
+def drm_vram(pid: int, fds: list[str], proc: str = "/proc") -> dict[str, int]:
+    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (those
+    the holder scan found on DRM nodes), each (pdev, client id) once. A vanished or unreadable
+    fd is left out, silently."""
+    seen: set[tuple[str, int] | str] = set()
+    totals: dict[str, int] = {}
+    for fd in sorted(fds, key=int):
+        try:
+            with open(os.path.join(proc, str(pid), "fdinfo", fd), "rb") as handle:
+                client = parse_fdinfo(handle.read(_FDINFO_MAX).decode("utf-8", "replace"))
+        except OSError:
+            continue
+        key = fd if client is None or client.client_id is None else (client.pdev, client.client_id)
+        if client is None or key in seen:
+            continue
+        seen.add(key)
+        if client.vram_bytes is not None and client.pdev:
+            totals[client.pdev] = totals.get(client.pdev, 0) + client.vram_bytes
+    return totals

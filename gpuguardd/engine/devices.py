@@ -4,6 +4,11 @@ A process inside a container may reach the same GPU through a node at another pa
 another inode (Docker's --device creates fresh nodes). The device number is the identity that
 survives that, so nodes are indexed by path, by inode (for mmaps) and by rdev, with the
 driver's majors from /proc/devices as the last resort.
+
+MIG: a process in an instance holds its GPU's /dev/nvidiaN and the instance's capability nodes,
+/dev/nvidia-caps/nvidia-capN, for the GPU instance (`gpu0/gi1/access`) and the compute instance
+(`gpu0/gi1/ci0/access`); /proc/driver/nvidia-caps/mig-minors says which minor N is which
+("gpuG": the GPU's minor). It is untrusted text: read bounded, a line that does not parse skipped.
 """
 
 from __future__ import annotations
@@ -15,8 +20,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from gpuguardd.engine.mig import MigCap, read_mig_minors
-from gpuguardd.records.models import DeviceNode
+from gpuguardd.records.models import DeviceNode, NvmlSnapshot
 
 _GPU_NAME = re.compile(r"^nvidia([0-9]{1,7})$")
 # The amdgpu driver's DRM nodes: /dev/dri/renderD<minor> (compute and rendering) and
@@ -34,6 +38,38 @@ _DRIVER_MAJORS = {"nvidia-frontend": "nvidia", "nvidia": "nvidia", "nvidia-uvm":
 _NAMED_ROLES = {"kfd": "kfd", "nvidiactl": "control", "nvidia-uvm": "uvm", "nvidia-modeset": "modeset"}
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
+CAPS_DIRECTORY = "/dev/nvidia-caps"
+# 8 GPUs x 7 instances x 2 lines, plus config/monitor, is well under 1 KiB a GPU.
+MAX_MIG_MINORS_BYTES = 1 << 20
+_MIG_LINE = re.compile(r"gpu(\d{1,9})/gi(\d{1,9})(?:/ci(\d{1,9}))?/access\s+(\d{1,9})")
+
+
+@dataclass(frozen=True)
+class MigCap:
+    gpu_minor: int
+    gpu_instance_id: int
+    compute_instance_id: int | None  # None: the GPU instance's own access node
+
+
+def read_mig_minors(path: str) -> tuple[dict[int, MigCap], str]:
+    """caps minor -> what it opens, and a problem worth a warning ("" when none: a missing file
+    is no MIG here)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_MIG_MINORS_BYTES + 1)
+    except FileNotFoundError:
+        return {}, ""
+    except OSError as exc:
+        return {}, f"cannot read {path}: {exc.strerror or exc}: MIG caps nodes map to no instance"
+    if len(data) > MAX_MIG_MINORS_BYTES:
+        return {}, f"{path} is over {MAX_MIG_MINORS_BYTES} bytes: not read"
+    caps: dict[int, MigCap] = {}
+    for line in data.decode("ascii", "replace").splitlines():
+        match = _MIG_LINE.fullmatch(line.strip())
+        if match:
+            gpu, gi, ci, minor = match.groups()
+            caps[int(minor)] = MigCap(int(gpu), int(gi), int(ci) if ci is not None else None)
+    return caps, ""
 
 
 def role_for_name(path: str) -> tuple[str, int | None]:
@@ -54,10 +90,10 @@ def role_for_name(path: str) -> tuple[str, int | None]:
     return "control", None
 
 
-def driver_majors(proc_devices: str = "/proc/devices") -> dict[int, str]:
+def driver_majors() -> dict[int, str]:
     """Character majors registered by the GPU drivers (NVIDIA's, amdkfd, DRM) -> a role family."""
     try:
-        with open(proc_devices, encoding="ascii", errors="replace") as handle:
+        with open("/proc/devices", encoding="ascii", errors="replace") as handle:
             chars = handle.read().partition("Character devices")[2].partition("Block devices")[0]
     except OSError:
         return {}
@@ -72,11 +108,9 @@ class DeviceMap:
     by_rdev: dict[int, DeviceNode] = field(default_factory=dict)
     by_inode: dict[tuple[int, int], DeviceNode] = field(default_factory=dict)
     majors: dict[int, str] = field(default_factory=dict)
-    # Substrings that reveal a watched device in /proc/<pid>/maps, checked before parsing it.
-    maps_tokens: tuple[bytes, ...] = ()
-    # Fewer, shorter substrings, one of which is on every maps line that maps_tokens would
-    # find: " <common path prefix>" per directory of nodes and " <dev> " per filesystem. Two
-    # searches per process instead of two per node; a line that has one is then checked exactly.
+    # Substrings, one of which is on every /proc/<pid>/maps line naming a watched node (by path
+    # or by dev and inode): " <common path prefix>" per directory of nodes and " <dev> " per
+    # filesystem. Two searches per process, not two per node; a line found is checked exactly.
     maps_prefilter: tuple[bytes, ...] = ()
     warnings: list[str] = field(default_factory=list)
     # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
@@ -110,11 +144,6 @@ class DeviceMap:
         return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
 
 
-def _maps_dev(st_dev: int) -> bytes:
-    # /proc/<pid>/maps prints the device of the file's filesystem as "%02x:%02x".
-    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}".encode()
-
-
 def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
     """Why a watched path must not count as a GPU device, or None.
 
@@ -132,21 +161,19 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
     return None
 
 
-def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices",
-                     allow_majors: Iterable[int] = (),
-                     origin: Callable[[str], str] | None = None,
-                     mig_minors: str | None = None, amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
+def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
+                     origin: Callable[[str], str] | None = None, mig_minors: str | None = None,
+                     amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
     """The nodes `patterns` name now. Entries that are not character devices of a GPU
     driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
     where it was configured (`origin(pattern)`) and why. DRM nodes of a GPU amdgpu does not
     drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
-    device_map = DeviceMap(majors=driver_majors(proc_devices), amd_minors=amd_minors)
+    device_map = DeviceMap(majors=driver_majors(), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
     if mig_minors:
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
         if problem:
             device_map.warnings.append(problem)
-    tokens: list[bytes] = []
     for pattern in patterns:
         paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         for path in paths:
@@ -179,13 +206,10 @@ def build_device_map(patterns: Iterable[str], proc_devices: str = "/proc/devices
             device_map.by_path[path] = node
             device_map.by_rdev.setdefault(rdev, node)
             device_map.by_inode[(st.st_dev, st.st_ino)] = node
-            tokens.append(b" " + _maps_dev(st.st_dev) + b" " + str(st.st_ino).encode() + b" ")
-            tokens.append(b" " + path.encode() + b"\n")
     if not device_map.nodes and not device_map.majors:
         device_map.warnings.append(
             "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
             "in /proc/devices: nothing can hold a GPU here")
-    device_map.maps_tokens = tuple(tokens)
     device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
     return device_map
 
@@ -195,9 +219,48 @@ def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
     devs: set[bytes] = set()
     for node in nodes:
         by_dir.setdefault(os.path.dirname(node.path), []).append(os.path.basename(node.path))
-        if node.inode is not None:
-            devs.add(b" " + _maps_dev(node.inode[0]) + b" ")
+        if node.inode is not None:  # maps prints the file's filesystem as "%02x:%02x"
+            devs.add(f" {os.major(node.inode[0]):02x}:{os.minor(node.inode[0]):02x} ".encode())
     # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
     return tuple(sorted(prefixes | devs))
+
+
+def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
+                       nvml: NvmlSnapshot) -> tuple[set[int], set[str]]:
+    """The GPUs (NVML indices) and MIG UUIDs that the caps nodes among `nodes` open.
+
+    A compute-instance node names its instance. A GPU-instance node alone (the process has not
+    opened a compute instance of it) stands for every compute instance in that GPU instance."""
+    held = [caps[n.minor] for n in nodes if n.role == "caps" and n.minor is not None and n.minor in caps]
+    gpus: set[int] = set()
+    migs: set[str] = set()
+    with_ci = {(c.gpu_minor, c.gpu_instance_id) for c in held if c.compute_instance_id is not None}
+    for cap in held:
+        if cap.compute_instance_id is None and (cap.gpu_minor, cap.gpu_instance_id) in with_ci:
+            continue
+        if not nvml.available:
+            gpus.add(cap.gpu_minor)  # as for /dev/nvidiaN without NVML: the minor names it
+            continue
+        for gpu in nvml.gpus:
+            if gpu.minor != cap.gpu_minor:
+                continue
+            gpus.add(gpu.index)
+            migs.update(i.uuid for i in gpu.mig if i.gpu_instance_id == cap.gpu_instance_id
+                        and cap.compute_instance_id in (None, i.compute_instance_id))
+    return gpus, migs
+
+
+def annotate_device_paths(nvml: NvmlSnapshot, caps: dict[int, MigCap],
+                          nodes: list[DeviceNode]) -> None:
+    """Set each instance's device_path: its compute instance's caps node, by minor."""
+    by_instance = {(c.gpu_minor, c.gpu_instance_id, c.compute_instance_id): minor
+                   for minor, c in caps.items()}
+    paths = {n.minor: n.path for n in nodes if n.role == "caps" and n.minor is not None}
+    for gpu in nvml.gpus:
+        for instance in gpu.mig:
+            minor = by_instance.get((gpu.minor if gpu.minor is not None else -1,
+                                     instance.gpu_instance_id, instance.compute_instance_id))
+            if minor is not None:
+                instance.device_path = paths.get(minor, f"{CAPS_DIRECTORY}/nvidia-cap{minor}")

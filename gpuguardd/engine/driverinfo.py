@@ -1,13 +1,21 @@
-"""The nvidia kernel module's own list of GPUs, for the ones NVML can no longer describe.
+"""NVIDIA GPUs as the kernel describes them, without NVML: the GPUs NVML can no longer
+describe, and those an NVML call would wake.
 
 A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN
 open: without the minor a sweep of that GPU would miss them. The module lists every GPU it
 drives, whatever its state, in /proc/driver/nvidia/gpus/<pci bus id>/information.
+
+Runtime PM: /sys/bus/pci/devices/<bdf>/power/runtime_status is an attribute of the PCI core
+that never calls into the nvidia module. NVML queries do: one on a suspended GPU resumes it,
+and frequent ones keep it from suspending (nvtop issue 267, beszel PR 1587,
+cosmic-ext-applet-system-monitor issue 38), and an open session attaches every GPU (btop issue
+1831). So nvml.py asks here first, and makes no NVML call naming a GPU asleep.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from gpuguardd.numbers import is_digits
@@ -16,6 +24,13 @@ from gpuguardd.records.selectors import pci_key
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
+# What the kernel writes to runtime_status (drivers/base/power/sysfs.c, rtpm_status_show) for a
+# device (going) down: a query now would resume it.
+ASLEEP = frozenset(("suspended", "suspending"))
+_MAX_WORD = 64  # runtime_status and the module's version: one short word and a newline
+# A PCI address as the kernel spells it in sysfs: domain:bus:device.function, lower-case hex.
+BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 
 
 @dataclass(frozen=True)
@@ -29,15 +44,6 @@ class DriverGpu:
 bus_key = pci_key  # one spelling of a PCI address, shared with the selectors
 
 
-def _parse(text: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields[key.strip()] = value.strip()
-    return fields
-
-
 def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
     """Every GPU the module drives and NVML enumerates (excluded ones left out), by bus id."""
     try:
@@ -48,9 +54,10 @@ def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
     for name in names:
         try:
             with open(os.path.join(directory, name, "information"), "rb") as handle:
-                fields = _parse(handle.read(_MAX_READ).decode("utf-8", "replace"))
+                lines = handle.read(_MAX_READ).decode("utf-8", "replace").splitlines()
         except OSError:
             continue
+        fields = {key.strip(): value.strip() for key, sep, value in (line.partition(":") for line in lines) if sep}
         minor_text = fields.get("Device Minor", "")
         # Untrusted text: a minor that is not a small number is no minor.
         if not is_digits(minor_text) or len(minor_text) > 6:
@@ -89,3 +96,36 @@ def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
         gpu.uuid = gpu.uuid or match.uuid
         gpu.name = gpu.name or match.model
         gpu.pci_bus_id = gpu.pci_bus_id or match.bus_id
+
+
+def asleep(sysfs: str, bus_id: str) -> bool:
+    """Whether the PCI device `bus_id` (NVML's or the kernel's spelling) is runtime-suspended;
+    False where that cannot be read (no such device, no runtime PM, no PCI address)."""
+    bdf = bus_key(bus_id)
+    if not BDF.fullmatch(bdf):
+        return False
+    try:
+        with open(os.path.join(sysfs, "bus/pci/devices", bdf, "power/runtime_status"), "rb") as handle:
+            raw = handle.read(_MAX_WORD)
+    except OSError:
+        return False
+    return raw.decode("ascii", "replace").strip() in ASLEEP
+
+
+def driver_version(sysfs: str) -> str:
+    """The nvidia module's version (module/nvidia/version), what NVML would say, or ""."""
+    try:
+        with open(os.path.join(sysfs, "module/nvidia/version"), "rb") as handle:
+            text = handle.read(_MAX_WORD).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return text if _VERSION.fullmatch(text) else ""
+
+
+def nvidia_bus_ids(sysfs: str) -> list[str]:
+    """The PCI devices bound to the nvidia driver, in bus order (NVML's enumeration order)."""
+    try:
+        names = os.listdir(os.path.join(sysfs, "bus/pci/drivers/nvidia"))
+    except OSError:
+        return []
+    return sorted(name for name in names if BDF.fullmatch(name))

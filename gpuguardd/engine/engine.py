@@ -16,11 +16,10 @@ from gpuguardd.engine.attribution import (
     normalize_unit_name,
     validate_container_label,
 )
-from gpuguardd.engine.devices import DeviceMap, build_device_map
+from gpuguardd.engine.devices import DeviceMap, annotate_device_paths, build_device_map
 from gpuguardd.engine.gpustate import node_gpus
 from gpuguardd.engine.holders import clock_ticks, find_holders, started_since
 from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
-from gpuguardd.engine.mig import annotate_device_paths
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from gpuguardd import safetext
-from gpuguardd.engine import fdinfo, procfs
+from gpuguardd.engine import procfs
+from gpuguardd.engine.amd import drm_vram
 from gpuguardd.engine.attribution import attribute
-from gpuguardd.engine.devices import DeviceMap
-from gpuguardd.engine.mig import instances_for_caps
+from gpuguardd.engine.devices import DeviceMap, instances_for_caps
 from gpuguardd.engine.process import ProcessHandle
 from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
@@ -62,8 +62,7 @@ def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    tokens = device_map.maps_prefilter or device_map.maps_tokens
-    for line in procfs.maps_lines(pid, tokens):
+    for line in procfs.maps_lines(pid, device_map.maps_prefilter):
         node = _maps_line_node(line, device_map)
         if node is not None:
             raw.nodes[node.path] = node
@@ -190,7 +189,7 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
         return {}
     by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
     listed: dict[int, int] = {}
-    for pdev, vram in fdinfo.vram_by_pdev(fdinfo.drm_clients(pid, fds=fds)).items():
+    for pdev, vram in drm_vram(pid, fds).items():
         index = by_pci.get(pci_key(pdev))
         if index is not None and vram > 0:
             listed[index] = listed.get(index, 0) + vram

@@ -18,22 +18,11 @@ try:
 except ImportError:  # nvidia-ml-py is not packaged everywhere (Debian main lacks it)
     pynvml = None
 
-from gpuguardd.engine import nvmlprocs, runtimepm
-from gpuguardd.engine.driverinfo import (
-    DRIVER_GPUS_DIR,
-    DriverGpu,
-    bus_key,
-    fill_from_driver,
-    read_driver_gpus,
-)
+from gpuguardd.engine import driverinfo, nvmlprocs
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
 PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
-# How long one snapshot (all NVML calls for every GPU, normally milliseconds) may take before
-# the driver counts as hung; [Daemon] NvmlTimeoutSec.
-DEFAULT_TIMEOUT_SEC = 5.0
-
 _SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
@@ -83,53 +72,41 @@ class _Progress:
 _job = threading.local()
 
 
-def _name_entry_points() -> None:
-    """Name each NVML entry point in the running job's _Progress as it is called, so a hang is
-    reported by name without wrapping every call site: pynvml looks every C function up by
-    name right before calling it, so that one lookup is wrapped, once (a profile hook cost
-    ~15 ms of CPU a poll)."""
-    lookup = getattr(pynvml, "_nvmlGetFunctionPointer", None)
-    if lookup is None or getattr(lookup, "names_entry_points", False):
-        return
-
-    def named(name: str) -> Any:
-        progress = getattr(_job, "progress", None)
-        if progress is not None:
-            progress.call = str(name)[:128]
-        return lookup(name)
-
-    named.names_entry_points = True  # type: ignore[attr-defined]
-    pynvml._nvmlGetFunctionPointer = named
+def _named(name: str) -> Any:
+    """pynvml looks every C function up by name right before calling it: this wrapper of that
+    one lookup names each entry point in the running job's _Progress, so that a hang is
+    reported by name without wrapping every call site (a profile hook cost ~15 ms a poll)."""
+    progress = getattr(_job, "progress", None)
+    if progress is not None:
+        progress.call = str(name)[:128]
+    return _lookup(name)
 
 
 if pynvml is not None:
-    _name_entry_points()
+    _lookup = pynvml._nvmlGetFunctionPointer
+    pynvml._nvmlGetFunctionPointer = _named
 
 
 class Nvml:
-    """A lazily initialised NVML session, safe to share between threads.
+    """A lazily initialised NVML session, safe to share between threads: initialisation is
+    retried on each call while it fails, so a daemon started before the driver picks it up."""
 
-    Initialisation is retried on each snapshot while it fails, so a daemon started before the
-    driver was loaded picks NVML up later. NVML calls run on the worker thread, never the
-    caller's.
-    """
-
-    def __init__(self, timeout: float | Callable[[], float] = DEFAULT_TIMEOUT_SEC,
-                 driver_gpus_dir: str = DRIVER_GPUS_DIR,
-                 sysfs: str | Callable[[], str] = runtimepm.DEFAULT_SYSFS) -> None:
+    def __init__(self, timeout: Callable[[], float], sysfs: Callable[[], str],
+                 driver_gpus_dir: str = driverinfo.DRIVER_GPUS_DIR) -> None:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
         # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
         self._seen: dict[int, GpuInfo] = {}
         self.last_error = ""
+        # How long one snapshot (all its NVML calls) may take before the driver counts as hung.
         self._timeout = timeout
         self._worker = NvmlWorker()
         # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
         # Read through a worker of its own: the nvidia module answers it under its own locks.
         self._driver_gpus_dir = driver_gpus_dir
         self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
-        self._driver_gpus: list[DriverGpu] | None = None
+        self._driver_gpus: list[driverinfo.DriverGpu] | None = None
         # The last GPU count and driver NVML gave: what a hung snapshot still knows.
         self._last_count: int | None = None
         self._last_driver = ""
@@ -137,14 +114,6 @@ class Nvml:
         # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
         self._sysfs = sysfs
         self._released = False  # closed as every GPU slept: what was seen of them still holds
-
-    @property
-    def timeout(self) -> float:
-        return self._timeout() if callable(self._timeout) else self._timeout
-
-    @property
-    def sysfs(self) -> str:
-        return self._sysfs() if callable(self._sysfs) else self._sysfs
 
     def _ensure_init(self) -> bool:
         if self._initialized:
@@ -190,7 +159,7 @@ class Nvml:
                     return call(pynvml.nvmlDeviceGetHandleByIndex(index))
                 except pynvml.NVMLError as exc:
                     raise NvmlCallFailed(_error_text(exc), _unsupported(exc)) from None
-        return self._worker.run(job, self.timeout, what)
+        return self._worker.run(job, self._timeout(), what)
 
     def pause(self, reason: str) -> None:
         """Close the NVML session (its handles keep the GPUs' device nodes open, and a reset
@@ -200,7 +169,7 @@ class Nvml:
             with self._lock:
                 self._paused = reason
                 self._close()
-        self._worker.run(job, self.timeout, "nvmlShutdown")
+        self._worker.run(job, self._timeout(), "nvmlShutdown")
 
     def resume(self) -> None:
         with self._lock:
@@ -229,14 +198,14 @@ class Nvml:
             finally:
                 _job.progress = None
         try:
-            snap = self._worker.run(job, self.timeout, progress)  # type: ignore[arg-type]
+            snap = self._worker.run(job, self._timeout(), progress)  # type: ignore[arg-type]
         except NvmlHung as hung:
             self.last_error = message = hung.describe()
             count = progress.count if progress.count is not None else self._last_count
             snap = NvmlSnapshot(available=False, error=message) if count is None else self._unknown(
                 message, count, progress.driver or self._last_driver, {g.index: g for g in list(progress.done)})
         if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
-            fill_from_driver(snap.gpus, self._read_driver_gpus())
+            driverinfo.fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
 
     def _recall(self, gpu: GpuInfo) -> None:
@@ -249,12 +218,12 @@ class Nvml:
         if seen is not None and seen.uuid == gpu.uuid:
             _copy_mig(seen, gpu, figures=False)
 
-    def _read_driver_gpus(self) -> list[DriverGpu]:
+    def _read_driver_gpus(self) -> list[driverinfo.DriverGpu]:
         if self._driver_gpus:
             return self._driver_gpus  # fixed while the driver stays loaded
         try:
-            self._driver_gpus = self._driver_worker.run(lambda: read_driver_gpus(self._driver_gpus_dir),
-                                                        self.timeout, self._driver_gpus_dir)
+            self._driver_gpus = self._driver_worker.run(lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir),
+                                                        self._timeout(), self._driver_gpus_dir)
         except NvmlHung:
             return []
         return self._driver_gpus
@@ -263,12 +232,12 @@ class Nvml:
         with self._lock:
             if self._paused:
                 return self._unknown(self._paused, self._last_count or 0, self._last_driver, {})
-            sysfs = self.sysfs
+            sysfs = self._sysfs()
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
-            bound = runtimepm.nvidia_bus_ids(sysfs)
+            bound = driverinfo.nvidia_bus_ids(sysfs)
             if bound and self._last_count in (None, len(bound)) \
-                    and all(runtimepm.asleep(sysfs, bus) for bus in bound):
+                    and all(driverinfo.asleep(sysfs, bus) for bus in bound):
                 return self._all_asleep(bound)
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
@@ -286,10 +255,12 @@ class Nvml:
             gpus = []
             for index in range(count):
                 progress.gpu = index
+                # Its bus id as NVML last gave it; before that, the nvidia driver's i-th device
+                # (bus order is NVML's), only where both count the same GPUs.
                 identity = self._identity.get(index)
-                bus_id = bus_key(identity[3]) if identity is not None else (
+                bus_id = driverinfo.bus_key(identity[3]) if identity is not None else (
                     bound[index] if len(bound) == count else "")
-                if bus_id in bound and runtimepm.asleep(sysfs, bus_id):
+                if bus_id in bound and driverinfo.asleep(sysfs, bus_id):
                     # Not one NVML call names it, not even its handle: any could resume it.
                     gpus.append(self._asleep(index, bus_id))
                 else:
@@ -306,7 +277,7 @@ class Nvml:
             self._released = True
             self._close()
         self._last_count = len(bound)
-        driver = self._last_driver or runtimepm.driver_version(self.sysfs)
+        driver = self._last_driver or driverinfo.driver_version(self._sysfs())
         return NvmlSnapshot(available=True, driver_version=driver,
                             gpus=[self._asleep(index, bus) for index, bus in enumerate(bound)])
 
@@ -315,7 +286,7 @@ class Nvml:
         domain, _, rest = bus_id.partition(":")
         # NVML's spelling ("00000000:01:00.0") until NVML itself has named it.
         gpu = GpuInfo(index=index, suspended=True, pci_bus_id=f"{int(domain, 16):08X}:{rest.upper()}")
-        seen = next((g for g in self._seen.values() if bus_key(g.pci_bus_id) == bus_id), None)
+        seen = next((g for g in self._seen.values() if driverinfo.bus_key(g.pci_bus_id) == bus_id), None)
         if seen is not None:
             gpu.uuid, gpu.name, gpu.minor, gpu.pci_bus_id = seen.uuid, seen.name, seen.minor, seen.pci_bus_id
             gpu.memory_total, gpu.memory_used = seen.memory_total, seen.memory_used
@@ -429,12 +400,11 @@ class Nvml:
     @staticmethod
     def _processes(handle: Any, gpu: GpuInfo) -> dict[int, int | None]:
         lists, errors = nvmlprocs.read_lists(handle)
-        failed = [exc for exc in errors if not isinstance(exc, pynvml.NVMLError_NotSupported)]
-        for exc in failed:
+        for exc in errors:
             _note(gpu, exc)
-        if failed and not lists:
+        if errors and not lists:
             gpu.unknown = True  # who uses it, and so whether its memory leaks, is unknown
-        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index, nvmlprocs.pid_max())
+        found, gpu.warnings = nvmlprocs.merge(lists, gpu.index)
         return found
 
 

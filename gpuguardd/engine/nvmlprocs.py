@@ -19,9 +19,7 @@ meaningless in another PID namespace (pids_are_local).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 try:
@@ -49,17 +47,14 @@ class _Info16(ctypes.Structure):
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
 
-class _Info24(ctypes.Structure):
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+class _Info24(_Info16):  # a subclass's fields follow its base's
+    _fields_ = [("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
 
-class _Info32(ctypes.Structure):
+class _Info32(_Info24):
     """nvmlProcessDetail_v1_t, and what drivers 535.43-535.86 write through the _v3 lists."""
 
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint),
-                ("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
+    _fields_ = [("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
 
 
 class _DetailList(ctypes.Structure):
@@ -71,9 +66,6 @@ class _DetailList(ctypes.Structure):
 _DETAIL_LIST_V1 = ctypes.sizeof(_DetailList) | (1 << 24)
 
 Entry = tuple[int, int | None]  # (pid as NVML wrote it, bytes or None where not available)
-Reader = Callable[[Any, int], list[Entry]]  # (handle, detail-list mode)
-# (handle, mode, array or None, its capacity) -> (NVML's return code, count it wrote)
-Call = Callable[[Any, int, Any, int], tuple[int, int]]
 
 
 def _function(name: str) -> Any | None:
@@ -83,14 +75,34 @@ def _function(name: str) -> Any | None:
         return None
 
 
-def _entries(items: Any, count: int) -> list[Entry]:
-    return [(int(e.pid), None if e.usedGpuMemory == _NOT_AVAILABLE else int(e.usedGpuMemory))
-            for e in items[:count]]
+def _read(handle: Any, name: str, mode: int) -> list[Entry] | None:
+    """The list the old calls call `name` (None where the driver lacks it), read with NVML's
+    two-call protocol: ask how many (no array), then read into an array."""
+    detail = _function("nvmlDeviceGetRunningProcessDetailList")
+    struct: type[ctypes.Structure] = _Info32
+    if detail is not None:
+        def call(array: Any, capacity: int) -> tuple[int, int]:
+            query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=capacity,
+                                procArray=ctypes.cast(array, ctypes.POINTER(_Info32)))
+            return detail(handle, ctypes.byref(query)), query.numProcArrayEntries
+    else:
+        if _function("nvmlDeviceGetComputeRunningProcesses_v3") is not None:
+            early_535 = _function("nvmlDeviceGetConfComputeMemSizeInfo") is not None
+            struct, suffix = (_Info32 if early_535 else _Info24), "_v3"
+        elif _function("nvmlDeviceGetComputeRunningProcesses_v2") is not None:
+            struct, suffix = _Info24, "_v2"
+        else:
+            struct, suffix = _Info16, ""
+        function = _function(name + suffix)
+        if function is None:
+            return None
 
-
-def _read(call: Call, struct: type[ctypes.Structure], handle: Any, mode: int) -> list[Entry]:
-    """NVML's two-call protocol: ask how many (no array), then read into an array."""
-    ret, count = call(handle, mode, None, 0)
+        def call(array: Any, capacity: int) -> tuple[int, int]:
+            count = ctypes.c_uint(capacity)
+            ret = function(handle, ctypes.byref(count), array)
+            # A size query these calls answer with success has nothing to list.
+            return ret, 0 if ret == _SUCCESS and array is None else count.value
+    ret, count = call(None, 0)
     for _ in range(_RETRIES):
         if ret == _SUCCESS and not count:
             return []
@@ -100,59 +112,28 @@ def _read(call: Call, struct: type[ctypes.Structure], handle: Any, mode: int) ->
         # than a driver writing wider entries than we think would need.
         capacity = count * 2 + 5
         array = (struct * capacity)()
-        ret, count = call(handle, mode, array, capacity)
+        ret, count = call(array, capacity)
         if ret == _SUCCESS:
-            return _entries(array, min(count, capacity))
+            return [(int(e.pid), None if e.usedGpuMemory == _NOT_AVAILABLE else int(e.usedGpuMemory))
+                    for e in array[:min(count, capacity)]]
     raise pynvml.NVMLError(ret)
 
 
-def _old_style(function: Any, struct: type[ctypes.Structure]) -> Reader:
-    def call(handle: Any, _mode: int, array: Any, capacity: int) -> tuple[int, int]:
-        count = ctypes.c_uint(capacity)
-        ret = function(handle, ctypes.byref(count), array)
-        # A size query these calls answer with success has nothing to list.
-        return ret, 0 if ret == _SUCCESS and array is None else count.value
-    return functools.partial(_read, call, struct)
-
-
-def _detail_list(function: Any) -> Reader:
-    def call(handle: Any, mode: int, array: Any, capacity: int) -> tuple[int, int]:
-        query = _DetailList(version=_DETAIL_LIST_V1, mode=mode, numProcArrayEntries=capacity,
-                            procArray=ctypes.cast(array, ctypes.POINTER(_Info32)))
-        return function(handle, ctypes.byref(query)), query.numProcArrayEntries
-    return functools.partial(_read, call, _Info32)
-
-
-def _reader_for(name: str) -> Reader | None:
-    """The reader of the list the old calls call `name` (None where the driver lacks it)."""
-    detail = _function("nvmlDeviceGetRunningProcessDetailList")
-    if detail is not None:
-        return _detail_list(detail)
-    if _function("nvmlDeviceGetComputeRunningProcesses_v3") is not None:
-        early_535 = _function("nvmlDeviceGetConfComputeMemSizeInfo") is not None
-        struct: type[ctypes.Structure] = _Info32 if early_535 else _Info24
-        suffix = "_v3"
-    elif _function("nvmlDeviceGetComputeRunningProcesses_v2") is not None:
-        struct, suffix = _Info24, "_v2"
-    else:
-        struct, suffix = _Info16, ""
-    function = _function(name + suffix)
-    return None if function is None else _old_style(function, struct)
-
-
-def read_lists(handle: Any) -> tuple[list[tuple[str, list[Entry]]], list[BaseException]]:
-    """Every list of one GPU (or MIG instance) handle: [(list name, entries)], and the errors
-    of the lists that could not be read."""
-    found: list[tuple[str, list[Entry]]] = []
+def read_lists(handle: Any) -> tuple[list[list[Entry]], list[BaseException]]:
+    """Every list of one GPU (or MIG instance) handle, and the errors of the lists that could
+    not be read (but for NOT_SUPPORTED: a list this GPU does not keep)."""
+    found: list[list[Entry]] = []
     errors: list[BaseException] = []
     for name, mode in KINDS:
-        reader = _reader_for(name)
-        if reader is None:
-            continue
         try:
-            found.append((name, reader(handle, mode)))
+            entries = _read(handle, name, mode)
+        except pynvml.NVMLError_NotSupported:
+            continue
         except pynvml.NVMLError as exc:
             errors.append(exc)
+            continue
+        if entries is not None:
+            found.append(entries)
     return found, errors
 
 
@@ -165,16 +146,17 @@ def pid_max() -> int:
     return value if 0 < value <= PID_MAX_LIMIT else PID_MAX_LIMIT
 
 
-def merge(lists: list[tuple[str, list[Entry]]], index: int, limit: int
-          ) -> tuple[dict[int, int | None], list[str]]:
-    """{pid: bytes} over the lists, each process once, and a warning per entry that is no pid.
+def merge(lists: list[list[Entry]], index: int) -> tuple[dict[int, int | None], list[str]]:
+    """{pid: bytes} over GPU `index`'s lists, each process once, and a warning per entry that
+    is no pid.
 
     A process in the compute and the graphics list (an OpenGL+CUDA program) is one process with
     one amount of memory, which NVML reports in both: counted once (the larger), never summed.
     """
     found: dict[int, int | None] = {}
     warnings: list[str] = []
-    for _name, entries in lists:
+    limit = pid_max()
+    for entries in lists:
         for pid, used in entries:
             if not 0 < pid <= limit:
                 warnings.append(f"GPU {index}: NVML listed pid {pid}, which is no process id "

@@ -70,7 +70,10 @@ class NvmlWorker:
                     self._mark_hung(self._job)
                     raise NvmlHung(self._job.what, self._job.started)
                 self._cond.wait(remaining)
-            self._start_thread()
+            if self._thread is None or not self._thread.is_alive():
+                # A daemon thread: a process whose NVML hangs for good must still be able to exit.
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
             job.started = time.monotonic()
             self._job = job  # type: ignore[assignment]
             self._cond.notify_all()
@@ -90,12 +93,6 @@ class NvmlWorker:
             log.error("NVML call %s has not returned after %.1f s: the driver is hung; NVML "
                       "queries are answered as unknown until it returns", job.what,
                       time.monotonic() - job.started)
-
-    def _start_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            # A daemon thread: a process whose NVML hangs for good must still be able to exit.
-            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-            self._thread.start()
 
     def _loop(self) -> None:
         while True:

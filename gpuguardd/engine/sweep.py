@@ -336,7 +336,7 @@ class Sweep:
             why = gpu.error or _memory_of(view).error or ("lost" if gpu.lost else "unknown")
             return f"memory could not be read ({why})"
         if verdict.has(Why.SUSPENDED):
-            # Its figures are the last ones read: asking now would wake it (runtimepm.py).
+            # Its figures are the last ones read: asking now would wake it (driverinfo.py).
             return "memory not read: the GPU is runtime-suspended, and asking would wake it"
         if verdict.has(Why.FOREIGN):
             return (f"memory not verified: NVML still lists {len(self._foreign_pids(view))} "

@@ -56,7 +56,7 @@ class GpuInfo:
     memory_used: int = 0
     lost: bool = False
     unknown: bool = False  # state unreadable (GpuState.UNKNOWN); memory_used means nothing then
-    # Runtime-suspended (runtimepm.py): not asked, so not woken; memory figures as last read.
+    # Runtime-suspended (driverinfo.py): not asked, so not woken; memory figures as last read.
     suspended: bool = False
     error: str = ""
     # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS;

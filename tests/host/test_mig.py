@@ -192,8 +192,7 @@ def test_gpus_show_instances_under_their_gpu(mig_host: MigHost) -> None:
 
 def test_mig_minors_file_is_untrusted(tmp_path: Path) -> None:
     # Imported here so that the rest of the file also runs against an engine without MIG.
-    from gpuguardd.engine.devices import build_device_map
-    from gpuguardd.engine.mig import read_mig_minors
+    from gpuguardd.engine.devices import build_device_map, read_mig_minors
 
     path = tmp_path / "mig-minors"
     path.write_bytes(b"config 1\nmonitor 2\ngpu0/gi1/access 3\ngpu0/gi1/ci0/access 4\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuguardd.config import Config
-from gpuguardd.engine.driverinfo import bus_key
+from gpuguardd.engine.driverinfo import DRIVER_GPUS_DIR, bus_key
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.nvml import Nvml
@@ -35,8 +35,8 @@ def sessions() -> Iterator[list[Nvml]]:
         nvml.shutdown()
 
 
-def session(sessions: list[Nvml], **kwargs: object) -> Nvml:
-    nvml = Nvml(**kwargs)  # type: ignore[arg-type]
+def session(sessions: list[Nvml], timeout: float = 5.0, driver_gpus_dir: str = DRIVER_GPUS_DIR) -> Nvml:
+    nvml = Nvml(lambda: timeout, lambda: "/sys", driver_gpus_dir)
     sessions.append(nvml)
     return nvml
 

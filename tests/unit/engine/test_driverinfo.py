@@ -1,9 +1,10 @@
-"""Unit tests of gpuguardd/engine/driverinfo.py."""
+"""engine/driverinfo.py: the nvidia module's GPU list and runtime PM status, as untrusted text."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from gpuguardd.engine import driverinfo
 from gpuguardd.engine.driverinfo import DriverGpu, fill_from_driver, read_driver_gpus
 from gpuguardd.records.models import GpuInfo
 
@@ -35,3 +36,46 @@ def test_driver_info_parsing_and_matching(tmp_path: Path) -> None:
     fill_from_driver(by_uuid, found)
     assert by_uuid[0].minor == 3
 
+
+def _status(root: Path, bdf: str, raw: bytes) -> None:
+    power = root / "bus/pci/devices" / bdf / "power"
+    power.mkdir(parents=True)
+    (power / "runtime_status").write_bytes(raw)
+
+
+def test_status_by_either_spelling_of_the_bus_id(tmp_path: Path) -> None:
+    _status(tmp_path, "0000:01:00.0", b"suspended\n")
+    _status(tmp_path, "0000:02:00.0", b"active\n")
+    _status(tmp_path, "0000:06:00.0", b"suspending\n")
+    assert driverinfo.asleep(str(tmp_path), "00000000:01:00.0")
+    assert driverinfo.asleep(str(tmp_path), "0000:06:00.0")
+    assert not driverinfo.asleep(str(tmp_path), "0000:02:00.0")
+    assert not driverinfo.asleep(str(tmp_path), "0000:03:00.0")  # no such device
+
+
+def test_odd_text_and_paths_are_no_status(tmp_path: Path) -> None:
+    _status(tmp_path, "0000:04:00.0", "suspended\u0660".encode())
+    _status(tmp_path, "0000:05:00.0", b"x" * 500)
+    assert not driverinfo.asleep(str(tmp_path), "0000:04:00.0")
+    assert not driverinfo.asleep(str(tmp_path), "0000:05:00.0")
+    # A bus id that is no PCI address never becomes a path.
+    (tmp_path / "bus/pci/power").mkdir(parents=True)
+    (tmp_path / "bus/pci/power/runtime_status").write_bytes(b"suspended\n")
+    assert not driverinfo.asleep(str(tmp_path), "..")
+
+
+def test_the_nvidia_drivers_devices_in_bus_order(tmp_path: Path) -> None:
+    bound = tmp_path / "bus/pci/drivers/nvidia"
+    for name in ("0000:41:00.0", "0000:01:00.0", "bind", "new_id", "module"):
+        (bound / name).mkdir(parents=True)
+    assert driverinfo.nvidia_bus_ids(str(tmp_path)) == ["0000:01:00.0", "0000:41:00.0"]
+    assert driverinfo.nvidia_bus_ids(str(tmp_path / "none")) == []
+
+
+def test_the_driver_version_from_sysfs(tmp_path: Path) -> None:
+    (tmp_path / "module/nvidia").mkdir(parents=True)
+    (tmp_path / "module/nvidia/version").write_text("550.54.15\n")
+    assert driverinfo.driver_version(str(tmp_path)) == "550.54.15"
+    (tmp_path / "module/nvidia/version").write_text("550\u0660.1\n")
+    assert driverinfo.driver_version(str(tmp_path)) == ""
+    assert driverinfo.driver_version(str(tmp_path / "none")) == ""

@@ -1,6 +1,5 @@
-"""NVML faults without a GPU host: the driver version's parsing and matching, and the NVML
-worker that answers at once while a call is stuck (the engine on the fake NVML:
-tests/host/test_nvml_faults.py)."""
+"""NVML faults without a GPU host: the NVML worker answers at once while a call is stuck (the
+engine on the fake NVML: tests/host/test_nvml_faults.py)."""
 
 from __future__ import annotations
 
