@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:  # for mypy only: Debian 12's python3 has no typing_extensions (nor typing.Self)
     from typing_extensions import Self
@@ -60,16 +60,17 @@ class WireRecord:
 
     def _wire(self) -> object:
         back = self._back
+        specs = _specs(type(self))
         out: Wire = {}
         if back is None:
-            for name, left_out in _layout(type(self)):
+            for name, spec in specs.items():
                 value = getattr(self, name)
-                if not left_out(value):
+                if not spec.left_out(value):
                     out[name] = plain(value)
             return out
         if back.whole:
             return back.whole[0]
-        for name, _ in _layout(type(self)):
+        for name in specs:
             if name in back.kept:
                 out[name] = back.kept[name]
             elif name in back.present:
@@ -88,24 +89,24 @@ class WireRecord:
         for key, raw in source.items():
             if key not in specs:
                 kept[str(key)] = raw
-        for name, (reader, stand_in, _) in specs.items():
+        for name, spec in specs.items():
             if name not in source:
                 if name not in cls.OPTIONAL:  # an optional key is absent where it does not apply
                     unread.add(name)
-                values[name] = stand_in()
+                values[name] = spec.stand_in()
                 continue
             present.add(name)
-            ok, value = reader(source[name])
+            ok, value = spec.read(source[name])
             if ok:
                 values[name] = value
             else:
                 unread.add(name)
                 kept[name] = source[name]
                 # What a printer can still show of it (text for a list of texts), else a stand-in.
-                values[name] = value if value is not None else stand_in()
-        record = cls(**{name: value for name, value in values.items() if specs[name][2]})
+                values[name] = value if value is not None else spec.stand_in()
+        record = cls(**{name: value for name, value in values.items() if specs[name].init})
         for name, value in values.items():
-            if not specs[name][2]:
+            if not specs[name].init:
                 object.__setattr__(record, name, value)
         object.__setattr__(record, "unread", frozenset(unread))
         object.__setattr__(record, "_back", _ReadBack(
@@ -139,41 +140,45 @@ def plain(value: object) -> Any:
 _AS_IS = frozenset({int, str, bool, float, type(None)})
 
 
-def _empty(value: object) -> bool:
-    return value is None or (isinstance(value, (str, list, tuple)) and not value)
-
-
 # -- reading each field's type (from its annotation, once per class) ---------------------------
 
-# name -> (reader, stand-in for an unread value, whether __init__ takes it)
-_Spec = tuple[Reader, Callable[[], Any], bool]
+class _Spec(NamedTuple):
+    read: Reader
+    stand_in: Callable[[], Any]  # the value of a key missing or unreadable
+    init: bool  # whether __init__ takes it
+    left_out: Callable[[object], bool]  # whether a record built here leaves the key out
+
+
 _SPECS: dict[type, dict[str, _Spec]] = {}
-_LAYOUTS: dict[type, tuple[tuple[str, Callable[[object], bool]], ...]] = {}
-_BASE_FIELDS = frozenset({"unread", "_back"})
 
 
-def _wire_fields(cls: type) -> list[Field[Any]]:
-    """The fields that are keys on the wire: not the base's bookkeeping, nor a field
+def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
+    """The keys of the wire form, in order: the fields but the base's bookkeeping and those
     declared with metadata {"wire": False} (what only this process needs to know)."""
-    return [f for f in fields(cls) if f.name not in _BASE_FIELDS and f.metadata.get("wire", True)]
-
-
-def _layout(cls: type[WireRecord]) -> tuple[tuple[str, Callable[[object], bool]], ...]:
-    """The keys of the wire form, in order, each with when a record built here leaves it
-    out: an OPTIONAL field typed `X | None` while None, another OPTIONAL field while empty,
-    any other field never."""
-    layout = _LAYOUTS.get(cls)
-    if layout is None:
-        layout = _LAYOUTS[cls] = tuple((f.name, _left_out(cls, f)) for f in _wire_fields(cls))
-    return layout
-
-
-def _left_out(cls: type[WireRecord], f: Field[Any]) -> Callable[[object], bool]:
-    if f.name not in cls.OPTIONAL:
-        return _never
-    if str(f.type).replace(" ", "").endswith("|None"):
-        return _is_none
-    return _empty
+    if cls in _SPECS:
+        return _SPECS[cls]
+    namespace = vars(sys.modules[cls.__module__])
+    specs: dict[str, _Spec] = {}
+    for f in fields(cls):
+        if f.name in ("unread", "_back") or not f.metadata.get("wire", True):
+            continue
+        annotation = str(f.type).replace(" ", "")
+        reader, zero = _reader(annotation, namespace)
+        if "unread" in f.metadata:
+            stand_in: Callable[[], Any] = _constant(f.metadata["unread"])
+        elif f.default is not MISSING:
+            stand_in = _constant(f.default)
+        elif f.default_factory is not MISSING:
+            stand_in = f.default_factory
+        else:
+            stand_in = zero
+        # Left out: an OPTIONAL field typed `X | None` while None, another OPTIONAL one while empty.
+        left_out = _never
+        if f.name in cls.OPTIONAL:
+            left_out = _is_none if annotation.endswith("|None") else _empty
+        specs[f.name] = _Spec(reader, stand_in, f.init, left_out)
+    _SPECS[cls] = specs
+    return specs
 
 
 def _never(value: object) -> bool:
@@ -184,45 +189,29 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
-def _specs(cls: type) -> dict[str, _Spec]:
-    specs = _SPECS.get(cls)
-    if specs is None:
-        namespace = vars(sys.modules[cls.__module__])
-        specs = {}
-        for f in _wire_fields(cls):
-            reader, zero = _reader(str(f.type), namespace)
-            if "unread" in f.metadata:
-                stand_in: Callable[[], Any] = _constant(f.metadata["unread"])
-            elif f.default is not MISSING:
-                stand_in = _constant(f.default)
-            elif f.default_factory is not MISSING:
-                stand_in = f.default_factory
-            else:
-                stand_in = zero
-            specs[f.name] = (reader, stand_in, f.init)
-        _SPECS[cls] = specs
-    return specs
+def _empty(value: object) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple)) and not value)
 
 
 def _constant(value: object) -> Callable[[], Any]:
     return lambda: value
 
 
-def _reader(annotation: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[], Any]]:
-    """A reader and a zero for the annotations records use: int, str, bool, an enum, a
-    record, list[...] and tuple[...] of those, and `X | None`."""
-    text = annotation.replace(" ", "")
+def _reader(text: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[], Any]]:
+    """A reader and a zero for the annotations records use (without spaces): int, str, bool,
+    an enum, a record, list[...] and tuple[...] of those, and `X | None`."""
     if text.endswith("|None"):
         inner, _ = _reader(text[: -len("|None")], namespace)
         return (lambda value: (True, None) if value is None else inner(value)), _constant(None)
     if text.startswith("list[") and text.endswith("]"):
         item, _ = _reader(text[len("list["):-1], namespace)
-        return _list_of(item), list
+        return _list_of(item, salvage=text == "list[str]"), list
     if text.startswith("tuple[") and text.endswith("]"):  # a fixed pair of scalars: (pid, start)
         parts = [_reader(part, namespace)[0] for part in text[len("tuple["):-1].split(",")]
         return _tuple_of(parts), tuple
     if text in _SCALARS:
-        return _SCALARS[text]
+        scalar = _SCALARS[text]
+        return _scalar(scalar), _constant(scalar())
     kind = namespace.get(text)
     if isinstance(kind, type) and issubclass(kind, Enum):
         return _enum_of(kind), _constant(next(iter(kind)))
@@ -230,37 +219,31 @@ def _reader(annotation: str, namespace: Mapping[str, Any]) -> tuple[Reader, Call
         record = kind
         # A list of records keeps an item that is no dict as a record of its own (shown "?").
         return (lambda value: (True, record.from_dict(value))), lambda: record.from_dict({})
-    raise TypeError(f"no wire reader for the annotation {annotation!r}")
+    raise TypeError(f"no wire reader for the annotation {text!r}")
 
 
-def _is_int(value: object) -> tuple[bool, Any]:
-    return (True, value) if isinstance(value, int) and not isinstance(value, bool) else (False, None)
+_SCALARS: dict[str, type] = {"int": int, "str": str, "bool": bool}
 
 
-def _is_str(value: object) -> tuple[bool, Any]:
-    return (True, value) if isinstance(value, str) else (False, None)
-
-
-def _is_bool(value: object) -> tuple[bool, Any]:
-    return (True, value) if isinstance(value, bool) else (False, None)
-
-
-_SCALARS: dict[str, tuple[Reader, Callable[[], Any]]] = {
-    "int": (_is_int, _constant(0)), "str": (_is_str, _constant("")),
-    "bool": (_is_bool, _constant(False))}
-
-
-def _list_of(item: Reader) -> Reader:
+def _scalar(kind: type) -> Reader:
     def read(value: object) -> tuple[bool, Any]:
-        if not isinstance(value, list):
-            return False, _as_texts(value, item)
-        items = []
-        for entry in value:
-            ok, typed = item(entry)
-            if not ok:
-                return False, _as_texts(value, item)
-            items.append(typed)
-        return True, items
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return True, value
+        return False, None
+    return read
+
+
+def _list_of(item: Reader, salvage: bool) -> Reader:
+    """`salvage`: a list of texts (warnings) that is something else is still shown as text:
+    a lone string as one entry, a list's items as they print."""
+    def read(value: object) -> tuple[bool, Any]:
+        if isinstance(value, list):
+            items = [item(entry) for entry in value]
+            if all(ok for ok, _ in items):
+                return True, [typed for _, typed in items]
+        if not salvage or value is None or value == "":
+            return False, None
+        return False, ([str(entry) for entry in value] if isinstance(value, list) else [str(value)])
     return read
 
 
@@ -271,14 +254,6 @@ def _tuple_of(parts: list[Reader]) -> Reader:
         items = [part(entry) for part, entry in zip(parts, value)]
         return (True, tuple(v for _, v in items)) if all(ok for ok, _ in items) else (False, None)
     return read
-
-
-def _as_texts(value: object, item: Reader) -> list[str] | None:
-    """A list of texts (warnings) that is something else, salvaged as text to show: a lone
-    string is one entry, a list's items are shown as they print."""
-    if item is not _is_str or value is None or value == "":
-        return None
-    return [str(entry) for entry in value] if isinstance(value, list) else [str(value)]
 
 
 def _enum_of(kind: type[Enum]) -> Reader:
