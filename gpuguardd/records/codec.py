@@ -34,15 +34,6 @@ Reader = Callable[[object], tuple[bool, Any]]
 
 
 @dataclass
-class _ReadBack:
-    """What from_dict saw besides the typed values."""
-
-    present: frozenset[str]  # the known keys the dict had
-    kept: dict[str, Any]  # given back as they came: unknown keys, and values of another type
-    whole: tuple[object, ...] = ()  # (the value,) when it was no dict at all
-
-
-@dataclass
 class WireRecord:
     """Base of the records that travel as dicts; subclasses are dataclasses."""
 
@@ -52,30 +43,30 @@ class WireRecord:
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     unread: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
-    _back: _ReadBack | None = field(default=None, init=False, repr=False, compare=False)
+    _source: tuple[object] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_dict(self) -> Wire:
         wire = self._wire()
         return wire if isinstance(wire, dict) else {}
 
     def _wire(self) -> object:
-        back = self._back
         specs = _specs(type(self))
         out: Wire = {}
-        if back is None:
+        if self._source is None:
             for name, spec in specs.items():
                 value = getattr(self, name)
                 if not spec.left_out(value):
                     out[name] = plain(value)
             return out
-        if back.whole:
-            return back.whole[0]
+        (source,) = self._source
+        if not isinstance(source, Mapping):
+            return source
+        # The keys it had, in this version's order, each as read (as it came, where unread),
+        # then the keys this version does not know.
         for name in specs:
-            if name in back.kept:
-                out[name] = back.kept[name]
-            elif name in back.present:
-                out[name] = plain(getattr(self, name))
-        out.update((key, value) for key, value in back.kept.items() if key not in out)
+            if name in source:
+                out[name] = source[name] if name in self.unread else plain(getattr(self, name))
+        out.update((key, value) for key, value in source.items() if key not in out)
         return out
 
     @classmethod
@@ -83,45 +74,36 @@ class WireRecord:
         specs = _specs(cls)
         values: dict[str, Any] = {}
         unread: set[str] = set()
-        kept: dict[str, Any] = {}
-        present: set[str] = set()
         source: Mapping[Any, Any] = data if isinstance(data, Mapping) else {}
-        for key, raw in source.items():
-            if key not in specs:
-                kept[str(key)] = raw
         for name, spec in specs.items():
             if name not in source:
                 if name not in cls.OPTIONAL:  # an optional key is absent where it does not apply
                     unread.add(name)
                 values[name] = spec.stand_in()
                 continue
-            present.add(name)
             ok, value = spec.read(source[name])
-            if ok:
-                values[name] = value
-            else:
+            if not ok:
                 unread.add(name)
-                kept[name] = source[name]
                 # What a printer can still show of it (text for a list of texts), else a stand-in.
-                values[name] = value if value is not None else spec.stand_in()
+                value = value if value is not None else spec.stand_in()
+            values[name] = value
         record = cls(**{name: value for name, value in values.items() if specs[name].init})
         for name, value in values.items():
             if not specs[name].init:
                 object.__setattr__(record, name, value)
         object.__setattr__(record, "unread", frozenset(unread))
-        object.__setattr__(record, "_back", _ReadBack(
-            frozenset(present), kept, () if isinstance(data, Mapping) else (data,)))
+        object.__setattr__(record, "_source", (data,))
         return record
 
     @property
     def unknown(self) -> Mapping[str, Any]:
         """Keys of a record read back that this version does not know (e.g. replysize's
         `omitted_after`), as they came."""
-        back = self._back
-        if back is None:
+        source = self._source[0] if self._source else None
+        if not isinstance(source, Mapping):
             return {}
         known = _specs(type(self))
-        return {key: value for key, value in back.kept.items() if key not in known}
+        return {key: value for key, value in source.items() if key not in known}
 
 
 def plain(value: object) -> Any:
@@ -160,7 +142,7 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
     namespace = vars(sys.modules[cls.__module__])
     specs: dict[str, _Spec] = {}
     for f in fields(cls):
-        if f.name in ("unread", "_back") or not f.metadata.get("wire", True):
+        if f.name in ("unread", "_source") or not f.metadata.get("wire", True):
             continue
         annotation = str(f.type).replace(" ", "")
         reader, zero = _reader(annotation, namespace)
