@@ -35,10 +35,6 @@ class ConfigError(GpuGuardError):
     dbus_name = "InvalidArgument"
 
     def __init__(self, path: str, line: int, key: str, message: str) -> None:
-        self.path = path
-        self.line = line
-        self.key = key
-        self.message = message
         where = f"{path}:{line}" if line else path
         super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
 
