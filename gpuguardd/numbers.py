@@ -56,11 +56,6 @@ def parse_uid(text: str, what: str = "uid") -> int:
     return parse_uint(text, what, UID_MAX)
 
 
-def parse_gpu_index(text: str, what: str = "GPU index") -> int:
-    """An NVML index: the bus carries it as a `u`, so anything past 2^32-1 is no GPU."""
-    return parse_uint(text, what, UINT32_MAX)
-
-
 def parse_job_id(text: str, what: str = "Slurm job id") -> str:
     """A Slurm job id as its digits (the text is what goes on): the same rule for the epilog's
     environment, `--local` and the daemon's `slurm_job` option."""
