@@ -24,17 +24,6 @@ def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
     return os.open(path, flags | NOFOLLOW, mode)
 
 
-def create_temporary(directory: str, prefix: str, mode: int = 0o600) -> tuple[int, str]:
-    """A new file in `directory` for writing: (fd, path). Never an existing file or link."""
-    for _ in range(100):
-        path = os.path.join(directory, prefix + secrets.token_hex(8))
-        try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode), path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no unused temporary name in {directory}")
-
-
 def fsync_directory(path: str) -> None:
     """Make a rename in `path` durable (best effort: some file systems refuse)."""
     try:
@@ -51,12 +40,13 @@ def fsync_directory(path: str) -> None:
 
 def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
                  fsync: bool = True, fsync_dir: bool = False) -> None:
-    """Replace `path` with the bytes of `chunks` all at once: a temporary file named `prefix`
-    and a random suffix beside it (create_temporary: never an existing file or link), written,
-    given exactly `mode` (not the umask's), synced to disk with `fsync`, then renamed over
-    `path` (with `fsync_dir`, durably). A failure leaves `path` as it was and no temporary."""
+    """Replace `path` with the bytes of `chunks` all at once: a new temporary file named `prefix`
+    and a random suffix beside it (never an existing file or link), written, given exactly
+    `mode` (not the umask's), synced to disk with `fsync`, then renamed over `path` (with
+    `fsync_dir`, durably). A failure leaves `path` as it was and no temporary."""
     directory = os.path.dirname(path) or "."
-    fd, temporary = create_temporary(directory, prefix, mode)
+    temporary = os.path.join(directory, prefix + secrets.token_hex(8))
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
     try:
         try:
             os.fchmod(fd, mode)
