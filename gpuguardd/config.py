@@ -17,6 +17,7 @@ import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuguardd.errors import ConfigError
 from gpuguardd.numbers import parse_uint
@@ -91,11 +92,8 @@ class Config:
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     allow_majors: tuple[int, ...] = ()
-    # Which nvidia-caps minor opens which MIG instance (gpuguardd/mig.py); tests point it at
-    # a file they write.
+    # Which nvidia-caps minor opens which MIG instance (engine/mig.py).
     mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"
-    # Where GPUs' runtime PM status is read (engine/runtimepm.py); tests point it at a tree
-    # of their own.
     sysfs_path: str = "/sys"
     poll_interval_sec: float = 2.0
     # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
@@ -105,15 +103,12 @@ class Config:
     history_max: int = 1000
     # node_exporter's textfile collector directory ("": no textfile); metrics.py.
     textfile_directory: str = ""
-    # The start gate (engine/gate.py, `gpuguardctl wait`): free below this, steady this long
-    # within this tolerance.
+    # The start gate (`gpuguardctl wait`): free below this, steady this long within this tolerance.
     gate_free_below_mib: int = 256
     gate_stable_sec: float = 3.0
     gate_tolerance_mib: int = 16
-    # Where each value came from, for `gpuguardctl status` and error messages.
-    sources: tuple[str, ...] = field(default=(), compare=False)
-    # (list item, "file:line") for items a file added, so a refused [Devices] Paths entry is
-    # reported where it was written.
+    sources: tuple[str, ...] = field(default=(), compare=False)  # the files read, in order
+    # (list item, "file:line") for items a file added: where a refused entry was written.
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def origin(self, item: str) -> str:
@@ -132,18 +127,10 @@ _TIME_UNITS = {
 }
 # No time span anywhere may exceed this, whatever the key; each key has its own, lower bound.
 MAX_TIMESPAN_SEC = 24 * 3600.0
-# Upper bounds of the time-span keys (documented in gpuguard.conf(5)): a sweep must end and
-# write its report in bounded time, and no value may overflow a timer.
+# The bounds gpuguardctl's options and the bus share; the others are in _KEYS.
 MAX_GRACE_SEC = 3600.0
-MAX_KILL_TIMEOUT_SEC = 600.0
-MAX_RESET_TIMEOUT_SEC = 600.0
-MAX_VERIFY_TIMEOUT_SEC = 3600.0
-MAX_POLL_INTERVAL_SEC = 3600.0
-MAX_NVML_TIMEOUT_SEC = 600.0
 MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
 MAX_GATE_STABLE_SEC = 3600.0
-MAX_HISTORY = 1_000_000
-MAX_MAJOR = 4095  # Linux device majors are 12 bits
 # ASCII digits only: \d and float() also take other scripts' digits (numbers.py).
 _TIME_PART = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)")
 
@@ -231,45 +218,46 @@ def _absolute_list(text: str) -> list[str]:
 
 
 def _major_list(text: str) -> list[int]:
-    return [parse_uint(item, "device major number", MAX_MAJOR) for item in text.split()]
+    return [parse_uint(item, "device major number", 4095) for item in text.split()]  # 12 bits
 
 
-# (section, key) -> (dataclass field, parser, is_list)
-_Parser = Callable[[str], object]
-_KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
-    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC), False),
-    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(MAX_KILL_TIMEOUT_SEC), False),
-    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(MAX_VERIFY_TIMEOUT_SEC), False),
-    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
-    ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
-    ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
-    ("Sweep", "ProtectedUnits"): ("protected_units", str.split, True),
-    ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
-    ("Recovery", "ResetCommand"): ("reset_command", _command, False),
-    ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command, False),
-    ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(MAX_RESET_TIMEOUT_SEC, 1.0), False),
-    ("Recovery", "AutoReset"): ("auto_reset", parse_bool, False),
-    ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
-    ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
-    ("Watch", "Units"): ("watch_units", str.split, True),
-    ("Devices", "Paths"): ("device_paths", _absolute_list, True),
-    ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),
-    ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path, False),
-    ("Devices", "SysfsPath"): ("sysfs_path", _parse_absolute_path, False),
-    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(MAX_POLL_INTERVAL_SEC, 0.1), False),
-    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(MAX_NVML_TIMEOUT_SEC, 0.1), False),
-    ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
-    ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
-    ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
+# (section, key) -> (Config field, parser); a field whose default is a tuple is a list. Every
+# bound is documented in gpuguard.conf(5): a sweep must end and write its report in bounded
+# time, and no value may overflow a timer.
+_KEYS: dict[tuple[str, str], tuple[str, Callable[[str], Any]]] = {
+    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC)),
+    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(600.0)),
+    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(3600.0)),
+    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
+    ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
+    ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list),
+    ("Sweep", "ProtectedUnits"): ("protected_units", str.split),
+    ("Sweep", "DryRun"): ("dry_run", parse_bool),
+    ("Recovery", "ResetCommand"): ("reset_command", _command),
+    ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command),
+    ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(600.0, 1.0)),
+    ("Recovery", "AutoReset"): ("auto_reset", parse_bool),
+    ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC)),
+    ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC)),
+    ("Watch", "Units"): ("watch_units", str.split),
+    ("Devices", "Paths"): ("device_paths", _absolute_list),
+    ("Devices", "AllowMajors"): ("allow_majors", _major_list),
+    ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path),
+    ("Devices", "SysfsPath"): ("sysfs_path", _parse_absolute_path),
+    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(3600.0, 0.1)),
+    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(600.0, 0.1)),
+    ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path),
+    ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path),
+    ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, 1_000_000)),
     ("Metrics", "TextfileDirectory"): ("textfile_directory",
-                                       lambda text: _parse_absolute_path(text) if text.strip() else "", False),
-    ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB), False),
-    ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC), False),
-    ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
+                                       lambda text: _parse_absolute_path(text) if text.strip() else ""),
+    ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB)),
+    ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC)),
+    ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
 }
 
 
-def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, str]]) -> None:
+def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]]) -> None:
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.read().splitlines()
@@ -298,27 +286,22 @@ def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, s
         spec = _KEYS.get((section, key))
         if spec is None:
             raise ConfigError(path, number, f"[{section}] {key}", "unknown key")
-        name, parser, is_list = spec
+        name, parser = spec
         try:
-            if is_list:
-                if not value:
-                    values[name] = []
-                else:
-                    # Appends to what is there: the built-in default until an empty
-                    # assignment resets it (systemd semantics). Replacing the default would
-                    # drop nvidia-persistenced's protection for one added path.
-                    current = values.get(name)
-                    items = list(current) if isinstance(current, list) else list(getattr(defaults, name))
-                    parsed = parser(value)
-                    assert isinstance(parsed, list)
-                    # A value given twice means it once (so uncommenting the shipped file's
-                    # defaults leaves the defaults as they are).
-                    values[name] = list(dict.fromkeys(items + parsed))
-                    origins.extend((str(item), f"{path}:{number}") for item in parsed)
-            else:
-                values[name] = parser(value)
+            parsed = parser(value)
         except ValueError as exc:
             raise ConfigError(path, number, f"[{section}] {key}", str(exc)) from None
+        if not isinstance(getattr(defaults, name), tuple):
+            values[name] = parsed
+        elif not value:
+            values[name] = []
+        else:
+            # Appends to what is there: the built-in default until an empty assignment resets it
+            # (systemd semantics); replacing the default would drop nvidia-persistenced's
+            # protection for one added path. A value given twice means it once (so uncommenting
+            # the shipped file's defaults leaves the defaults as they are).
+            values[name] = list(dict.fromkeys([*values.get(name, getattr(defaults, name)), *parsed]))
+            origins.extend((str(item), f"{path}:{number}") for item in parsed)
 
 
 def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROPIN_DIR) -> list[str]:
@@ -334,7 +317,7 @@ def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROP
 def load_config(paths: Sequence[str] | None = None) -> Config:
     """Defaults overridden by `paths`, which must exist (default: the system files, if any)."""
     files = list(paths) if paths is not None else config_files()
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     origins: list[tuple[str, str]] = []
     for path in files:
         _apply_file(path, values, origins)
