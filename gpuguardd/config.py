@@ -218,7 +218,7 @@ def _absolute_list(text: str) -> list[str]:
 
 
 def _major_list(text: str) -> list[int]:
-    return [parse_uint(item, "device major number", 4095) for item in text.split()]  # 12 bits
+    return [parse_uint(item, "device major number", 4095) for item in text.split()]  # majors are 12 bits
 
 
 # (section, key) -> (Config field, parser); a field whose default is a tuple is a list. Every
@@ -293,14 +293,13 @@ def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]
             raise ConfigError(path, number, f"[{section}] {key}", str(exc)) from None
         if not isinstance(getattr(defaults, name), tuple):
             values[name] = parsed
-        elif not value:
-            values[name] = []
         else:
             # Appends to what is there: the built-in default until an empty assignment resets it
             # (systemd semantics); replacing the default would drop nvidia-persistenced's
             # protection for one added path. A value given twice means it once (so uncommenting
             # the shipped file's defaults leaves the defaults as they are).
-            values[name] = list(dict.fromkeys([*values.get(name, getattr(defaults, name)), *parsed]))
+            kept = values.get(name, getattr(defaults, name)) if value else []
+            values[name] = list(dict.fromkeys([*kept, *parsed]))
             origins.extend((str(item), f"{path}:{number}") for item in parsed)
 
 

@@ -61,8 +61,6 @@ class WireRecord:
         (source,) = self._source
         if not isinstance(source, Mapping):
             return source
-        # The keys it had, in this version's order, each as read (as it came, where unread),
-        # then the keys this version does not know.
         for name in specs:
             if name in source:
                 out[name] = source[name] if name in self.unread else plain(getattr(self, name))
