@@ -65,14 +65,13 @@ class PlainFormatter(logging.Formatter):
 def under_journald() -> bool:
     """True when stderr is connected to the journal (systemd sets JOURNAL_STREAM to match)."""
     stream = os.environ.get("JOURNAL_STREAM", "")
-    if not stream or ":" not in stream:
+    if ":" not in stream:
         return False
     try:
         st = os.fstat(sys.stderr.fileno())
     except (OSError, ValueError):
         return False
-    device, inode = stream.split(":", 1)
-    return f"{st.st_dev}" == device and f"{st.st_ino}" == inode
+    return stream == f"{st.st_dev}:{st.st_ino}"
 
 
 def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None) -> None:
