@@ -12,6 +12,7 @@ drop-ins): readers see the old file or the new one, never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Iterable
@@ -26,16 +27,12 @@ def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
 
 def fsync_directory(path: str) -> None:
     """Make a rename in `path` durable (best effort: some file systems refuse)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
@@ -48,22 +45,16 @@ def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o
     temporary = os.path.join(directory, prefix + secrets.token_hex(8))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
     try:
-        try:
+        with os.fdopen(fd, "wb") as handle:
             os.fchmod(fd, mode)
-            with os.fdopen(fd, "wb", closefd=False) as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-                handle.flush()
+            handle.writelines(chunks)
+            handle.flush()
             if fsync:
                 os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(temporary, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        except OSError:
-            pass
         raise
     if fsync_dir:
         fsync_directory(directory)
