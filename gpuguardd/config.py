@@ -9,14 +9,13 @@ and time span has an upper bound, so no value can overflow a timer or make a swe
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 import os
 import re
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuguardd.errors import ConfigError
@@ -221,9 +220,8 @@ def _major_list(text: str) -> list[int]:
     return [parse_uint(item, "device major number", 4095) for item in text.split()]  # majors are 12 bits
 
 
-# (section, key) -> (Config field, parser); a field whose default is a tuple is a list. Every
-# bound is documented in gpuguard.conf(5): a sweep must end and write its report in bounded
-# time, and no value may overflow a timer.
+# (section, key) -> (Config field, parser); a field whose default is a tuple is a list. The
+# bounds are gpuguard.conf(5)'s.
 _KEYS: dict[tuple[str, str], tuple[str, Callable[[str], Any]]] = {
     ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC)),
     ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(600.0)),
@@ -294,10 +292,8 @@ def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]
         if not isinstance(getattr(defaults, name), tuple):
             values[name] = parsed
         else:
-            # Appends to what is there: the built-in default until an empty assignment resets it
-            # (systemd semantics); replacing the default would drop nvidia-persistenced's
-            # protection for one added path. A value given twice means it once (so uncommenting
-            # the shipped file's defaults leaves the defaults as they are).
+            # Appends (replacing would drop nvidia-persistenced's protection for one added path);
+            # a value given twice means it once, so uncommenting the shipped defaults changes nothing.
             kept = values.get(name, getattr(defaults, name)) if value else []
             values[name] = list(dict.fromkeys([*kept, *parsed]))
             origins.extend((str(item), f"{path}:{number}") for item in parsed)
@@ -326,5 +322,5 @@ def load_config(paths: Sequence[str] | None = None) -> Config:
         given = os.environ.get(name.upper())
         if given and name not in final:
             final[name] = given.split(":")[0]
-    return dataclasses.replace(Config(), sources=tuple(files), origins=tuple(origins),
+    return replace(Config(), sources=tuple(files), origins=tuple(origins),
                                **final)  # type: ignore[arg-type]

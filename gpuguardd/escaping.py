@@ -18,7 +18,6 @@ from typing import Any
 
 
 def escape_text(text: object) -> str:
-    """`text` as a string with every non-printable character backslash-escaped."""
     value = str(text)
     if value.isprintable():
         return value

@@ -1,17 +1,15 @@
 """Typed records and the plain dicts the wire carries (D-Bus `a{sv}` through bus/marshal.py,
 history.jsonl, `gpuguardctl --json`): one way out, one way back.
 
-`to_dict()` of a record gpuguard built gives its wire form: every field, in the order the
-record declares them (the order the keys have always had), except the OPTIONAL ones while
-they are empty, with enums as their values and nested records as dicts.
+`to_dict()` of a record gpuguard built gives every field in declaration order (the order the
+keys have always had) but the OPTIONAL ones while empty; enums as values, records as dicts.
 
-`from_dict()` reads a record from someone else's hands: a history file an older version
-wrote or someone edited, a newer daemon's reply. It never raises. A key that is missing, or
-holds another type than the field's, is named in `unread` (printers show "?") and its field
-gets a stand-in (the field's `unread` metadata, else its default, else the type's zero); and
-what it held, like every key this version does not know, is given back as it came by
-to_dict(), so a record passed through (the CLI's --json, a history served again) keeps its
-shape. A record read back is a view of what was read: it is not to be changed.
+`from_dict()` reads a record from someone else's hands (a history an older version wrote or
+someone edited, a newer daemon's reply) and never raises. A key missing or of another type is
+named in `unread` (printers show "?") and its field gets a stand-in (the field's `unread`
+metadata, else its default, else the type's zero). to_dict() then gives back what was read,
+key for key, unknown keys included, so a record passed through (the CLI's --json, a history
+served again) keeps its shape: it is a view of what was read, not to be changed.
 """
 
 from __future__ import annotations
@@ -105,7 +103,6 @@ class WireRecord:
 
 
 def plain(value: object) -> Any:
-    """A field's value as the wire carries it."""
     if type(value) in _AS_IS:
         return value
     if isinstance(value, WireRecord):
