@@ -47,15 +47,12 @@ def clean(value: str, limit: int = 0) -> str:
     """A str that may hold lone surrogates (surrogateescape'd bytes from os/psutil/pwd, or
     "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes.
     limit 0: no length cap."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_clean(value):
         try:
             raw = value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # surrogates that stand for no byte (U+D800..U+DC7F)
             raw = value.encode("utf-8", "surrogatepass")
-        value = raw.decode("utf-8", "backslashreplace")
-    value = value.replace("\0", "\\x00")
+        value = raw.decode("utf-8", "backslashreplace").replace("\0", "\\x00")
     return cut(value, limit) if limit else value
 
 
