@@ -6,6 +6,7 @@ site can forget: a process named "x\\n<3>forged" stays one line, at the level it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -97,8 +98,5 @@ def journal_too(program: str, level: int, message: str) -> None:
 
     text = (f"PRIORITY={_PRIORITY.get(level, 6)}\nSYSLOG_IDENTIFIER={program}\n"
             f"MESSAGE={escape_text(message)}\n")
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(text.encode("utf-8", "backslashreplace"), JOURNAL_SOCKET)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(text.encode("utf-8", "backslashreplace"), JOURNAL_SOCKET)
