@@ -53,7 +53,7 @@ class WireRecord:
         if self._source is None:
             for name, spec in specs.items():
                 value = getattr(self, name)
-                if not spec.left_out(value):
+                if value not in spec.empty:
                     out[name] = plain(value)
             return out
         (source,) = self._source
@@ -123,7 +123,7 @@ class _Spec(NamedTuple):
     read: Reader
     stand_in: Callable[[], Any]  # the value of a key missing or unreadable
     init: bool  # whether __init__ takes it
-    left_out: Callable[[object], bool]  # whether a record built here leaves the key out
+    empty: tuple[object, ...]  # the values for which a record built here leaves the key out
 
 
 _SPECS: dict[type, dict[str, _Spec]] = {}
@@ -150,24 +150,12 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
         else:
             stand_in = zero
         # Left out: an OPTIONAL field typed `X | None` while None, another OPTIONAL one while empty.
-        left_out = _never
+        empty: tuple[object, ...] = ()
         if f.name in cls.OPTIONAL:
-            left_out = _is_none if annotation.endswith("|None") else _empty
-        specs[f.name] = _Spec(reader, stand_in, f.init, left_out)
+            empty = (None,) if annotation.endswith("|None") else (None, "", [], ())
+        specs[f.name] = _Spec(reader, stand_in, f.init, empty)
     _SPECS[cls] = specs
     return specs
-
-
-def _never(value: object) -> bool:
-    return False
-
-
-def _is_none(value: object) -> bool:
-    return value is None
-
-
-def _empty(value: object) -> bool:
-    return value is None or (isinstance(value, (str, list, tuple)) and not value)
 
 
 def _constant(value: object) -> Callable[[], Any]:
@@ -235,10 +223,8 @@ def _tuple_of(parts: list[Reader]) -> Reader:
 
 def _enum_of(kind: type[Enum]) -> Reader:
     def read(value: object) -> tuple[bool, Any]:
-        if not isinstance(value, str):
-            return False, None
         try:
-            return True, kind(value)
+            return (True, kind(value)) if isinstance(value, str) else (False, None)
         except ValueError:
             return False, None
     return read
