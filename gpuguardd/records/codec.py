@@ -83,10 +83,7 @@ class WireRecord:
                 # What a printer can still show of it (text for a list of texts), else a stand-in.
                 value = value if value is not None else spec.stand_in()
             values[name] = value
-        record = cls(**{name: value for name, value in values.items() if specs[name].init})
-        for name, value in values.items():
-            if not specs[name].init:
-                object.__setattr__(record, name, value)
+        record = cls(**values)
         object.__setattr__(record, "unread", frozenset(unread))
         object.__setattr__(record, "_source", (data,))
         return record
@@ -122,7 +119,6 @@ _AS_IS = frozenset({int, str, bool, float, type(None)})
 class _Spec(NamedTuple):
     read: Reader
     stand_in: Callable[[], Any]  # the value of a key missing or unreadable
-    init: bool  # whether __init__ takes it
     empty: tuple[object, ...]  # the values for which a record built here leaves the key out
 
 
@@ -153,7 +149,7 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
         empty: tuple[object, ...] = ()
         if f.name in cls.OPTIONAL:
             empty = (None,) if annotation.endswith("|None") else (None, "", [], ())
-        specs[f.name] = _Spec(reader, stand_in, f.init, empty)
+        specs[f.name] = _Spec(reader, stand_in, empty)
     _SPECS[cls] = specs
     return specs
 
