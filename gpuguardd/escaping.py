@@ -2,14 +2,11 @@
 
 Process names, command lines, unit names and paths are chosen by whoever started the process.
 Written raw, `\\x1b[2J` clears the admin's screen, `\\x1b]0;...\\x07` sets the terminal's title,
-a newline forges a second journal line, and a bidi override (U+202E) shows text reversed.
-So every character that is not printable (str.isprintable(): the C0 and C1 controls, DEL,
-format characters such as bidi overrides and zero-width ones, line and paragraph separators,
-lone surrogates) is written as Python's unicode_escape writes it. Printable text, non-ASCII
-letters included, is left as it is, and escaping twice changes nothing, so layers may each
-apply it.
-
-JSON output needs none of this: json.dumps escapes control characters itself.
+a newline forges a second journal line, and a bidi override (U+202E) shows text reversed. So
+every character str.isprintable() refuses (C0 and C1 controls, DEL, bidi and zero-width format
+characters, line and paragraph separators, lone surrogates) is written as Python's
+unicode_escape writes it; escaping twice changes nothing, so layers may each apply it. JSON
+output needs none of this: json.dumps escapes control characters itself.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Opening files in directories someone else might write to, as root, without following links.
 
-The daemon runs as root and writes its history and locks in directories a configuration names.
-Should anyone be able to put a symbolic link there (a world-writable RuntimeDirectory=, a
-mistake in permissions), following it would let them truncate or append to any file on the
-host. So the last component is never followed (O_NOFOLLOW), and temporary files get a fresh
-unpredictable name created exclusively (O_EXCL), as mkstemp() does.
-
-write_atomic is the one way a file is replaced (the history, the metrics textfile, the hooks'
-drop-ins): readers see the old file or the new one, never half of one.
+The daemon writes its history and locks, as root, in directories a configuration names. A
+symbolic link planted there (a world-writable RuntimeDirectory=, a permission mistake) would let
+anyone truncate or append to any file on the host. So the last component is never followed
+(O_NOFOLLOW), and temporary files get a fresh unpredictable name, created exclusively (O_EXCL).
+write_atomic is the one way a file is replaced: readers see the old file or the new one.
 """
 
 from __future__ import annotations

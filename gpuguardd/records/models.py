@@ -95,8 +95,7 @@ class MigSummary(WireRecord):
 
 @dataclass
 class GpuSummary(WireRecord):
-    """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
-    gpus` show it (gpustate.gpu_summaries)."""
+    """A GPU as its D-Bus object and `gpuguardctl gpus` show it (gpustate.gpu_summaries)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind", "vendor"})
 
