@@ -47,10 +47,6 @@ def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0
     return value
 
 
-def parse_uid(text: str, what: str = "uid") -> int:
-    return parse_uint(text, what, UID_MAX)
-
-
 def parse_job_id(text: str, what: str = "Slurm job id") -> str:
     """A Slurm job id as its digits (the text is what goes on): the same rule for the epilog's
     environment, `--local` and the daemon's `slurm_job` option."""
