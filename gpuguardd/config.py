@@ -91,17 +91,14 @@ class Config:
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     allow_majors: tuple[int, ...] = ()
-    # Which nvidia-caps minor opens which MIG instance (engine/mig.py).
-    mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"
+    mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"  # engine/mig.py
     sysfs_path: str = "/sys"
     poll_interval_sec: float = 2.0
-    # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
-    nvml_timeout_sec: float = 5.0
+    nvml_timeout_sec: float = 5.0  # one NVML snapshot's bound: past it the driver counts as hung
     state_directory: str = "/var/lib/gpuguard"
     runtime_directory: str = "/run/gpuguard"
     history_max: int = 1000
-    # node_exporter's textfile collector directory ("": no textfile); metrics.py.
-    textfile_directory: str = ""
+    textfile_directory: str = ""  # node_exporter's textfile collector directory ("": none)
     # The start gate (`gpuguardctl wait`): free below this, steady this long within this tolerance.
     gate_free_below_mib: int = 256
     gate_stable_sec: float = 3.0
@@ -172,9 +169,7 @@ def parse_bool(text: str) -> bool:
 
 
 def _bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        return parse_uint(text.strip(), "number", maximum, minimum)
-    return parse
+    return lambda text: parse_uint(text.strip(), "number", maximum, minimum)
 
 
 def _parse_absolute_path(text: str) -> str:

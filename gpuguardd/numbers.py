@@ -11,14 +11,12 @@ from __future__ import annotations
 from gpuguardd.errors import InvalidArgument
 
 UINT32_MAX = 2**32 - 1
-# (uid_t)-1 is "no uid" to the kernel (setuid(-1) leaves it unchanged): never a user.
-UID_MAX = 2**32 - 2
+UID_MAX = 2**32 - 2  # (uid_t)-1 is "no uid" to the kernel: never a user
 # Slurm job ids are 32-bit; 20 digits leaves room for array and het job forms that arrive
 # as one number, and no more: the id goes into a cgroup path match and a drain reason.
 JOB_ID_DIGITS = 20
 
-# What an error message quotes of a value: enough to recognise it, never a flood.
-_SHOWN = 40
+_SHOWN = 40  # what an error message quotes of a value: enough to recognise it
 
 
 class BadNumber(InvalidArgument, ValueError):

@@ -35,9 +35,8 @@ Reader = Callable[[object], tuple[bool, Any]]
 class WireRecord:
     """Base of the records that travel as dicts; subclasses are dataclasses."""
 
-    # Keys left out of the wire form while empty: they appear only when they say something
-    # (a MIG UUID, a zombie's parent). A field typed `X | None` is left out while None only
-    # (an empty list then still says "none", where None says "not known here").
+    # Keys left out while empty, so they appear only when they say something (a MIG UUID, a
+    # zombie's parent); one typed `X | None` while None only (an empty list still says "none").
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     unread: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -114,8 +113,6 @@ def plain(value: object) -> Any:
 _AS_IS = frozenset({int, str, bool, float, type(None)})
 
 
-# -- reading each field's type (from its annotation, once per class) ---------------------------
-
 class _Spec(NamedTuple):
     read: Reader
     stand_in: Callable[[], Any]  # the value of a key missing or unreadable
@@ -145,7 +142,6 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
             stand_in = f.default_factory
         else:
             stand_in = zero
-        # Left out: an OPTIONAL field typed `X | None` while None, another OPTIONAL one while empty.
         empty: tuple[object, ...] = ()
         if f.name in cls.OPTIONAL:
             empty = (None,) if annotation.endswith("|None") else (None, "", [], ())

@@ -23,8 +23,7 @@ class Outcome(WireEnum):
     DRY_RUN = "dry-run"
     ERROR = "error"
     UNVERIFIED = "unverified"  # processes ended, but nobody can say the memory came back
-    # gpuguardd died while the sweep ran; `finished_by` names the sweep that finished it.
-    INTERRUPTED = "interrupted"
+    INTERRUPTED = "interrupted"  # gpuguardd died mid-sweep; `finished_by` names who finished it
     # A GPU reset's (report kind "reset"): done and verified, refused before anything was
     # touched, or tried and not verified.
     RESET = "reset"
@@ -104,8 +103,7 @@ class SpareReason(WireEnum):
     NO_DEVICE_HERE = "no-device-here"  # NVML lists it, but it holds no device here
     OTHER_GPU = "other-gpu"  # it also holds a GPU outside the scope
     OTHER_MIG_INSTANCE = "other-mig-instance"  # it also runs in a MIG instance outside the scope
-    # Read back from a record that carries no code (written before the codes).
-    OTHER = "other"
+    OTHER = "other"  # read back from a record written before the codes
 
 
 class SurvivorReason(WireEnum):
@@ -117,8 +115,7 @@ class SurvivorReason(WireEnum):
     PERMISSION_DENIED = "permission-denied"  # a signal of ours was refused (not root)
     REAPPEARED = "reappeared"  # holders kept appearing, round after round: the last ones
     EXITED = "exited"  # gone by the time it was recorded, after the wait for it had ended
-    # Read back from a record that carries no code (written before the codes).
-    OTHER = "other"
+    OTHER = "other"  # read back from a record written before the codes
 
 
 class RequesterKind(WireEnum):
@@ -145,8 +142,7 @@ class WarningCode(WireEnum):
     # suspended, NVML's pids another namespace's).
     MEMORY_UNVERIFIED = "memory-unverified"
     LOCKS_UNAVAILABLE = "locks-unavailable"  # sweeps and resets of a GPU are not serialized
-    # A reset turned persistence mode off and could not turn it back on.
-    PERSISTENCE_NOT_RESTORED = "persistence-not-restored"
+    PERSISTENCE_NOT_RESTORED = "persistence-not-restored"  # a reset could not turn it back on
     OTHER = "other"
 
 

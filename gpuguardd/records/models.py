@@ -110,8 +110,7 @@ class GpuSummary(WireRecord):
     holder_count: int = 0
     state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
     error: str = ""
-    # None: not known (no NVML: the GPUs come from device nodes alone).
-    mig_mode: bool | None = None
+    mig_mode: bool | None = None  # None: not known (no NVML: GPUs from device nodes alone)
     mig_instances: list[MigSummary] | None = None
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
     vendor: Vendor = Vendor.NVIDIA
@@ -192,8 +191,7 @@ class Holder(WireRecord):
 class ScanResult:
     holders: list[Holder]
     nvml: NvmlSnapshot
-    # pids whose open files could not be read (permission, or /proc hiding them)
-    unreadable: list[int] = field(default_factory=list)
+    unreadable: list[int] = field(default_factory=list)  # pids whose open files are unreadable
     warnings: list[str] = field(default_factory=list)
 
 
@@ -213,10 +211,8 @@ class SweepRequest(WireRecord):
     include_management: bool = False
     reason: str = ""
     requested_by: str = ""
-    # Who asked, decided by whoever makes the request (service, unit watch, resume.py).
-    requester_kind: RequesterKind = RequesterKind.MANUAL
-    # (pid, start time) of leftovers that left `unit`'s cgroup, by the unit watch's rule.
-    adopted: list[tuple[int, int]] = field(default_factory=list)
+    requester_kind: RequesterKind = RequesterKind.MANUAL  # decided by whoever makes the request
+    adopted: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) of `unit`'s leftovers
     # A Slurm epilog's job (engine/slurm.py): its cgroup's processes and its user's escaped
     # holders of `gpus`, nothing of another job. slurm_uid -1: none.
     slurm_job: str = ""

@@ -81,8 +81,7 @@ class Terminated(WireRecord):
     pid: int
     comm: str = ""
     unit: str = ""
-    # Its owner as the scan read it (None: unreadable), for a desktop to tell its user.
-    uid: int | None = None
+    uid: int | None = None  # its owner as the scan read it, for a desktop to tell its user
     signal: str = ""
     exited_after_ms: int = 0
     exit_status: str = ""  # as the kernel still had it: "killed by SIGTERM", "exited with status 0"
@@ -190,8 +189,7 @@ class Report(WireRecord):
     # in `steps` as the journal has it.
     kind: str = ""
     steps: list[str] = field(default_factory=list)
-    # Who asked, as the daemon decided (requested_by words it): the metrics' trigger label.
-    requester_kind: RequesterKind = RequesterKind.MANUAL
+    requester_kind: RequesterKind = RequesterKind.MANUAL  # the metrics' trigger label
     # warning_codes[i] is warnings[i]'s; one past its end has none (a record older than the
     # codes, the note a copy trimmed for the bus ends with). Consumers test codes, not words.
     warning_codes: list[WarningCode] = field(default_factory=list)
