@@ -87,16 +87,6 @@ class WireRecord:
         object.__setattr__(record, "_source", (data,))
         return record
 
-    @property
-    def unknown(self) -> Mapping[str, Any]:
-        """Keys of a record read back that this version does not know (e.g. replysize's
-        `omitted_after`), as they came."""
-        source = self._source[0] if self._source else None
-        if not isinstance(source, Mapping):
-            return {}
-        known = _specs(type(self))
-        return {key: value for key, value in source.items() if key not in known}
-
 
 def plain(value: object) -> Any:
     if type(value) in _AS_IS:
