@@ -59,9 +59,8 @@ DEFAULT_PROTECTED_UNITS = (
 # Which of them count (the "kfd" and "drm" majors of /proc/devices) is engine/devices.py's.
 DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
                         "/dev/dri/card*")
-# amd-smi's per-GPU reset (its CLI guide, "amd-smi reset"), the GPU's PCI address appended:
-# `-g` takes an index, a BDF or a UUID. rocm-smi --gpureset and amd-smi both trigger the
-# amdgpu driver's own recovery (debugfs amdgpu_gpu_recover); docs/recovery.md.
+# amd-smi's per-GPU reset, the GPU's PCI address appended (`-g` takes an index, a BDF or a UUID):
+# the amdgpu driver's own recovery (debugfs amdgpu_gpu_recover), as rocm-smi --gpureset does.
 DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
 
 
@@ -69,9 +68,8 @@ DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
 class Config:
     grace_sec: float = 10.0
     kill_timeout_sec: float = 5.0
-    # Covers SGLang's 16-26 s in D state after SIGKILL plus the release after it
-    # (docs/real-hosts.md: the timeout review); GraceSec + KillTimeoutSec + this stays under the
-    # drop-ins' 80 s bound.
+    # Covers SGLang's 16-26 s in D state after SIGKILL and the release after it (docs/real-hosts.md);
+    # GraceSec + KillTimeoutSec + this stays under the drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
     # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used):

@@ -89,9 +89,8 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def journal_too(program: str, level: int, message: str) -> None:
-    """Also put `message` in the journal when stderr does not go there (an admin's terminal):
-    for the few lines an operator must find later, such as a daemon vanishing mid-sweep.
-    Best effort: no journal, no line, and never an error."""
+    """Also put `message` in the journal when stderr does not go there, for the few lines an
+    operator must find later (a daemon vanishing mid-sweep). Best effort: never an error."""
     if under_journald() or not os.path.exists(JOURNAL_SOCKET):
         return
     import socket

@@ -34,10 +34,9 @@ def fsync_directory(path: str) -> None:
 
 def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
                  fsync: bool = True, fsync_dir: bool = False) -> None:
-    """Replace `path` with the bytes of `chunks` all at once: a new temporary file named `prefix`
-    and a random suffix beside it (never an existing file or link), written, given exactly
-    `mode` (not the umask's), synced to disk with `fsync`, then renamed over `path` (with
-    `fsync_dir`, durably). A failure leaves `path` as it was and no temporary."""
+    """Replace `path` with `chunks` at once: a temporary beside it (`prefix` and a random suffix,
+    never an existing file or link), given exactly `mode` (not the umask's), synced with `fsync`,
+    renamed over `path` (with `fsync_dir`, durably). A failure leaves `path` and no temporary."""
     directory = os.path.dirname(path) or "."
     temporary = os.path.join(directory, prefix + secrets.token_hex(8))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)

@@ -45,8 +45,7 @@ def text(raw: bytes, limit: int = PATH_MAX, already_cut: bool = False) -> str:
 
 def clean(value: str, limit: int = 0) -> str:
     """A str that may hold lone surrogates (surrogateescape'd bytes from os/psutil/pwd, or
-    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes.
-    limit 0: no length cap."""
+    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes (limit 0: no cap)."""
     if not is_clean(value):
         try:
             raw = value.encode("utf-8", "surrogateescape")

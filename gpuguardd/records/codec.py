@@ -26,8 +26,7 @@ if TYPE_CHECKING:  # for mypy only: Debian 12's python3 has no typing_extensions
 # A record's wire form: what to_dict gives, marshalling types and history.jsonl stores.
 Wire = dict[str, Any]
 
-# A reader returns (True, typed value), or for a value of another type (False, None) or
-# (False, what of it can still be shown).
+# A reader returns (True, typed value), or (False, None or what of it can still be shown).
 Reader = Callable[[object], tuple[bool, Any]]
 
 
