@@ -70,17 +70,13 @@ class WireRecord:
         unread: set[str] = set()
         source: Mapping[Any, Any] = data if isinstance(data, Mapping) else {}
         for name, spec in specs.items():
-            if name not in source:
-                if name not in cls.OPTIONAL:  # an optional key is absent where it does not apply
-                    unread.add(name)
-                values[name] = spec.stand_in()
-                continue
-            ok, value = spec.read(source[name])
+            # A missing optional key is not unread: it is absent where it does not apply.
+            ok, value = spec.read(source[name]) if name in source else (name in cls.OPTIONAL, None)
             if not ok:
                 unread.add(name)
-                # What a printer can still show of it (text for a list of texts), else a stand-in.
-                value = value if value is not None else spec.stand_in()
-            values[name] = value
+            # Missing, None or unread: a stand-in, unless a printer can still show some of it
+            # (text for a list of texts). Every field typed `X | None` stands in as None.
+            values[name] = value if value is not None else spec.stand_in()
         record = cls(**values)
         object.__setattr__(record, "unread", frozenset(unread))
         object.__setattr__(record, "_source", (data,))
