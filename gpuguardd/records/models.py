@@ -125,8 +125,7 @@ class NvmlSnapshot:
     error: str = ""
     driver_version: str = ""
     gpus: list[GpuInfo] = field(default_factory=list)
-    # False when NVML's (host) PIDs are not this /proc's (nvmlprocs.pids_are_local): the
-    # process lists then say a GPU is in use, but name no local process.
+    # False when NVML's (host) PIDs are not this /proc's: its lists then name no local process.
     pids_local: bool = True
 
     @property
@@ -258,22 +257,15 @@ class Scope:
 
     @property
     def whole_host(self) -> bool:
-        return (not self.gpus and not self.mig and not self.unit and not self.container
-                and not self.slurm_job)
+        return not (self.gpus or self.mig or self.unit or self.container or self.slurm_job)
 
 
 def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
                    with_management: bool = True) -> str:
     """A scope in words for the journal and gpuguardctl ("GPU 0,1, unit x.service"), `whole`
     when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
-    parts: list[str] = []
-    if scope.gpus:
-        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
-    if scope.mig:
-        parts.append("MIG " + ",".join(scope.mig))
-    if scope.unit:
-        parts.append(f"unit {scope.unit}")
-    if scope.container:
-        parts.append(f"container {scope.container}")
+    named = [("GPU ", ",".join(str(g) for g in scope.gpus)), ("MIG ", ",".join(scope.mig)),
+             ("unit ", scope.unit), ("container ", scope.container)]
+    parts = [label + value for label, value in named if value]
     text = ", ".join(parts) if parts else whole
     return text + (" including management clients" if with_management and scope.include_management else "")
