@@ -121,7 +121,6 @@ _TIME_UNITS = {
 }
 # No time span anywhere may exceed this, whatever the key; each key has its own, lower bound.
 MAX_TIMESPAN_SEC = 24 * 3600.0
-# The bounds gpuguardctl's options and the bus share; the others are in _KEYS.
 MAX_GRACE_SEC = 3600.0
 MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
 MAX_GATE_STABLE_SEC = 3600.0
@@ -150,10 +149,9 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
 
 
 def _span_text(seconds: float) -> str:
-    if seconds >= 3600 and seconds % 3600 == 0:
-        return f"{int(seconds // 3600)}h"
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{int(seconds // 60)}min"
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
 
 

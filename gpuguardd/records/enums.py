@@ -24,8 +24,7 @@ class Outcome(WireEnum):
     ERROR = "error"
     UNVERIFIED = "unverified"  # processes ended, but nobody can say the memory came back
     INTERRUPTED = "interrupted"  # gpuguardd died mid-sweep; `finished_by` names who finished it
-    # A GPU reset's (report kind "reset"): done and verified, refused before anything was
-    # touched, or tried and not verified.
+    # A GPU reset's: done and verified, refused before anything was touched, or not verified.
     RESET = "reset"
     RESET_REFUSED = "reset-refused"
     RESET_FAILED = "reset-failed"

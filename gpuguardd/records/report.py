@@ -92,8 +92,7 @@ class Terminated(WireRecord):
 class Survivor(WireRecord):
     """A process the sweep could not end, and why: `code` for programs, `why` for people."""
 
-    # Optional: absent from records written before the codes (read back as OTHER).
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})  # absent before the codes: OTHER
 
     pid: int
     comm: str = ""
@@ -115,8 +114,7 @@ class Spared(WireRecord):
     """A process in (or touching) the scope that the sweep left alone on purpose, and why:
     `code` for programs (the metrics count by it), `why` for people."""
 
-    # Optional: absent from records written before the codes (read back as OTHER).
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})  # absent before the codes: OTHER
 
     pid: int
     comm: str = ""
@@ -181,12 +179,10 @@ class Report(WireRecord):
     leaks: list[Leak] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""
-    # A sweep cut short by the daemon's death and the one that finished it name each other
-    # (Outcome.INTERRUPTED; daemon/resume.py).
+    # A sweep cut short by the daemon's death and the one that finished it name each other.
     resumes: str = ""
     finished_by: str = ""
-    # Absent for a sweep, REPORT_RESET for a GPU reset (engine/reset.py), whose every step is
-    # in `steps` as the journal has it.
+    # REPORT_RESET for a GPU reset (engine/reset.py), with its every step; absent for a sweep.
     kind: str = ""
     steps: list[str] = field(default_factory=list)
     requester_kind: RequesterKind = RequesterKind.MANUAL  # the metrics' trigger label

@@ -77,9 +77,8 @@ def selector(item: object) -> Selector:
     """What `item` (an int, or text as typed) names; kind "" when nothing."""
     text = str(item).strip()
     if isinstance(item, int) or is_digits(text):
-        # BadNumber (an InvalidArgument) names a 23-digit or negative index; U+00B2 and U+0660
-        # are not digits here, so they name no GPU (check() says so). The bus carries an index
-        # as a `u`: past 2^32-1 is no GPU.
+        # BadNumber names a negative index or one past 2^32-1 (the bus carries a `u`); U+00B2
+        # and U+0660 are not digits here, so they name no GPU (check() says so).
         return Selector(INDEX, text, parse_uint(text, "GPU index"))
     if text.upper().startswith("MIG-"):
         return Selector(MIG_UUID, text)
