@@ -23,11 +23,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 if TYPE_CHECKING:  # for mypy only: Debian 12's python3 has no typing_extensions (nor typing.Self)
     from typing_extensions import Self
 
-# A record's wire form: what to_dict gives, marshalling types and history.jsonl stores.
-Wire = dict[str, Any]
+Wire = dict[str, Any]  # what to_dict gives, marshalling types and history.jsonl stores
 
-# A reader returns (True, typed value), or (False, None or what of it can still be shown).
-Reader = Callable[[object], tuple[bool, Any]]
+Reader = Callable[[object], tuple[bool, Any]]  # (True, typed), or (False, None or what can be shown)
 
 
 @dataclass
@@ -158,9 +156,8 @@ def _reader(text: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[
     if isinstance(kind, type) and issubclass(kind, Enum):
         return _enum_of(kind), _constant(next(iter(kind)))
     if isinstance(kind, type) and issubclass(kind, WireRecord):
-        record = kind
         # A list of records keeps an item that is no dict as a record of its own (shown "?").
-        return (lambda value: (True, record.from_dict(value))), lambda: record.from_dict({})
+        return (lambda value: (True, kind.from_dict(value))), lambda: kind.from_dict({})
     raise TypeError(f"no wire reader for the annotation {text!r}")
 
 
