@@ -72,14 +72,12 @@ class Config:
     # GraceSec + KillTimeoutSec + this stays under the drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
-    # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used):
-    # below this an AMD GPU counts as released (docs/real-hosts.md, "AMD GPUs").
+    # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used).
     amd_released_below_mib: int = 1024
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     dry_run: bool = False
-    # [Recovery] (engine/reset.py, daemon/recovery.py, docs/recovery.md): the reset command
-    # (the GPU's PCI bus id appended), its bound, and the AutoReset policy, off by default.
+    # [Recovery] (docs/recovery.md): the reset commands (the GPU's PCI bus id appended), their bound, AutoReset.
     reset_command: str = "nvidia-smi -r -i"  # command_argv() splits it
     amd_reset_command: str = DEFAULT_AMD_RESET_COMMAND  # the same, for an AMD GPU
     reset_timeout_sec: float = 120.0
@@ -119,8 +117,7 @@ _TIME_UNITS = {
     "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
     "h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0,
 }
-# No time span anywhere may exceed this, whatever the key; each key has its own, lower bound.
-MAX_TIMESPAN_SEC = 24 * 3600.0
+MAX_TIMESPAN_SEC = 24 * 3600.0  # for any time span; each key has its own, lower bound
 MAX_GRACE_SEC = 3600.0
 MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
 MAX_GATE_STABLE_SEC = 3600.0

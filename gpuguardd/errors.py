@@ -1,8 +1,5 @@
-"""Exceptions shared by the engine, the service and the CLI.
-
-Each maps to one D-Bus error name of the contract, so the service can translate them without
-knowing where they came from.
-"""
+"""Exceptions shared by the engine, the service and the CLI, each mapped to one D-Bus error
+name of the contract, so the service translates them without knowing where they came from."""
 
 from __future__ import annotations
 

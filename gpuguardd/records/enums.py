@@ -145,5 +145,5 @@ class WarningCode(WireEnum):
     OTHER = "other"
 
 
-# The warnings that say why a sweep's memory could not be verified (engine/slurm.summary).
+# Why a sweep's memory could not be verified (engine/slurm.summary).
 UNVERIFIED_WARNINGS = frozenset({WarningCode.NVML_UNAVAILABLE, WarningCode.MEMORY_UNVERIFIED})

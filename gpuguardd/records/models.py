@@ -64,8 +64,7 @@ class GpuInfo:
     # one), `gpu_id` KFD's (0 without KFD: an APU or Radeon card driven by DRM alone).
     card_minor: int | None = None
     gpu_id: int = 0
-    # Released below this many bytes, where the backend knows better than [Sweep]
-    # ReleasedBelowMiB (an idle AMD GPU's driver holds VRAM: AmdReleasedBelowMiB).
+    # Released below this many bytes where the backend knows better ([Sweep] AmdReleasedBelowMiB).
     released_below: int | None = None
 
     @property
@@ -114,8 +113,7 @@ class GpuSummary(WireRecord):
     mig_instances: list[MigSummary] | None = None
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
     vendor: Vendor = Vendor.NVIDIA
-    # Bytes: the judge's released line (judge.released_line), not sent: the start gate runs
-    # beside the scan, and must not wait for ever on an idle AMD GPU's own VRAM.
+    # Bytes, judge.released_line; not sent: the gate beside the scan must not wait on an idle AMD GPU's VRAM.
     released_below: int = field(default=0, metadata={"wire": False})
 
 
@@ -212,10 +210,9 @@ class SweepRequest(WireRecord):
     requested_by: str = ""
     requester_kind: RequesterKind = RequesterKind.MANUAL  # decided by whoever makes the request
     adopted: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) of `unit`'s leftovers
-    # A Slurm epilog's job (engine/slurm.py): its cgroup's processes and its user's escaped
-    # holders of `gpus`, nothing of another job. slurm_uid -1: none.
+    # A Slurm epilog's job: its cgroup's processes and its user's escaped holders of `gpus` only.
     slurm_job: str = ""
-    slurm_uid: int = -1
+    slurm_uid: int = -1  # -1: none
     # Whether the report goes into the audit history: not a dry run by anyone but root, as a
     # flood of them must never push a real sweep's record out (docs/security.md).
     audited: bool = True
