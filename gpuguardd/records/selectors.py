@@ -28,8 +28,6 @@ _PCI = re.compile(r"^(?:[0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):[0-9A-Fa-f]{2}:[0-1][0-9A
 
 @dataclass(frozen=True)
 class KnownGpu:
-    """A GPU as the caller knows it: its index, UUID and its MIG instances' UUIDs."""
-
     index: int
     uuid: str = ""
     mig: tuple[str, ...] = ()
@@ -49,7 +47,6 @@ class Selector:
     index: int = -1  # for INDEX
 
     def find(self, gpus: Iterable[KnownGpu]) -> list[Selected]:
-        """Every GPU (or MIG instance) of `gpus` this names; [] when none does."""
         if self.kind == INDEX:
             return [Selected(g.index) for g in gpus if g.index == self.index]
         if self.kind == MIG_UUID:
