@@ -9,14 +9,14 @@ and time span has an upper bound, so no value can overflow a timer or make a swe
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 import os
 import re
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gpuguardd.errors import ConfigError
 from gpuguardd.numbers import parse_uint
@@ -59,9 +59,8 @@ DEFAULT_PROTECTED_UNITS = (
 # Which of them count (the "kfd" and "drm" majors of /proc/devices) is engine/devices.py's.
 DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
                         "/dev/dri/card*")
-# amd-smi's per-GPU reset (its CLI guide, "amd-smi reset"), the GPU's PCI address appended:
-# `-g` takes an index, a BDF or a UUID. rocm-smi --gpureset and amd-smi both trigger the
-# amdgpu driver's own recovery (debugfs amdgpu_gpu_recover); docs/recovery.md.
+# amd-smi's per-GPU reset, the GPU's PCI address appended (`-g` takes an index, a BDF or a UUID):
+# the amdgpu driver's own recovery (debugfs amdgpu_gpu_recover), as rocm-smi --gpureset does.
 DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
 
 
@@ -69,19 +68,16 @@ DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
 class Config:
     grace_sec: float = 10.0
     kill_timeout_sec: float = 5.0
-    # Covers SGLang's 16-26 s in D state after SIGKILL plus the release after it
-    # (docs/real-hosts.md: the timeout review); GraceSec + KillTimeoutSec + this stays under the
-    # drop-ins' 80 s bound.
+    # Covers SGLang's 16-26 s in D state after SIGKILL and the release after it (docs/real-hosts.md);
+    # GraceSec + KillTimeoutSec + this stays under the drop-ins' 80 s bound.
     verify_timeout_sec: float = 45.0
     released_below_mib: int = 256
-    # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used):
-    # below this an AMD GPU counts as released (docs/real-hosts.md, "AMD GPUs").
+    # An idle AMD GPU's driver keeps VRAM of its own (an idle MI300X reads 284 MiB used).
     amd_released_below_mib: int = 1024
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     dry_run: bool = False
-    # [Recovery] (engine/reset.py, daemon/recovery.py, docs/recovery.md): the reset command
-    # (the GPU's PCI bus id appended), its bound, and the AutoReset policy, off by default.
+    # [Recovery] (docs/recovery.md): the reset commands (the GPU's PCI bus id appended), their bound, AutoReset.
     reset_command: str = "nvidia-smi -r -i"  # command_argv() splits it
     amd_reset_command: str = DEFAULT_AMD_RESET_COMMAND  # the same, for an AMD GPU
     reset_timeout_sec: float = 120.0
@@ -91,29 +87,20 @@ class Config:
     watch_units: tuple[str, ...] = ()
     device_paths: tuple[str, ...] = DEFAULT_DEVICE_PATHS
     allow_majors: tuple[int, ...] = ()
-    # Which nvidia-caps minor opens which MIG instance (engine/devices.py); tests point it at
-    # a file they write.
-    mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"
-    # Where GPUs' runtime PM status is read (engine/driverinfo.py); tests point it at a tree
-    # of their own.
+    mig_minors_path: str = "/proc/driver/nvidia-caps/mig-minors"  # engine/devices.py
     sysfs_path: str = "/sys"
     poll_interval_sec: float = 2.0
-    # One NVML snapshot's bound: past it the driver counts as hung (nvml.py, nvmlworker.py).
-    nvml_timeout_sec: float = 5.0
+    nvml_timeout_sec: float = 5.0  # one NVML snapshot's bound: past it the driver counts as hung
     state_directory: str = "/var/lib/gpuguard"
     runtime_directory: str = "/run/gpuguard"
     history_max: int = 1000
-    # node_exporter's textfile collector directory ("": no textfile); metrics.py.
-    textfile_directory: str = ""
-    # The start gate (engine/gate.py, `gpuguardctl wait`): free below this, steady this long
-    # within this tolerance.
+    textfile_directory: str = ""  # node_exporter's textfile collector directory ("": none)
+    # The start gate (`gpuguardctl wait`): free below this, steady this long within this tolerance.
     gate_free_below_mib: int = 256
     gate_stable_sec: float = 3.0
     gate_tolerance_mib: int = 16
-    # Where each value came from, for `gpuguardctl status` and error messages.
-    sources: tuple[str, ...] = field(default=(), compare=False)
-    # (list item, "file:line") for items a file added, so a refused [Devices] Paths entry is
-    # reported where it was written.
+    sources: tuple[str, ...] = field(default=(), compare=False)  # the files read, in order
+    # (list item, "file:line") for items a file added: where a refused entry was written.
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def origin(self, item: str) -> str:
@@ -130,20 +117,10 @@ _TIME_UNITS = {
     "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
     "h": 3600.0, "hr": 3600.0, "hour": 3600.0, "hours": 3600.0,
 }
-# No time span anywhere may exceed this, whatever the key; each key has its own, lower bound.
-MAX_TIMESPAN_SEC = 24 * 3600.0
-# Upper bounds of the time-span keys (documented in gpuguard.conf(5)): a sweep must end and
-# write its report in bounded time, and no value may overflow a timer.
+MAX_TIMESPAN_SEC = 24 * 3600.0  # for any time span; each key has its own, lower bound
 MAX_GRACE_SEC = 3600.0
-MAX_KILL_TIMEOUT_SEC = 600.0
-MAX_RESET_TIMEOUT_SEC = 600.0
-MAX_VERIFY_TIMEOUT_SEC = 3600.0
-MAX_POLL_INTERVAL_SEC = 3600.0
-MAX_NVML_TIMEOUT_SEC = 600.0
 MAX_RELEASED_BELOW_MIB = 1 << 24  # 16 TiB: more than any GPU has
 MAX_GATE_STABLE_SEC = 3600.0
-MAX_HISTORY = 1_000_000
-MAX_MAJOR = 4095  # Linux device majors are 12 bits
 # ASCII digits only: \d and float() also take other scripts' digits (numbers.py).
 _TIME_PART = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)")
 
@@ -169,10 +146,9 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
 
 
 def _span_text(seconds: float) -> str:
-    if seconds >= 3600 and seconds % 3600 == 0:
-        return f"{int(seconds // 3600)}h"
-    if seconds >= 60 and seconds % 60 == 0:
-        return f"{int(seconds // 60)}min"
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
 
 
@@ -186,9 +162,7 @@ def parse_bool(text: str) -> bool:
 
 
 def _bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        return parse_uint(text.strip(), "number", maximum, minimum)
-    return parse
+    return lambda text: parse_uint(text.strip(), "number", maximum, minimum)
 
 
 def _parse_absolute_path(text: str) -> str:
@@ -231,45 +205,45 @@ def _absolute_list(text: str) -> list[str]:
 
 
 def _major_list(text: str) -> list[int]:
-    return [parse_uint(item, "device major number", MAX_MAJOR) for item in text.split()]
+    return [parse_uint(item, "device major number", 4095) for item in text.split()]  # majors are 12 bits
 
 
-# (section, key) -> (dataclass field, parser, is_list)
-_Parser = Callable[[str], object]
-_KEYS: dict[tuple[str, str], tuple[str, _Parser, bool]] = {
-    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC), False),
-    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(MAX_KILL_TIMEOUT_SEC), False),
-    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(MAX_VERIFY_TIMEOUT_SEC), False),
-    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
-    ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
-    ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list, True),
-    ("Sweep", "ProtectedUnits"): ("protected_units", str.split, True),
-    ("Sweep", "DryRun"): ("dry_run", parse_bool, False),
-    ("Recovery", "ResetCommand"): ("reset_command", _command, False),
-    ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command, False),
-    ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(MAX_RESET_TIMEOUT_SEC, 1.0), False),
-    ("Recovery", "AutoReset"): ("auto_reset", parse_bool, False),
-    ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
-    ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC), False),
-    ("Watch", "Units"): ("watch_units", str.split, True),
-    ("Devices", "Paths"): ("device_paths", _absolute_list, True),
-    ("Devices", "AllowMajors"): ("allow_majors", _major_list, True),
-    ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path, False),
-    ("Devices", "SysfsPath"): ("sysfs_path", _parse_absolute_path, False),
-    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(MAX_POLL_INTERVAL_SEC, 0.1), False),
-    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(MAX_NVML_TIMEOUT_SEC, 0.1), False),
-    ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path, False),
-    ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path, False),
-    ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, MAX_HISTORY), False),
+# (section, key) -> (Config field, parser); a field whose default is a tuple is a list. The
+# bounds are gpuguard.conf(5)'s.
+_KEYS: dict[tuple[str, str], tuple[str, Callable[[str], Any]]] = {
+    ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC)),
+    ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(600.0)),
+    ("Sweep", "VerifyTimeoutSec"): ("verify_timeout_sec", _timespan_field(3600.0)),
+    ("Sweep", "ReleasedBelowMiB"): ("released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
+    ("Sweep", "AmdReleasedBelowMiB"): ("amd_released_below_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
+    ("Sweep", "ProtectedExecutables"): ("protected_executables", _absolute_list),
+    ("Sweep", "ProtectedUnits"): ("protected_units", str.split),
+    ("Sweep", "DryRun"): ("dry_run", parse_bool),
+    ("Recovery", "ResetCommand"): ("reset_command", _command),
+    ("Recovery", "AmdResetCommand"): ("amd_reset_command", _command),
+    ("Recovery", "ResetTimeoutSec"): ("reset_timeout_sec", _timespan_field(600.0, 1.0)),
+    ("Recovery", "AutoReset"): ("auto_reset", parse_bool),
+    ("Recovery", "LeakGraceSec"): ("leak_grace_sec", _timespan_field(MAX_TIMESPAN_SEC)),
+    ("Recovery", "ResetIntervalSec"): ("reset_interval_sec", _timespan_field(MAX_TIMESPAN_SEC)),
+    ("Watch", "Units"): ("watch_units", str.split),
+    ("Devices", "Paths"): ("device_paths", _absolute_list),
+    ("Devices", "AllowMajors"): ("allow_majors", _major_list),
+    ("Devices", "MigMinorsPath"): ("mig_minors_path", _parse_absolute_path),
+    ("Devices", "SysfsPath"): ("sysfs_path", _parse_absolute_path),
+    ("Daemon", "PollIntervalSec"): ("poll_interval_sec", _timespan_field(3600.0, 0.1)),
+    ("Daemon", "NvmlTimeoutSec"): ("nvml_timeout_sec", _timespan_field(600.0, 0.1)),
+    ("Daemon", "StateDirectory"): ("state_directory", _parse_absolute_path),
+    ("Daemon", "RuntimeDirectory"): ("runtime_directory", _parse_absolute_path),
+    ("Daemon", "HistoryMax"): ("history_max", _bounded_int(1, 1_000_000)),
     ("Metrics", "TextfileDirectory"): ("textfile_directory",
-                                       lambda text: _parse_absolute_path(text) if text.strip() else "", False),
-    ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB), False),
-    ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC), False),
-    ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB), False),
+                                       lambda text: _parse_absolute_path(text) if text.strip() else ""),
+    ("Gate", "FreeBelowMiB"): ("gate_free_below_mib", _bounded_int(1, MAX_RELEASED_BELOW_MIB)),
+    ("Gate", "StableSec"): ("gate_stable_sec", _timespan_field(MAX_GATE_STABLE_SEC)),
+    ("Gate", "ToleranceMiB"): ("gate_tolerance_mib", _bounded_int(0, MAX_RELEASED_BELOW_MIB)),
 }
 
 
-def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, str]]) -> None:
+def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]]) -> None:
     try:
         with open(path, encoding="utf-8") as handle:
             lines = handle.read().splitlines()
@@ -298,27 +272,19 @@ def _apply_file(path: str, values: dict[str, object], origins: list[tuple[str, s
         spec = _KEYS.get((section, key))
         if spec is None:
             raise ConfigError(path, number, f"[{section}] {key}", "unknown key")
-        name, parser, is_list = spec
+        name, parser = spec
         try:
-            if is_list:
-                if not value:
-                    values[name] = []
-                else:
-                    # Appends to what is there: the built-in default until an empty
-                    # assignment resets it (systemd semantics). Replacing the default would
-                    # drop nvidia-persistenced's protection for one added path.
-                    current = values.get(name)
-                    items = list(current) if isinstance(current, list) else list(getattr(defaults, name))
-                    parsed = parser(value)
-                    assert isinstance(parsed, list)
-                    # A value given twice means it once (so uncommenting the shipped file's
-                    # defaults leaves the defaults as they are).
-                    values[name] = list(dict.fromkeys(items + parsed))
-                    origins.extend((str(item), f"{path}:{number}") for item in parsed)
-            else:
-                values[name] = parser(value)
+            parsed = parser(value)
         except ValueError as exc:
             raise ConfigError(path, number, f"[{section}] {key}", str(exc)) from None
+        if not isinstance(getattr(defaults, name), tuple):
+            values[name] = parsed
+        else:
+            # Appends (replacing would drop nvidia-persistenced's protection for one added path);
+            # a value given twice means it once, so uncommenting the shipped defaults changes nothing.
+            kept = values.get(name, getattr(defaults, name)) if value else []
+            values[name] = list(dict.fromkeys([*kept, *parsed]))
+            origins.extend((str(item), f"{path}:{number}") for item in parsed)
 
 
 def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROPIN_DIR) -> list[str]:
@@ -334,7 +300,7 @@ def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROP
 def load_config(paths: Sequence[str] | None = None) -> Config:
     """Defaults overridden by `paths`, which must exist (default: the system files, if any)."""
     files = list(paths) if paths is not None else config_files()
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     origins: list[tuple[str, str]] = []
     for path in files:
         _apply_file(path, values, origins)
@@ -344,5 +310,5 @@ def load_config(paths: Sequence[str] | None = None) -> Config:
         given = os.environ.get(name.upper())
         if given and name not in final:
             final[name] = given.split(":")[0]
-    return dataclasses.replace(Config(), sources=tuple(files), origins=tuple(origins),
+    return replace(Config(), sources=tuple(files), origins=tuple(origins),
                                **final)  # type: ignore[arg-type]

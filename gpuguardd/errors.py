@@ -1,8 +1,5 @@
-"""Exceptions shared by the engine, the service and the CLI.
-
-Each maps to one D-Bus error name of the contract, so the service can translate them without
-knowing where they came from.
-"""
+"""Exceptions shared by the engine, the service and the CLI, each mapped to one D-Bus error
+name of the contract, so the service translates them without knowing where they came from."""
 
 from __future__ import annotations
 
@@ -35,10 +32,6 @@ class ConfigError(GpuGuardError):
     dbus_name = "InvalidArgument"
 
     def __init__(self, path: str, line: int, key: str, message: str) -> None:
-        self.path = path
-        self.line = line
-        self.key = key
-        self.message = message
         where = f"{path}:{line}" if line else path
         super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
 

@@ -2,43 +2,23 @@
 
 Process names, command lines, unit names and paths are chosen by whoever started the process.
 Written raw, `\\x1b[2J` clears the admin's screen, `\\x1b]0;...\\x07` sets the terminal's title,
-a newline forges a second journal line, and a bidi override (U+202E) shows text reversed.
-So every character that is not printable (str.isprintable(): the C0 and C1 controls, DEL,
-format characters such as bidi overrides and zero-width ones, line and paragraph separators,
-lone surrogates) is written as a Python-style backslash escape. Printable text, non-ASCII
-letters included, is left as it is, and escaping twice changes nothing (the escape of an
-escaped text is itself), so layers may each apply it.
-
-JSON output needs none of this: json.dumps escapes control characters itself.
+a newline forges a second journal line, and a bidi override (U+202E) shows text reversed. So
+every character str.isprintable() refuses (C0 and C1 controls, DEL, bidi and zero-width format
+characters, line and paragraph separators, lone surrogates) is written as Python's
+unicode_escape writes it; escaping twice changes nothing, so layers may each apply it. JSON
+output needs none of this: json.dumps escapes control characters itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_char(ch: str) -> str:
-    if ch.isprintable():
-        return ch
-    named = _NAMED.get(ch)
-    if named is not None:
-        return named
-    code = ord(ch)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
 
 def escape_text(text: object) -> str:
-    """`text` as a string with every non-printable character backslash-escaped."""
     value = str(text)
     if value.isprintable():
         return value
-    return "".join(_escape_char(ch) for ch in value)
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in value)
 
 
 def escaped(data: Any) -> Any:

@@ -6,6 +6,7 @@ site can forget: a process named "x\\n<3>forged" stays one line, at the level it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -65,14 +66,13 @@ class PlainFormatter(logging.Formatter):
 def under_journald() -> bool:
     """True when stderr is connected to the journal (systemd sets JOURNAL_STREAM to match)."""
     stream = os.environ.get("JOURNAL_STREAM", "")
-    if not stream or ":" not in stream:
+    if ":" not in stream:
         return False
     try:
         st = os.fstat(sys.stderr.fileno())
     except (OSError, ValueError):
         return False
-    device, inode = stream.split(":", 1)
-    return f"{st.st_dev}" == device and f"{st.st_ino}" == inode
+    return stream == f"{st.st_dev}:{st.st_ino}"
 
 
 def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None) -> None:
@@ -89,17 +89,13 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def journal_too(program: str, level: int, message: str) -> None:
-    """Also put `message` in the journal when stderr does not go there (an admin's terminal):
-    for the few lines an operator must find later, such as a daemon vanishing mid-sweep.
-    Best effort: no journal, no line, and never an error."""
+    """Also put `message` in the journal when stderr does not go there, for the few lines an
+    operator must find later (a daemon vanishing mid-sweep). Best effort: never an error."""
     if under_journald() or not os.path.exists(JOURNAL_SOCKET):
         return
     import socket
 
     text = (f"PRIORITY={_PRIORITY.get(level, 6)}\nSYSLOG_IDENTIFIER={program}\n"
             f"MESSAGE={escape_text(message)}\n")
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(text.encode("utf-8", "backslashreplace"), JOURNAL_SOCKET)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(text.encode("utf-8", "backslashreplace"), JOURNAL_SOCKET)

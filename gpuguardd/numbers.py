@@ -1,29 +1,22 @@
 """Numbers read from outside (environment, command line, configuration, the bus), strictly.
 
-Python's int() takes any Unicode decimal digit (U+0660 ARABIC-INDIC DIGIT ZERO and U+1D7CE
-are 0, full-width "42" is 42), a sign, underscores and surrounding white space, and
-str.isdigit() is True for U+00B2 SUPERSCRIPT TWO, which int() then refuses with a traceback.
-Here a number is ASCII digits only, within the range of what it names, or a BadNumber (an
-InvalidArgument and a ValueError, so every caller's usual handler takes it) whose message
-names the value. Every entry point reads its numbers here.
+Python's int() takes any Unicode decimal digit (U+0660, full-width "42"), a sign, underscores
+and white space, and str.isdigit() is True for U+00B2, which int() then refuses. Here a number
+is ASCII digits only, within the range of what it names, or a BadNumber (an InvalidArgument
+and a ValueError, so every caller's usual handler takes it) naming the value.
 """
 
 from __future__ import annotations
 
-import re
-
 from gpuguardd.errors import InvalidArgument
 
 UINT32_MAX = 2**32 - 1
-# (uid_t)-1 is "no uid" to the kernel (setuid(-1) leaves it unchanged): never a user.
-UID_MAX = 2**32 - 2
+UID_MAX = 2**32 - 2  # (uid_t)-1 is "no uid" to the kernel: never a user
 # Slurm job ids are 32-bit; 20 digits leaves room for array and het job forms that arrive
 # as one number, and no more: the id goes into a cgroup path match and a drain reason.
 JOB_ID_DIGITS = 20
 
-_DIGITS = re.compile(r"[0-9]+")
-# What an error message quotes of a value: enough to recognise it, never a flood.
-_SHOWN = 40
+_SHOWN = 40  # what an error message quotes of a value: enough to recognise it
 
 
 class BadNumber(InvalidArgument, ValueError):
@@ -37,7 +30,7 @@ def shown(text: str) -> str:
 
 def is_digits(text: str) -> bool:
     """Whether `text` is one or more ASCII digits and nothing else (no sign, space, newline)."""
-    return _DIGITS.fullmatch(text) is not None
+    return text.isascii() and text.isdigit()
 
 
 def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0) -> int:
@@ -50,15 +43,6 @@ def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0
     if value < minimum:
         raise BadNumber(f"{what} {shown(text)} is below the minimum of {minimum}")
     return value
-
-
-def parse_uid(text: str, what: str = "uid") -> int:
-    return parse_uint(text, what, UID_MAX)
-
-
-def parse_gpu_index(text: str, what: str = "GPU index") -> int:
-    """An NVML index: the bus carries it as a `u`, so anything past 2^32-1 is no GPU."""
-    return parse_uint(text, what, UINT32_MAX)
 
 
 def parse_job_id(text: str, what: str = "Slurm job id") -> str:

@@ -1,17 +1,15 @@
 """Opening files in directories someone else might write to, as root, without following links.
 
-The daemon runs as root and writes its history and locks in directories a configuration names.
-Should anyone be able to put a symbolic link there (a world-writable RuntimeDirectory=, a
-mistake in permissions), following it would let them truncate or append to any file on the
-host. So the last component is never followed (O_NOFOLLOW), and temporary files get a fresh
-unpredictable name created exclusively (O_EXCL), as mkstemp() does.
-
-write_atomic is the one way a file is replaced (the history, the metrics textfile, the hooks'
-drop-ins): readers see the old file or the new one, never half of one.
+The daemon writes its history and locks, as root, in directories a configuration names. A
+symbolic link planted there (a world-writable RuntimeDirectory=, a permission mistake) would let
+anyone truncate or append to any file on the host. So the last component is never followed
+(O_NOFOLLOW), and temporary files get a fresh unpredictable name, created exclusively (O_EXCL).
+write_atomic is the one way a file is replaced: readers see the old file or the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Iterable
@@ -24,56 +22,35 @@ def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
     return os.open(path, flags | NOFOLLOW, mode)
 
 
-def create_temporary(directory: str, prefix: str, mode: int = 0o600) -> tuple[int, str]:
-    """A new file in `directory` for writing: (fd, path). Never an existing file or link."""
-    for _ in range(100):
-        path = os.path.join(directory, prefix + secrets.token_hex(8))
-        try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode), path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no unused temporary name in {directory}")
-
-
 def fsync_directory(path: str) -> None:
     """Make a rename in `path` durable (best effort: some file systems refuse)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
                  fsync: bool = True, fsync_dir: bool = False) -> None:
-    """Replace `path` with the bytes of `chunks` all at once: a temporary file named `prefix`
-    and a random suffix beside it (create_temporary: never an existing file or link), written,
-    given exactly `mode` (not the umask's), synced to disk with `fsync`, then renamed over
-    `path` (with `fsync_dir`, durably). A failure leaves `path` as it was and no temporary."""
+    """Replace `path` with `chunks` at once: a temporary beside it (`prefix` and a random suffix,
+    never an existing file or link), given exactly `mode` (not the umask's), synced with `fsync`,
+    renamed over `path` (with `fsync_dir`, durably). A failure leaves `path` and no temporary."""
     directory = os.path.dirname(path) or "."
-    fd, temporary = create_temporary(directory, prefix, mode)
+    temporary = os.path.join(directory, prefix + secrets.token_hex(8))
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
     try:
-        try:
+        with os.fdopen(fd, "wb") as handle:
             os.fchmod(fd, mode)
-            with os.fdopen(fd, "wb", closefd=False) as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-                handle.flush()
+            handle.writelines(chunks)
+            handle.flush()
             if fsync:
                 os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(temporary, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        except OSError:
-            pass
         raise
     if fsync_dir:
         fsync_directory(directory)

@@ -1,14 +1,12 @@
 """Text from untrusted places made safe to send: valid UTF-8, no NUL, bounded length.
 
-D-Bus strings must be valid UTF-8 without NUL; one that is not makes the whole reply (or
-signal, or property) fail to encode. /proc hands out bytes (a process names its argv and its
-executable's path as it likes), and psutil and os decode them with surrogateescape, so a byte
-such as \\xff arrives as a lone surrogate that no encoder accepts. Everything read from /proc
-goes through text() (bytes) or clean() (an already decoded str), once, where it is read.
+D-Bus strings must be valid UTF-8 without NUL, or the whole reply (or signal, or property)
+fails to encode. /proc hands out bytes (a process names its argv and exe path as it likes),
+which psutil and os decode with surrogateescape into lone surrogates no encoder accepts.
+Everything read from /proc goes through text() (bytes) or clean() (a str), once, where read.
 
-Bad bytes become backslash escapes (b"\\xff" -> "\\\\xff"): readable, unambiguous enough for
-an admin, and stable (the same process always reads the same). Long text is cut at a byte
-budget with a marker that says how much was left out, so no single field can blow up a reply.
+Bad bytes become backslash escapes (b"\\xff" -> "\\\\xff"): readable, and stable for the same
+process. Long text is cut at a byte budget with a marker, so no field can blow up a reply.
 """
 
 from __future__ import annotations
@@ -41,26 +39,19 @@ def cut(value: str, limit: int, already_cut: bool = False) -> str:
 def text(raw: bytes, limit: int = PATH_MAX, already_cut: bool = False) -> str:
     """Bytes read from /proc as a valid, NUL-free string of at most `limit` bytes;
     `already_cut`: the bytes were cut short where they were read (the marker says so)."""
-    value = raw.decode("utf-8", "backslashreplace")
-    if "\0" in value:
-        value = value.replace("\0", "\\x00")
+    value = raw.decode("utf-8", "backslashreplace").replace("\0", "\\x00")
     return cut(value, limit, already_cut)
 
 
 def clean(value: str, limit: int = 0) -> str:
     """A str that may hold lone surrogates (surrogateescape'd bytes from os/psutil/pwd, or
-    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes.
-    limit 0: no length cap."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes (limit 0: no cap)."""
+    if not is_clean(value):
         try:
             raw = value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # surrogates that stand for no byte (U+D800..U+DC7F)
             raw = value.encode("utf-8", "surrogatepass")
-        value = raw.decode("utf-8", "backslashreplace")
-    if "\0" in value:
-        value = value.replace("\0", "\\x00")
+        value = raw.decode("utf-8", "backslashreplace").replace("\0", "\\x00")
     return cut(value, limit) if limit else value
 
 

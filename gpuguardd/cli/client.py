@@ -29,7 +29,7 @@ from gpuguardd.bus.names import (
 from gpuguardd.errors import DaemonUnavailable, GpuGuardError, InvalidArgument, NotAuthorized, NvmlError
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
-from gpuguardd.records.selectors import INDEX, PCI, KnownGpu, names_mig, one_gpu, selector
+from gpuguardd.records.selectors import INDEX, MIG_UUID, PCI, KnownGpu, one_gpu, selector
 
 CALL_TIMEOUT_SEC = 120.0
 _UNAVAILABLE = {"org.freedesktop.DBus.Error." + name for name in (
@@ -169,7 +169,7 @@ class DBusBackend:
         typed (as) and the daemon resolves it."""
         options = {key: marshal.option(dictionary, key, value) for key, value in values.items() if key != "gpus"}
         wanted = values.get("gpus")
-        if wanted and names_mig(wanted):
+        if wanted and any(selector(item).kind == MIG_UUID for item in wanted):
             options["gpus"] = marshal.option(dictionary, "gpus", [str(item).strip() for item in wanted], "as")
         elif wanted:
             options["gpus"] = marshal.option(dictionary, "gpus", await self._indices(bus, wanted), "au")

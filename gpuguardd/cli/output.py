@@ -93,8 +93,8 @@ def print_holders(holders: Sequence[Holder], out: TextIO) -> None:
 
 def print_omitted(records: Sequence[WireRecord], what: str, out: TextIO) -> None:
     """The daemon cut the reply to stay under the bus's message size (replysize.py): the
-    last record sent says how many were left out."""
-    omitted = records[-1].unknown.get(OMITTED_KEY, 0) if records else 0
+    last record sent says how many were left out, in a key this version's record does not have."""
+    omitted = records[-1].to_dict().get(OMITTED_KEY, 0) if records else 0
     if isinstance(omitted, int) and omitted:
         out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
                   f"bus's message size)\n")

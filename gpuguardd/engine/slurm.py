@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gpuguardd.engine import procfs
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.escaping import escape_text
-from gpuguardd.numbers import UID_MAX, is_digits, parse_job_id, parse_uid, parse_uint
+from gpuguardd.numbers import UID_MAX, is_digits, parse_job_id, parse_uint
 from gpuguardd.records.enums import UNVERIFIED_WARNINGS, Outcome
 from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
@@ -94,7 +94,7 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
     parse_job_id(job_id, "SLURM_JOB_ID")
     if "SLURM_JOB_UID" not in environ:
         raise InvalidArgument(f"{flag}: SLURM_JOB_UID is not set")
-    uid = parse_uid(environ["SLURM_JOB_UID"], "SLURM_JOB_UID")
+    uid = parse_uint(environ["SLURM_JOB_UID"], "SLURM_JOB_UID", UID_MAX)
     name = "SLURM_JOB_GPUS" if "SLURM_JOB_GPUS" in environ else "CUDA_VISIBLE_DEVICES"
     text = environ.get(name, "").strip()
     minors: list[int | str] = []

@@ -1,10 +1,8 @@
 """The closed vocabularies of gpuguard's records: sweep outcomes, GPU states, holder kinds.
 
 Each is a `str` enum whose values are the contract's words (docs/contract.md), so a member
-compares, hashes, formats and serialises (json, D-Bus `s`) as its value: the wire does not
-change, and code names members instead of repeating strings. `enum.StrEnum` would do the
-same but needs Python 3.11; the explicit __str__ gives that behaviour on 3.9 and 3.10 too
-(without it, 3.11's format() of a `(str, Enum)` member would print "Outcome.FREED").
+compares, hashes, formats and serialises (json, D-Bus `s`) as its value. The explicit __str__
+is Python 3.11's enum.StrEnum on 3.10 too (3.11's format() would print "Outcome.FREED").
 """
 
 from __future__ import annotations
@@ -24,13 +22,9 @@ class Outcome(WireEnum):
     NOT_RELEASED = "memory-not-released"
     DRY_RUN = "dry-run"
     ERROR = "error"
-    # Processes ended, but without NVML nobody can say the memory came back: never "freed".
-    UNVERIFIED = "unverified"
-    # gpuguardd died (a crash, a kill, an upgrade's restart) while the sweep ran; the report's
-    # `finished_by` names the sweep that finished it after the restart (daemon/resume.py).
-    INTERRUPTED = "interrupted"
-    # A GPU reset's record (report kind "reset", engine/reset.py): done and verified, refused
-    # before anything was touched (the report's error says why), or tried and not verified.
+    UNVERIFIED = "unverified"  # processes ended, but nobody can say the memory came back
+    INTERRUPTED = "interrupted"  # gpuguardd died mid-sweep; `finished_by` names who finished it
+    # A GPU reset's: done and verified, refused before anything was touched, or not verified.
     RESET = "reset"
     RESET_REFUSED = "reset-refused"
     RESET_FAILED = "reset-failed"
@@ -41,17 +35,12 @@ class GpuState(WireEnum):
     IN_USE = "in-use"
     LEAKED = "leaked"
     LOST = "lost"
-    # NVML could not say how the GPU is (hung, or its handle or memory query failed): never "idle".
-    UNKNOWN = "unknown"
-    # Runtime-suspended (powered down by the kernel's runtime PM): not asked, so as not to wake
-    # it; its memory figures are the last ones read.
-    SUSPENDED = "suspended"
+    UNKNOWN = "unknown"  # hung, or its handle or memory query failed: never "idle"
+    SUSPENDED = "suspended"  # runtime PM: not asked, so not woken; memory as last read
 
 
 class LeakKind(WireEnum):
-    """What a leak looks like (engine/leaks.py): memory in use with no process listed at all;
-    memory NVML attributes to processes that no longer exist; processes that outlived a sweep
-    stuck in D state in the driver. Only a GPU reset or a reboot frees any of them."""
+    """What a leak looks like (engine/leaks.py); only a GPU reset or a reboot frees any of them."""
 
     NO_PROCESS = "no-process"
     DEAD_PIDS = "dead-pids"
@@ -59,8 +48,7 @@ class LeakKind(WireEnum):
 
 
 class Vendor(WireEnum):
-    """Whose driver a GPU runs on: which backend reads it (NVML, or the amdgpu driver's KFD and
-    DRM files in sysfs) and which device nodes its holders hold."""
+    """Whose driver a GPU runs on: which backend reads it and which nodes its holders hold."""
 
     NVIDIA = "nvidia"
     AMD = "amd"
@@ -72,20 +60,18 @@ class HolderKind(WireEnum):
 
 
 class GpusFrom(WireEnum):
-    """Where a holder's `gpus` come from: NVML's per-GPU process lists, or (for a process NVML
-    does not list) the GPU nodes it holds, which say only that it uses the driver: a CUDA
-    process opens every GPU's node whichever GPU it computes on."""
+    """Where a holder's `gpus` come from. The GPU nodes it holds say only that it uses the
+    driver: a CUDA process opens every GPU's node whichever GPU it computes on."""
 
     NVML = "nvml"
-    # AMD: KFD's per-process VRAM entries or DRM fdinfo say which GPU it has memory on.
-    KFD = "kfd"
+    KFD = "kfd"  # AMD: KFD's per-process VRAM entries or DRM fdinfo
     NODES = "nodes"
     NONE = ""  # it holds no GPU at all
 
 
 class Why(WireEnum):
-    """Why the judge (engine/judge.py) says a GPU or MIG instance is not free, one code a
-    reason; each surface words them its own way (WaitingOn, `check`, a sweep's warnings)."""
+    """Why the judge (engine/judge.py) says a GPU or MIG instance is not free; each surface
+    words them its own way."""
 
     SWEEPING = "sweeping"  # a sweep of its GPU is running
     HOLDER = "holder"  # a compute holder may be on it (protected or not, GPU told or not)
@@ -102,9 +88,8 @@ class Why(WireEnum):
 
 
 class SpareReason(WireEnum):
-    """Why a sweep left a process alone (a report's spared entries' `code`; their `why` words
-    it for people). Decided where the process is judged: protection.py for those never to be
-    signalled, sweep.py's plan for the rest. The metrics count spared processes by it."""
+    """Why a sweep left a process alone (a spared entry's `code`; `why` words it): decided by
+    protection.py for those never to be signalled, sweep.py's plan for the rest."""
 
     INIT = "init"  # PID 1
     KERNEL_THREAD = "kernel-thread"
@@ -117,14 +102,11 @@ class SpareReason(WireEnum):
     NO_DEVICE_HERE = "no-device-here"  # NVML lists it, but it holds no device here
     OTHER_GPU = "other-gpu"  # it also holds a GPU outside the scope
     OTHER_MIG_INSTANCE = "other-mig-instance"  # it also runs in a MIG instance outside the scope
-    # Read back from a record that carries no code (written before the codes).
-    OTHER = "other"
+    OTHER = "other"  # read back from a record written before the codes
 
 
 class SurvivorReason(WireEnum):
-    """Why a sweep could not end a process (a report's survived entries' `code`; their `why`
-    words it for people). Decided where the survivor is recorded: engine/sweep.py, and
-    engine/process.survivor_reason for those still there after SIGKILL."""
+    """Why a sweep could not end a process (a survived entry's `code`; `why` words it)."""
 
     ZOMBIE = "zombie"  # exited, not reaped: only its parent can release it
     UNINTERRUPTIBLE = "uninterruptible"  # in D state: SIGKILL is pending until it wakes
@@ -132,14 +114,12 @@ class SurvivorReason(WireEnum):
     PERMISSION_DENIED = "permission-denied"  # a signal of ours was refused (not root)
     REAPPEARED = "reappeared"  # holders kept appearing, round after round: the last ones
     EXITED = "exited"  # gone by the time it was recorded, after the wait for it had ended
-    # Read back from a record that carries no code (written before the codes).
-    OTHER = "other"
+    OTHER = "other"  # read back from a record written before the codes
 
 
 class RequesterKind(WireEnum):
     """Who asked for a sweep or a reset, as the daemon decided when the request came (a
-    report's `requester_kind`; `requested_by` words it for people). The metrics' `trigger`
-    label is read from it, never from requested_by or the caller's reason."""
+    report's `requester_kind`): the metrics' `trigger` label, never requested_by or a reason."""
 
     HOOK = "hook"  # root's ExecStopPost drop-in (its reason is the hook's, dropins.py)
     # Someone else than root whose reason is the hook's: named as a manual caller, but the
@@ -153,22 +133,17 @@ class RequesterKind(WireEnum):
 
 
 class WarningCode(WireEnum):
-    """What a report's warning is about (a report's `warning_codes`, one for each entry of
-    `warnings`, in the same order). Consumers that act on a kind of warning (the Slurm
-    epilog's drain reason) test the code; the text is for people."""
+    """What a report's warning is about (`warning_codes`, one for each of `warnings`): consumers
+    that act on a kind of warning (the Slurm epilog's drain reason) test the code."""
 
-    # NVML did not answer: no GPU's memory can be verified.
-    NVML_UNAVAILABLE = "nvml-unavailable"
+    NVML_UNAVAILABLE = "nvml-unavailable"  # no GPU's memory can be verified
     # A GPU's (or MIG instance's) memory could not be read, or proves nothing (hung, lost,
-    # suspended, NVML's pids another namespace's): it was not verified.
+    # suspended, NVML's pids another namespace's).
     MEMORY_UNVERIFIED = "memory-unverified"
-    # The GPU lock directory or a lock file could not be used: sweeps (and resets) of the
-    # same GPU are not serialized.
-    LOCKS_UNAVAILABLE = "locks-unavailable"
-    # A reset turned persistence mode off and could not turn it back on.
-    PERSISTENCE_NOT_RESTORED = "persistence-not-restored"
+    LOCKS_UNAVAILABLE = "locks-unavailable"  # sweeps and resets of a GPU are not serialized
+    PERSISTENCE_NOT_RESTORED = "persistence-not-restored"  # a reset could not turn it back on
     OTHER = "other"
 
 
-# The warnings that say why a sweep's memory could not be verified (engine/slurm.summary).
+# Why a sweep's memory could not be verified (engine/slurm.summary).
 UNVERIFIED_WARNINGS = frozenset({WarningCode.NVML_UNAVAILABLE, WarningCode.MEMORY_UNVERIFIED})

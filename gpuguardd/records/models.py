@@ -1,8 +1,5 @@
-"""Plain data passed between the engine's modules, the service and the CLI.
-
-`to_dict()` gives the contract's field names with plain Python values; the service turns those
-into D-Bus variants and the CLI into JSON, so both speak the same vocabulary. A sweep's report
-and its entries are in report.py, the vocabularies (outcomes, GPU states, kinds) in enums.py.
+"""Plain data passed between the engine's modules, the service and the CLI; a sweep's report
+is in report.py, the vocabularies in enums.py, the wire form (to_dict/from_dict) in codec.py.
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ class MigInstance:
     memory_total: int = 0
     memory_used: int = 0
     error: str = ""
-    # pid -> bytes, from the instance's own process lists (see GpuInfo.processes)
-    processes: dict[int, int | None] = field(default_factory=dict)
-    # The caps node its processes open (/dev/nvidia-caps/nvidia-capN), from mig-minors; "".
-    device_path: str = ""
+    processes: dict[int, int | None] = field(default_factory=dict)  # as GpuInfo.processes
+    device_path: str = ""  # the caps node its processes open (/dev/nvidia-caps/nvidia-capN)
 
 
 @dataclass
@@ -56,25 +51,20 @@ class GpuInfo:
     memory_used: int = 0
     lost: bool = False
     unknown: bool = False  # state unreadable (GpuState.UNKNOWN); memory_used means nothing then
-    # Runtime-suspended (driverinfo.py): not asked, so not woken; memory figures as last read.
-    suspended: bool = False
+    suspended: bool = False  # runtime-suspended (driverinfo.py): not woken; memory as last read
     error: str = ""
-    # pid -> bytes of GPU memory (None where NVML does not know), over compute/graphics/MPS;
-    # only entries that are process ids (nvmlprocs.merge), each process once; in MIG mode
-    # also every instance's processes, since the parent's lists may be empty.
+    # pid -> bytes (None: NVML does not know), over compute/graphics/MPS, each process once
+    # (nvmlprocs.merge); in MIG mode also every instance's, as the parent's may be empty.
     processes: dict[int, int | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # entries of NVML's lists left out
     mig_mode: bool = False
     mig: list[MigInstance] = field(default_factory=list)
     vendor: Vendor = Vendor.NVIDIA
-    # AMD (engine/amd.py): `minor` is the render node's minor (/dev/dri/renderD<minor>);
-    # `card_minor` the primary node's (/dev/dri/card<N>), None without one; `gpu_id` KFD's id
-    # of the GPU (0 without KFD: an APU or Radeon card driven by DRM alone).
+    # AMD (engine/amd.py): `minor` is renderD<minor>'s, `card_minor` card<N>'s (None without
+    # one), `gpu_id` KFD's (0 without KFD: an APU or Radeon card driven by DRM alone).
     card_minor: int | None = None
     gpu_id: int = 0
-    # Below this many bytes used the GPU counts as released, where its backend knows better
-    # than [Sweep] ReleasedBelowMiB: an idle AMD GPU's driver holds VRAM of its own
-    # ([Sweep] AmdReleasedBelowMiB). None: ReleasedBelowMiB decides.
+    # Released below this many bytes where the backend knows better ([Sweep] AmdReleasedBelowMiB).
     released_below: int | None = None
 
     @property
@@ -104,8 +94,7 @@ class MigSummary(WireRecord):
 
 @dataclass
 class GpuSummary(WireRecord):
-    """A GPU as its D-Bus object (one property a key, bus/interfaces.py) and `gpuguardctl
-    gpus` show it (gpustate.gpu_summaries)."""
+    """A GPU as its D-Bus object and `gpuguardctl gpus` show it (gpustate.gpu_summaries)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig_mode", "mig_instances", "leak_kind", "vendor"})
 
@@ -120,14 +109,11 @@ class GpuSummary(WireRecord):
     holder_count: int = 0
     state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
     error: str = ""
-    # None: not known (no NVML: the GPUs come from device nodes alone).
-    mig_mode: bool | None = None
+    mig_mode: bool | None = None  # None: not known (no NVML: GPUs from device nodes alone)
     mig_instances: list[MigSummary] | None = None
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
     vendor: Vendor = Vendor.NVIDIA
-    # Bytes: the judge's released line for it (judge.released_line). Not sent: the start gate
-    # that reads it runs beside the scan (daemon or --local); an idle AMD GPU's driver keeps
-    # more VRAM than [Gate] FreeBelowMiB, and the gate must not wait on that for ever.
+    # Bytes, judge.released_line; not sent: the gate beside the scan must not wait on an idle AMD GPU's VRAM.
     released_below: int = field(default=0, metadata={"wire": False})
 
 
@@ -137,21 +123,18 @@ class NvmlSnapshot:
     error: str = ""
     driver_version: str = ""
     gpus: list[GpuInfo] = field(default_factory=list)
-    # False when NVML's (host) PIDs are not this /proc's (nvmlprocs.pids_are_local): the
-    # process lists then still say a GPU is in use, but name no local process.
+    # False when NVML's (host) PIDs are not this /proc's: its lists then name no local process.
     pids_local: bool = True
 
     @property
     def gpus_known(self) -> bool:
-        """Whether `gpus` names the host's GPUs: NVML answered, or amdgpu's sysfs named some.
-        (`available` keeps its meaning: NVML's.)"""
+        """Whether `gpus` names the host's GPUs: NVML answered, or amdgpu's sysfs named some."""
         return self.available or any(g.vendor == Vendor.AMD for g in self.gpus)
 
     @property
     def vendors(self) -> list[str]:
-        """Manager.Vendors, `gpuguardctl status`: the vendors whose GPUs are read now, sorted.
-        NVIDIA while NVML answers, even with no GPU listed (its reader works: a GPU may come),
-        so a host without NVML but with AMD GPUs says ["amd"]."""
+        """Manager.Vendors: the vendors whose GPUs are read now, sorted; NVIDIA while NVML
+        answers, even with no GPU listed (a GPU may come)."""
         found = {str(gpu.vendor) for gpu in self.gpus}
         if self.available:
             found.add(str(Vendor.NVIDIA))
@@ -171,8 +154,7 @@ class NvmlSnapshot:
 
 @dataclass
 class Holder(WireRecord):
-    """A process holding an NVIDIA device or listed by NVML; its wire form is a ListHolders
-    entry (docs/contract.md, "A holder"), produced and read back by codec.py."""
+    """A process holding a GPU device or listed by NVML: a ListHolders entry (docs/contract.md)."""
 
     pid: int
     comm: str = ""
@@ -196,8 +178,7 @@ class Holder(WireRecord):
     protected: bool = False
     protected_why: str = ""
     ppid: int = 0
-    # What only this process needs (codec.py): not sent, not stored.
-    # protected_why's code (protection.py), for the report's spared entry.
+    # Not sent, not stored: protected_why's code (protection.py), for the report's spared entry.
     protected_code: SpareReason | None = field(default=None, metadata={"wire": False})
     start_time: int = field(default=0, metadata={"wire": False})  # ticks after boot, stat field 22
     roles: list[str] = field(default_factory=list, metadata={"wire": False})
@@ -207,17 +188,15 @@ class Holder(WireRecord):
 class ScanResult:
     holders: list[Holder]
     nvml: NvmlSnapshot
-    # pids whose open files could not be read (permission, or /proc hiding them)
-    unreadable: list[int] = field(default_factory=list)
+    unreadable: list[int] = field(default_factory=list)  # pids whose open files are unreadable
     warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SweepRequest(WireRecord):
-    """What a sweep is asked to do; its to_dict/from_dict (codec.py) are the in-flight record's
-    form (daemon/inflight.py), its options/from_options the calls' (SweepOptions)."""
+    """What a sweep is asked to do: to_dict/from_dict give the in-flight record
+    (daemon/inflight.py), options/from_options a call's SweepOptions (the OPTIONS keys)."""
 
-    # The fields a caller may ask for: the keys of the contract's SweepOptions.
     OPTIONS: ClassVar[tuple[str, ...]] = ("gpus", "unit", "container", "grace_ms", "dry_run",
                                           "include_management", "reason", "slurm_job", "slurm_uid")
 
@@ -229,29 +208,21 @@ class SweepRequest(WireRecord):
     include_management: bool = False
     reason: str = ""
     requested_by: str = ""
-    # Who asked, decided by whoever makes the request (the daemon's service for a bus caller,
-    # the unit watch, resume.py); the report carries it (Report.requester_kind).
-    requester_kind: RequesterKind = RequesterKind.MANUAL
-    # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
-    # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
-    adopted: list[tuple[int, int]] = field(default_factory=list)
-    # A Slurm epilog's job (gpuguardd/slurm.py): its cgroup's processes and its user's escaped
-    # holders of `gpus`, nothing of another job. slurm_uid -1: none.
+    requester_kind: RequesterKind = RequesterKind.MANUAL  # decided by whoever makes the request
+    adopted: list[tuple[int, int]] = field(default_factory=list)  # (pid, start) of `unit`'s leftovers
+    # A Slurm epilog's job: its cgroup's processes and its user's escaped holders of `gpus` only.
     slurm_job: str = ""
-    slurm_uid: int = -1
-    # Whether the report goes into the audit history. A dry run by anyone but root does not
-    # (it is answered, signalled and logged): any user may dry-run, and a flood of them must
-    # never push a real sweep's record out of the history (docs/security.md).
+    slurm_uid: int = -1  # -1: none
+    # Whether the report goes into the audit history: not a dry run by anyone but root, as a
+    # flood of them must never push a real sweep's record out (docs/security.md).
     audited: bool = True
-    # Set by the daemon only: the report's id, chosen before the sweep runs so that its
-    # in-flight record (daemon/inflight.py) names it, and the id of the interrupted sweep this
-    # one finishes (daemon/resume.py). Empty: a fresh id, resuming nothing.
+    # Set by the daemon only: the report's id, chosen before the sweep so that its in-flight
+    # record names it, and the interrupted sweep's this one finishes. "": fresh, resuming none.
     report_id: str = ""
     resumes: str = ""
 
     def is_dry_run(self, default: bool) -> bool:
-        """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`)
-        decides; the engine, the daemon's runner and service, and unit sweeps all ask here."""
+        """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`) decides."""
         return default if self.dry_run is None else self.dry_run
 
     def options(self) -> dict[str, Any]:
@@ -261,9 +232,8 @@ class SweepRequest(WireRecord):
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> SweepRequest:
-        """The request of a call's validated options (marshal.parse_options; other keys, a
-        Filter's or WaitOptions', ignored), `gpus` as text: a fresh record, whose to_dict
-        writes every key (the in-flight file's), unlike one from_dict reads."""
+        """The request of a call's validated options (marshal.parse_options; other keys ignored),
+        `gpus` as text: a fresh record, whose to_dict writes every key, unlike one from_dict reads."""
         given = {key: values[key] for key in cls.OPTIONS if key in values}
         return cls(**{**given, "gpus": [str(gpu) for gpu in given.get("gpus", [])]})
 
@@ -284,22 +254,15 @@ class Scope:
 
     @property
     def whole_host(self) -> bool:
-        return (not self.gpus and not self.mig and not self.unit and not self.container
-                and not self.slurm_job)
+        return not (self.gpus or self.mig or self.unit or self.container or self.slurm_job)
 
 
 def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
                    with_management: bool = True) -> str:
-    """A scope in words, one way for the journal and gpuguardctl ("GPU 0,1, unit x.service");
-    `whole` when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
-    parts: list[str] = []
-    if scope.gpus:
-        parts.append("GPU " + ",".join(str(g) for g in scope.gpus))
-    if scope.mig:
-        parts.append("MIG " + ",".join(scope.mig))
-    if scope.unit:
-        parts.append(f"unit {scope.unit}")
-    if scope.container:
-        parts.append(f"container {scope.container}")
+    """A scope in words for the journal and gpuguardctl ("GPU 0,1, unit x.service"), `whole`
+    when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
+    named = [("GPU ", ",".join(str(g) for g in scope.gpus)), ("MIG ", ",".join(scope.mig)),
+             ("unit ", scope.unit), ("container ", scope.container)]
+    parts = [label + value for label, value in named if value]
     text = ", ".join(parts) if parts else whole
     return text + (" including management clients" if with_management and scope.include_management else "")

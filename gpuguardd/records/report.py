@@ -1,9 +1,6 @@
-"""A sweep's report and its entries, as typed records (codec.py: to_dict / from_dict).
-
-The fields are the contract's keys (docs/contract.md, "A report"), declared in the order
-the wire has always carried them. Each entry that describes a process is built from the
-holder it is about by one builder here (Survivor.of, Spared.of, Target.of), so every list
-names a process the same way.
+"""A sweep's report and its entries: the contract's keys (docs/contract.md, "A report") in the
+order the wire has always carried them. An entry about a process is built from its holder by
+one builder (Target.of, Survivor.of, Spared.of), so every list names a process the same way.
 """
 
 from __future__ import annotations
@@ -84,9 +81,7 @@ class Terminated(WireRecord):
     pid: int
     comm: str = ""
     unit: str = ""
-    # Its owner, as the sweep's scan read it (None: unreadable): whose process was ended, for
-    # a desktop to tell its user (gpuguard-notify, the GNOME Shell extension).
-    uid: int | None = None
+    uid: int | None = None  # its owner as the scan read it, for a desktop to tell its user
     signal: str = ""
     exited_after_ms: int = 0
     exit_status: str = ""  # as the kernel still had it: "killed by SIGTERM", "exited with status 0"
@@ -95,11 +90,9 @@ class Terminated(WireRecord):
 
 @dataclass
 class Survivor(WireRecord):
-    """A process the sweep could not end, and why: `code` for programs, `why` in words for
-    people."""
+    """A process the sweep could not end, and why: `code` for programs, `why` for people."""
 
-    # Optional: absent from records written before the codes (read back as OTHER).
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})  # absent before the codes: OTHER
 
     pid: int
     comm: str = ""
@@ -119,10 +112,9 @@ class Survivor(WireRecord):
 @dataclass
 class Spared(WireRecord):
     """A process in (or touching) the scope that the sweep left alone on purpose, and why:
-    `code` for programs (the metrics count by it), `why` in words for people."""
+    `code` for programs (the metrics count by it), `why` for people."""
 
-    # Optional: absent from records written before the codes (read back as OTHER).
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})  # absent before the codes: OTHER
 
     pid: int
     comm: str = ""
@@ -187,20 +179,15 @@ class Report(WireRecord):
     leaks: list[Leak] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""
-    # A sweep cut short by the daemon's death and the one that finished it name each other
-    # (Outcome.INTERRUPTED; daemon/resume.py). Optional: absent from every other report.
+    # A sweep cut short by the daemon's death and the one that finished it name each other.
     resumes: str = ""
     finished_by: str = ""
-    # What the record is of: absent for a sweep, REPORT_RESET for a GPU reset (engine/reset.py),
-    # whose every step is in `steps` as the journal has it. Optional: absent from sweeps.
+    # REPORT_RESET for a GPU reset (engine/reset.py), with its every step; absent for a sweep.
     kind: str = ""
     steps: list[str] = field(default_factory=list)
-    # Who asked, as the daemon decided when the request came (requested_by words it): what the
-    # metrics' trigger label is. Optional: absent from records written before the codes.
-    requester_kind: RequesterKind = RequesterKind.MANUAL
-    # The code of each warning, in the order of `warnings`: warning_codes[i] is warnings[i]'s.
-    # A warning past its end has none (a record older than the codes, the note a copy trimmed
-    # for the bus ends with). Consumers test codes, never the words.
+    requester_kind: RequesterKind = RequesterKind.MANUAL  # the metrics' trigger label
+    # warning_codes[i] is warnings[i]'s; one past its end has none (a record older than the
+    # codes, the note a copy trimmed for the bus ends with). Consumers test codes, not words.
     warning_codes: list[WarningCode] = field(default_factory=list)
 
     def warn(self, text: str, code: WarningCode = WarningCode.OTHER) -> None:

@@ -1,12 +1,9 @@
 """GPU selectors: how a caller names a GPU (an index, a GPU UUID, a MIG instance's UUID, a PCI
-bus id),
-read and matched in one place for the engine's scopes, gpuguardctl's D-Bus client and
-`gpuguardctl check`. Each caller says what an index out of range or an unknown UUID means
-to it (the engine may fall back to device nodes; the client leaves ranges to the daemon).
+bus id), read and matched in one place for the engine's scopes, gpuguardctl's D-Bus client and
+`gpuguardctl check`. Each caller says what an index out of range or an unknown UUID means to it.
 
-UUIDs match whatever their case: NVML spells them "GPU-4e1f…" and "MIG-…", users copy them
-from nvidia-smi or lower-case them. A PCI bus id matches in either case and either domain width:
-NVML writes "00000000:C3:00.0", the kernel and amd-smi "0000:c3:00.0".
+UUIDs match whatever their case (NVML spells them "GPU-4e1f…", users lower-case them), a PCI
+bus id in either case and domain width (NVML "00000000:C3:00.0", the kernel "0000:c3:00.0").
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuguardd.errors import InvalidArgument
-from gpuguardd.numbers import is_digits, parse_gpu_index
+from gpuguardd.numbers import is_digits, parse_uint
 
 INDEX = "index"
 GPU_UUID = "gpu-uuid"
@@ -31,8 +28,6 @@ _PCI = re.compile(r"^(?:[0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):[0-9A-Fa-f]{2}:[0-1][0-9A
 
 @dataclass(frozen=True)
 class KnownGpu:
-    """A GPU as the caller knows it: its index, UUID and its MIG instances' UUIDs."""
-
     index: int
     uuid: str = ""
     mig: tuple[str, ...] = ()
@@ -52,13 +47,12 @@ class Selector:
     index: int = -1  # for INDEX
 
     def find(self, gpus: Iterable[KnownGpu]) -> list[Selected]:
-        """Every GPU (or MIG instance) of `gpus` this names; [] when none does."""
         if self.kind == INDEX:
             return [Selected(g.index) for g in gpus if g.index == self.index]
         if self.kind == MIG_UUID:
-            return [Selected(g.index, m) for g in gpus for m in g.mig if same_uuid(m, self.text)]
+            return [Selected(g.index, m) for g in gpus for m in g.mig if m.lower() == self.text.lower()]
         if self.kind == GPU_UUID:
-            return [Selected(g.index) for g in gpus if g.uuid and same_uuid(g.uuid, self.text)]
+            return [Selected(g.index) for g in gpus if g.uuid and g.uuid.lower() == self.text.lower()]
         if self.kind == PCI:
             return [Selected(g.index) for g in gpus if g.pci_bus_id and pci_key(g.pci_bus_id) == pci_key(self.text)]
         return []
@@ -80,9 +74,9 @@ def selector(item: object) -> Selector:
     """What `item` (an int, or text as typed) names; kind "" when nothing."""
     text = str(item).strip()
     if isinstance(item, int) or is_digits(text):
-        # BadNumber (an InvalidArgument) names a 23-digit or negative index; U+00B2 and U+0660
-        # are not digits here, so they name no GPU (check() says so).
-        return Selector(INDEX, text, parse_gpu_index(text, "GPU index"))
+        # BadNumber names a negative index or one past 2^32-1 (the bus carries a `u`); U+00B2
+        # and U+0660 are not digits here, so they name no GPU (check() says so).
+        return Selector(INDEX, text, parse_uint(text, "GPU index"))
     if text.upper().startswith("MIG-"):
         return Selector(MIG_UUID, text)
     if _UUID.match(text):
@@ -98,15 +92,6 @@ def one_gpu(indices: Iterable[int], text: str) -> int:
     if len(found) != 1 or selector(text).kind == MIG_UUID:
         raise InvalidArgument(f"--gpu {text!r} must name one whole GPU")
     return found[0]
-
-
-def names_mig(items: Iterable[object]) -> bool:
-    """Whether any item names a MIG instance (which has no index of its own)."""
-    return any(selector(item).kind == MIG_UUID for item in items)
-
-
-def same_uuid(a: str, b: str) -> bool:
-    return a.lower() == b.lower()
 
 
 def pci_key(bus_id: str) -> str:

@@ -13,7 +13,7 @@ from gpuguardd.cli.main import build_parser
 from gpuguardd.config import load_config
 from gpuguardd.engine.slurm import check_request, epilog_job
 from gpuguardd.errors import ConfigError, InvalidArgument
-from gpuguardd.numbers import BadNumber, parse_job_id, parse_uid, parse_uint
+from gpuguardd.numbers import UID_MAX, BadNumber, parse_job_id, parse_uint
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.selectors import INDEX, selector
 
@@ -43,9 +43,9 @@ def test_ranges_are_the_types_and_huge_text_is_cheap() -> None:
     with pytest.raises(BadNumber, match="below the minimum of 1"):
         parse_uint("0", "count", minimum=1)
     # (uid_t)-1 is nobody's uid.
-    assert parse_uid("4294967294") == 2**32 - 2
+    assert parse_uint("4294967294", "uid", UID_MAX) == 2**32 - 2
     with pytest.raises(BadNumber, match="too large"):
-        parse_uid("4294967295")
+        parse_uint("4294967295", "uid", UID_MAX)
     assert parse_job_id("4711") == "4711"
     for text in ("4711\n", "4711 ", "\u0664\u0667", "1" * 21, ""):
         with pytest.raises(BadNumber, match="is not a Slurm job id"):

@@ -34,7 +34,7 @@ NUMBERS = {
 
 
 def test_every_span_key_has_a_bound_here() -> None:
-    spans = {key for (_, key), (_, parser, _) in config_module._KEYS.items()
+    spans = {key for (_, key), (_, parser) in config_module._KEYS.items()
              if getattr(parser, "__qualname__", "").startswith("_timespan_field")}
     assert spans == set(SPANS)
 

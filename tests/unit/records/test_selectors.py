@@ -13,7 +13,6 @@ from gpuguardd.records.selectors import (
     PCI,
     KnownGpu,
     Selected,
-    names_mig,
     pci_key,
     selector,
 )
@@ -54,10 +53,6 @@ def test_check_names_the_bad_value() -> None:
                        match=r"invalid GPU 'nvidia\\\\n0': expected an index, a GPU-/MIG- UUID or a PCI bus id"):
         selector("nvidia\\n0").check()
     assert selector(" 2 ").check().index == 2
-
-
-def test_names_mig() -> None:
-    assert names_mig(["0", M1.lower()]) and not names_mig([0, "1", G0])
 
 
 @pytest.mark.parametrize("text", ["0000:c3:00.0", "0000:C3:00.0", "00000000:c3:00.0", " 00000000:C3:00.0 "])
