@@ -23,9 +23,9 @@ from gpuguardd.daemon.gate import GateService
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
+from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.records.models import GpuSummary, NvmlSnapshot
 from gpuguardd.records.report import Report, ReportScope
-from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
 
@@ -33,7 +33,7 @@ log = logging.getLogger("gpuguard.service")
 class Publisher:
     inventory: Inventory
     gate: GateService
-    unit_watch: UnitWatch
+    units: UnitSweeps
     recovery: Recovery
 
     def __init__(self, bus: GuardBus, manager: ManagerInterface, metrics: Metrics,
@@ -47,11 +47,11 @@ class Publisher:
         # Told of every change the sd_notify status line shows (main.py sets it).
         self.on_change: Callable[[], None] = lambda: None
 
-    def connect(self, inventory: Inventory, gate: GateService, unit_watch: UnitWatch,
+    def connect(self, inventory: Inventory, gate: GateService, units: UnitSweeps,
                 recovery: Recovery) -> None:
         self.inventory = inventory
         self.gate = gate
-        self.unit_watch = unit_watch
+        self.units = units
         self.recovery = recovery
 
     def _publish_metrics(self) -> None:
@@ -68,7 +68,7 @@ class Publisher:
 
     def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
         holders = self.inventory.holders
-        self.unit_watch.observe(holders)
+        self.units.observe(holders)
         self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
                             DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus),
                             Vendors=snapshot.vendors)

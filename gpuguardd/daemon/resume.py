@@ -13,7 +13,7 @@ that restarts it mid-sweep):
   sweep whose unit runs again (its new instance owns the GPUs).
 * A unit that stopped while no daemon watched: a watched unit, or one with gpuguard's
   drop-in, that is stopped but whose processes still hold GPUs, in its cgroup
-  (KillMode=process leftovers) or escaped from it (the unit records, which unitwatch.py
+  (KillMode=process leftovers) or escaped from it (the unit records, which units.py
   keeps in the runtime directory). It is swept as `recovered:<unit>`.
 """
 
@@ -30,7 +30,8 @@ from typing import cast
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.daemon.runner import SweepRunner, UnitSweeps, sweep_budget_sec
+from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
+from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.records.enums import HolderKind, RequesterKind
 from gpuguardd.records.models import ScanResult, SweepRequest
 from gpuguardd.records.report import Report

@@ -16,11 +16,10 @@ seen so far, so a stop never loses a sweep from the audit.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,15 +27,11 @@ from typing import Any, Protocol
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.engine.attribution import normalize_unit_name
 from gpuguardd.engine.engine import Engine, Prepared
 from gpuguardd.errors import GpuGuardError
-from gpuguardd.records.enums import Outcome, RequesterKind
-from gpuguardd.records.models import NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
-from gpuguardd.systemd.adoption import SystemdView, UnitGpuRecords, leftovers
-from gpuguardd.systemd.rules import WATCH_PREFIX, UnitState
-from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.runner")
 
@@ -227,153 +222,3 @@ class SweepRunner:
         except asyncio.TimeoutError:
             return False
         return True
-
-
-# -- unit sweeps ---------------------------------------------------------------------------
-# One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
-# once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
-# "watch:") of the same unit and invocation share one sweep and its report.
-
-# Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
-DEDUPE_WINDOW_SEC = 10.0
-# Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
-REMEMBER_SEC = 300.0
-# The requesters whose real sweep of a unit stands for its stop: the stop hook (root's, or a
-# polkit-authorised caller's: the service checked) and the unit watch.
-AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
-
-
-class UnitSweeps:
-    """Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
-    resume.py's), with the unit's escaped leftovers. `scan` and `snapshot` are the
-    inventory's (a fresh scan, the last NVML snapshot)."""
-
-    def __init__(self, runner: SweepRunner, watch: UnitWatch,
-                 scan: Callable[[], Awaitable[ScanResult]],
-                 snapshot: Callable[[], NvmlSnapshot]) -> None:
-        self.runner = runner
-        self.watch = watch
-        self.systemd: SystemdView = watch.systemd
-        self.records: UnitGpuRecords = watch.records
-        self.scan = scan
-        self.snapshot = snapshot
-        # Each stop's automatic sweep, by (unit, InvocationID): running, or done at a time
-        # (then remembered for REMEMBER_SEC, for a late second trigger of the same stop).
-        self._stops: collections.OrderedDict[tuple[str, str],
-                                             tuple[float, asyncio.Future[Report]]] = \
-            collections.OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        """Follow systemd: a watched unit's stop is swept, a starting service hints its GPUs."""
-        try:
-            await self.watch.watcher.start()
-        except Exception as exc:  # never keep the daemon from serving its API
-            log.warning("unit watch off: %s", exc)
-            return
-        self._spawn(self._follow())
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _follow(self) -> None:
-        while True:
-            event = await self.watch.watcher.events.get()
-            self._spawn(self._on_event(event.state, event.stopped))
-
-    async def _on_event(self, state: UnitState, stopped: bool) -> None:
-        try:
-            if not stopped:
-                if await self.watch.started(state, self.snapshot()):
-                    self.watch.observe((await self.scan()).holders)
-                return
-            log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",
-                     f", result {state.result}" if state.result else "")
-            await self.sweep_unit(SweepRequest(
-                unit=state.unit, requested_by=f"{WATCH_PREFIX}{state.unit}",
-                requester_kind=RequesterKind.WATCH,
-                reason=f"{WATCH_PREFIX}{state.unit} result={state.result or '-'}"
-                       f" state={state.active_state or 'unloaded'}"))
-        except Exception:
-            log.exception("handling %s (%s)", state.unit, state.active_state)
-
-    async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
-                         ) -> Report | None:
-        """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
-        None only when the watcher's sweep is skipped because the unit runs again.
-        `prepared`: the request's check (SweepRunner.validate), which its sweep works from."""
-        return await (await self.begin(request, prepared))
-
-    async def begin(self, request: SweepRequest, prepared: Prepared | None = None
-                    ) -> Awaitable[Report | None]:
-        """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
-        and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
-        returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
-        finishes this way before it owns its bus name, so a hook that asks again joins them.
-        """
-        unit = normalize_unit_name(request.unit)  # already validated by the caller
-        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
-        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
-        # hook a report that signalled nothing.
-        dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
-        state = await self.systemd.state(unit)  # None without systemd
-        if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
-            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
-                     state.active_state)
-            return asyncio.sleep(0, None)
-        if request.requester_kind not in AUTOMATIC or dry_run:
-            return self._sweep(unit, request, state, prepared)
-        key = (unit, state.invocation_id if state is not None else "")
-        now = time.monotonic()
-        while self._stops:
-            first, (at, done) = next(iter(self._stops.items()))
-            if not done.done() or now - at <= REMEMBER_SEC:
-                break
-            del self._stops[first]
-        at, future = self._stops.get(key, (now, None))
-        if future is not None and not future.done():
-            log.info("%s: joining the sweep already running for this stop", unit)
-            return asyncio.shield(future)
-        if future is not None and (key[1] or now - at < DEDUPE_WINDOW_SEC):
-            log.info("%s: this stop was already swept (%s); same report", unit,
-                     future.result().id[:8])
-            return future
-        future = asyncio.get_running_loop().create_future()
-        self._stops[key] = (now, future)
-        self._stops.move_to_end(key)
-        return self._own(key, future, unit, request, state, prepared)
-
-    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
-                   request: SweepRequest, state: UnitState | None,
-                   prepared: Prepared | None) -> Report:
-        try:
-            report = await self._sweep(unit, request, state, prepared)
-        except BaseException as exc:
-            self._stops.pop(key, None)
-            if isinstance(exc, Exception):
-                future.set_exception(exc)
-                future.exception()  # retrieved: a lone sweep's failure is its caller's to see
-            else:
-                future.cancel()
-            raise
-        future.set_result(report)
-        self._stops[key] = (time.monotonic(), future)
-        self._stops.move_to_end(key)
-        return report
-
-    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None,
-                     prepared: Prepared | None = None) -> Report:
-        if not request.container and self.systemd.available:
-            # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
-            # processes, by PID and start time, whatever the records lost with the crash.
-            found = await leftovers(self.systemd, self.records, unit, await self.scan(),
-                                    request.include_management)
-            request.adopted = sorted(set(request.adopted) | set(found))
-        # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).
-        report = await self.runner.run(request, prepared)
-        if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
-                and (state is None or state.stopped or state.active_state == "deactivating"):
-            self.records.forget(unit)  # everything the unit left is gone: start afresh
-        return report

@@ -28,7 +28,8 @@ from gpuguardd.daemon.metrics import Metrics
 from gpuguardd.daemon.publisher import Publisher
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
-from gpuguardd.daemon.runner import InFlight, SweepRunner, UnitSweeps
+from gpuguardd.daemon.runner import InFlight, SweepRunner
+from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
@@ -38,7 +39,6 @@ from gpuguardd.records.models import ScanResult, Scope, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd import dropins
 from gpuguardd.systemd.rules import SLURM_PREFIX
-from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
 
@@ -97,12 +97,11 @@ class Service:
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
-        # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
+        # Watch mode and unit sweeps (units.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
-        self.unit_watch = UnitWatch(bus, engine.config.watch_units,
-                                    os.path.join(engine.config.runtime_directory, "units.json"))
-        self.units = UnitSweeps(self.runner, self.unit_watch, self.inventory.fresh_scan,
-                                lambda: self.inventory.snapshot)
+        self.units = UnitSweeps(self.runner, bus, engine.config.watch_units,
+                                os.path.join(engine.config.runtime_directory, "units.json"),
+                                self.inventory.fresh_scan, lambda: self.inventory.snapshot)
         # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
         # the name is owned (Daemon.run).
         self.resume = Resume(inflight,
@@ -113,7 +112,7 @@ class Service:
         self.recovery = Recovery(engine, sweep_executor, self._keep, events,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
-        events.connect(self.inventory, self.gate, self.unit_watch, self.recovery)
+        events.connect(self.inventory, self.gate, self.units, self.recovery)
 
     async def start(self) -> None:
         """Export the objects with the GPUs already in place (before the name is requested)."""
@@ -129,7 +128,7 @@ class Service:
         config = self.engine.config
         self.store.set_max_entries(config.history_max)
         self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
-        self.unit_watch.config_changed(config.watch_units)
+        self.units.watcher.patterns = tuple(config.watch_units)
         self.inventory.request_rescan()
 
     def sweep_gpus(self, flight: InFlight) -> list[int] | None:
@@ -140,7 +139,7 @@ class Service:
         if scope is not None and scope.gpus:
             return list(scope.gpus)
         unit = scope.unit if scope is not None else flight.request.unit
-        record = self.unit_watch.records.get(unit) if unit else None
+        record = self.units.records.get(unit) if unit else None
         return sorted(record.all_gpus) if record is not None and record.all_gpus else None
 
     def poll_interval(self) -> float:

@@ -233,7 +233,7 @@ class SweepRequest(WireRecord):
     # the unit watch, resume.py); the report carries it (Report.requester_kind).
     requester_kind: RequesterKind = RequesterKind.MANUAL
     # (pid, start time) of processes that left `unit`'s cgroup but are its leftovers; decided
-    # by the daemon's unit watch (gpuguardd/unitwatch.py), which documents the rule.
+    # by the daemon's unit watch (gpuguardd/daemon/units.py), which documents the rule.
     adopted: list[tuple[int, int]] = field(default_factory=list)
     # A Slurm epilog's job (gpuguardd/slurm.py): its cgroup's processes and its user's escaped
     # holders of `gpus`, nothing of another job. slurm_uid -1: none.
