@@ -1,17 +1,13 @@
 """The start gate as the daemon serves it: FreeSinceUsec/WaitingOn and Manager.Wait.
 
-The rule is engine/gate.py's, fed with every inventory observation once per rule in use: the
-configured one ([Gate] FreeBelowMiB, ToleranceMiB), which the Gpu objects publish, and each
-other one a caller of Wait asked for, kept while used. Waiters sleep on the next observation
-that changes the verdict on one of their targets, never on timers of their own, so twenty
-waiters cost what one does. NVML is polled fast (FAST_POLL_SEC) only while a waited-for target
-is held by no process, when memory coming back and settling decides; a live compute holder is
-watched through a pidfd instead, its exit seen at once. While anyone waits, a compute holder
-that exited since the last scan no longer counts, and a rescan is asked for.
+engine/gate.py's rule judges every inventory observation, once per rule in use: the configured
+one (the Gpu objects') and each one a Wait caller asked for, kept while used. Waiters sleep on
+the next observation that changes a verdict on their targets, never on timers of their own, so
+twenty waiters cost what one does. NVML is polled fast only while a waited-for target is held
+by no process (memory settling decides); a live compute holder is watched through a pidfd.
 
-A "free" answer is confirmed by a holder scan started within the steady time (ahead by the last
-scan's duration, so it ends about when the steady time does): between scans only NVML is
-polled, which misses a process holding a device node that NVML does not list.
+A "free" answer is confirmed by a holder scan started within the steady time: between scans
+only NVML is polled, which misses a process holding a device node that NVML does not list.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropp
 
 
 def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequence[int]) -> set[int]:
-    """The GPUs running sweeps cover: a sweep not yet resolved, or with no GPU list (a whole
-    host, or a unit whose GPUs are not known yet), covers every GPU."""
+    """The GPUs running sweeps cover: one with no GPU list yet covers every GPU."""
     covered: set[int] = set()
     for gpus in scopes:
         covered.update(gpus if gpus else all_indices)
@@ -76,8 +71,8 @@ class GateService:
 
     def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary],
                 holders: list[Holder]) -> None:
-        """An inventory observation: every rule in use judges it; the waiters whose targets'
-        verdict changed wake up."""
+        """Every rule in use judges an inventory observation; waiters whose targets' verdict
+        changed wake up."""
         if self.waiters:
             holders = self._live(holders)
         self._last = (summaries, holders, snapshot)
@@ -95,8 +90,7 @@ class GateService:
         self._watch()
 
     def _watch(self) -> None:
-        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target
-        (module docstring)."""
+        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target."""
         held: set[int] = set()
         fast = False
         for rule, keys, _ in self._listeners:
@@ -131,15 +125,13 @@ class GateService:
             os.close(fd)
 
     def _exited(self, pid: int) -> None:
-        """A holder waited on exited: look again now (and rescan the holders)."""
         self._unwatch(asyncio.get_running_loop(), pid)
         self.fast = True
         self.rescan()
         self.wake()
 
     def _live(self, holders: list[Holder]) -> list[Holder]:
-        """The holders without compute holders that exited since the scan (same pid, same
-        start time, or gone); a rescan is asked for when there is one."""
+        """Without the compute holders that exited since the scan (asks for a rescan)."""
         kept = []
         for holder in holders:
             if holder.kind == HolderKind.COMPUTE:
@@ -173,7 +165,6 @@ class GateService:
         return tracker
 
     def gpu_values(self, index: int) -> dict[str, object]:
-        """The Gpu object's FreeSinceUsec and WaitingOn (the configured rule)."""
         state = self._tracker(self.default_rule()).states.get((index, ""))
         if state is None:
             return {"free_since_usec": 0, "waiting_on": ["not judged yet"]}
@@ -191,8 +182,7 @@ class GateService:
 
     async def wait(self, gpus: Sequence[int], mig: Sequence[str], rule: GateRule,
                    stable_sec: float, timeout_sec: float) -> WaitOutcome:
-        """Until every target is free and stable for `stable_sec` (confirmed by a holder scan
-        that started after that), or `timeout_sec`."""
+        """Until every target is free and stable for `stable_sec`, or `timeout_sec`."""
         started = time.monotonic()
         deadline = started + min(timeout_sec, MAX_WAIT_SEC)
         self.waiters += 1
@@ -212,8 +202,8 @@ class GateService:
                 found = self._outcome(self._tracker(rule), gpus, mig, started)
                 now = found.now
                 short = found.short_of(stable_sec)
-                # Confirmed: by a holder scan asked for within the current steady time, started
-                # ahead by its own duration so that it ends when the steady time does.
+                # Confirmed by a holder scan asked for within the current steady time, ahead by
+                # its own duration so that it ends when the steady time does.
                 since = max((s.free_since or now for s in found.gpus), default=started)
                 lead = min(stable_sec, SCAN_LEAD_FACTOR * self.scan_cost() + SCAN_LEAD_MIN_SEC)
                 if short is not None and asked_scan < since and short <= lead:

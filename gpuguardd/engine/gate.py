@@ -1,23 +1,14 @@
 """The start gate's rule: when a GPU (or MIG instance) is free for the next job, and since when.
 
-Freeing a GPU ends in the driver, asynchronously: memory comes back over seconds after the
-processes exit, and can grow back before it settles (a context torn down in pieces, a late
-allocation of a dying worker). A server that profiles free memory at start-up aborts when free
-memory moves under it (vLLM issue 56830), so "no process and little memory" is not enough: the
-figure must also have stopped moving. A target is free when
+The driver frees memory asynchronously, over seconds, and it can grow back before it settles.
+A server that profiles free memory at start-up aborts when it moves under it (vLLM issue
+56830), so the figure must also have stopped moving. A target is free when nothing blocks it
+(the judge's reasons: a compute holder that may be on it, NVML processes, memory unread, which
+fails closed unless allowed, or at/above `free_below`, a running sweep covering it), and since
+then its memory never moved more than `tolerance`: a larger move restarts the clock.
 
-  * nothing blocks it: no compute holder may be on it (a holder whose GPU is unknown may be
-    on any, as `gpuguardctl check` counts it), NVML lists no process on it, its memory was
-    read (NVML available, the GPU neither lost nor unreadable: fail closed, unless the caller
-    allows unverified GPUs) and is below the rule's `free_below`, and no running sweep covers
-    it (its leftovers are being ended: the gate waits for that sweep);
-  * and since then its memory never moved more than `tolerance` from the figure it had when it
-    became free. A move past that restarts the clock: "free since" is the last such moment.
-
-The rule is the daemon's (gpuguardd serves it as the Gpu objects' FreeSinceUsec and WaitingOn
-and through Manager.Wait) and `gpuguardctl wait --local` applies the same code, so every
-client shows the same thing. Observations come from polls: a change shorter than the time
-between two polls can be missed, which is why the daemon polls fast while someone waits.
+The daemon (FreeSinceUsec, WaitingOn, Manager.Wait) and `gpuguardctl wait --local` apply this
+same code. Observations come from polls, so the daemon polls fast while someone waits.
 """
 
 from __future__ import annotations
@@ -61,8 +52,6 @@ class Target:
 
 @dataclass
 class GateState:
-    """One target as the gate last saw it."""
-
     target: Target
     memory_used: int = 0
     waiting_on: list[str] = field(default_factory=list)
@@ -85,15 +74,9 @@ def holder_line(holder: Holder) -> str:
     return f"compute holder pid {holder.pid} ({escape_text(holder.comm)}){unit}"
 
 
-def compute_on(target: Target, holders: Sequence[Holder]) -> list[Holder]:
-    """The compute holders that may be on `target` (the judge's may_be_on)."""
-    return [h for h in holders if may_be_on(h, target.index, target.mig_uuid)]
-
-
 @dataclass
 class WaitOutcome:
-    """What a wait for some targets sees at `now` (monotonic): free once every target has
-    been free for the steady time (short_of)."""
+    """What a wait for some targets sees at `now` (monotonic)."""
 
     free: bool
     waited_ms: int
@@ -106,8 +89,8 @@ class WaitOutcome:
                 "gpus": [g.to_dict(self.now) for g in self.gpus], "waiting_on": self.waiting_on}
 
     def short_of(self, stable_sec: float) -> float | None:
-        """Seconds until every target has been free for `stable_sec` (at most 0: now); None
-        while something blocks one."""
+        """Seconds until every target has been free for `stable_sec` (<= 0: now); None while
+        something blocks one."""
         if self.waiting_on or any(s.free_since is None for s in self.gpus):
             return None
         return min((stable_sec - s.stable_for(self.now) for s in self.gpus), default=0.0)
@@ -116,10 +99,8 @@ class WaitOutcome:
 def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder],
             nvml_error: str | None, gpus: Sequence[int], asked: bool, started: float,
             now: float) -> WaitOutcome:
-    """The daemon's Wait and `wait --local` alike: the targets' states under `tracker`. None
-    listed and no GPU list (`nvml_error`): fail closed, unless the rule allows unverified
-    GPUs, which then pass on the holders of the GPUs asked for (`gpus`; none: any GPU)
-    alone; none listed of what was `asked` for: that."""
+    """The targets' states under `tracker`. With no GPU list (`nvml_error`), judged on the
+    holders of the GPUs asked for (`gpus`; none: any GPU), failing closed unless allowed."""
     states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
     waiting_on: list[str] = []
     if not targets and nvml_error is not None:
@@ -133,9 +114,8 @@ def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[H
 
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
-    """Why `target` is not free now ([] when nothing blocks it), in the judge's words
-    (engine/judge.py). `record` is its summary (None: not listed by NVML), `nvml_error` None
-    when NVML answers; a target of index -1 is any GPU (no GPU list to tell them by)."""
+    """Why `target` is not free now, in words ([]: free). `record` None: not listed by NVML;
+    index -1: any GPU (no GPU list to tell them by)."""
     index = None if target.index < 0 else target.index
     # The gate's line, or the GPU's own released line where that is higher (an AMD GPU's).
     line = max(rule.free_below, record.released_below if isinstance(record, GpuSummary) else 0)
@@ -144,8 +124,7 @@ def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Se
 
 
 def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[str]:
-    """WaitingOn's lines for the judge's reasons: holders named up to MAX_NAMED_HOLDERS (with
-    the GPUs they are on where the target is any GPU)."""
+    """WaitingOn's lines for the judge's reasons."""
     lines: list[str] = []
     held = sum(1 for r in reasons if r.holder is not None)
     named = 0
@@ -178,7 +157,6 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
 
 
 class Stability:
-    """Since when one target has been free with its memory steady (module docstring)."""
 
     def __init__(self) -> None:
         self.free_since: float | None = None
@@ -193,7 +171,6 @@ class Stability:
 
 
 def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
-    """Every GPU and every MIG instance the summaries list."""
     out: list[Target] = []
     for gpu in gpus:
         out.append(Target(gpu.index, gpu.uuid))
@@ -211,7 +188,7 @@ def record_of(target: Target, gpus: Sequence[GpuSummary]) -> GpuSummary | MigSum
 
 
 class GateTracker:
-    """The gate's view of every target under one rule, fed with each observation."""
+    """Every target's state under one rule."""
 
     def __init__(self, rule: GateRule) -> None:
         self.rule = rule
@@ -220,13 +197,12 @@ class GateTracker:
 
     def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
                 holders: Sequence[Holder], nvml_error: str | None,
-                sweeping: Iterable[int], extra: Iterable[Target] = ()) -> set[tuple[int, str]]:
-        """One observation. `sweeping`: the GPU indices running sweeps cover; `extra`: targets
-        to follow although the summaries do not list them (NVML is gone). Returns the keys
-        whose verdict (free since, or what it waits on) changed."""
+                sweeping: Iterable[int]) -> set[tuple[int, str]]:
+        """`sweeping`: the GPU indices running sweeps cover. Returns the keys whose verdict
+        changed."""
         covered = set(sweeping)
         changed: set[tuple[int, str]] = set()
-        targets = {t.key: t for t in [*targets_of(gpus), *extra]}
+        targets = {t.key: t for t in targets_of(gpus)}
         for key in list(self._stability):
             if key not in targets:
                 del self._stability[key]
@@ -244,5 +220,5 @@ class GateTracker:
                 changed.add(key)
             self.states[key] = GateState(target, used, reasons, stability.free_since,
                                          stability.free_since_usec,
-                                         [h.pid for h in compute_on(target, holders)])
+                                         [h.pid for h in holders if may_be_on(h, target.index, target.mig_uuid)])
         return changed
