@@ -116,7 +116,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._sighup)
-        service.publisher.on_change = lambda: self.notifier.status(service.status_line())
+        service.on_change = lambda: self.notifier.status(service.status_line())
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))
@@ -138,10 +138,9 @@ class Daemon:
         return EXIT_OK
 
     async def _abandon(self, service: Service) -> None:
-        """Exit now, sweeps still running: with no bus, no one can hear their end, and
-        waiting for their threads (the interpreter's exit joins them) would keep this process
-        up for a whole grace period while systemd waits to restart it. Their in-flight
-        records stay; the next gpuguardd finishes them (resume.py)."""
+        """Exit now, sweeps still running: with no bus no one hears their end, and joining
+        their threads would delay systemd's restart by a grace period. The next gpuguardd
+        finishes them (resume.py)."""
         log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
                     service.runner.active)
         await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
@@ -177,7 +176,6 @@ class Daemon:
             await self.reload()
 
     async def reload(self) -> None:
-        """Re-read the configuration files; ConfigError (logged) keeps the current one."""
         assert self._reload_lock is not None and self.service is not None
         async with self._reload_lock:
             loop = asyncio.get_running_loop()
@@ -204,9 +202,8 @@ class Daemon:
             task.cancel()
 
     async def _finish_sweeps(self, runner: SweepRunner) -> None:
-        """Let running sweeps finish and be recorded, for as long as their settings allow,
-        keeping systemd's stop timeout ahead of the wait; record whatever is still running
-        then."""
+        """Let running sweeps finish for as long as their settings allow, keeping systemd's stop
+        timeout ahead of the wait; record whatever is still running then."""
         if not runner.busy:
             return
         budget = runner.budget_sec()
@@ -257,8 +254,7 @@ class Daemon:
 
 
 def _route_library_logs() -> None:
-    # dbus-fast and asyncio log through their own loggers (old dbus-fast through the root
-    # logger); give them our handler so their lines carry priorities too.
+    # dbus-fast (old ones: the root logger) and asyncio get our handler, for priorities.
     ours = logging.getLogger("gpuguard")
     for name in ("dbus_fast", "asyncio", None):
         theirs = logging.getLogger(name)

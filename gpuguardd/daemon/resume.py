@@ -24,16 +24,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import cast
 
-from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
+from gpuguardd.daemon.runner import sweep_budget_sec
 from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.records.enums import HolderKind, RequesterKind
-from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.dropins import DROPIN_FILE
@@ -50,16 +49,12 @@ _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 class Resume:
-    def __init__(self, inflight: InFlightSweeps, history: History, runner: SweepRunner,
-                 units: UnitSweeps, config: Callable[[], Config],
-                 scan: Callable[[], Awaitable[ScanResult]]) -> None:
+    def __init__(self, inflight: InFlightSweeps, history: History, units: UnitSweeps) -> None:
         self.inflight = inflight
         self.history = history
-        self.runner = runner
         self.units = units
-        self.config = config
-        self.scan = scan
-        self._io = runner.io
+        self.runner = units.runner
+        self._io = units.runner.io
 
     async def claim(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short and claim the sweeps that
@@ -81,7 +76,7 @@ class Resume:
     async def _claim_one(self, sweep: InFlightSweep, known: bool) -> Awaitable[Report | None] | None:
         request = sweep.request
         age = time.time() - sweep.started_usec / 1e6
-        limit = sweep_budget_sec(self.config(), request) + RESUME_WINDOW_SEC
+        limit = sweep_budget_sec(self.runner.engine.config, request) + RESUME_WINDOW_SEC
         why = ""
         if age > limit:
             why = (f"gpuguardd stopped during this sweep and was back only {age:.0f} s after it "
@@ -128,7 +123,7 @@ class Resume:
         await self.recover_units()
 
     async def _hooked(self, unit: str) -> bool:
-        if matches(unit, self.config().watch_units):
+        if matches(unit, self.runner.engine.config.watch_units):
             return True
         return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
                    for path in await self.units.systemd.dropins(unit))
@@ -137,7 +132,7 @@ class Resume:
         """Sweep the watched or hooked units that stopped while no daemon was there to."""
         if not self.units.systemd.available:
             return []
-        result = await self.scan()
+        result = await self.units.scan()
         self.units.records.observe(result.holders)
         compute = [h for h in result.holders
                    if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]

@@ -1,6 +1,8 @@
-"""What the daemon's D-Bus calls mean (the Manager's backend): authorization, holders,
-sweeps, resets, the start gate, history, metrics and reload; and the daemon's parts put
-together. What it tells the bus as things happen is publisher.py's.
+"""The daemon's parts put together, in both directions: what its D-Bus calls mean (the
+Manager's backend: authorization, holders, sweeps, resets, the start gate, history, metrics
+and reload), and what it tells the world as things happen, driven by the inventory
+(InventoryListener), the sweeps (runner.SweepEvents) and the resets (recovery.ResetEvents):
+the Manager's properties and signals, one Gpu object per GPU, the metrics and their textfile.
 """
 
 from __future__ import annotations
@@ -9,23 +11,22 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
 from gpuguardd.bus.connection import GuardBus, current_call
-from gpuguardd.bus.interfaces import ManagerInterface
-from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH
+from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
+from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
-from gpuguardd.daemon.metrics import Metrics
-from gpuguardd.daemon.publisher import Publisher
+from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import InFlight, SweepRunner
@@ -35,8 +36,8 @@ from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
 from gpuguardd.records.enums import RequesterKind
-from gpuguardd.records.models import ScanResult, Scope, SweepRequest
-from gpuguardd.records.report import Report
+from gpuguardd.records.models import GpuSummary, NvmlSnapshot, ScanResult, Scope, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd import dropins
 from gpuguardd.systemd.rules import SLURM_PREFIX
 
@@ -47,12 +48,10 @@ _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
 def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, RequesterKind]:
-    """Who a sweep is recorded for (requested_by) and what kind of requester that is, decided
-    here, once, for every bus caller. Only root (the ExecStopPost hook) may be just
-    "hook:<unit>", of kind HOOK; anyone else who says "hook:" is named as well, so the journal
-    cannot be misled, and is of kind HOOK_NONROOT. Root's Slurm epilog (a `slurm_job`
-    request) is "slurm:<job>", of kind SLURM. The metrics' trigger label is the kind, so only
-    root's requests can be counted as the hook's or the epilog's."""
+    """Who a sweep is recorded for and what kind of requester that is, for every bus caller.
+    Only root (the ExecStopPost hook) may be just "hook:<unit>" (HOOK); anyone else saying
+    "hook:" is named as well (HOOK_NONROOT), so the journal cannot be misled. Root's Slurm
+    epilog is "slurm:<job>" (SLURM). Metrics count by kind: only root's count as the hook's."""
     hook = dropins.requested_by_for_reason(reason)
     if hook:
         if caller.is_root:
@@ -82,13 +81,14 @@ class Service:
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
         for stored in history.newest(1):  # not exported yet: no PropertiesChanged
             self.manager.update(LastSweep=self.manager.typed_report(stored))
-        metrics = Metrics()
-        metrics.note_history(history.last())
-        self.publisher = events = Publisher(bus, self.manager, metrics,
-                                            lambda: self.engine.config, io_executor)
-        self.inventory = Inventory(engine, scan_executor, events)
+        self.metrics = Metrics()
+        self.metrics.note_history(history.last())
+        self.gpus: dict[int, GpuInterface] = {}
+        # Told of every change the sd_notify status line shows (main.py sets it).
+        self.on_change: Callable[[], None] = lambda: None
+        self.inventory = Inventory(engine, scan_executor, self)
         inflight = InFlightSweeps(engine.config.runtime_directory)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, events, inflight)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
                                 lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
@@ -104,18 +104,15 @@ class Service:
                                 self.inventory.fresh_scan, lambda: self.inventory.snapshot)
         # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
         # the name is owned (Daemon.run).
-        self.resume = Resume(inflight,
-                             history, self.runner, self.units, lambda: self.engine.config,
-                             self.inventory.fresh_scan)
+        self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor, self._keep, events,
+        self.recovery = Recovery(engine, sweep_executor, self._keep, self,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
-        events.connect(self.inventory, self.gate, self.units, self.recovery)
 
     async def start(self) -> None:
-        """Export the objects with the GPUs already in place (before the name is requested)."""
+        """Export the objects, GPUs included, before the name is requested."""
         self.bus.export(MANAGER_PATH, self.manager)
         try:
             await self.inventory.scan()
@@ -132,9 +129,8 @@ class Service:
         self.inventory.request_rescan()
 
     def sweep_gpus(self, flight: InFlight) -> list[int] | None:
-        """The GPUs a sweep in flight covers, for the start gate: its scope's, else (a unit
-        sweep) the GPUs the unit watch saw the unit hold or name; None (every GPU) when
-        neither is known yet."""
+        """The GPUs a sweep in flight covers, for the start gate: its scope's, else its unit's
+        recorded ones; None (every GPU) when neither is known yet."""
         scope = flight.scope
         if scope is not None and scope.gpus:
             return list(scope.gpus)
@@ -143,8 +139,6 @@ class Service:
         return sorted(record.all_gpus) if record is not None and record.all_gpus else None
 
     def poll_interval(self) -> float:
-        """NVML's poll interval: fast while a start gate waits on a target no process holds
-        (gate.py), else configured."""
         return FAST_POLL_SEC if self.gate.fast else self.engine.config.poll_interval_sec
 
     def status_line(self) -> str:
@@ -179,9 +173,8 @@ class Service:
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
         # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
-        # gpuguardctl sends: an admin wants the truth, not the last second's view) waits for a
-        # scan that starts after the call, at most once per FRESH_SCAN_INTERVAL_SEC for a
-        # non-root uid: no caller makes the daemon walk /proc more than once a second.
+        # gpuguardctl sends) waits for a scan that starts after the call, for a non-root uid
+        # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
         fresh = bool(options.get("fresh", False))
         if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
             fresh = False
@@ -204,8 +197,8 @@ class Service:
         return scope
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
-        """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
-        typed once per scan: callers served from one scan share it (never mutated)."""
+        """Each holder of `result` as its D-Bus value, by id() (the scan keeps them alive),
+        typed once per scan and shared (never mutated)."""
         if self._typed_for is not result:
             self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
             self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
@@ -248,10 +241,9 @@ class Service:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
-        return self.publisher.metrics.render().decode()
+        return self.metrics.render().decode()
 
     async def wait(self, options: dict[str, Any]) -> Wire:
-        """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
         config = self.engine.config
         free_below = options.get("free_below_mib", config.gate_free_below_mib)
         if not 1 <= free_below <= MAX_RELEASED_BELOW_MIB:
@@ -274,3 +266,74 @@ class Service:
         # Authorized by the interface (the XML's rule for Reload).
         log.info("reload requested by %s", caller.describe())
         await self.reloader()
+
+    def _publish_metrics(self) -> None:
+        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        directory = self.engine.config.textfile_directory
+        if not directory:
+            return
+        future = self.io_executor.submit(write_textfile, directory, self.metrics.render())
+
+        def done(f: Future[str]) -> None:
+            if f.exception() is not None:
+                log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
+        future.add_done_callback(done)
+
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
+        holders = self.inventory.holders
+        self.units.observe(holders)
+        self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus),
+                            Vendors=snapshot.vendors)
+        self.gate.observe(snapshot, summaries, holders)
+        current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
+        for index in sorted(set(self.gpus) - set(current)):
+            log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
+            self.bus.unexport(gpu_path(index), self.gpus.pop(index))
+        for index, summary in sorted(current.items()):
+            gpu = self.gpus.get(index)
+            if gpu is None:
+                gpu = self.gpus[index] = GpuInterface(summary)
+                self.bus.export(gpu_path(index), gpu)
+            else:
+                gpu.refresh(summary)
+        self.metrics.observe_inventory(snapshot.available, summaries, holders)
+        self._publish_metrics()
+        self.recovery.observe(summaries)
+        self.on_change()
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
+                    used // (1024 * 1024))
+        self.manager.LeakSuspected(index, uuid, used)
+
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
+
+    def sweep_finished(self, report: Report) -> None:
+        data = self.manager.typed_report(report.to_dict())
+        self.manager.SweepFinished(report.id, report.outcome.value, data)
+        self.manager.update(LastSweep=data)
+        for leak in report.leaks:
+            # A MIG instance is named by its own UUID.
+            self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
+            self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
+        self.reset_finished(report)
+
+    def busy_changed(self, busy: bool) -> None:
+        self.manager.update(Busy=busy)
+        # The start gate judges sweeps in flight: judge again now, on the last reading (a
+        # sweep's end asks for a rescan anyway, reset_finished; its start reads the GPUs).
+        self.inventory.republish()
+        self.on_change()
+
+    def reset_finished(self, report: Report) -> None:
+        """ResetEvents, and the end of every sweep's as well."""
+        self.metrics.observe_report(report)
+        self._publish_metrics()
+        self.inventory.request_rescan()
+        self.on_change()
