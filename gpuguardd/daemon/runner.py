@@ -1,16 +1,12 @@
 """Sweeps run by the daemon: in a thread, with their progress forwarded to the event loop.
 
-The engine's sweep blocks (signals, grace periods, NVML verification, per-GPU locks that make
-a second sweep of the same GPU wait for the first), so each runs in an executor thread while
-the event loop keeps answering the bus. The engine reports progress through SweepObserver
-from that thread; call_soon_threadsafe moves each callback onto the loop, in order, before
-the sweep's own completion (which travels the same queue).
+The engine's sweep blocks (signals, grace periods, verification, per-GPU locks), so each runs
+in an executor thread; call_soon_threadsafe moves each progress callback onto the loop, in
+order, before the sweep's own completion (which travels the same queue).
 
-At shutdown (SIGTERM) running sweeps are waited for: each has a budget, the longest it can
-take by its settings (grace, kill timeout, verification, plus a margin for scans and locks),
-and the daemon keeps systemd's stop timeout extended while it waits. A sweep still running
-when every budget is spent (a hung driver) is recorded as it stands, with the terminations
-seen so far, so a stop never loses a sweep from the audit.
+At shutdown running sweeps are waited for, each up to its budget (the longest its settings
+allow). One still running then (a hung driver) is recorded as it stands, with the processes
+ended so far, so a stop never loses a sweep from the audit.
 """
 
 from __future__ import annotations
@@ -53,15 +49,14 @@ SWEEP_MARGIN_SEC = 15.0
 
 
 def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
-    """The longest a sweep of `request` takes under `config`: its grace period, the wait
-    after SIGKILL, NVML verification, and a margin."""
+    """The longest a sweep of `request` takes under `config`."""
     grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
     return grace + config.kill_timeout_sec + config.verify_timeout_sec + SWEEP_MARGIN_SEC
 
 
 @dataclass
 class InFlight(InFlightSweep):
-    """A running sweep as the loop has heard of it: enough to record it if it never ends."""
+    """A running sweep as the loop has heard of it."""
 
     started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
     budget_sec: float = 0.0
@@ -116,8 +111,8 @@ class SweepRunner:
         return self.active > 0
 
     async def validate(self, request: SweepRequest) -> Prepared:
-        """Raise InvalidArgument now, before the caller's sweep counts as running. What it
-        returns is the sweep's GPU reading and scope (Engine.prepare): give it to run()."""
+        """InvalidArgument now, before the sweep counts as running; the GPU reading and scope
+        returned (Engine.prepare) are run()'s."""
         prepared: Prepared = await self.io(self.engine.prepare, request)
         return prepared
 
@@ -187,14 +182,13 @@ class SweepRunner:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, fn, *args)
 
     def budget_sec(self) -> float:
-        """How long the running sweeps may still take, were they to run one after another
-        (sweeps of one GPU wait for each other's locks)."""
+        """How long the running sweeps may still take, one after another (locks)."""
         now = time.time_ns() // 1000
         return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
 
     async def record_interrupted(self) -> None:
-        """Record every sweep still running as it stands (at shutdown, its budget spent).
-        Their in-flight records stay: the next gpuguardd finishes them (resume.py)."""
+        """Record every sweep still running as it stands (at shutdown, its budget spent); the
+        next gpuguardd finishes them (resume.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             # Without the sweep's own word on its scope, only the unit asked for is known.
@@ -215,7 +209,7 @@ class SweepRunner:
         await self.io(self.history.append, report)
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""
+        """Refuse new sweeps and wait for running ones; False after `timeout`."""
         self.closing = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
