@@ -24,6 +24,9 @@ from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 MiB = 1024 * 1024
 # Holders named one by one in WaitingOn; more are counted, so a busy GPU's reason stays short.
 MAX_NAMED_HOLDERS = 4
+_WORDS = {Why.NOT_LISTED: "not listed by NVML", Why.LOST: "lost (fell off the bus)",
+          Why.UNREADABLE: "its memory cannot be read", Why.PROCESSES: "NVML lists processes on it",
+          Why.FOREIGN: "NVML lists processes on it", Why.ENDING: "NVML lists processes on it"}
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,6 @@ class Target:
     @property
     def key(self) -> tuple[int, str]:
         return self.index, self.mig_uuid
-
-    @property
-    def name(self) -> str:
-        return f"GPU {self.index}" + (f" {escape_text(self.mig_uuid)}" if self.mig_uuid else "")
 
 
 @dataclass
@@ -143,16 +142,10 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
                 lines.append(f"and {held - MAX_NAMED_HOLDERS} more compute holder(s)")
         elif why == Why.NO_BACKEND:
             lines.append(f"NVML unavailable ({escape_text(reason.detail)}): memory cannot be checked")
-        elif why == Why.NOT_LISTED:
-            lines.append("not listed by NVML")
-        elif why == Why.LOST:
-            lines.append("lost (fell off the bus)")
-        elif why == Why.UNREADABLE:
-            lines.append("its memory cannot be read")
-        elif why in (Why.PROCESSES, Why.FOREIGN, Why.ENDING):
-            lines.append("NVML lists processes on it")
         elif why in (Why.MEMORY, Why.LEAKED):
             lines.append(f"memory in use at or above {line // MiB} MiB")
+        elif why in _WORDS:
+            lines.append(_WORDS[why])
     return list(dict.fromkeys(lines))
 
 
