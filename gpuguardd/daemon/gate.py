@@ -16,9 +16,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gpuguardd.config import Config
+from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.engine import procfs
 from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, WaitOutcome, outcome, targets_of
 from gpuguardd.records.enums import HolderKind
@@ -46,16 +47,10 @@ def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequen
 
 
 class GateService:
-    def __init__(self, config: Callable[[], Config], scan: Callable[[], Awaitable[object]],
-                 wake: Callable[[], None], sweep_scopes: Callable[[], list[list[int] | None]],
-                 scan_age: Callable[[], float], rescan: Callable[[], None],
-                 scan_cost: Callable[[], float]) -> None:
+    def __init__(self, config: Callable[[], Config], inventory: Inventory,
+                 sweep_scopes: Callable[[], list[list[int] | None]]) -> None:
         self.config = config
-        self.scan = scan  # a holder scan that starts now; publishes through observe()
-        self.scan_age = scan_age  # seconds since the last holder scan was published
-        self.rescan = rescan  # a holder scan soon, not waited for
-        self.scan_cost = scan_cost  # seconds the last holder scan took
-        self.wake = wake  # makes the inventory poll now (and then fast while waiters > 0)
+        self.inventory = inventory  # its scans publish through observe()
         self.sweep_scopes = sweep_scopes
         self.waiters = 0
         self._trackers: dict[GateRule, tuple[GateTracker, float]] = {}
@@ -127,8 +122,8 @@ class GateService:
     def _exited(self, pid: int) -> None:
         self._unwatch(asyncio.get_running_loop(), pid)
         self.fast = True
-        self.rescan()
-        self.wake()
+        self.inventory.request_rescan()
+        self.inventory.wake()
 
     def _live(self, holders: list[Holder]) -> list[Holder]:
         """Without the compute holders that exited since the scan (asks for a rescan)."""
@@ -137,7 +132,7 @@ class GateService:
             if holder.kind == HolderKind.COMPUTE:
                 stat = procfs.read_stat(holder.pid)
                 if stat is None or (holder.start_time and stat.start_time != holder.start_time):
-                    self.rescan()
+                    self.inventory.request_rescan()
                     continue
             kept.append(holder)
         return kept
@@ -186,15 +181,15 @@ class GateService:
         started = time.monotonic()
         deadline = started + min(timeout_sec, MAX_WAIT_SEC)
         self.waiters += 1
-        if self.scan_age() > RESCAN_FOR_WAITER_SEC:
-            self.rescan()
+        if self.inventory.scan_age() > RESCAN_FOR_WAITER_SEC:
+            self.inventory.request_rescan()
         event = asyncio.Event()
         listener = (rule, frozenset(t.key for t in self._targets(gpus, mig)), event)
         self._listeners.append(listener)
         self._tracker(rule)
         self._watch()
         if self.fast:
-            self.wake()  # poll now, then fast; a held target waits on its holder's pidfd
+            self.inventory.wake()  # poll now, then fast; a held target waits on its holder's pidfd
         asked_scan = -1.0  # when the last confirming scan was asked for (monotonic)
         try:
             while True:
@@ -205,10 +200,10 @@ class GateService:
                 # Confirmed by a holder scan asked for within the current steady time, ahead by
                 # its own duration so that it ends when the steady time does.
                 since = max((s.free_since or now for s in found.gpus), default=started)
-                lead = min(stable_sec, SCAN_LEAD_FACTOR * self.scan_cost() + SCAN_LEAD_MIN_SEC)
+                lead = min(stable_sec, SCAN_LEAD_FACTOR * self.inventory.scan_cost + SCAN_LEAD_MIN_SEC)
                 if short is not None and asked_scan < since and short <= lead:
                     asked_scan = time.monotonic()
-                    await self.scan()
+                    await self.inventory.scan()
                     continue
                 if short is not None and short <= 0:
                     found.free = True

@@ -49,9 +49,13 @@ _U32 = 2**32 - 1
 
 @dataclass
 class InFlightSweep:
+    """A sweep in flight; `budget_sec` and `scope` are the running daemon's, not on disk."""
+
     request: SweepRequest
-    started_usec: int
+    started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
     terminated: list[Terminated] = field(default_factory=list)
+    budget_sec: float = 0.0
+    scope: ReportScope | None = None
 
     @property
     def report_id(self) -> str:

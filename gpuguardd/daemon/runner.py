@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuguardd.config import Config
@@ -54,19 +53,10 @@ def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
     return grace + config.kill_timeout_sec + config.verify_timeout_sec + SWEEP_MARGIN_SEC
 
 
-@dataclass
-class InFlight(InFlightSweep):
-    """A running sweep as the loop has heard of it."""
-
-    started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
-    budget_sec: float = 0.0
-    scope: ReportScope | None = None
-
-
 class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlight,
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlightSweep,
                  on_terminated: Callable[[], None]) -> None:
         self.loop = loop
         self.events = events
@@ -102,7 +92,7 @@ class SweepRunner:
         self.events = events
         self.active = 0
         self.closing = False
-        self.in_flight: list[InFlight] = []
+        self.in_flight: list[InFlightSweep] = []
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -124,7 +114,7 @@ class SweepRunner:
         self.active += 1
         self._idle.clear()
         request.report_id = request.report_id or uuid.uuid4().hex
-        flight = InFlight(request, budget_sec=sweep_budget_sec(self.engine.config, request))
+        flight = InFlightSweep(request, budget_sec=sweep_budget_sec(self.engine.config, request))
         self.in_flight.append(flight)  # before Busy: its listeners judge the sweeps in flight
         if self.active == 1:
             self.events.busy_changed(True)

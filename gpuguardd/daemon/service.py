@@ -24,12 +24,12 @@ from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
-from gpuguardd.daemon.inflight import InFlightSweeps
+from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
-from gpuguardd.daemon.runner import InFlight, SweepRunner
+from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
@@ -90,10 +90,8 @@ class Service:
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
-        self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
-                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
-                                self.inventory.scan_age, self.inventory.request_rescan,
-                                lambda: self.inventory.scan_cost)
+        self.gate = GateService(lambda: self.engine.config, self.inventory,
+                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
@@ -128,7 +126,7 @@ class Service:
         self.units.watcher.patterns = tuple(config.watch_units)
         self.inventory.request_rescan()
 
-    def sweep_gpus(self, flight: InFlight) -> list[int] | None:
+    def sweep_gpus(self, flight: InFlightSweep) -> list[int] | None:
         """The GPUs a sweep in flight covers, for the start gate: its scope's, else its unit's
         recorded ones; None (every GPU) when neither is known yet."""
         scope = flight.scope
