@@ -7,7 +7,6 @@ the Manager's properties and signals, one Gpu object per GPU, the metrics and th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -105,7 +104,8 @@ class Service:
         self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor, self._keep, self,
+        self.recovery = Recovery(engine, sweep_executor,
+                                 lambda report: self.runner.io(self.store.append, report), self,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
 
@@ -190,8 +190,7 @@ class Service:
              for h in holders], sizes=sizes)
 
     async def _resolve(self, request: SweepRequest) -> Scope:
-        loop = asyncio.get_running_loop()
-        scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+        scope: Scope = (await self.runner.io(self.engine.resolve_request, request))[0]
         return scope
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
@@ -230,10 +229,6 @@ class Service:
         report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""),
                                            RequesterKind.MANUAL)
         return report.to_dict()
-
-    async def _keep(self, report: Report) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io_executor, self.store.append, report)
 
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
