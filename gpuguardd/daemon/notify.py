@@ -59,8 +59,7 @@ class Notifier:
         self.send("STOPPING=1", "STATUS=stopping")
 
     def extend_timeout(self, seconds: float) -> None:
-        """Ask for `seconds` more before systemd's stop timeout (TimeoutStopSec) fires: a
-        sweep in flight finishes and is recorded first. systemd 236 and later."""
+        """`seconds` more before systemd's stop timeout fires (systemd 236+)."""
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
 
 

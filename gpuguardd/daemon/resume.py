@@ -1,20 +1,12 @@
 """What a starting gpuguardd finishes for the one before it, which died mid-work.
 
-Two things can be left over when the daemon dies (a crash, an OOM kill, SIGKILL, an upgrade
-that restarts it mid-sweep):
-
-* A sweep in flight (inflight.py has its request). It is recorded as `interrupted`, with
-  `finished_by` naming the sweep that finishes it, and swept again, same scope, same caller,
-  with `resumes` naming it. A sweep is safe to repeat: processes already gone are simply not
-  found. A unit's sweep is claimed before the daemon owns its bus name, so the stop hook,
-  which asks again once the daemon is back (cli/retry.py), joins it instead of running a
-  second one. Not swept again, only recorded: a record older than the sweep's own budget
-  plus RESUME_WINDOW_SEC (its GPUs may have been given to someone since), and a unit
-  sweep whose unit runs again (its new instance owns the GPUs).
-* A unit that stopped while no daemon watched: a watched unit, or one with gpuguard's
-  drop-in, that is stopped but whose processes still hold GPUs, in its cgroup
-  (KillMode=process leftovers) or escaped from it (the unit records, which units.py
-  keeps in the runtime directory). It is swept as `recovered:<unit>`.
+* A sweep in flight (inflight.py) is recorded as `interrupted`, `finished_by` naming the sweep
+  that repeats it (same scope and caller, `resumes` naming it: processes already gone are
+  simply not found). A unit's sweep is claimed before the bus name is owned, so the stop hook
+  asking again (cli/retry.py) joins it. Only recorded, not repeated: a record older than its
+  budget plus RESUME_WINDOW_SEC (its GPUs may be in new hands), or a unit that runs again.
+* A watched or hooked unit that stopped while no daemon watched, whose processes still hold
+  GPUs in its cgroup or escaped from it (units.py's records), is swept as `recovered:<unit>`.
 """
 
 from __future__ import annotations
@@ -40,9 +32,8 @@ from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
 
 log = logging.getLogger("gpuguard.resume")
 
-# How long after its budget ran out an interrupted sweep is still swept again. The unit's
-# Restart=on-failure brings the daemon back in about a second; a daemon that stayed down
-# longer than this may find the GPUs in new hands, so it only records what was cut short.
+# How long after its budget ran out an interrupted sweep is still swept again (Restart=
+# brings the daemon back in about a second).
 RESUME_WINDOW_SEC = 60.0
 # Sweeps a unit is running again in: its new instance owns the GPUs.
 _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
@@ -58,7 +49,7 @@ class Resume:
 
     async def claim(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short and claim the sweeps that
-        finish it; the awaitables returned run them (Service.start spawns them)."""
+        finish it, which the awaitables returned run."""
         found = cast(list[InFlightSweep], await self._io(self.inflight.load))
         known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
         work: list[Awaitable[Report | None]] = []
@@ -98,8 +89,7 @@ class Resume:
         log.warning("sweep %s (%s) was cut short when gpuguardd stopped: sweep %s finishes it",
                     sweep.report_id[:8], request.requested_by, successor.report_id[:8])
         if not known:
-            # (Known: recorded as an error at a stop that outlasted its budget, which the
-            # contract keeps; the successor's `resumes` still links the two.)
+            # (Known: recorded at a stop that outlasted its budget; `resumes` links the two.)
             await self._io(self.history.append, sweep.report(
                 "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
                 f"was running; sweep {successor.report_id} finished it",
@@ -113,7 +103,7 @@ class Resume:
         return self.runner.run(successor)
 
     async def run(self, work: list[Awaitable[Report | None]]) -> None:
-        """After the name is owned: finish the claimed sweeps, then the stopped units."""
+        """After the name is owned: the claimed sweeps, then the stopped units."""
         for report in await asyncio.gather(*work, return_exceptions=True):
             if isinstance(report, BaseException):
                 log.error("a sweep finishing the last gpuguardd's failed: %s", report)

@@ -1,7 +1,6 @@
-"""Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
-resume.py's), with the unit's escaped leftovers, and watch mode: what each unit held (kept in
-the runtime directory across restarts, so that after a crash the next daemon still knows a
-stopped unit's escaped workers), the watched units' stops and the services' starts.
+"""Every unit sweep (the drop-in's, the watcher's, an admin's, resume.py's) with the unit's
+escaped leftovers, and watch mode: what each unit held (kept in the runtime directory, so the
+next daemon still knows a stopped unit's escaped workers), stops and starts.
 
 One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
 once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
@@ -99,7 +98,7 @@ class UnitSweeps:
                         exc.strerror or exc)
 
     async def start(self) -> None:
-        """Follow systemd: a watched unit's stop is swept, a starting service hints its GPUs."""
+        """Follow systemd's stops and starts."""
         try:
             await self.watcher.start()
         except Exception as exc:  # never keep the daemon from serving its API
@@ -140,18 +139,15 @@ class UnitSweeps:
 
     async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
                          ) -> Report | None:
-        """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
-        None only when the watcher's sweep is skipped because the unit runs again.
-        `prepared`: the request's check (SweepRunner.validate), which its sweep works from."""
+        """Sweep `request.unit` plus its escaped leftovers; None only when the watcher's sweep
+        is skipped because the unit runs again. `prepared`: SweepRunner.validate's."""
         return await (await self.begin(request, prepared))
 
     async def begin(self, request: SweepRequest, prepared: Prepared | None = None
                     ) -> Awaitable[Report | None]:
-        """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
-        and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
-        returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
-        finishes this way before it owns its bus name, so a hook that asks again joins them.
-        """
+        """Decide what `request` is (new, or the stop's sweep running or done) and make a new
+        automatic sweep the stop's one sweep now; the awaitable returned runs or joins it
+        (resume.py claims sweeps this way before the bus name is owned)."""
         unit = normalize_unit_name(request.unit)  # already validated by the caller
         # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
         # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
