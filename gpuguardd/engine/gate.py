@@ -14,7 +14,7 @@ same code. Observations come from polls, so the daemon polls fast while someone 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuguardd.engine.judge import Reason, facts_of_record, judge, may_be_on
 from gpuguardd.escaping import escape_text
@@ -57,6 +57,13 @@ class GateState:
     free_since: float | None = None  # monotonic seconds; None while something blocks it
     free_since_usec: int = 0  # the same moment on CLOCK_REALTIME, for clients to show
     held_by: list[int] = field(default_factory=list)  # pids of compute holders that may be on it
+    reference: int = 0  # memory used when it last became free: the stability clock's figure
+
+    def settle(self, now: float, wall_usec: int, used: int, blocked: bool, tolerance: int) -> None:
+        if blocked:
+            self.free_since, self.free_since_usec = None, 0
+        elif self.free_since is None or abs(used - self.reference) > tolerance:
+            self.free_since, self.free_since_usec, self.reference = now, wall_usec, used
 
     def stable_for(self, now: float) -> float:
         return 0.0 if self.free_since is None else max(0.0, now - self.free_since)
@@ -149,20 +156,6 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
     return list(dict.fromkeys(lines))
 
 
-class Stability:
-
-    def __init__(self) -> None:
-        self.free_since: float | None = None
-        self.free_since_usec = 0
-        self.reference = 0
-
-    def observe(self, now: float, wall_usec: int, used: int, blocked: bool, tolerance: int) -> None:
-        if blocked:
-            self.free_since, self.free_since_usec = None, 0
-        elif self.free_since is None or abs(used - self.reference) > tolerance:
-            self.free_since, self.free_since_usec, self.reference = now, wall_usec, used
-
-
 def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
     out: list[Target] = []
     for gpu in gpus:
@@ -185,7 +178,6 @@ class GateTracker:
 
     def __init__(self, rule: GateRule) -> None:
         self.rule = rule
-        self._stability: dict[tuple[int, str], Stability] = {}
         self.states: dict[tuple[int, str], GateState] = {}
 
     def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
@@ -196,22 +188,20 @@ class GateTracker:
         covered = set(sweeping)
         changed: set[tuple[int, str]] = set()
         targets = {t.key: t for t in targets_of(gpus)}
-        for key in list(self._stability):
+        for key in list(self.states):
             if key not in targets:
-                del self._stability[key]
-                self.states.pop(key, None)
+                del self.states[key]
                 changed.add(key)
         for key, target in targets.items():
             record = record_of(target, gpus)
             reasons = blockers(target, record, holders, self.rule, nvml_error,
                                target.index in covered)
             used = record.memory_used if record is not None else 0
-            stability = self._stability.setdefault(key, Stability())
-            stability.observe(now, wall_usec, used, bool(reasons), self.rule.tolerance)
-            old = self.states.get(key)
-            if old is None or old.free_since != stability.free_since or old.waiting_on != reasons:
+            held = [h.pid for h in holders if may_be_on(h, target.index, target.mig_uuid)]
+            old = self.states.get(key, GateState(target))
+            state = replace(old, target=target, memory_used=used, waiting_on=reasons, held_by=held)
+            state.settle(now, wall_usec, used, bool(reasons), self.rule.tolerance)
+            if key not in self.states or old.free_since != state.free_since or old.waiting_on != reasons:
                 changed.add(key)
-            self.states[key] = GateState(target, used, reasons, stability.free_since,
-                                         stability.free_since_usec,
-                                         [h.pid for h in holders if may_be_on(h, target.index, target.mig_uuid)])
+            self.states[key] = state
         return changed
