@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from gpuguardd.config import Config
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.engine import procfs
 from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, WaitOutcome, outcome, targets_of
@@ -47,9 +46,7 @@ def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequen
 
 
 class GateService:
-    def __init__(self, config: Callable[[], Config], inventory: Inventory,
-                 sweep_scopes: Callable[[], list[list[int] | None]]) -> None:
-        self.config = config
+    def __init__(self, inventory: Inventory, sweep_scopes: Callable[[], list[list[int] | None]]) -> None:
         self.inventory = inventory  # its scans publish through observe()
         self.sweep_scopes = sweep_scopes
         self.waiters = 0
@@ -61,7 +58,7 @@ class GateService:
         self._pidfds: dict[int, int] = {}  # pid of a holder waited on -> its pidfd
 
     def default_rule(self) -> GateRule:
-        config = self.config()
+        config = self.inventory.engine.config
         return GateRule(config.gate_free_below_mib * MiB, config.gate_tolerance_mib * MiB)
 
     def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary],

@@ -122,7 +122,7 @@ class Resume:
         """Sweep the watched or hooked units that stopped while no daemon was there to."""
         if not self.units.systemd.available:
             return []
-        result = await self.units.scan()
+        result = await self.units.inventory.fresh_scan()
         self.units.records.observe(result.holders)
         compute = [h for h in result.holders
                    if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]

@@ -89,16 +89,14 @@ class Service:
         inflight = InFlightSweeps(engine.config.runtime_directory)
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
-        self.gate = GateService(lambda: self.engine.config, self.inventory,
-                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
+        self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
         # Watch mode and unit sweeps (units.py): which GPUs each unit held, systemd's
         # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
-        self.units = UnitSweeps(self.runner, bus, engine.config.watch_units,
-                                os.path.join(engine.config.runtime_directory, "units.json"),
-                                self.inventory.fresh_scan, lambda: self.inventory.snapshot)
+        self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
+                                os.path.join(engine.config.runtime_directory, "units.json"))
         # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
         # the name is owned (Daemon.run).
         self.resume = Resume(inflight, history, self.units)

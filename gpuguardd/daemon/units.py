@@ -15,16 +15,17 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from dbus_fast.aio import MessageBus
 
+from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.engine.attribution import normalize_unit_name
 from gpuguardd.engine.engine import Prepared
 from gpuguardd.records.enums import Outcome, RequesterKind
-from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.models import Holder, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.safefiles import open_nofollow, write_atomic
 from gpuguardd.systemd.adoption import SystemdView, UnitGpuRecords, cuda_visible_gpus, leftovers
@@ -45,20 +46,16 @@ AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, Requester
 
 
 class UnitSweeps:
-    """`scan` and `snapshot` are the inventory's (a fresh scan, the last NVML snapshot)."""
-
-    def __init__(self, runner: SweepRunner, bus: MessageBus, patterns: Sequence[str],
-                 records_path: str, scan: Callable[[], Awaitable[ScanResult]],
-                 snapshot: Callable[[], NvmlSnapshot]) -> None:
+    def __init__(self, runner: SweepRunner, inventory: Inventory, bus: MessageBus,
+                 patterns: Sequence[str], records_path: str) -> None:
         self.runner = runner
+        self.inventory = inventory
         systemd = Systemd(bus)
         self.systemd: SystemdView = systemd
         self.records = UnitGpuRecords()
         self.watcher = UnitWatcher(bus, systemd, patterns)
         self.records_path = records_path
         self._saved = b""
-        self.scan = scan
-        self.snapshot = snapshot
         # Each stop's automatic sweep, by (unit, InvocationID): running, or done at a time
         # (then remembered for REMEMBER_SEC, for a late second trigger of the same stop).
         self._stops: collections.OrderedDict[tuple[str, str],
@@ -121,11 +118,11 @@ class UnitSweeps:
             if not stopped:
                 # A starting service's CUDA_VISIBLE_DEVICES; a watched unit's holdings now
                 # (later ones arrive with the daemon's refreshes).
-                gpus = cuda_visible_gpus(await self.systemd.environment(state.unit), self.snapshot())
+                gpus = cuda_visible_gpus(await self.systemd.environment(state.unit), self.inventory.snapshot)
                 if gpus:
                     self.records.hint(state.unit, gpus)
                 if matches(state.unit, self.watcher.patterns):
-                    self.observe((await self.scan()).holders)
+                    self.observe((await self.inventory.fresh_scan()).holders)
                 return
             log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",
                      f", result {state.result}" if state.result else "")
@@ -203,7 +200,7 @@ class UnitSweeps:
         if not request.container and self.systemd.available:
             # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
             # processes, by PID and start time, whatever the records lost with the crash.
-            found = await leftovers(self.systemd, self.records, unit, await self.scan(),
+            found = await leftovers(self.systemd, self.records, unit, await self.inventory.fresh_scan(),
                                     request.include_management)
             request.adopted = sorted(set(request.adopted) | set(found))
         # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).

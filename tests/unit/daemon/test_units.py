@@ -45,7 +45,8 @@ class Harness:
         self.requests: list[SweepRequest] = []
         self.release = asyncio.Event()
         self.engine = SimpleNamespace(config=SimpleNamespace(dry_run=False))
-        self.watch = UnitSweeps(self, None, ["sglang-*"], "", self.scan, lambda: NVML)  # type: ignore[arg-type]
+        inventory = SimpleNamespace(fresh_scan=self.scan, snapshot=NVML)
+        self.watch = UnitSweeps(self, inventory, None, ["sglang-*"], "")  # type: ignore[arg-type]
         self.watch.systemd = FakeSystemd(states)
         self.holders = holders
 
@@ -147,8 +148,7 @@ def test_unit_records_that_cannot_be_kept_are_said_once_not_every_poll(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The records are written at each inventory change (every poll); a runtime directory that
     is gone must cost one warning, not one every 2 s, and a change of the records tries again."""
-    watch = UnitSweeps(None, None, ["sglang-*"], str(tmp_path / "gone" / "units.json"),  # type: ignore[arg-type]
-                       Harness([], {}).scan, lambda: NVML)
+    watch = UnitSweeps(None, None, None, ["sglang-*"], str(tmp_path / "gone" / "units.json"))  # type: ignore[arg-type]
     held = [holder(10, "sglang-a.service", [0])]
     with caplog.at_level("WARNING"):
         for _ in range(5):
