@@ -118,10 +118,8 @@ class SweepRunner:
         self.in_flight.append(flight)  # before Busy: its listeners judge the sweeps in flight
         if self.active == 1:
             self.events.busy_changed(True)
-        # On disk before the first signal, so that a successor finishes what a crash cuts
-        # short (inflight.py); removed once the sweep is over, its report in the history.
-        # Each process ended is added as it goes (inflight.py keeps a late write from
-        # undoing a newer one), so a sweep cut short is recorded with what it had done.
+        # On disk before the first signal, with each process ended added as it goes, so that
+        # a successor finishes what a crash cuts short (inflight.py).
         store = self.inflight if not request.is_dry_run(self.engine.config.dry_run) else None
         try:
             if store is not None and not await self.io(store.add, InFlightSweep(
@@ -143,10 +141,8 @@ class SweepRunner:
                 raise
             recorded = flight not in self.in_flight
             if recorded:
-                # Recorded as interrupted at shutdown, and SweepFinished sent: that record
-                # stays the sweep's one record (a second one under the same id would give
-                # readers, the hook and the history's compaction two answers for one sweep).
-                # What it learnt since goes to the journal, beside each signal it logged.
+                # Recorded as interrupted at shutdown, SweepFinished sent: that stays the sweep's
+                # one record (one id, one answer); what it learnt since goes to the journal.
                 log.warning("sweep %s finished after it was recorded as interrupted: %s, "
                             "%d process(es) ended, %d survived (the history keeps the "
                             "interrupted record)", report.id[:8], report.outcome,

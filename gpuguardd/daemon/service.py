@@ -93,12 +93,10 @@ class Service:
         self._typed_for: ScanResult | None = None
         self._typed: dict[int, marshal.VarDict] = {}
         self._typed_sizes: dict[int, int] = {}
-        # Watch mode and unit sweeps (units.py): which GPUs each unit held, systemd's
-        # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
+        # Watch mode and unit sweeps: one sweep per stop, with the unit's escaped leftovers.
         self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
                                 os.path.join(engine.config.runtime_directory, "units.json"))
-        # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
-        # the name is owned (Daemon.run).
+        # What the last gpuguardd left unfinished: claimed in start(), run once the name is owned.
         self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
@@ -317,8 +315,7 @@ class Service:
 
     def busy_changed(self, busy: bool) -> None:
         self.manager.update(Busy=busy)
-        # The start gate judges sweeps in flight: judge again now, on the last reading (a
-        # sweep's end asks for a rescan anyway, reset_finished; its start reads the GPUs).
+        # The start gate judges sweeps in flight: judge again now, on the last reading.
         self.inventory.republish()
         self.on_change()
 
