@@ -51,7 +51,8 @@ class GateService:
         self.sweep_scopes = sweep_scopes
         self.waiters = 0
         self._trackers: dict[GateRule, tuple[GateTracker, float]] = {}
-        self._last: tuple[list[GpuSummary], list[Holder], NvmlSnapshot] | None = None
+        # The last observation: summaries, holders and NVML's error (None: it lists the GPUs).
+        self._last: tuple[list[GpuSummary], list[Holder], str | None] | None = None
         # Each waiter: its rule, its targets' keys (empty: any change) and the event it sleeps on.
         self._listeners: list[tuple[GateRule, frozenset[tuple[int, str]], asyncio.Event]] = []
         self.fast = False  # poll NVML fast (module docstring)
@@ -67,7 +68,7 @@ class GateService:
         changed wake up."""
         if self.waiters:
             holders = self._live(holders)
-        self._last = (summaries, holders, snapshot)
+        self._last = (summaries, holders, None if snapshot.gpus_known else snapshot.error or "not loaded")
         self._tracker(self.default_rule())
         now = time.monotonic()
         changed: dict[GateRule, set[tuple[int, str]]] = {}
@@ -137,10 +138,9 @@ class GateService:
     def _feed(self, tracker: GateTracker) -> set[tuple[int, str]]:
         if self._last is None:
             return set()
-        summaries, holders, snapshot = self._last
+        summaries, holders, error = self._last
         sweeping = sweeping_indices(self.sweep_scopes(), [g.index for g in summaries])
-        return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders,
-                        None if snapshot.gpus_known else (snapshot.error or "not loaded"), sweeping)
+        return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders, error, sweeping)
 
     def _tracker(self, rule: GateRule) -> GateTracker:
         found = self._trackers.get(rule)
@@ -225,8 +225,7 @@ class GateService:
             found = outcome(tracker, [], [], None, gpus, False, started, time.monotonic())
             found.waiting_on.append("no GPU list yet")  # (nothing to choose targets from)
             return found
-        _, holders, snapshot = self._last
-        error = None if snapshot.gpus_known else snapshot.error or "not loaded"
+        _, holders, error = self._last
         found = outcome(tracker, targets, holders, error, gpus, bool(gpus or mig), started, time.monotonic())
         if mig and not targets and error is not None:
             found.waiting_on.append(f"NVML unavailable ({error}): MIG instances cannot be found")

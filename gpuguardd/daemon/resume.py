@@ -118,16 +118,15 @@ class Resume:
         return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
                    for path in await self.units.systemd.dropins(unit))
 
-    async def recover_units(self) -> list[Report]:
+    async def recover_units(self) -> None:
         """Sweep the watched or hooked units that stopped while no daemon was there to."""
         if not self.units.systemd.available:
-            return []
+            return
         result = await self.units.inventory.fresh_scan()
         self.units.records.observe(result.holders)
         compute = [h for h in result.holders
                    if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]
         units = {h.unit for h in compute if h.unit} | set(self.units.records.units())
-        reports = []
         for unit in sorted(units):
             left = [h for h in compute if h.unit == unit]
             escaped = adoption_candidates(unit, self.units.records.get(unit), result.holders)
@@ -139,9 +138,6 @@ class Resume:
             log.warning("%s stopped while gpuguardd was not running, and %d of its processes "
                         "still hold GPUs: sweeping it", unit, len(left) + len(escaped))
             reason = f"{RECOVERED_PREFIX}{unit}"
-            report = await self.units.sweep_unit(SweepRequest(
+            await self.units.sweep_unit(SweepRequest(
                 unit=unit, reason=f"{reason} state={state.active_state or 'unloaded'}",
                 requested_by=reason, requester_kind=RequesterKind.RECOVERED))
-            if report is not None:
-                reports.append(report)
-        return reports
