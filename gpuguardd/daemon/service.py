@@ -90,9 +90,7 @@ class Service:
         self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
-        self._typed_for: ScanResult | None = None
-        self._typed: dict[int, marshal.VarDict] = {}
-        self._typed_sizes: dict[int, int] = {}
+        self._typed: tuple[ScanResult | None, dict[int, tuple[marshal.VarDict, int]]] = (None, {})
         # Watch mode and unit sweeps: one sweep per stop, with the unit's escaped leftovers.
         self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
                                 os.path.join(engine.config.runtime_directory, "units.json"))
@@ -177,26 +175,25 @@ class Service:
         holders = filter_holders(result.holders, holder_filter)
         # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
         # typed one, so the sizes typed once per scan bound it.
-        sizes = [self._typed_sizes[id(h)] for h in holders]
+        sizes = [typed[id(h)][1] for h in holders]
         # Command lines can carry secrets (tokens, passwords in arguments).
         redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
             and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS)
         return replysize.bound_holders(
-            [{**typed[id(h)], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)]
+            [{**typed[id(h)][0], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)][0]
              for h in holders], sizes=sizes)
 
     async def _resolve(self, request: SweepRequest) -> Scope:
         scope: Scope = (await self.runner.io(self.engine.resolve_request, request))[0]
         return scope
 
-    def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
-        """Each holder of `result` as its D-Bus value, by id() (the scan keeps them alive),
-        typed once per scan and shared (never mutated)."""
-        if self._typed_for is not result:
-            self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
-            self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
-            self._typed_for = result
-        return self._typed
+    def _typed_holders(self, result: ScanResult) -> dict[int, tuple[marshal.VarDict, int]]:
+        """Each holder of `result` as its D-Bus value and that value's size, by id() (the scan
+        keeps them alive), typed once per scan and shared (never mutated)."""
+        if self._typed[0] is not result:
+            typed = (marshal.holder(h.to_dict()) for h in result.holders)
+            self._typed = (result, {id(h): (t, replysize.wire_size(t)) for h, t in zip(result.holders, typed)})
+        return self._typed[1]
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
         request = SweepRequest.from_options(options)
