@@ -122,8 +122,7 @@ class SweepRunner:
         # a successor finishes what a crash cuts short (inflight.py).
         store = self.inflight if not request.is_dry_run(self.engine.config.dry_run) else None
         try:
-            if store is not None and not await self.io(store.add, InFlightSweep(
-                    request, flight.started_usec)):
+            if store is not None and not await self.io(store.add, flight):
                 store = None
 
             def progress() -> None:
