@@ -36,13 +36,11 @@ log = logging.getLogger("gpuguard.history")
 
 FILE_NAME = "history.jsonl"
 FILE_MODE = 0o600
-# A line longer than this is not a report gpuguard wrote (reports are bounded long before):
-# it is skipped as unreadable without being held in memory.
+# A longer line is no report gpuguard wrote: skipped as unreadable, never held in memory.
 MAX_LINE = 64 * 1024 * 1024
 _PIECE = 1024 * 1024
-# What a line needs to hold for one of its strings to be other than valid, NUL-free UTF-8:
-# a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
-# without any (nearly all: records are written with ensure_ascii) skip the repair walk.
+# Only a line with a non-ASCII byte or a JSON escape of a surrogate or NUL can hold text that
+# is not valid UTF-8; the rest (nearly all: written with ensure_ascii) skip the repair walk.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
 # After a failed write: the first retry, and the longest wait between retries (doubling).
 RETRY_SEC = 2.0
@@ -112,8 +110,7 @@ class History:
         self._entries: collections.deque[Wire] = collections.deque(maxlen=self.max_entries)
         self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
-        # False after a failed write that could not be cut back off: the file may end
-        # mid-line, so the next write rewrites it.
+        # False after a failed write that could not be cut back off: the next write rewrites.
         self._file_clean = True
         # The newest this many entries are not in the file yet (writes failed).
         self._unwritten = 0
@@ -175,8 +172,7 @@ class History:
             if not line:  # no report is this big: skipped without being held
                 scan.garble(number)
                 continue
-            # The piece after the last newline is a record whose write was cut short, unless
-            # it happens to be complete (cut before the newline).
+            # The piece after the last newline is a torn record, unless it is complete.
             last = not line.endswith(b"\n")
             if not line.strip():
                 continue
