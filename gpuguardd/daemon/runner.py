@@ -100,12 +100,6 @@ class SweepRunner:
     def busy(self) -> bool:
         return self.active > 0
 
-    async def validate(self, request: SweepRequest) -> Prepared:
-        """InvalidArgument now, before the sweep counts as running; the GPU reading and scope
-        returned (Engine.prepare) are run()'s."""
-        prepared: Prepared = await self.io(self.engine.prepare, request)
-        return prepared
-
     async def run(self, request: SweepRequest, prepared: Prepared | None = None) -> Report:
         if self.closing:
             # Shutdown waits for running sweeps; new ones would keep it waiting forever.

@@ -30,7 +30,7 @@ from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.units import UnitSweeps
-from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
+from gpuguardd.engine.engine import Engine, HolderFilter, Prepared, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
@@ -203,8 +203,9 @@ class Service:
         request.requested_by, request.requester_kind = requester(caller, request.reason,
                                                                 request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
-        # Checked before the sweep counts as running, on the GPU reading the sweep works from.
-        prepared = await self.runner.validate(request)
+        # Checked (InvalidArgument) before the sweep counts as running, on the GPU reading and
+        # scope the sweep then works from.
+        prepared: Prepared = await self.runner.io(self.engine.prepare, request)
         if request.unit:
             # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
             unit_report = await self.units.sweep_unit(request, prepared)

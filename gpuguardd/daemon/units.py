@@ -137,7 +137,7 @@ class UnitSweeps:
     async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
                          ) -> Report | None:
         """Sweep `request.unit` plus its escaped leftovers; None only when the watcher's sweep
-        is skipped because the unit runs again. `prepared`: SweepRunner.validate's."""
+        is skipped because the unit runs again. `prepared`: Engine.prepare's."""
         return await (await self.begin(request, prepared))
 
     async def begin(self, request: SweepRequest, prepared: Prepared | None = None
