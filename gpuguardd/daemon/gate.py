@@ -1,17 +1,13 @@
 """The start gate as the daemon serves it: FreeSinceUsec/WaitingOn and Manager.Wait.
 
-The rule is engine/gate.py's, fed with every inventory observation once per rule in use: the
-configured one ([Gate] FreeBelowMiB, ToleranceMiB), which the Gpu objects publish, and each
-other one a caller of Wait asked for, kept while used. Waiters sleep on the next observation
-that changes the verdict on one of their targets, never on timers of their own, so twenty
-waiters cost what one does. NVML is polled fast (FAST_POLL_SEC) only while a waited-for target
-is held by no process, when memory coming back and settling decides; a live compute holder is
-watched through a pidfd instead, its exit seen at once. While anyone waits, a compute holder
-that exited since the last scan no longer counts, and a rescan is asked for.
+engine/gate.py's rule judges every inventory observation, once per rule in use: the configured
+one (the Gpu objects') and each one a Wait caller asked for, kept while used. Waiters sleep on
+the next observation that changes a verdict on their targets, never on timers of their own, so
+twenty waiters cost what one does. NVML is polled fast only while a waited-for target is held
+by no process (memory settling decides); a live compute holder is watched through a pidfd.
 
-A "free" answer is confirmed by a holder scan started within the steady time (ahead by the last
-scan's duration, so it ends about when the steady time does): between scans only NVML is
-polled, which misses a process holding a device node that NVML does not list.
+A "free" answer is confirmed by a holder scan started within the steady time: between scans
+only NVML is polled, which misses a process holding a device node that NVML does not list.
 """
 
 from __future__ import annotations
@@ -20,9 +16,9 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from gpuguardd.config import Config
+from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.engine import procfs
 from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, WaitOutcome, outcome, targets_of
 from gpuguardd.records.enums import HolderKind
@@ -42,8 +38,7 @@ TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropp
 
 
 def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequence[int]) -> set[int]:
-    """The GPUs running sweeps cover: a sweep not yet resolved, or with no GPU list (a whole
-    host, or a unit whose GPUs are not known yet), covers every GPU."""
+    """The GPUs running sweeps cover: one with no GPU list yet covers every GPU."""
     covered: set[int] = set()
     for gpus in scopes:
         covered.update(gpus if gpus else all_indices)
@@ -51,36 +46,29 @@ def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequen
 
 
 class GateService:
-    def __init__(self, config: Callable[[], Config], scan: Callable[[], Awaitable[object]],
-                 wake: Callable[[], None], sweep_scopes: Callable[[], list[list[int] | None]],
-                 scan_age: Callable[[], float], rescan: Callable[[], None],
-                 scan_cost: Callable[[], float]) -> None:
-        self.config = config
-        self.scan = scan  # a holder scan that starts now; publishes through observe()
-        self.scan_age = scan_age  # seconds since the last holder scan was published
-        self.rescan = rescan  # a holder scan soon, not waited for
-        self.scan_cost = scan_cost  # seconds the last holder scan took
-        self.wake = wake  # makes the inventory poll now (and then fast while waiters > 0)
+    def __init__(self, inventory: Inventory, sweep_scopes: Callable[[], list[list[int] | None]]) -> None:
+        self.inventory = inventory  # its scans publish through observe()
         self.sweep_scopes = sweep_scopes
         self.waiters = 0
         self._trackers: dict[GateRule, tuple[GateTracker, float]] = {}
-        self._last: tuple[list[GpuSummary], list[Holder], NvmlSnapshot] | None = None
+        # The last observation: summaries, holders and NVML's error (None: it lists the GPUs).
+        self._last: tuple[list[GpuSummary], list[Holder], str | None] | None = None
         # Each waiter: its rule, its targets' keys (empty: any change) and the event it sleeps on.
         self._listeners: list[tuple[GateRule, frozenset[tuple[int, str]], asyncio.Event]] = []
         self.fast = False  # poll NVML fast (module docstring)
         self._pidfds: dict[int, int] = {}  # pid of a holder waited on -> its pidfd
 
     def default_rule(self) -> GateRule:
-        config = self.config()
+        config = self.inventory.engine.config
         return GateRule(config.gate_free_below_mib * MiB, config.gate_tolerance_mib * MiB)
 
     def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary],
                 holders: list[Holder]) -> None:
-        """An inventory observation: every rule in use judges it; the waiters whose targets'
-        verdict changed wake up."""
+        """Every rule in use judges an inventory observation; waiters whose targets' verdict
+        changed wake up."""
         if self.waiters:
             holders = self._live(holders)
-        self._last = (summaries, holders, snapshot)
+        self._last = (summaries, holders, None if snapshot.gpus_known else snapshot.error or "not loaded")
         self._tracker(self.default_rule())
         now = time.monotonic()
         changed: dict[GateRule, set[tuple[int, str]]] = {}
@@ -95,8 +83,7 @@ class GateService:
         self._watch()
 
     def _watch(self) -> None:
-        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target
-        (module docstring)."""
+        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target."""
         held: set[int] = set()
         fast = False
         for rule, keys, _ in self._listeners:
@@ -131,21 +118,19 @@ class GateService:
             os.close(fd)
 
     def _exited(self, pid: int) -> None:
-        """A holder waited on exited: look again now (and rescan the holders)."""
         self._unwatch(asyncio.get_running_loop(), pid)
         self.fast = True
-        self.rescan()
-        self.wake()
+        self.inventory.request_rescan()
+        self.inventory.wake()
 
     def _live(self, holders: list[Holder]) -> list[Holder]:
-        """The holders without compute holders that exited since the scan (same pid, same
-        start time, or gone); a rescan is asked for when there is one."""
+        """Without the compute holders that exited since the scan (asks for a rescan)."""
         kept = []
         for holder in holders:
             if holder.kind == HolderKind.COMPUTE:
                 stat = procfs.read_stat(holder.pid)
                 if stat is None or (holder.start_time and stat.start_time != holder.start_time):
-                    self.rescan()
+                    self.inventory.request_rescan()
                     continue
             kept.append(holder)
         return kept
@@ -153,10 +138,9 @@ class GateService:
     def _feed(self, tracker: GateTracker) -> set[tuple[int, str]]:
         if self._last is None:
             return set()
-        summaries, holders, snapshot = self._last
+        summaries, holders, error = self._last
         sweeping = sweeping_indices(self.sweep_scopes(), [g.index for g in summaries])
-        return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders,
-                        None if snapshot.gpus_known else (snapshot.error or "not loaded"), sweeping)
+        return tracker.observe(time.monotonic(), time.time_ns() // 1000, summaries, holders, error, sweeping)
 
     def _tracker(self, rule: GateRule) -> GateTracker:
         found = self._trackers.get(rule)
@@ -173,7 +157,6 @@ class GateService:
         return tracker
 
     def gpu_values(self, index: int) -> dict[str, object]:
-        """The Gpu object's FreeSinceUsec and WaitingOn (the configured rule)."""
         state = self._tracker(self.default_rule()).states.get((index, ""))
         if state is None:
             return {"free_since_usec": 0, "waiting_on": ["not judged yet"]}
@@ -191,20 +174,19 @@ class GateService:
 
     async def wait(self, gpus: Sequence[int], mig: Sequence[str], rule: GateRule,
                    stable_sec: float, timeout_sec: float) -> WaitOutcome:
-        """Until every target is free and stable for `stable_sec` (confirmed by a holder scan
-        that started after that), or `timeout_sec`."""
+        """Until every target is free and stable for `stable_sec`, or `timeout_sec`."""
         started = time.monotonic()
         deadline = started + min(timeout_sec, MAX_WAIT_SEC)
         self.waiters += 1
-        if self.scan_age() > RESCAN_FOR_WAITER_SEC:
-            self.rescan()
+        if self.inventory.scan_age() > RESCAN_FOR_WAITER_SEC:
+            self.inventory.request_rescan()
         event = asyncio.Event()
         listener = (rule, frozenset(t.key for t in self._targets(gpus, mig)), event)
         self._listeners.append(listener)
         self._tracker(rule)
         self._watch()
         if self.fast:
-            self.wake()  # poll now, then fast; a held target waits on its holder's pidfd
+            self.inventory.wake()  # poll now, then fast; a held target waits on its holder's pidfd
         asked_scan = -1.0  # when the last confirming scan was asked for (monotonic)
         try:
             while True:
@@ -212,13 +194,13 @@ class GateService:
                 found = self._outcome(self._tracker(rule), gpus, mig, started)
                 now = found.now
                 short = found.short_of(stable_sec)
-                # Confirmed: by a holder scan asked for within the current steady time, started
-                # ahead by its own duration so that it ends when the steady time does.
+                # Confirmed by a holder scan asked for within the current steady time, ahead by
+                # its own duration so that it ends when the steady time does.
                 since = max((s.free_since or now for s in found.gpus), default=started)
-                lead = min(stable_sec, SCAN_LEAD_FACTOR * self.scan_cost() + SCAN_LEAD_MIN_SEC)
+                lead = min(stable_sec, SCAN_LEAD_FACTOR * self.inventory.scan_cost + SCAN_LEAD_MIN_SEC)
                 if short is not None and asked_scan < since and short <= lead:
                     asked_scan = time.monotonic()
-                    await self.scan()
+                    await self.inventory.scan()
                     continue
                 if short is not None and short <= 0:
                     found.free = True
@@ -243,8 +225,7 @@ class GateService:
             found = outcome(tracker, [], [], None, gpus, False, started, time.monotonic())
             found.waiting_on.append("no GPU list yet")  # (nothing to choose targets from)
             return found
-        _, holders, snapshot = self._last
-        error = None if snapshot.gpus_known else snapshot.error or "not loaded"
+        _, holders, error = self._last
         found = outcome(tracker, targets, holders, error, gpus, bool(gpus or mig), started, time.monotonic())
         if mig and not targets and error is not None:
             found.waiting_on.append(f"NVML unavailable ({error}): MIG instances cannot be found")

@@ -1,22 +1,16 @@
 """Sweep reports kept across restarts: one JSON object a line in StateDirectory/history.jsonl.
 
-Crash safety comes from the order of writes:
-  * a report is appended as one line with a single write() and fsync()ed before the sweep's
-    D-Bus reply is sent, so a report the caller saw is on disk;
-  * a daemon killed mid-write leaves at most a torn last line; loading drops it (the sweep in
-    flight) and rewrites the file, so the next append starts on a fresh line;
-  * whole-file rewrites (compaction, repair) go to a temporary file, fsynced and renamed over the
-    old one, then the directory is fsynced: readers see the old or the new file.
-Loading streams the file and holds only the newest `max_entries` reports: any size loads in
-bounded memory. Strings that are not valid UTF-8 (from an older gpuguard) are repaired as
-safetext would have made them, and the file rewritten. Unreadable lines are skipped and logged,
-the file first renamed aside to history.jsonl.corrupt-<timestamp>: nothing is thrown away unseen.
-The file is compacted once it holds a tenth more than `max_entries` (not a rewrite per sweep).
+Crash safety comes from the order of writes: a report is appended with one write() and
+fsync()ed before the sweep's D-Bus reply is sent; a torn last line (a daemon killed mid-write)
+is dropped at load and the file rewritten; whole-file rewrites (compaction once a tenth over
+`max_entries`, repair) go through a temporary file renamed over the old one. Loading streams
+the file, holding only the newest `max_entries`. Text that is not valid UTF-8 is repaired as
+safetext would have made it. A file with unreadable lines is first renamed aside
+(history.jsonl.corrupt-<timestamp>): nothing is thrown away unseen.
 
-A report that cannot be written (full disk, I/O error) is served from memory, logged, and written
-with the next report or by a background retry (after RETRY_SEC, then less often). A failed append
-is cut back off the file (ftruncate), so a nearly full disk needs room for the missing lines,
-not for a second copy of the whole file.
+A report that cannot be written (full disk, I/O error) is served from memory and written with
+the next report or by a background retry. A failed append is cut back off the file
+(ftruncate), so a nearly full disk needs room for the missing lines, not a second copy.
 """
 
 from __future__ import annotations
@@ -42,13 +36,11 @@ log = logging.getLogger("gpuguard.history")
 
 FILE_NAME = "history.jsonl"
 FILE_MODE = 0o600
-# A line longer than this is not a report gpuguard wrote (reports are bounded long before):
-# it is skipped as unreadable without being held in memory.
+# A longer line is no report gpuguard wrote: skipped as unreadable, never held in memory.
 MAX_LINE = 64 * 1024 * 1024
 _PIECE = 1024 * 1024
-# What a line needs to hold for one of its strings to be other than valid, NUL-free UTF-8:
-# a byte outside ASCII (maybe invalid), or a JSON escape of a surrogate or of NUL. Lines
-# without any (nearly all: records are written with ensure_ascii) skip the repair walk.
+# Only a line with a non-ASCII byte or a JSON escape of a surrogate or NUL can hold text that
+# is not valid UTF-8; the rest (nearly all: written with ensure_ascii) skip the repair walk.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
 # After a failed write: the first retry, and the longest wait between retries (doubling).
 RETRY_SEC = 2.0
@@ -76,8 +68,6 @@ def _read_line(handle: BinaryIO) -> bytes | None:
 
 @dataclass
 class _Scan:
-    """What one pass over the history file found."""
-
     entries: collections.deque[Wire]
     good: int = 0  # readable reports in the file (entries keeps only the newest)
     garbled: list[int] = field(default_factory=list)  # the first unreadable line numbers
@@ -120,14 +110,12 @@ class History:
         self._entries: collections.deque[Wire] = collections.deque(maxlen=self.max_entries)
         self._last: tuple[Wire, Report] | None = None  # the newest entry, and it typed
         self._lines_in_file = 0
-        # False after a failed write that could not be cut back off: the file may end
-        # mid-line, so the next write rewrites it.
+        # False after a failed write that could not be cut back off: the next write rewrites.
         self._file_clean = True
         # The newest this many entries are not in the file yet (writes failed).
         self._unwritten = 0
         self._retry: threading.Timer | None = None
         self._retry_sec = RETRY_SEC
-        self._closed = False
         self.persistent = True
 
     def load(self) -> None:
@@ -174,8 +162,6 @@ class History:
             self._rewrite_locked()
 
     def _scan(self, handle: BinaryIO) -> _Scan:
-        """One pass over the file, a line at a time: only the newest `max_entries` reports
-        are ever held, so a file of any size loads in bounded memory."""
         scan = _Scan(collections.deque(maxlen=self.max_entries))
         number = 0
         while True:
@@ -186,8 +172,7 @@ class History:
             if not line:  # no report is this big: skipped without being held
                 scan.garble(number)
                 continue
-            # The piece after the last newline is a record whose write was cut short, unless
-            # it happens to be complete (cut before the newline).
+            # The piece after the last newline is a torn record, unless it is complete.
             last = not line.endswith(b"\n")
             if not line.strip():
                 continue
@@ -254,14 +239,6 @@ class History:
         with self._lock:
             return self._write_locked()
 
-    def close(self) -> None:
-        """Stop retrying in the background (what is still unwritten stays in memory only)."""
-        with self._lock:
-            self._closed = True
-            if self._retry is not None:
-                self._retry.cancel()
-                self._retry = None
-
     def _write_locked(self) -> bool:
         if not self.persistent or (self._file_clean and not self._unwritten):
             return True
@@ -319,8 +296,6 @@ class History:
         log.log(level, "cannot write the sweep history %s: %s", self.path, exc.strerror or exc)
 
     def _schedule_retry(self) -> None:
-        if self._closed:
-            return
         self._retry = threading.Timer(self._retry_sec, self._retry_now)
         self._retry.daemon = True  # never holds up the daemon's exit
         self._retry.start()
@@ -328,7 +303,7 @@ class History:
 
     def _retry_now(self) -> None:
         with self._lock:
-            if self._retry is None or self._closed:
+            if self._retry is None:
                 return  # cancelled, or written by an append meanwhile
             self._retry = None
             self._write_locked()

@@ -1,20 +1,13 @@
 """Sweeps in flight, on disk: what a gpuguardd that dies mid-sweep was doing, for the next one.
 
-A crash, an OOM kill or a SIGKILL gives the daemon no chance to finish or record a sweep, and
-the caller (the ExecStopPost hook) is left with a bus error while the unit's leftovers keep
-their GPU memory. So before a real sweep signals anything, its request is written here, one
-file per sweep (`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), and the
-file is removed once the sweep's report is in the history. Each process the sweep ends is
-added to it as it goes, so the record of a sweep cut short lists what it had done. What the
-next daemon finds here was cut short; daemon/resume.py finishes it.
-
-The runtime directory is the right home: it outlives the daemon's restarts (the unit keeps
-it with RuntimeDirectoryPreserve=yes) but not a reboot, after which there is nothing left
-to finish. Hence no fsync: a crash of the daemon keeps what it wrote (the kernel has it);
-only a power loss would not. Dry runs are not written: there is nothing to finish.
-
-The files are the daemon's own, in a root-owned directory, but are still read strictly: a
-file that is not exactly what this module writes is reported and removed, never acted on.
+A crash or a kill leaves the stop hook with a bus error and the unit's leftovers with their
+GPU memory. So before a real sweep signals anything, its request is written here
+(`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), with each process ended
+added as it goes, and removed once the report is in the history; daemon/resume.py finishes
+what the next daemon finds. The runtime directory outlives restarts but not a reboot, after
+which nothing is left to finish; hence no fsync (the kernel keeps what a crashed daemon
+wrote). Files are read strictly: one that is not exactly what this module writes is reported
+and removed, never acted on.
 """
 
 from __future__ import annotations
@@ -49,9 +42,13 @@ _U32 = 2**32 - 1
 
 @dataclass
 class InFlightSweep:
+    """A sweep in flight; `budget_sec` and `scope` are the running daemon's, not on disk."""
+
     request: SweepRequest
-    started_usec: int
+    started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
     terminated: list[Terminated] = field(default_factory=list)
+    budget_sec: float = 0.0
+    scope: ReportScope | None = None
 
     @property
     def report_id(self) -> str:
@@ -59,7 +56,6 @@ class InFlightSweep:
 
     def report(self, why: str, outcome: Outcome = Outcome.INTERRUPTED,
                scope: ReportScope | None = None, finished_by: str = "") -> Report:
-        """The sweep's record as it stands, cut short: what it had ended, and why."""
         request = self.request
         if scope is None:
             scope = ReportScope(gpus=[int(g) for g in request.gpus if is_digits(g) and len(g) < 10],
@@ -84,8 +80,7 @@ def _encode(sweep: InFlightSweep) -> bytes:
 
 
 def _decode(text: bytes, name: str) -> InFlightSweep:
-    """The record `_encode` wrote, read strictly: SweepRequest's codec for its fields, then
-    the ranges and ids a file of ours has."""
+    """The record `_encode` wrote, read strictly."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not an in-flight record of this version")
@@ -117,7 +112,7 @@ def _decode(text: bytes, name: str) -> InFlightSweep:
 
 
 class InFlightSweeps:
-    """The directory of in-flight records. Called from the daemon's I/O executor."""
+    """Called from the daemon's I/O executor."""
 
     def __init__(self, runtime_directory: str) -> None:
         self.directory = os.path.join(runtime_directory, DIRECTORY)
@@ -133,9 +128,7 @@ class InFlightSweeps:
         return os.path.join(self.directory, f"{report_id}.json")
 
     def add(self, sweep: InFlightSweep) -> bool:
-        """Write the record before the sweep signals anything. False (logged) when it cannot
-        be written, a full or read-only disk: the sweep still runs, it just could not be
-        finished by a successor."""
+        """False (logged) when it cannot be written: the sweep still runs."""
         with self._lock:
             if self._written.get(sweep.report_id, -1) > len(sweep.terminated):
                 return True
@@ -169,7 +162,7 @@ class InFlightSweeps:
                   "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
-        """Every readable record, oldest first; unreadable ones are logged and removed."""
+        """Every readable record, oldest first."""
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:

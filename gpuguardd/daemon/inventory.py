@@ -1,22 +1,17 @@
 """The daemon's live view of GPUs and holders, kept current at almost no idle cost.
 
-Every PollIntervalSec only NVML is read (memory and process lists: well under a millisecond a
-GPU). The full holder scan walks every process's fds and maps (over a second with thousands of
-processes), in a thread, so it runs only when it can find something new: when a caller asks or
-a sweep finished; when NVML's process lists or GPUs changed (not mere memory use), at most every
-CHURN_FACTOR scan durations (~2 % of a CPU under constant churn); and, for holders NVML cannot
-see, every RESCAN_MIN_SEC or RESCAN_FACTOR scan durations (~0.2 % of a CPU idle). Concurrent
-requests share one scan that started after they asked.
+Every PollIntervalSec only NVML is read (well under a millisecond a GPU). The full holder scan
+walks every process's fds and maps (over a second with thousands of processes), in a thread,
+so it runs only when it can find something new: when asked; when NVML's process lists or GPUs
+changed, at most every CHURN_FACTOR scan durations (~2 % of a CPU under constant churn); and,
+for holders NVML cannot see, every RESCAN_MIN_SEC or RESCAN_FACTOR scan durations (~0.2 % of a
+CPU idle). Concurrent requests share one scan that started after they asked.
 
-ListHolders is served the last scan when it is fresh (Inventory.recent): it started under
-LIST_MAX_AGE_SEC before the call (its start: /proc is read from then on), and no event that can
-change the holders came after its start (a sweep, a reload, an NVML process-list change, a
-watched unit starting: Inventory.invalidate bumps a generation). Else the call waits for a scan
-that is. A /proc scan cannot promise more for a process that opens a device while it runs.
-
-A call served within REFRESH_LEAD_FACTOR scan durations of its result's expiry starts the next
-scan in the background, so polling dashboards are not made to wait each second; only while a
-scan is quick (REFRESH_MAX_SCAN_SEC), else scans would run back to back.
+ListHolders is served the last scan when it is fresh: started under LIST_MAX_AGE_SEC before
+the call, with no event that can change the holders since (a sweep, a reload, an NVML
+process-list change, a watched unit starting: invalidate() bumps a generation). Else the call
+waits for a scan that is. Within REFRESH_LEAD_FACTOR scan durations of expiry, a quick scan
+(REFRESH_MAX_SCAN_SEC) starts the next one in the background, so dashboards need not wait.
 """
 
 from __future__ import annotations
@@ -93,7 +88,7 @@ class Inventory:
         return await asyncio.shield(self._queued)
 
     def invalidate(self) -> None:
-        """Something may have changed the holders: scans that started before now are stale."""
+        """Scans that started before now are stale."""
         self._generation += 1
 
     def _fresh(self, mark: tuple[float, int], asked: float) -> bool:
@@ -101,8 +96,7 @@ class Inventory:
         return generation == self._generation and asked - started < LIST_MAX_AGE_SEC
 
     async def recent(self) -> ScanResult:
-        """A scan that is fresh for a call arriving now (module docstring): the last one when
-        it is, else the running one when it is, else one that starts after this call."""
+        """The last scan, or the running one, if fresh for a call arriving now; else a new one."""
         asked = clock()
         if self.last_result is not None and self._fresh(self._result_mark, asked):
             self._refresh_ahead(asked)
@@ -113,8 +107,7 @@ class Inventory:
 
     def _refresh_ahead(self, asked: float) -> None:
         """Start the next scan now if scans are quick, the served result expires within the
-        lead (module docstring) and no scan is running or queued; its failure is logged by
-        _scan_done."""
+        lead and no scan is running or queued."""
         if self.scan_cost > REFRESH_MAX_SCAN_SEC or self._running is not None or self._queued is not None:
             return
         expires = self._result_mark[0] + LIST_MAX_AGE_SEC
@@ -122,7 +115,6 @@ class Inventory:
             self._start(asyncio.get_running_loop())
 
     async def fresh_scan(self) -> ScanResult:
-        """For callers that learnt of a change (the unit watch)."""
         self.invalidate()
         return await self.scan()
 
@@ -161,7 +153,7 @@ class Inventory:
             follow.add_done_callback(lambda done: _chain(done, queued))
 
     def request_rescan(self) -> None:
-        """Rescan soon, without waiting (after a sweep, a reload): the last scan is stale."""
+        """Rescan soon, without waiting: the last scan is stale."""
         self.invalidate()
         if self._rescan_task is None or self._rescan_task.done():
             self._rescan_task = asyncio.ensure_future(self._quiet_scan())
@@ -204,17 +196,14 @@ class Inventory:
                 pass
 
     def scan_age(self) -> float:
-        """Seconds since the last holder scan was published."""
         return time.monotonic() - self._scanned_at
 
     def wake(self) -> None:
-        """Poll now instead of at the end of the current interval."""
         self._wake.set()
 
     def republish(self) -> None:
-        """Tell the listener the last snapshot and holders again, without reading the GPUs:
-        for a change on the daemon's side (a sweep began or ended, which the start gate
-        judges), not the GPUs'. A sweep's start reads the GPUs itself (Engine.prepare)."""
+        """The last snapshot and holders again, for a change on the daemon's side (a sweep
+        began or ended, which the start gate judges)."""
         self._publish(self.snapshot)
 
     def _publish_scan(self, result: ScanResult) -> None:
@@ -244,7 +233,6 @@ class Inventory:
         self._leaked = set(leaked)
 
     def note_leak_reported(self, index: int, mig_uuid: str = "") -> None:
-        """A sweep report already announced this leak: the poll need not repeat it."""
         self._leaked.add((index, mig_uuid))
 
 

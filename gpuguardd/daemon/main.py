@@ -1,8 +1,8 @@
 """gpuguardd: the system service. Owns org.gpuguard.GpuGuard1 and serves the engine on D-Bus.
 
 Lifecycle: read the configuration, load the history, connect, export the objects (GPUs
-included), then request the name, then tell systemd READY=1: a client that sees the name
-sees complete objects. SIGHUP re-reads the configuration (a bad file keeps the last good
+included), then request the name, then tell systemd READY=1 (sd_notify(3)): a client that
+sees the name sees complete objects. SIGHUP re-reads the configuration (a bad file keeps the last good
 one), SIGTERM/SIGINT wait for running sweeps and exit 0. Exit status 1 means the bus or the
 name could not be had, 78 (EX_CONFIG) that the configuration is unusable at start.
 """
@@ -21,6 +21,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import sdnotify
 from dbus_fast import BusType, DBusError, NameFlag, RequestNameReply
 
 from gpuguardd import __version__
@@ -30,12 +31,12 @@ from gpuguardd.bus.interfaces import cancel_running_calls
 from gpuguardd.bus.names import BUS_NAME
 from gpuguardd.config import Config, load_config
 from gpuguardd.daemon.history import History
-from gpuguardd.daemon.notify import Notifier, watchdog_interval
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.service import Service
 from gpuguardd.engine.engine import Engine, log_device_refusals
 from gpuguardd.errors import ConfigError
 from gpuguardd.log import setup_logging
+from gpuguardd.numbers import is_digits
 
 log = logging.getLogger("gpuguard.daemon")
 
@@ -48,6 +49,63 @@ SHUTDOWN_STEP_SEC = 5.0
 SHUTDOWN_EXIT_SEC = 10.0
 # How long calls still running at the stop get to send their "stopping" answer.
 SHUTDOWN_CALLS_SEC = 2.0
+
+
+def watchdog_interval() -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of WatchdogSec), or None without a watchdog."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not is_digits(usec) or len(usec) > 20 or int(usec) == 0:
+        return None
+    if pid and pid != str(os.getpid()):
+        return None  # meant for another process (we were started by a wrapper)
+    return int(usec) / 2 / 1_000_000
+
+
+class Notifier:
+    def __init__(self) -> None:
+        self._notifier = sdnotify.SystemdNotifier()
+        sock = getattr(self._notifier, "socket", None)
+        if sock is not None:
+            # A send blocks the event loop while systemd's queue is full: drop the update
+            # instead (sdnotify swallows the EAGAIN); the next STATUS= supersedes it anyway.
+            sock.setblocking(False)
+        self._status = ""
+
+    def send(self, *lines: str) -> None:
+        self._notifier.notify("\n".join(lines))
+
+    def ready(self, status: str) -> None:
+        self._status = _one_line(status)
+        self.send("READY=1", f"STATUS={self._status}")
+
+    def status(self, status: str) -> None:
+        text = _one_line(status)
+        if text != self._status:
+            self._status = text
+            self.send(f"STATUS={text}")
+
+    def watchdog(self) -> None:
+        self.send("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        # MONOTONIC_USEC lets Type=notify-reload (systemd 253+) match this to its SIGHUP.
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def reloaded(self) -> None:
+        self.send("READY=1", f"STATUS={self._status}")
+
+    def stopping(self) -> None:
+        self.send("STOPPING=1", "STATUS=stopping")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """`seconds` more before systemd's stop timeout fires (systemd 236+)."""
+        self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+
+def _one_line(text: str) -> str:
+    # sdnotify encodes as Latin-1 and a newline would start a new assignment.
+    return "".join(c if c.isprintable() and ord(c) < 256 else "?" for c in text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +174,7 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._sighup)
-        service.publisher.on_change = lambda: self.notifier.status(service.status_line())
+        service.on_change = lambda: self.notifier.status(service.status_line())
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))
@@ -138,10 +196,9 @@ class Daemon:
         return EXIT_OK
 
     async def _abandon(self, service: Service) -> None:
-        """Exit now, sweeps still running: with no bus, no one can hear their end, and
-        waiting for their threads (the interpreter's exit joins them) would keep this process
-        up for a whole grace period while systemd waits to restart it. Their in-flight
-        records stay; the next gpuguardd finishes them (resume.py)."""
+        """Exit now, sweeps still running: with no bus no one hears their end, and joining
+        their threads would delay systemd's restart by a grace period. The next gpuguardd
+        finishes them (resume.py)."""
         log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
                     service.runner.active)
         await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
@@ -177,7 +234,6 @@ class Daemon:
             await self.reload()
 
     async def reload(self) -> None:
-        """Re-read the configuration files; ConfigError (logged) keeps the current one."""
         assert self._reload_lock is not None and self.service is not None
         async with self._reload_lock:
             loop = asyncio.get_running_loop()
@@ -204,9 +260,8 @@ class Daemon:
             task.cancel()
 
     async def _finish_sweeps(self, runner: SweepRunner) -> None:
-        """Let running sweeps finish and be recorded, for as long as their settings allow,
-        keeping systemd's stop timeout ahead of the wait; record whatever is still running
-        then."""
+        """Let running sweeps finish for as long as their settings allow, keeping systemd's stop
+        timeout ahead of the wait; record whatever is still running then."""
         if not runner.busy:
             return
         budget = runner.budget_sec()
@@ -257,8 +312,7 @@ class Daemon:
 
 
 def _route_library_logs() -> None:
-    # dbus-fast and asyncio log through their own loggers (old dbus-fast through the root
-    # logger); give them our handler so their lines carry priorities too.
+    # dbus-fast (old ones: the root logger) and asyncio get our handler, for priorities.
     ours = logging.getLogger("gpuguard")
     for name in ("dbus_fast", "asyncio", None):
         theirs = logging.getLogger(name)

@@ -1,13 +1,10 @@
-"""Prometheus metrics of one node's gpuguardd, rendered with prometheus_client.
-
-Counters come from each finished report, per-GPU gauges from each inventory refresh. The same
-text goes to node_exporter's textfile collector (`[Metrics] TextfileDirectory=`) and, through
-`GetMetrics`, to gpuguard-exporter, which serves it over HTTP so the root daemon needs no network.
+"""Prometheus metrics of one node's gpuguardd: counters from each finished report, per-GPU
+gauges from each inventory refresh. The text goes to node_exporter's textfile collector and,
+through GetMetrics, to gpuguard-exporter (so the root daemon needs no network).
 
 Per-GPU series carry `gpu` (NVML index) and `UUID`, as dcgm-exporter's do so queries can join
-them, and `vendor`. No pid, command or user labels (unbounded: they belong in the history), and
-nothing dcgm-exporter already exports. Every label value from a report is mapped onto a small
-fixed set, so a strange report can never grow the number of series.
+them, and `vendor`; no pid, command or user labels (unbounded). Every label value from a report
+is mapped onto a small fixed set, so a strange report can never grow the number of series.
 """
 
 from __future__ import annotations
@@ -47,22 +44,18 @@ SWEEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 3
 RELEASE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-# The trigger label of each requester kind: root's hook, the unit watch, root's Slurm epilog, a
-# unit recovered at the daemon's start, or anyone else (an admin, a script; a non-root caller
-# whose reason is the hook's is one of them).
+# The trigger label of each requester kind; anyone else (a non-root "hook:" too) is "manual".
 _TRIGGERS: dict[RequesterKind, str] = {
     RequesterKind.HOOK: "hook", RequesterKind.WATCH: "watch", RequesterKind.SLURM: "slurm",
     RequesterKind.RECOVERED: "recovered"}
 
 
 def trigger_of(report: Report) -> str:
-    """Who started a sweep, as a label: the kind of requester the daemon decided when the
-    request came (Report.requester_kind), never the requested_by or reason words."""
+    """Who started a sweep, by the requester kind, never the requested_by or reason words."""
     return _TRIGGERS.get(report.requester_kind, "manual")
 
 
-# The `why` label of each spared reason; the scope's own rules (another GPU, another MIG
-# instance, a pid NVML lists that holds nothing here) are "other".
+# The `why` label of each spared reason; the scope's own rules are "other".
 _SPARED: dict[SpareReason, str] = {
     SpareReason.MANAGEMENT: "management", SpareReason.PROTECTED_EXECUTABLE: "protected-executable",
     SpareReason.PROTECTED_UNIT: "protected-unit", SpareReason.INIT: "init",
@@ -71,7 +64,6 @@ _SPARED: dict[SpareReason, str] = {
 
 
 def spared_label(code: SpareReason) -> str:
-    """A spared process's reason code as one of a few label values."""
     return _SPARED.get(code, "other")
 
 
@@ -97,8 +89,7 @@ class _Histogram:
 
 
 class Metrics:
-    """The daemon's metrics. observe_* are called from the event loop; collect() may run in
-    another thread (the textfile writer), hence the lock."""
+    """observe_* are called from the event loop; collect() may run in another thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -128,8 +119,7 @@ class Metrics:
                 # of real sweeps (their counts, durations, processes or last-sweep time).
                 self._dry_runs += 1
                 return
-            # A report read back without a readable outcome counts as "other", as any value
-            # outside the fixed set would.
+            # A report read back without a readable outcome counts as "other".
             outcome = "other" if "outcome" in report.unread else report.outcome.value
             self._sweeps[(outcome, trigger_of(report))] += 1
             self._terminated.update(_one_of(e.signal or "none", (*SIGNALS, "none")) for e in report.terminated)
@@ -153,8 +143,8 @@ class Metrics:
         self._last_sweep = max(self._last_sweep, finished)
 
     def note_history(self, last: Report | None) -> None:
-        """The newest report kept from before a restart: its time, not its counts (counters
-        restart at zero with the daemon, which Prometheus's rate() expects)."""
+        """The newest report from before a restart: its time, not its counts (counters restart
+        at zero, which Prometheus's rate() expects)."""
         if last:
             with self._lock:
                 self._note_finished(last)
@@ -246,14 +236,12 @@ class Metrics:
             yield info
 
     def render(self) -> bytes:
-        """The Prometheus text exposition format (what node_exporter and scrapers read)."""
         return generate_latest(self.registry)
 
 
 def write_textfile(directory: str, data: bytes) -> str:
-    """Write `data` as DIRECTORY/gpuguard.prom atomically (a temporary file renamed over it),
-    so node_exporter never reads half a file; readable by node_exporter's user. The temporary
-    name does not end in .prom, which the collector ignores."""
+    """DIRECTORY/gpuguard.prom replaced atomically, readable by node_exporter's user; the
+    temporary name does not end in .prom, so the collector ignores it."""
     target = os.path.join(directory, TEXTFILE_NAME)
     write_atomic(target, [data], prefix=".gpuguard.tmp-")
     return target

@@ -1,12 +1,9 @@
 """GPU resets in the daemon: one at a time, recorded like sweeps, and the AutoReset policy.
 
-A reset (engine/reset.py) runs on the sweep executor, never beside another reset; its report
-goes into the history (a report of kind "reset") and the metrics. The policy ([Recovery]
-AutoReset=, off by default) resets a GPU the poll has seen leaked, with nothing holding it,
-for LeakGraceSec: never a GPU in MIG mode (a reset destroys its instances: an operator's
-decision), never while a sweep runs or a start gate waits for it, and at most once per
-ResetIntervalSec a GPU, whatever the outcome, so a GPU that a reset does not cure is not
-reset over and over.
+AutoReset (off by default) resets a GPU seen leaked, with nothing holding it, for
+LeakGraceSec: never one in MIG mode (a reset destroys its instances: an operator's decision),
+never while a sweep runs or a start gate waits, and at most once per ResetIntervalSec a GPU
+whatever the outcome, so a GPU that a reset does not cure is not reset over and over.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ class Recovery:
             return report
 
     def observe(self, summaries: list[GpuSummary]) -> None:
-        """Called with every published inventory: start an automatic reset where it is due."""
+        """Start an automatic reset where it is due."""
         config = self.engine.config
         now = self.clock()
         leaked = {s.index: s for s in summaries if s.state == GpuState.LEAKED and not s.mig_mode}

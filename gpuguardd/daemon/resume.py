@@ -1,20 +1,12 @@
 """What a starting gpuguardd finishes for the one before it, which died mid-work.
 
-Two things can be left over when the daemon dies (a crash, an OOM kill, SIGKILL, an upgrade
-that restarts it mid-sweep):
-
-* A sweep in flight (inflight.py has its request). It is recorded as `interrupted`, with
-  `finished_by` naming the sweep that finishes it, and swept again, same scope, same caller,
-  with `resumes` naming it. A sweep is safe to repeat: processes already gone are simply not
-  found. A unit's sweep is claimed before the daemon owns its bus name, so the stop hook,
-  which asks again once the daemon is back (cli/sweep.py), joins it instead of running a
-  second one. Not swept again, only recorded: a record older than the sweep's own budget
-  plus RESUME_WINDOW_SEC (its GPUs may have been given to someone since), and a unit
-  sweep whose unit runs again (its new instance owns the GPUs).
-* A unit that stopped while no daemon watched: a watched unit, or one with gpuguard's
-  drop-in, that is stopped but whose processes still hold GPUs, in its cgroup
-  (KillMode=process leftovers) or escaped from it (the unit records, which unitwatch.py
-  keeps in the runtime directory). It is swept as `recovered:<unit>`.
+* A sweep in flight (inflight.py) is recorded as `interrupted`, `finished_by` naming the sweep
+  that repeats it (same scope and caller, `resumes` naming it: processes already gone are
+  simply not found). A unit's sweep is claimed before the bus name is owned, so the stop hook
+  asking again (cli/sweep.py) joins it. Only recorded, not repeated: a record older than its
+  budget plus RESUME_WINDOW_SEC (its GPUs may be in new hands), or a unit that runs again.
+* A watched or hooked unit that stopped while no daemon watched, whose processes still hold
+  GPUs in its cgroup or escaped from it (units.py's records), is swept as `recovered:<unit>`.
 """
 
 from __future__ import annotations
@@ -24,15 +16,15 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import cast
 
-from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.daemon.runner import SweepRunner, UnitSweeps, sweep_budget_sec
+from gpuguardd.daemon.runner import sweep_budget_sec
+from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.records.enums import HolderKind, RequesterKind
-from gpuguardd.records.models import ScanResult, SweepRequest
+from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd.adoption import adoption_candidates
 from gpuguardd.systemd.dropins import DROPIN_FILE
@@ -40,29 +32,24 @@ from gpuguardd.systemd.rules import RECOVERED_PREFIX, matches
 
 log = logging.getLogger("gpuguard.resume")
 
-# How long after its budget ran out an interrupted sweep is still swept again. The unit's
-# Restart=on-failure brings the daemon back in about a second; a daemon that stayed down
-# longer than this may find the GPUs in new hands, so it only records what was cut short.
+# How long after its budget ran out an interrupted sweep is still swept again (Restart=
+# brings the daemon back in about a second).
 RESUME_WINDOW_SEC = 60.0
 # Sweeps a unit is running again in: its new instance owns the GPUs.
 _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 class Resume:
-    def __init__(self, inflight: InFlightSweeps, history: History, runner: SweepRunner,
-                 units: UnitSweeps, config: Callable[[], Config],
-                 scan: Callable[[], Awaitable[ScanResult]]) -> None:
+    def __init__(self, inflight: InFlightSweeps, history: History, units: UnitSweeps) -> None:
         self.inflight = inflight
         self.history = history
-        self.runner = runner
         self.units = units
-        self.config = config
-        self.scan = scan
-        self._io = runner.io
+        self.runner = units.runner
+        self._io = units.runner.io
 
     async def claim(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short and claim the sweeps that
-        finish it; the awaitables returned run them (Service.start spawns them)."""
+        finish it, which the awaitables returned run."""
         found = cast(list[InFlightSweep], await self._io(self.inflight.load))
         known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
         work: list[Awaitable[Report | None]] = []
@@ -80,7 +67,7 @@ class Resume:
     async def _claim_one(self, sweep: InFlightSweep, known: bool) -> Awaitable[Report | None] | None:
         request = sweep.request
         age = time.time() - sweep.started_usec / 1e6
-        limit = sweep_budget_sec(self.config(), request) + RESUME_WINDOW_SEC
+        limit = sweep_budget_sec(self.runner.engine.config, request) + RESUME_WINDOW_SEC
         why = ""
         if age > limit:
             why = (f"gpuguardd stopped during this sweep and was back only {age:.0f} s after it "
@@ -102,8 +89,7 @@ class Resume:
         log.warning("sweep %s (%s) was cut short when gpuguardd stopped: sweep %s finishes it",
                     sweep.report_id[:8], request.requested_by, successor.report_id[:8])
         if not known:
-            # (Known: recorded as an error at a stop that outlasted its budget, which the
-            # contract keeps; the successor's `resumes` still links the two.)
+            # (Known: recorded at a stop that outlasted its budget; `resumes` links the two.)
             await self._io(self.history.append, sweep.report(
                 "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
                 f"was running; sweep {successor.report_id} finished it",
@@ -117,7 +103,7 @@ class Resume:
         return self.runner.run(successor)
 
     async def run(self, work: list[Awaitable[Report | None]]) -> None:
-        """After the name is owned: finish the claimed sweeps, then the stopped units."""
+        """After the name is owned: the claimed sweeps, then the stopped units."""
         for report in await asyncio.gather(*work, return_exceptions=True):
             if isinstance(report, BaseException):
                 log.error("a sweep finishing the last gpuguardd's failed: %s", report)
@@ -127,21 +113,20 @@ class Resume:
         await self.recover_units()
 
     async def _hooked(self, unit: str) -> bool:
-        if matches(unit, self.config().watch_units):
+        if matches(unit, self.runner.engine.config.watch_units):
             return True
         return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
                    for path in await self.units.systemd.dropins(unit))
 
-    async def recover_units(self) -> list[Report]:
+    async def recover_units(self) -> None:
         """Sweep the watched or hooked units that stopped while no daemon was there to."""
         if not self.units.systemd.available:
-            return []
-        result = await self.scan()
+            return
+        result = await self.units.inventory.fresh_scan()
         self.units.records.observe(result.holders)
         compute = [h for h in result.holders
                    if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]
         units = {h.unit for h in compute if h.unit} | set(self.units.records.units())
-        reports = []
         for unit in sorted(units):
             left = [h for h in compute if h.unit == unit]
             escaped = adoption_candidates(unit, self.units.records.get(unit), result.holders)
@@ -153,9 +138,6 @@ class Resume:
             log.warning("%s stopped while gpuguardd was not running, and %d of its processes "
                         "still hold GPUs: sweeping it", unit, len(left) + len(escaped))
             reason = f"{RECOVERED_PREFIX}{unit}"
-            report = await self.units.sweep_unit(SweepRequest(
+            await self.units.sweep_unit(SweepRequest(
                 unit=unit, reason=f"{reason} state={state.active_state or 'unloaded'}",
                 requested_by=reason, requester_kind=RequesterKind.RECOVERED))
-            if report is not None:
-                reports.append(report)
-        return reports

@@ -1,42 +1,32 @@
 """Sweeps run by the daemon: in a thread, with their progress forwarded to the event loop.
 
-The engine's sweep blocks (signals, grace periods, NVML verification, per-GPU locks that make
-a second sweep of the same GPU wait for the first), so each runs in an executor thread while
-the event loop keeps answering the bus. The engine reports progress through SweepObserver
-from that thread; call_soon_threadsafe moves each callback onto the loop, in order, before
-the sweep's own completion (which travels the same queue).
+The engine's sweep blocks (signals, grace periods, verification, per-GPU locks), so each runs
+in an executor thread; call_soon_threadsafe moves each progress callback onto the loop, in
+order, before the sweep's own completion (which travels the same queue).
 
-At shutdown (SIGTERM) running sweeps are waited for: each has a budget, the longest it can
-take by its settings (grace, kill timeout, verification, plus a margin for scans and locks),
-and the daemon keeps systemd's stop timeout extended while it waits. A sweep still running
-when every budget is spent (a hung driver) is recorded as it stands, with the terminations
-seen so far, so a stop never loses a sweep from the audit.
+At shutdown running sweeps are waited for, each up to its budget (the longest its settings
+allow). One still running then (a hung driver) is recorded as it stands, with the processes
+ended so far, so a stop never loses a sweep from the audit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
 from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
-from gpuguardd.engine.attribution import normalize_unit_name
 from gpuguardd.engine.engine import Engine, Prepared
 from gpuguardd.errors import GpuGuardError
-from gpuguardd.records.enums import Outcome, RequesterKind
-from gpuguardd.records.models import NvmlSnapshot, ScanResult, SweepRequest
+from gpuguardd.records.enums import Outcome
+from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
-from gpuguardd.systemd.adoption import SystemdView, UnitGpuRecords, leftovers
-from gpuguardd.systemd.rules import WATCH_PREFIX, UnitState
-from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.runner")
 
@@ -58,25 +48,15 @@ SWEEP_MARGIN_SEC = 15.0
 
 
 def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
-    """The longest a sweep of `request` takes under `config`: its grace period, the wait
-    after SIGKILL, NVML verification, and a margin."""
+    """The longest a sweep of `request` takes under `config`."""
     grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
     return grace + config.kill_timeout_sec + config.verify_timeout_sec + SWEEP_MARGIN_SEC
-
-
-@dataclass
-class InFlight(InFlightSweep):
-    """A running sweep as the loop has heard of it: enough to record it if it never ends."""
-
-    started_usec: int = field(default_factory=lambda: time.time_ns() // 1000)
-    budget_sec: float = 0.0
-    scope: ReportScope | None = None
 
 
 class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlight,
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlightSweep,
                  on_terminated: Callable[[], None]) -> None:
         self.loop = loop
         self.events = events
@@ -112,19 +92,13 @@ class SweepRunner:
         self.events = events
         self.active = 0
         self.closing = False
-        self.in_flight: list[InFlight] = []
+        self.in_flight: list[InFlightSweep] = []
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
     def busy(self) -> bool:
         return self.active > 0
-
-    async def validate(self, request: SweepRequest) -> Prepared:
-        """Raise InvalidArgument now, before the caller's sweep counts as running. What it
-        returns is the sweep's GPU reading and scope (Engine.prepare): give it to run()."""
-        prepared: Prepared = await self.io(self.engine.prepare, request)
-        return prepared
 
     async def run(self, request: SweepRequest, prepared: Prepared | None = None) -> Report:
         if self.closing:
@@ -134,18 +108,15 @@ class SweepRunner:
         self.active += 1
         self._idle.clear()
         request.report_id = request.report_id or uuid.uuid4().hex
-        flight = InFlight(request, budget_sec=sweep_budget_sec(self.engine.config, request))
+        flight = InFlightSweep(request, budget_sec=sweep_budget_sec(self.engine.config, request))
         self.in_flight.append(flight)  # before Busy: its listeners judge the sweeps in flight
         if self.active == 1:
             self.events.busy_changed(True)
-        # On disk before the first signal, so that a successor finishes what a crash cuts
-        # short (inflight.py); removed once the sweep is over, its report in the history.
-        # Each process ended is added as it goes (inflight.py keeps a late write from
-        # undoing a newer one), so a sweep cut short is recorded with what it had done.
+        # On disk before the first signal, with each process ended added as it goes, so that
+        # a successor finishes what a crash cuts short (inflight.py).
         store = self.inflight if not request.is_dry_run(self.engine.config.dry_run) else None
         try:
-            if store is not None and not await self.io(store.add, InFlightSweep(
-                    request, flight.started_usec)):
+            if store is not None and not await self.io(store.add, flight):
                 store = None
 
             def progress() -> None:
@@ -163,10 +134,8 @@ class SweepRunner:
                 raise
             recorded = flight not in self.in_flight
             if recorded:
-                # Recorded as interrupted at shutdown, and SweepFinished sent: that record
-                # stays the sweep's one record (a second one under the same id would give
-                # readers, the hook and the history's compaction two answers for one sweep).
-                # What it learnt since goes to the journal, beside each signal it logged.
+                # Recorded as interrupted at shutdown, SweepFinished sent: that stays the sweep's
+                # one record (one id, one answer); what it learnt since goes to the journal.
                 log.warning("sweep %s finished after it was recorded as interrupted: %s, "
                             "%d process(es) ended, %d survived (the history keeps the "
                             "interrupted record)", report.id[:8], report.outcome,
@@ -192,14 +161,13 @@ class SweepRunner:
         return await asyncio.get_running_loop().run_in_executor(self.io_executor, fn, *args)
 
     def budget_sec(self) -> float:
-        """How long the running sweeps may still take, were they to run one after another
-        (sweeps of one GPU wait for each other's locks)."""
+        """How long the running sweeps may still take, one after another (locks)."""
         now = time.time_ns() // 1000
         return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
 
     async def record_interrupted(self) -> None:
-        """Record every sweep still running as it stands (at shutdown, its budget spent).
-        Their in-flight records stay: the next gpuguardd finishes them (resume.py)."""
+        """Record every sweep still running as it stands (at shutdown, its budget spent); the
+        next gpuguardd finishes them (resume.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             # Without the sweep's own word on its scope, only the unit asked for is known.
@@ -220,160 +188,10 @@ class SweepRunner:
         await self.io(self.history.append, report)
 
     async def wait_idle(self, timeout: float) -> bool:
-        """Refuse new sweeps and wait for running ones (at shutdown); False after `timeout`."""
+        """Refuse new sweeps and wait for running ones; False after `timeout`."""
         self.closing = True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
             return False
         return True
-
-
-# -- unit sweeps ---------------------------------------------------------------------------
-# One stop, one sweep: the drop-in runs while the unit is deactivating and the watcher fires
-# once it is inactive. Both name the unit's InvocationID, and automatic sweeps ("hook:",
-# "watch:") of the same unit and invocation share one sweep and its report.
-
-# Without an InvocationID (no systemd), automatic sweeps of one unit this close are one stop.
-DEDUPE_WINDOW_SEC = 10.0
-# Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
-REMEMBER_SEC = 300.0
-# The requesters whose real sweep of a unit stands for its stop: the stop hook (root's, or a
-# polkit-authorised caller's: the service checked) and the unit watch.
-AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
-
-
-class UnitSweeps:
-    """Every unit sweep of the daemon (the drop-in's SweepUnit, the watcher's stops, an admin's,
-    resume.py's), with the unit's escaped leftovers. `scan` and `snapshot` are the
-    inventory's (a fresh scan, the last NVML snapshot)."""
-
-    def __init__(self, runner: SweepRunner, watch: UnitWatch,
-                 scan: Callable[[], Awaitable[ScanResult]],
-                 snapshot: Callable[[], NvmlSnapshot]) -> None:
-        self.runner = runner
-        self.watch = watch
-        self.systemd: SystemdView = watch.systemd
-        self.records: UnitGpuRecords = watch.records
-        self.scan = scan
-        self.snapshot = snapshot
-        # Each stop's automatic sweep, by (unit, InvocationID): running, or done at a time
-        # (then remembered for REMEMBER_SEC, for a late second trigger of the same stop).
-        self._stops: collections.OrderedDict[tuple[str, str],
-                                             tuple[float, asyncio.Future[Report]]] = \
-            collections.OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        """Follow systemd: a watched unit's stop is swept, a starting service hints its GPUs."""
-        try:
-            await self.watch.watcher.start()
-        except Exception as exc:  # never keep the daemon from serving its API
-            log.warning("unit watch off: %s", exc)
-            return
-        self._spawn(self._follow())
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _follow(self) -> None:
-        while True:
-            event = await self.watch.watcher.events.get()
-            self._spawn(self._on_event(event.state, event.stopped))
-
-    async def _on_event(self, state: UnitState, stopped: bool) -> None:
-        try:
-            if not stopped:
-                if await self.watch.started(state, self.snapshot()):
-                    self.watch.observe((await self.scan()).holders)
-                return
-            log.info("%s stopped (%s%s): sweeping it", state.unit, state.active_state or "unloaded",
-                     f", result {state.result}" if state.result else "")
-            await self.sweep_unit(SweepRequest(
-                unit=state.unit, requested_by=f"{WATCH_PREFIX}{state.unit}",
-                requester_kind=RequesterKind.WATCH,
-                reason=f"{WATCH_PREFIX}{state.unit} result={state.result or '-'}"
-                       f" state={state.active_state or 'unloaded'}"))
-        except Exception:
-            log.exception("handling %s (%s)", state.unit, state.active_state)
-
-    async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
-                         ) -> Report | None:
-        """Sweep `request.unit` plus its escaped leftovers; automatic triggers share a sweep.
-        None only when the watcher's sweep is skipped because the unit runs again.
-        `prepared`: the request's check (SweepRunner.validate), which its sweep works from."""
-        return await (await self.begin(request, prepared))
-
-    async def begin(self, request: SweepRequest, prepared: Prepared | None = None
-                    ) -> Awaitable[Report | None]:
-        """Decide what `request` is (a new sweep, or the stop's sweep already running or done)
-        and, for a new automatic sweep, make it the stop's one sweep now; the awaitable
-        returned runs or joins it. The daemon's start (resume.py) claims the sweeps it
-        finishes this way before it owns its bus name, so a hook that asks again joins them.
-        """
-        unit = normalize_unit_name(request.unit)  # already validated by the caller
-        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
-        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
-        # hook a report that signalled nothing.
-        dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
-        state = await self.systemd.state(unit)  # None without systemd
-        if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
-            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
-                     state.active_state)
-            return asyncio.sleep(0, None)
-        if request.requester_kind not in AUTOMATIC or dry_run:
-            return self._sweep(unit, request, state, prepared)
-        key = (unit, state.invocation_id if state is not None else "")
-        now = time.monotonic()
-        while self._stops:
-            first, (at, done) = next(iter(self._stops.items()))
-            if not done.done() or now - at <= REMEMBER_SEC:
-                break
-            del self._stops[first]
-        at, future = self._stops.get(key, (now, None))
-        if future is not None and not future.done():
-            log.info("%s: joining the sweep already running for this stop", unit)
-            return asyncio.shield(future)
-        if future is not None and (key[1] or now - at < DEDUPE_WINDOW_SEC):
-            log.info("%s: this stop was already swept (%s); same report", unit,
-                     future.result().id[:8])
-            return future
-        future = asyncio.get_running_loop().create_future()
-        self._stops[key] = (now, future)
-        self._stops.move_to_end(key)
-        return self._own(key, future, unit, request, state, prepared)
-
-    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
-                   request: SweepRequest, state: UnitState | None,
-                   prepared: Prepared | None) -> Report:
-        try:
-            report = await self._sweep(unit, request, state, prepared)
-        except BaseException as exc:
-            self._stops.pop(key, None)
-            if isinstance(exc, Exception):
-                future.set_exception(exc)
-                future.exception()  # retrieved: a lone sweep's failure is its caller's to see
-            else:
-                future.cancel()
-            raise
-        future.set_result(report)
-        self._stops[key] = (time.monotonic(), future)
-        self._stops.move_to_end(key)
-        return report
-
-    async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None,
-                     prepared: Prepared | None = None) -> Report:
-        if not request.container and self.systemd.available:
-            # A resumed sweep (resume.py) keeps what its predecessor had adopted: the same
-            # processes, by PID and start time, whatever the records lost with the crash.
-            found = await leftovers(self.systemd, self.records, unit, await self.scan(),
-                                    request.include_management)
-            request.adopted = sorted(set(request.adopted) | set(found))
-        # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).
-        report = await self.runner.run(request, prepared)
-        if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
-                and (state is None or state.stopped or state.active_state == "deactivating"):
-            self.records.forget(unit)  # everything the unit left is gone: start afresh
-        return report

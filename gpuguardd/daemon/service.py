@@ -1,15 +1,16 @@
-"""What the daemon's D-Bus calls mean (the Manager's backend): authorization, holders,
-sweeps, resets, the start gate, history, metrics and reload; and the daemon's parts put
-together. What it tells the bus as things happen is publisher.py's.
+"""The daemon's parts put together, in both directions: what its D-Bus calls mean (the
+Manager's backend: authorization, holders, sweeps, resets, the start gate, history, metrics
+and reload), and what it tells the world as things happen, driven by the inventory
+(InventoryListener), the sweeps (runner.SweepEvents) and the resets (recovery.ResetEvents):
+the Manager's properties and signals, one Gpu object per GPU, the metrics and their textfile.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from gpuguardd import __version__
@@ -17,29 +18,28 @@ from gpuguardd.bus import marshal, replysize
 from gpuguardd.bus.auth import Authorizer, Caller
 from gpuguardd.bus.compat import current_call
 from gpuguardd.bus.connection import GuardBus
-from gpuguardd.bus.interfaces import ManagerInterface
-from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH
+from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
+from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
 from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History
-from gpuguardd.daemon.inflight import InFlightSweeps
+from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
-from gpuguardd.daemon.metrics import Metrics
-from gpuguardd.daemon.publisher import Publisher
+from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
-from gpuguardd.daemon.runner import InFlight, SweepRunner, UnitSweeps
-from gpuguardd.engine.engine import Engine, HolderFilter, filter_holders
+from gpuguardd.daemon.runner import SweepRunner
+from gpuguardd.daemon.units import UnitSweeps
+from gpuguardd.engine.engine import Engine, HolderFilter, Prepared, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
 from gpuguardd.records.enums import RequesterKind
-from gpuguardd.records.models import ScanResult, Scope, SweepRequest
-from gpuguardd.records.report import Report
+from gpuguardd.records.models import GpuSummary, NvmlSnapshot, ScanResult, Scope, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd import dropins
 from gpuguardd.systemd.rules import SLURM_PREFIX
-from gpuguardd.systemd.unitwatch import UnitWatch
 
 log = logging.getLogger("gpuguard.service")
 
@@ -48,12 +48,10 @@ _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
 def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, RequesterKind]:
-    """Who a sweep is recorded for (requested_by) and what kind of requester that is, decided
-    here, once, for every bus caller. Only root (the ExecStopPost hook) may be just
-    "hook:<unit>", of kind HOOK; anyone else who says "hook:" is named as well, so the journal
-    cannot be misled, and is of kind HOOK_NONROOT. Root's Slurm epilog (a `slurm_job`
-    request) is "slurm:<job>", of kind SLURM. The metrics' trigger label is the kind, so only
-    root's requests can be counted as the hook's or the epilog's."""
+    """Who a sweep is recorded for and what kind of requester that is, for every bus caller.
+    Only root (the ExecStopPost hook) may be just "hook:<unit>" (HOOK); anyone else saying
+    "hook:" is named as well (HOOK_NONROOT), so the journal cannot be misled. Root's Slurm
+    epilog is "slurm:<job>" (SLURM). Metrics count by kind: only root's count as the hook's."""
     hook = dropins.requested_by_for_reason(reason)
     if hook:
         if caller.is_root:
@@ -83,41 +81,31 @@ class Service:
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
         for stored in history.newest(1):  # not exported yet: no PropertiesChanged
             self.manager.update(LastSweep=self.manager.typed_report(stored))
-        metrics = Metrics()
-        metrics.note_history(history.last())
-        self.publisher = events = Publisher(bus, self.manager, metrics,
-                                            lambda: self.engine.config, io_executor)
-        self.inventory = Inventory(engine, scan_executor, events)
+        self.metrics = Metrics()
+        self.metrics.note_history(history.last())
+        self.gpus: dict[int, GpuInterface] = {}
+        # Told of every change the sd_notify status line shows (main.py sets it).
+        self.on_change: Callable[[], None] = lambda: None
+        self.inventory = Inventory(engine, scan_executor, self)
         inflight = InFlightSweeps(engine.config.runtime_directory)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, events, inflight)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
-        self.gate = GateService(lambda: self.engine.config, self.inventory.scan, self.inventory.wake,
-                                lambda: [self.sweep_gpus(f) for f in self.runner.in_flight],
-                                self.inventory.scan_age, self.inventory.request_rescan,
-                                lambda: self.inventory.scan_cost)
-        self._typed_for: ScanResult | None = None
-        self._typed: dict[int, marshal.VarDict] = {}
-        self._typed_sizes: dict[int, int] = {}
-        # Watch mode and unit sweeps (unitwatch.py): which GPUs each unit held, systemd's
-        # unit stops, one sweep per stop, and the unit's leftovers outside its cgroup.
-        self.unit_watch = UnitWatch(bus, engine.config.watch_units,
-                                    os.path.join(engine.config.runtime_directory, "units.json"))
-        self.units = UnitSweeps(self.runner, self.unit_watch, self.inventory.fresh_scan,
-                                lambda: self.inventory.snapshot)
-        # What the last gpuguardd left unfinished (resume.py): claimed in start(), run once
-        # the name is owned (Daemon.run).
-        self.resume = Resume(inflight,
-                             history, self.runner, self.units, lambda: self.engine.config,
-                             self.inventory.fresh_scan)
+        self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
+        self._typed: tuple[ScanResult | None, dict[int, tuple[marshal.VarDict, int]]] = (None, {})
+        # Watch mode and unit sweeps: one sweep per stop, with the unit's escaped leftovers.
+        self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
+                                os.path.join(engine.config.runtime_directory, "units.json"))
+        # What the last gpuguardd left unfinished: claimed in start(), run once the name is owned.
+        self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor, self._keep, events,
+        self.recovery = Recovery(engine, sweep_executor,
+                                 lambda report: self.runner.io(self.store.append, report), self,
                                  sweeping=lambda: self.runner.busy,
                                  gate_waiting=lambda index: self.gate.waiters > 0)
-        events.connect(self.inventory, self.gate, self.unit_watch, self.recovery)
 
     async def start(self) -> None:
-        """Export the objects with the GPUs already in place (before the name is requested)."""
+        """Export the objects, GPUs included, before the name is requested."""
         self.bus.export(MANAGER_PATH, self.manager)
         try:
             await self.inventory.scan()
@@ -130,23 +118,20 @@ class Service:
         config = self.engine.config
         self.store.set_max_entries(config.history_max)
         self.manager.update(WatchedUnits=list(config.watch_units), ConfigFiles=list(config.sources))
-        self.unit_watch.config_changed(config.watch_units)
+        self.units.watcher.patterns = tuple(config.watch_units)
         self.inventory.request_rescan()
 
-    def sweep_gpus(self, flight: InFlight) -> list[int] | None:
-        """The GPUs a sweep in flight covers, for the start gate: its scope's, else (a unit
-        sweep) the GPUs the unit watch saw the unit hold or name; None (every GPU) when
-        neither is known yet."""
+    def sweep_gpus(self, flight: InFlightSweep) -> list[int] | None:
+        """The GPUs a sweep in flight covers, for the start gate: its scope's, else its unit's
+        recorded ones; None (every GPU) when neither is known yet."""
         scope = flight.scope
         if scope is not None and scope.gpus:
             return list(scope.gpus)
         unit = scope.unit if scope is not None else flight.request.unit
-        record = self.unit_watch.records.get(unit) if unit else None
+        record = self.units.records.get(unit) if unit else None
         return sorted(record.all_gpus) if record is not None and record.all_gpus else None
 
     def poll_interval(self) -> float:
-        """NVML's poll interval: fast while a start gate waits on a target no process holds
-        (gate.py), else configured."""
         return FAST_POLL_SEC if self.gate.fast else self.engine.config.poll_interval_sec
 
     def status_line(self) -> str:
@@ -181,9 +166,8 @@ class Service:
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
         # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
-        # gpuguardctl sends: an admin wants the truth, not the last second's view) waits for a
-        # scan that starts after the call, at most once per FRESH_SCAN_INTERVAL_SEC for a
-        # non-root uid: no caller makes the daemon walk /proc more than once a second.
+        # gpuguardctl sends) waits for a scan that starts after the call, for a non-root uid
+        # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
         fresh = bool(options.get("fresh", False))
         if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
             fresh = False
@@ -192,27 +176,25 @@ class Service:
         holders = filter_holders(result.holders, holder_filter)
         # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
         # typed one, so the sizes typed once per scan bound it.
-        sizes = [self._typed_sizes[id(h)] for h in holders]
+        sizes = [typed[id(h)][1] for h in holders]
         # Command lines can carry secrets (tokens, passwords in arguments).
         redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
             and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS)
         return replysize.bound_holders(
-            [{**typed[id(h)], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)]
+            [{**typed[id(h)][0], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)][0]
              for h in holders], sizes=sizes)
 
     async def _resolve(self, request: SweepRequest) -> Scope:
-        loop = asyncio.get_running_loop()
-        scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+        scope: Scope = (await self.runner.io(self.engine.resolve_request, request))[0]
         return scope
 
-    def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:
-        """Each holder of `result` as its D-Bus value (by id(): the scan keeps them alive),
-        typed once per scan: callers served from one scan share it (never mutated)."""
-        if self._typed_for is not result:
-            self._typed = {id(h): marshal.holder(h.to_dict()) for h in result.holders}
-            self._typed_sizes = {key: replysize.wire_size(value) for key, value in self._typed.items()}
-            self._typed_for = result
-        return self._typed
+    def _typed_holders(self, result: ScanResult) -> dict[int, tuple[marshal.VarDict, int]]:
+        """Each holder of `result` as its D-Bus value and that value's size, by id() (the scan
+        keeps them alive), typed once per scan and shared (never mutated)."""
+        if self._typed[0] is not result:
+            typed = (marshal.holder(h.to_dict()) for h in result.holders)
+            self._typed = (result, {id(h): (t, replysize.wire_size(t)) for h, t in zip(result.holders, typed)})
+        return self._typed[1]
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
         request = SweepRequest.from_options(options)
@@ -222,8 +204,9 @@ class Service:
         request.requested_by, request.requester_kind = requester(caller, request.reason,
                                                                 request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
-        # Checked before the sweep counts as running, on the GPU reading the sweep works from.
-        prepared = await self.runner.validate(request)
+        # Checked (InvalidArgument) before the sweep counts as running, on the GPU reading and
+        # scope the sweep then works from.
+        prepared: Prepared = await self.runner.io(self.engine.prepare, request)
         if request.unit:
             # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
             unit_report = await self.units.sweep_unit(request, prepared)
@@ -242,18 +225,13 @@ class Service:
                                            RequesterKind.MANUAL)
         return report.to_dict()
 
-    async def _keep(self, report: Report) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.io_executor, self.store.append, report)
-
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
 
     def get_metrics(self) -> str:
-        return self.publisher.metrics.render().decode()
+        return self.metrics.render().decode()
 
     async def wait(self, options: dict[str, Any]) -> Wire:
-        """Manager.Wait: options checked, GPUs resolved as a sweep's, then the gate (gate.py)."""
         config = self.engine.config
         free_below = options.get("free_below_mib", config.gate_free_below_mib)
         if not 1 <= free_below <= MAX_RELEASED_BELOW_MIB:
@@ -276,3 +254,73 @@ class Service:
         # Authorized by the interface (the XML's rule for Reload).
         log.info("reload requested by %s", caller.describe())
         await self.reloader()
+
+    def _publish_metrics(self) -> None:
+        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        directory = self.engine.config.textfile_directory
+        if not directory:
+            return
+        future = self.io_executor.submit(write_textfile, directory, self.metrics.render())
+
+        def done(f: Future[str]) -> None:
+            if f.exception() is not None:
+                log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
+        future.add_done_callback(done)
+
+    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None:
+        holders = self.inventory.holders
+        self.units.observe(holders)
+        self.manager.update(NvmlAvailable=snapshot.available, NvmlError=snapshot.error,
+                            DriverVersion=snapshot.driver_version, GpuCount=len(snapshot.gpus),
+                            Vendors=snapshot.vendors)
+        self.gate.observe(snapshot, summaries, holders)
+        current = {s.index: {**s.to_dict(), **self.gate.gpu_values(s.index)} for s in summaries}
+        for index in sorted(set(self.gpus) - set(current)):
+            log.warning("GPU %d is gone (%s)", index, snapshot.error or "no longer listed by NVML")
+            self.bus.unexport(gpu_path(index), self.gpus.pop(index))
+        for index, summary in sorted(current.items()):
+            gpu = self.gpus.get(index)
+            if gpu is None:
+                gpu = self.gpus[index] = GpuInterface(summary)
+                self.bus.export(gpu_path(index), gpu)
+            else:
+                gpu.refresh(summary)
+        self.metrics.observe_inventory(snapshot.available, summaries, holders)
+        self._publish_metrics()
+        self.recovery.observe(summaries)
+        self.on_change()
+
+    def leak_suspected(self, index: int, uuid: str, used: int) -> None:
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
+                    used // (1024 * 1024))
+        self.manager.LeakSuspected(index, uuid, used)
+
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
+
+    def sweep_finished(self, report: Report) -> None:
+        data = self.manager.typed_report(report.to_dict())
+        self.manager.SweepFinished(report.id, report.outcome.value, data)
+        self.manager.update(LastSweep=data)
+        for leak in report.leaks:
+            # A MIG instance is named by its own UUID.
+            self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
+            self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
+        self.reset_finished(report)
+
+    def busy_changed(self, busy: bool) -> None:
+        self.manager.update(Busy=busy)
+        # The start gate judges sweeps in flight: judge again now, on the last reading.
+        self.inventory.republish()
+        self.on_change()
+
+    def reset_finished(self, report: Report) -> None:
+        """ResetEvents, and the end of every sweep's as well."""
+        self.metrics.observe_report(report)
+        self._publish_metrics()
+        self.inventory.request_rescan()
+        self.on_change()

@@ -1,29 +1,20 @@
 """The start gate's rule: when a GPU (or MIG instance) is free for the next job, and since when.
 
-Freeing a GPU ends in the driver, asynchronously: memory comes back over seconds after the
-processes exit, and can grow back before it settles (a context torn down in pieces, a late
-allocation of a dying worker). A server that profiles free memory at start-up aborts when free
-memory moves under it (vLLM issue 56830), so "no process and little memory" is not enough: the
-figure must also have stopped moving. A target is free when
+The driver frees memory asynchronously, over seconds, and it can grow back before it settles.
+A server that profiles free memory at start-up aborts when it moves under it (vLLM issue
+56830), so the figure must also have stopped moving. A target is free when nothing blocks it
+(the judge's reasons: a compute holder that may be on it, NVML processes, memory unread, which
+fails closed unless allowed, or at/above `free_below`, a running sweep covering it), and since
+then its memory never moved more than `tolerance`: a larger move restarts the clock.
 
-  * nothing blocks it: no compute holder may be on it (a holder whose GPU is unknown may be
-    on any, as `gpuguardctl check` counts it), NVML lists no process on it, its memory was
-    read (NVML available, the GPU neither lost nor unreadable: fail closed, unless the caller
-    allows unverified GPUs) and is below the rule's `free_below`, and no running sweep covers
-    it (its leftovers are being ended: the gate waits for that sweep);
-  * and since then its memory never moved more than `tolerance` from the figure it had when it
-    became free. A move past that restarts the clock: "free since" is the last such moment.
-
-The rule is the daemon's (gpuguardd serves it as the Gpu objects' FreeSinceUsec and WaitingOn
-and through Manager.Wait) and `gpuguardctl wait --local` applies the same code, so every
-client shows the same thing. Observations come from polls: a change shorter than the time
-between two polls can be missed, which is why the daemon polls fast while someone waits.
+The daemon (FreeSinceUsec, WaitingOn, Manager.Wait) and `gpuguardctl wait --local` apply this
+same code. Observations come from polls, so the daemon polls fast while someone waits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuguardd.engine.judge import Reason, facts_of_record, judge, may_be_on
 from gpuguardd.escaping import escape_text
@@ -33,6 +24,9 @@ from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 MiB = 1024 * 1024
 # Holders named one by one in WaitingOn; more are counted, so a busy GPU's reason stays short.
 MAX_NAMED_HOLDERS = 4
+_WORDS = {Why.NOT_LISTED: "not listed by NVML", Why.LOST: "lost (fell off the bus)",
+          Why.UNREADABLE: "its memory cannot be read", Why.PROCESSES: "NVML lists processes on it",
+          Why.FOREIGN: "NVML lists processes on it", Why.ENDING: "NVML lists processes on it"}
 
 
 @dataclass(frozen=True)
@@ -54,21 +48,22 @@ class Target:
     def key(self) -> tuple[int, str]:
         return self.index, self.mig_uuid
 
-    @property
-    def name(self) -> str:
-        return f"GPU {self.index}" + (f" {escape_text(self.mig_uuid)}" if self.mig_uuid else "")
-
 
 @dataclass
 class GateState:
-    """One target as the gate last saw it."""
-
     target: Target
     memory_used: int = 0
     waiting_on: list[str] = field(default_factory=list)
     free_since: float | None = None  # monotonic seconds; None while something blocks it
     free_since_usec: int = 0  # the same moment on CLOCK_REALTIME, for clients to show
     held_by: list[int] = field(default_factory=list)  # pids of compute holders that may be on it
+    reference: int = 0  # memory used when it last became free: the stability clock's figure
+
+    def settle(self, now: float, wall_usec: int, used: int, blocked: bool, tolerance: int) -> None:
+        if blocked:
+            self.free_since, self.free_since_usec = None, 0
+        elif self.free_since is None or abs(used - self.reference) > tolerance:
+            self.free_since, self.free_since_usec, self.reference = now, wall_usec, used
 
     def stable_for(self, now: float) -> float:
         return 0.0 if self.free_since is None else max(0.0, now - self.free_since)
@@ -85,15 +80,9 @@ def holder_line(holder: Holder) -> str:
     return f"compute holder pid {holder.pid} ({escape_text(holder.comm)}){unit}"
 
 
-def compute_on(target: Target, holders: Sequence[Holder]) -> list[Holder]:
-    """The compute holders that may be on `target` (the judge's may_be_on)."""
-    return [h for h in holders if may_be_on(h, target.index, target.mig_uuid)]
-
-
 @dataclass
 class WaitOutcome:
-    """What a wait for some targets sees at `now` (monotonic): free once every target has
-    been free for the steady time (short_of)."""
+    """What a wait for some targets sees at `now` (monotonic)."""
 
     free: bool
     waited_ms: int
@@ -106,8 +95,8 @@ class WaitOutcome:
                 "gpus": [g.to_dict(self.now) for g in self.gpus], "waiting_on": self.waiting_on}
 
     def short_of(self, stable_sec: float) -> float | None:
-        """Seconds until every target has been free for `stable_sec` (at most 0: now); None
-        while something blocks one."""
+        """Seconds until every target has been free for `stable_sec` (<= 0: now); None while
+        something blocks one."""
         if self.waiting_on or any(s.free_since is None for s in self.gpus):
             return None
         return min((stable_sec - s.stable_for(self.now) for s in self.gpus), default=0.0)
@@ -116,10 +105,8 @@ class WaitOutcome:
 def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder],
             nvml_error: str | None, gpus: Sequence[int], asked: bool, started: float,
             now: float) -> WaitOutcome:
-    """The daemon's Wait and `wait --local` alike: the targets' states under `tracker`. None
-    listed and no GPU list (`nvml_error`): fail closed, unless the rule allows unverified
-    GPUs, which then pass on the holders of the GPUs asked for (`gpus`; none: any GPU)
-    alone; none listed of what was `asked` for: that."""
+    """The targets' states under `tracker`. With no GPU list (`nvml_error`), judged on the
+    holders of the GPUs asked for (`gpus`; none: any GPU), failing closed unless allowed."""
     states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
     waiting_on: list[str] = []
     if not targets and nvml_error is not None:
@@ -133,9 +120,8 @@ def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[H
 
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
-    """Why `target` is not free now ([] when nothing blocks it), in the judge's words
-    (engine/judge.py). `record` is its summary (None: not listed by NVML), `nvml_error` None
-    when NVML answers; a target of index -1 is any GPU (no GPU list to tell them by)."""
+    """Why `target` is not free now, in words ([]: free). `record` None: not listed by NVML;
+    index -1: any GPU (no GPU list to tell them by)."""
     index = None if target.index < 0 else target.index
     # The gate's line, or the GPU's own released line where that is higher (an AMD GPU's).
     line = max(rule.free_below, record.released_below if isinstance(record, GpuSummary) else 0)
@@ -144,8 +130,7 @@ def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Se
 
 
 def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[str]:
-    """WaitingOn's lines for the judge's reasons: holders named up to MAX_NAMED_HOLDERS (with
-    the GPUs they are on where the target is any GPU)."""
+    """WaitingOn's lines for the judge's reasons."""
     lines: list[str] = []
     held = sum(1 for r in reasons if r.holder is not None)
     named = 0
@@ -164,36 +149,14 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
                 lines.append(f"and {held - MAX_NAMED_HOLDERS} more compute holder(s)")
         elif why == Why.NO_BACKEND:
             lines.append(f"NVML unavailable ({escape_text(reason.detail)}): memory cannot be checked")
-        elif why == Why.NOT_LISTED:
-            lines.append("not listed by NVML")
-        elif why == Why.LOST:
-            lines.append("lost (fell off the bus)")
-        elif why == Why.UNREADABLE:
-            lines.append("its memory cannot be read")
-        elif why in (Why.PROCESSES, Why.FOREIGN, Why.ENDING):
-            lines.append("NVML lists processes on it")
         elif why in (Why.MEMORY, Why.LEAKED):
             lines.append(f"memory in use at or above {line // MiB} MiB")
+        elif why in _WORDS:
+            lines.append(_WORDS[why])
     return list(dict.fromkeys(lines))
 
 
-class Stability:
-    """Since when one target has been free with its memory steady (module docstring)."""
-
-    def __init__(self) -> None:
-        self.free_since: float | None = None
-        self.free_since_usec = 0
-        self.reference = 0
-
-    def observe(self, now: float, wall_usec: int, used: int, blocked: bool, tolerance: int) -> None:
-        if blocked:
-            self.free_since, self.free_since_usec = None, 0
-        elif self.free_since is None or abs(used - self.reference) > tolerance:
-            self.free_since, self.free_since_usec, self.reference = now, wall_usec, used
-
-
 def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
-    """Every GPU and every MIG instance the summaries list."""
     out: list[Target] = []
     for gpu in gpus:
         out.append(Target(gpu.index, gpu.uuid))
@@ -211,38 +174,34 @@ def record_of(target: Target, gpus: Sequence[GpuSummary]) -> GpuSummary | MigSum
 
 
 class GateTracker:
-    """The gate's view of every target under one rule, fed with each observation."""
+    """Every target's state under one rule."""
 
     def __init__(self, rule: GateRule) -> None:
         self.rule = rule
-        self._stability: dict[tuple[int, str], Stability] = {}
         self.states: dict[tuple[int, str], GateState] = {}
 
     def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
                 holders: Sequence[Holder], nvml_error: str | None,
-                sweeping: Iterable[int], extra: Iterable[Target] = ()) -> set[tuple[int, str]]:
-        """One observation. `sweeping`: the GPU indices running sweeps cover; `extra`: targets
-        to follow although the summaries do not list them (NVML is gone). Returns the keys
-        whose verdict (free since, or what it waits on) changed."""
+                sweeping: Iterable[int]) -> set[tuple[int, str]]:
+        """`sweeping`: the GPU indices running sweeps cover. Returns the keys whose verdict
+        changed."""
         covered = set(sweeping)
         changed: set[tuple[int, str]] = set()
-        targets = {t.key: t for t in [*targets_of(gpus), *extra]}
-        for key in list(self._stability):
+        targets = {t.key: t for t in targets_of(gpus)}
+        for key in list(self.states):
             if key not in targets:
-                del self._stability[key]
-                self.states.pop(key, None)
+                del self.states[key]
                 changed.add(key)
         for key, target in targets.items():
             record = record_of(target, gpus)
             reasons = blockers(target, record, holders, self.rule, nvml_error,
                                target.index in covered)
             used = record.memory_used if record is not None else 0
-            stability = self._stability.setdefault(key, Stability())
-            stability.observe(now, wall_usec, used, bool(reasons), self.rule.tolerance)
-            old = self.states.get(key)
-            if old is None or old.free_since != stability.free_since or old.waiting_on != reasons:
+            held = [h.pid for h in holders if may_be_on(h, target.index, target.mig_uuid)]
+            old = self.states.get(key, GateState(target))
+            state = replace(old, target=target, memory_used=used, waiting_on=reasons, held_by=held)
+            state.settle(now, wall_usec, used, bool(reasons), self.rule.tolerance)
+            if key not in self.states or old.free_since != state.free_since or old.waiting_on != reasons:
                 changed.add(key)
-            self.states[key] = GateState(target, used, reasons, stability.free_since,
-                                         stability.free_since_usec,
-                                         [h.pid for h in compute_on(target, holders)])
+            self.states[key] = state
         return changed

@@ -64,7 +64,7 @@ def in_scope(holder: Holder, scope: Scope) -> bool:
                             lambda: _on_scope_gpus(holder, scope))
     if scope.adopted and not holder.container and (holder.pid, holder.start_time) in scope.adopted:
         # A leftover of scope.unit outside its cgroup, pinned by start time: the very process
-        # the unit watch chose (unitwatch.py), never a recycled PID.
+        # the unit watch chose (daemon/units.py), never a recycled PID.
         return (not scope.gpus and not scope.mig) or _on_scope_gpus(holder, scope)
     if scope.container:
         if not container_matches(holder.container, scope.container):

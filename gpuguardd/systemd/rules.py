@@ -1,4 +1,4 @@
-"""The unit watch's pure rules (unitwatch.py has the map): which units are watched, a unit's
+"""The unit watch's pure rules (daemon/units.py has the map): which units are watched, a unit's
 state, which change is a stop to sweep, how automatic sweeps name who asked. No D-Bus, no
 I/O, nothing heavy: the CLI's hook verbs import it."""
 

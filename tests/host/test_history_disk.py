@@ -55,4 +55,5 @@ def test_a_report_that_did_not_fit_is_appended_once_a_little_room_is_back(
             assert lines[-1] == b"" and path.read_bytes().startswith(before)
             assert [json.loads(line)["id"] for line in lines[:-1]] == [ident(n) for n in range(7)]
         finally:
-            history.close()
+            if history._retry is not None:  # no retries in the background after the test
+                history._retry.cancel()

@@ -11,7 +11,7 @@ import pytest
 from gpuguardd.records.enums import RequesterKind
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.systemd.rules import UnitState
-from tests.unit.daemon.test_runner import Harness
+from tests.unit.daemon.test_units import Harness
 
 UNIT = "gg-hook.service"
 

@@ -119,7 +119,6 @@ def test_unwritable_directory_keeps_history_in_memory(tmp_path: Path,
     with caplog.at_level(logging.ERROR, logger="gpuguard.history"):
         history.load()
         history.append(record(1))
-    history.close()  # no retries in the background after the test
     assert history.newest(1) == [report(1)]
     assert "sweep history" in caplog.text
 

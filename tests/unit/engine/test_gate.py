@@ -3,7 +3,7 @@ the stability clock that a memory move past the tolerance restarts."""
 
 from __future__ import annotations
 
-from gpuguardd.engine.gate import GateRule, GateTracker, Stability, Target, blockers
+from gpuguardd.engine.gate import GateRule, GateState, GateTracker, Target, blockers
 from gpuguardd.records.enums import GpuState, HolderKind
 from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 
@@ -24,25 +24,25 @@ def compute(pid: int, gpus: list[int], mig: list[str] | None = None) -> Holder:
 
 
 def test_stability_restarts_on_a_move_past_the_tolerance_only() -> None:
-    s = Stability()
-    s.observe(10.0, 1, 0, False, 16 * MiB)
+    s = GateState(Target(0, "GPU-0"))
+    s.settle(10.0, 1, 0, False, 16 * MiB)
     assert s.free_since == 10.0
-    s.observe(11.0, 2, 10 * MiB, False, 16 * MiB)  # within the tolerance: still since 10
+    s.settle(11.0, 2, 10 * MiB, False, 16 * MiB)  # within the tolerance: still since 10
     assert s.free_since == 10.0
-    s.observe(12.0, 3, 100 * MiB, False, 16 * MiB)  # grew back: the clock restarts
+    s.settle(12.0, 3, 100 * MiB, False, 16 * MiB)  # grew back: the clock restarts
     assert (s.free_since, s.free_since_usec) == (12.0, 3)
-    s.observe(13.0, 4, 100 * MiB, True, 16 * MiB)  # blocked: not free at all
+    s.settle(13.0, 4, 100 * MiB, True, 16 * MiB)  # blocked: not free at all
     assert s.free_since is None
     assert s.free_since_usec == 0
-    s.observe(14.0, 5, 0, False, 16 * MiB)
+    s.settle(14.0, 5, 0, False, 16 * MiB)
     assert s.free_since == 14.0
 
 
 def test_a_drift_within_the_tolerance_never_accumulates_past_it() -> None:
-    s = Stability()
-    s.observe(0.0, 0, 0, False, 16 * MiB)
+    s = GateState(Target(0, "GPU-0"))
+    s.settle(0.0, 0, 0, False, 16 * MiB)
     for step in range(1, 5):  # 10 MiB a step: each within 16 of the last, not of the first
-        s.observe(float(step), step, step * 10 * MiB, False, 16 * MiB)
+        s.settle(float(step), step, step * 10 * MiB, False, 16 * MiB)
     # Measured from the figure at the last restart, not the last sample: a steady climb of
     # 10 MiB a poll restarts the clock every other poll (at 20 MiB, at 40 MiB).
     assert s.free_since == 4.0

@@ -206,8 +206,9 @@ def by_daemon(case: Case) -> tuple[bool, bool]:
         async def confirm() -> None:
             service.observe(scan.nvml, gpu_summaries(scan, CONFIG.released_below_mib * MiB),
                             scan.holders)
-        service = GateService(lambda: CONFIG, confirm, lambda: None, lambda: [], lambda: 0.0,
-                              lambda: None, lambda: 0.0)
+        inventory = SimpleNamespace(scan=confirm, wake=lambda: None, scan_age=lambda: 0.0, scan_cost=0.0,
+                                    request_rescan=lambda: None, engine=SimpleNamespace(config=CONFIG))
+        service = GateService(inventory, lambda: [])  # type: ignore[arg-type]
         await confirm()
         rule = GateRule(CONFIG.gate_free_below_mib * MiB, CONFIG.gate_tolerance_mib * MiB)
         outcome = await service.wait([0], [], rule, 0.0, 0.05)

@@ -1,10 +1,10 @@
-"""Unit tests of gpuguardd/daemon/notify.py."""
+"""Unit tests of gpuguardd/daemon/main.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuguardd.daemon.notify import watchdog_interval
+from gpuguardd.daemon.main import watchdog_interval
 
 
 def test_watchdog_interval(monkeypatch: pytest.MonkeyPatch) -> None:
