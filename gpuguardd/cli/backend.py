@@ -59,8 +59,7 @@ class LocalBackend:
                 include_protected: bool) -> list[Holder]:
         from gpuguardd.engine.engine import HolderFilter
 
-        scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit,
-                                                               container=container))
+        scope, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit, container=container))
         found, scan = self.engine.list_holders(HolderFilter(
             gpus=scope.gpus, unit=scope.unit, container=scope.container, mig=scope.mig,
             include_protected=include_protected))

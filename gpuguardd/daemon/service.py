@@ -201,7 +201,7 @@ class Service:
 
     async def _resolve(self, request: SweepRequest) -> Scope:
         loop = asyncio.get_running_loop()
-        scope, _, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
+        scope, _ = await loop.run_in_executor(self.io_executor, self.engine.resolve_request, request)
         return scope
 
     def _typed_holders(self, result: ScanResult) -> dict[int, marshal.VarDict]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import amd, leaks, nvmlprocs, procfs, slurm
+from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_scope_label,
     normalize_unit_name,
@@ -55,8 +55,7 @@ class HolderFilter:
 
 
 def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> list[Holder]:
-    """The holders `holder_filter` lets through: of a fresh scan (Engine.list_holders) or of
-    one the daemon already has (ListHolders)."""
+    """The holders `holder_filter` lets through (Engine.list_holders, the daemon's ListHolders)."""
     scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
     on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
     return [h for h in holders
@@ -64,35 +63,29 @@ def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> li
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
-    """Whether `holder` may compute on `on`'s GPUs or MIG instances: what a listing and
-    `gpuguardctl check` go by. The sweep's rule (scope.gpu_scope) leaves out a holder it
-    cannot place, as it must not end a tenant of another GPU; a check must not call a GPU free
-    for the same doubt. So a holder NVML does not list counts on every GPU whose node it holds,
-    and one whose GPU is unknown altogether (it holds only nvidia-uvm and nvidiactl) on all."""
+    """Whether `holder` may compute on `on`'s GPUs or MIG instances, for a listing. The sweep
+    (scope.gpu_scope) leaves out a holder it cannot place; a listing shows it wherever it may
+    be: on every GPU whose node it holds, and on all when its GPU is unknown altogether."""
     if not on.gpus and not on.mig:
         return True
     if holder.nvml_gpus or holder.mig or holder.kind != HolderKind.COMPUTE:
-        # NVML (or a MIG caps node) says where it computes; a management client computes
-        # nowhere, and holds every GPU's node (nvidia-smi): shown where the sweep places it.
+        # NVML (or a MIG caps node) places it; a management client (nvidia-smi) holds every
+        # GPU's node: shown where the sweep places it.
         return in_scope(holder, on)
     if not holder.node_gpus:
         return True
-    # A MIG instance's parent GPU is not known here: a holder of GPU nodes only is placed by
-    # those nodes on whole GPUs, and in an instance by the sweep's rule.
+    # By its nodes on whole GPUs; in a MIG instance (whose GPU is not known here) by the sweep's rule.
     return bool(set(holder.node_gpus) & set(on.gpus)) or in_scope(holder, on)
 
 
 def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
-    """NVML's GPUs, for matching selectors (selectors.py)."""
     return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig), g.pci_bus_id) for g in nvml.gpus]
 
 
 @dataclass
 class Prepared:
-    """A request resolved on one reading of the GPUs, which its sweep then works from: the
-    request's check (before the sweep counts as running) and the sweep share one GPU read and
-    one scope resolution. `since`: clock ticks before that read (holders started after it are
-    what a later round looks at)."""
+    """A request resolved on one reading of the GPUs, shared by its check and its sweep.
+    `since`: clock ticks before that read (a later round looks at holders started after it)."""
 
     since: int
     nvml: NvmlSnapshot
@@ -147,8 +140,7 @@ class Engine:
         return _device_map(self.config)
 
     def _first_amd_index(self, snap: NvmlSnapshot) -> int:
-        """After NVML's GPUs; without NVML, after the GPUs NVIDIA's nodes name (holders of those
-        are then named by minor), so that no index names two GPUs."""
+        """After NVML's GPUs; without NVML, after the minors NVIDIA's nodes name: no index names two GPUs."""
         taken = [g.index for g in snap.gpus]
         if not snap.available:
             taken.extend(node_gpus(self.device_map()))
@@ -242,7 +234,7 @@ class Engine:
         return tuple(sorted(set(found))), rest
 
     def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None
-                        ) -> tuple[Scope, SweepSettings, list[str]]:
+                        ) -> tuple[Scope, list[str]]:
         nvml = nvml or self.snapshot(with_processes=False)
         mig, others = self.resolve_mig(request.gpus, nvml)
         gpus, warnings = self.resolve_gpus(others, nvml)
@@ -258,16 +250,7 @@ class Engine:
                       include_management=request.include_management,
                       adopted=tuple((int(p), int(s)) for p, s in request.adopted),
                       slurm_job=request.slurm_job, slurm_uid=request.slurm_uid)
-        return scope, self._settings(request), warnings
-
-    def _settings(self, request: SweepRequest) -> SweepSettings:
-        """The sweep settings of a (checked) request under the current configuration."""
-        config = self.config
-        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
-        return SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
-                             verify_timeout_sec=config.verify_timeout_sec,
-                             released_below_bytes=config.released_below_mib * 1024 * 1024,
-                             dry_run=request.is_dry_run(config.dry_run))
+        return scope, warnings
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}
@@ -285,28 +268,29 @@ class Engine:
         return names
 
     def prepare(self, request: SweepRequest) -> Prepared:
-        """`request` resolved on a fresh reading of every GPU (with its process lists, for the
-        sweep's scan): InvalidArgument for a bad request. Never the inventory's last poll: a
-        GPU named by UUID or PCI bus id is found by what the driver says now (one that came
-        since is known, one that went is refused, indices that moved are the new ones)."""
+        """`request` resolved on a fresh reading (InvalidArgument for a bad one), never the
+        inventory's last poll: a GPU named by UUID or PCI bus id is found where it is now."""
         since = clock_ticks()
         nvml = self.snapshot()  # one reading for the request's GPUs and the scan
-        scope, _, warnings = self.resolve_request(request, nvml)
+        scope, warnings = self.resolve_request(request, nvml)
         return Prepared(since, nvml, scope, warnings)
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
-        """Sweep `request`, from `prepared` (Engine.prepare, the request's check) when given:
-        no second GPU reading or resolution. What may change since then comes from the
-        request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
+        """Sweep `request` from `prepared` (its check) when given. What may change since comes
+        from the request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
         if prepared is None:
             prepared = self.prepare(request)
         since, nvml = prepared.since, prepared.nvml
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
-        settings = self._settings(request)
+        config = self.config
+        settings = SweepSettings(
+            grace_sec=config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0,
+            kill_timeout_sec=config.kill_timeout_sec, verify_timeout_sec=config.verify_timeout_sec,
+            released_below_bytes=config.released_below_mib * 1024 * 1024, dry_run=request.is_dry_run(config.dry_run))
         warnings = list(prepared.warnings)
         lock_problem = ""
-        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
+        locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
             first = self._scan_pinned(nvml)
             if not settings.dry_run:
@@ -318,9 +302,7 @@ class Engine:
                     locks.release()
                     held = held | wanted
                     lock_problem = locks.acquire(held) or ""
-                    if lock_problem:
-                        break
-                    if not locks.waited:
+                    if lock_problem or not locks.waited:
                         break
                     for _, handle in first[0]:
                         handle.close()
@@ -354,7 +336,6 @@ class Engine:
         return report
 
     def reset_gpu(self, index: int, requested_by: str, reason: str = "") -> Report:
-        """Reset GPU `index` if nothing holds it (reset.py): the report, of kind "reset"."""
         config = self.config
         settings = ResetSettings(command=command_argv(config.reset_command), timeout_sec=config.reset_timeout_sec,
                                  verify_timeout_sec=config.verify_timeout_sec,
@@ -366,15 +347,13 @@ class Engine:
 
 
 def log_device_refusals(config: Config) -> None:
-    """Log, once per configuration, the [Devices] Paths entries that are refused (each scan
-    also puts them in its warnings, which only sweep reports show)."""
+    """Log the refused [Devices] Paths entries once per configuration (scans' warnings reach only reports)."""
     for warning in _device_map(config).warnings:
         log.warning("%s", warning)
 
 
 def _device_map(config: Config, snap: NvmlSnapshot | None = None) -> DeviceMap:
-    """The configured nodes; with a reading, also its AMD GPUs' DRM nodes (engine/amd.py found
-    them by their driver: the scan needs no second look at sysfs)."""
+    """The configured nodes; with a reading, also its AMD GPUs' DRM nodes (found by amd.py)."""
     amd = frozenset(minor for g in snap.gpus if g.vendor == Vendor.AMD
                     for minor in (g.minor, g.card_minor) if minor is not None) if snap else frozenset()
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
@@ -382,7 +361,6 @@ def _device_map(config: Config, snap: NvmlSnapshot | None = None) -> DeviceMap:
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:
-    """`validate(value)` for a non-empty value, its ValueError as the caller's InvalidArgument."""
     if not value:
         return ""
     try:
@@ -392,7 +370,6 @@ def _checked(validate: Callable[[str], str], value: str) -> str:
 
 
 def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
-    """What NVML's lists said that /proc does not bear out, for the scan's warnings."""
     if not snap.gpus_known:
         return []
     warnings = [w for gpu in snap.gpus for w in gpu.warnings]
@@ -400,7 +377,7 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
         return [*warnings, snap.error]
     for gpu in snap.gpus:
         for pid in sorted(gpu.processes):
-            if not leaks.pid_exists(pid):
+            if not procfs.pid_exists(pid):
                 lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
                 warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")

@@ -17,8 +17,13 @@ The rule, safe side first:
     --allow-unverified); a runtime-suspended GPU's last figures are judged, but never called
     released by a sweep;
   * memory above the released line (the GPU's own threshold where its backend sets one, else
-    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked, of a kind (engine/leaks.py);
-    the gate's own line ([Gate] FreeBelowMiB, or a waiter's) replaces it for "free".
+    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked; the gate's own line ([Gate]
+    FreeBelowMiB, or a waiter's) replaces it for "free".
+
+A leak is of a kind, as an operator acts on each differently (docs/recovery.md): no-process
+(nothing listed; rocm-systems 8263: 46 GB stranded), dead-pids (listed pids that do not exist;
+vllm-dashboard 182; said only where NVML's pids are this /proc's, else the GPU stays in use),
+stuck-in-driver (a sweep's survivors asleep in the driver, D state; vllm 25127: reports only).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from gpuguardd.engine import leaks
+from gpuguardd.engine import procfs
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
 
@@ -78,9 +83,6 @@ class Judgement:
         """The reasons it is not free for the next job ([] when it is)."""
         return [r for r in self.reasons if r.why not in HARMLESS
                 and not (allow_unverified and r.why in UNVERIFIED)]
-
-    def free(self, allow_unverified: bool = False) -> bool:
-        return not self.blocking(allow_unverified)
 
     def has(self, why: Why) -> bool:
         return any(r.why == why for r in self.reasons)
@@ -154,7 +156,7 @@ def released_line(gpu: GpuInfo, configured: int) -> int:
 def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
              released_below: int, pids_local: bool, *, sweeping: bool = False,
              ending: Collection[int] = (), stuck: Collection[int] = (),
-             exists: Callable[[int], bool] = leaks.pid_exists) -> Facts:
+             exists: Callable[[int], bool] = procfs.pid_exists) -> Facts:
     """The facts of a GPU (instance None) or one of its MIG instances, as the backend read
     them; `released_below` the configured line ([Sweep] ReleasedBelowMiB, in bytes)."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance

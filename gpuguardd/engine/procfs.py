@@ -38,6 +38,10 @@ def list_pids() -> list[int]:
     return [int(name) for name in os.listdir(PROC) if name.isdigit()]
 
 
+def pid_exists(pid: int) -> bool:
+    return os.path.exists(f"{PROC}/{pid}")
+
+
 def read_stat(pid: int) -> ProcStat | None:
     try:
         with open(f"{PROC}/{pid}/stat", "rb") as handle:

@@ -44,10 +44,9 @@ from gpuguardd.records.report import (
 log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
-# Where NVML's pids are not this /proc's (gpuguardd in a container), a process NVML still lists
-# may be the sweep's, not yet released, or another tenant's, and nothing here tells which. Once
-# none of the sweep's processes is left, verification waits for such lists only while they keep
-# changing, and this long after the last change calls them settled: unverified, never freed.
+# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed process may be
+# the sweep's, not yet released, or another tenant's. Once the sweep's are gone, verification
+# calls such lists settled this long after their last change: unverified, never freed.
 FOREIGN_SETTLE_SEC = 2.0
 
 
@@ -91,8 +90,7 @@ class Sweep:
                  snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
                  observer: SweepObserver | None = None, report_id: str = "",
                  resumes: str = "", requester_kind: RequesterKind = RequesterKind.MANUAL) -> None:
-        """`scan`: what the sweep works from; `rescan`: after each round of signals, what may
-        have become a holder since (Engine.sweep says what that is)."""
+        """`rescan`: after each round of signals, what may have become a holder since."""
         self.scope = scope
         self.settings = settings
         self.scan = scan
@@ -152,10 +150,7 @@ class Sweep:
         after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
-        report.code_warnings()
         self._decide_outcome(gpus_in_scope, before, after, nvml.gpus_known)
-        # Every warning _decide_outcome adds says why a GPU's memory was not verified.
-        report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
         return self._finish()
 
     def _finish(self) -> Report:
@@ -176,8 +171,7 @@ class Sweep:
                 code = SpareReason.OTHER_GPU
                 if not why:
                     why, code = mig_scope_why(holder, self.scope), SpareReason.OTHER_MIG_INSTANCE
-                # Worth a line for what the scope would otherwise have taken; protected processes
-                # (gpuguard itself among them) are never in question.
+                # Worth a line for what the scope would otherwise have taken (never a protected one).
                 if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
                     self.report.spared.append(Spared.of(holder, code, why))
                 continue
@@ -199,9 +193,8 @@ class Sweep:
         return targets
 
     def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
-        """What to verify: whole GPUs by index, and MIG instances by UUID where the scope
-        (or, for a unit or container, its holders) is an instance: that instance's memory is
-        what the sweep freed, and the GPU's aggregate also holds its other tenants'."""
+        """What to verify: whole GPUs by index, MIG instances by UUID where the scope (or, for a
+        unit or container, its holders) is an instance: the GPU's aggregate holds other tenants'."""
         if self.scope.gpus or self.scope.mig:
             return [*sorted(self.scope.gpus), *sorted(self.scope.mig)]
         if self.scope.whole_host:
@@ -269,7 +262,6 @@ class Sweep:
             self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
 
     def _wait_exiting(self, timeout: float) -> None:
-        """Sleep up to `timeout`, recording exits of exiting processes as they happen."""
         if not self._exiting:
             time.sleep(timeout)
             return
@@ -292,8 +284,7 @@ class Sweep:
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
                      sent_at: float, seen_at: float | None = None) -> None:
         seen = time.monotonic() if seen_at is None else seen_at
-        # What is known, not what was hoped: the kernel's exit status while it still has it;
-        # otherwise SIGTERM is credited only if it could have ended the process.
+        # The kernel's exit status while it has it; else SIGTERM is credited only if it could have ended it.
         stat = procfs.read_stat(holder.pid)
         if stat is not None and stat.start_time != handle.start_time:
             stat = None  # reaped, and its PID is another process's now
@@ -304,8 +295,7 @@ class Sweep:
                            exited_after_ms=max(0, int((seen - sent_at) * 1000)),
                            exit_status="" if status is None else str(status))
         if stat is not None:
-            # Exited but not reaped: harmless unless NVML still charges memory to it (checked
-            # at verification), but worth naming the parent that should reap it.
+            # Exited, not reaped: name the parent that should reap it.
             entry.zombie_parent = stat.ppid
         self.report.terminated.append(entry)
         self._terminated_pids.add(holder.pid)
@@ -314,17 +304,14 @@ class Sweep:
                                              signal_name)
 
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
-        """The judge's verdict on a view's memory: what the sweep ended (or waits for) must be
-        gone from NVML's lists, what live processes still hold is not the sweep's."""
+        """The judge's verdict on a view's memory, with what the sweep ended as ending."""
         gpu, instance = view
         return judge(facts_of(gpu, instance, (), self.settings.released_below_bytes,
                               self._pids_local, ending={*self._terminated_pids, *self._exiting},
                               stuck=set(stuck)))
 
     def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
-        """The pids NVML lists there when they are not this /proc's: whether they are the
-        sweep's (not yet released) or another tenant's cannot be read, so while there are any,
-        neither "freed" nor "not released" can be said."""
+        """The pids NVML lists there when they are not this /proc's (FOREIGN_SETTLE_SEC)."""
         return frozenset() if self._pids_local else frozenset(_memory_of(view).processes)
 
     def _unreadable(self, view: MemoryView) -> str:
@@ -346,8 +333,7 @@ class Sweep:
 
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
         """Poll NVML until the memory is back and no target is still exiting, or until
-        VerifyTimeoutSec; the last readings. Lists of foreign pids (_foreign_pids) are waited
-        for only until they settle (FOREIGN_SETTLE_SEC)."""
+        VerifyTimeoutSec (foreign pids' lists: until they settle); the last readings."""
         deadline = time.monotonic() + self.settings.verify_timeout_sec
         if not gpus or not nvml_available:
             if self._exiting:  # nothing to read: wait for the processes alone, not the clock
@@ -372,8 +358,7 @@ class Sweep:
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.gpus_known else {}
-            # NVML has no "memory released" event; poll fast first, since release is usually
-            # quick once the process is gone, then back off.
+            # NVML has no "memory released" event: poll fast first (release is usually quick), then back off.
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, self.settings.poll_max_sec)
 
@@ -404,11 +389,11 @@ class Sweep:
             if view is None:
                 was = _memory_of(before[key]) if key in before else None
                 if nvml_available:
-                    report.warnings.append(f"{name}: memory could not be read"
-                                           + (f" ({was.error})" if was and was.error else ""))
+                    report.warn(f"{name}: memory could not be read" + (f" ({was.error})" if was and was.error else ""),
+                                WarningCode.MEMORY_UNVERIFIED)
                 continue
             if key not in readable:
-                report.warnings.append(f"{name}: {self._unreadable(view)}")
+                report.warn(f"{name}: {self._unreadable(view)}", WarningCode.MEMORY_UNVERIFIED)
                 continue
             if not self._judge(view).released:
                 not_released.append(key)
@@ -432,7 +417,6 @@ class Sweep:
 
 
 def _memory_of(view: MemoryView) -> GpuInfo | MigInstance:
-    """Whose memory a view is about: the instance's, or the whole GPU's."""
     return view[1] or view[0]
 
 

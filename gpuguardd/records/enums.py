@@ -49,7 +49,7 @@ class GpuState(WireEnum):
 
 
 class LeakKind(WireEnum):
-    """What a leak looks like (engine/leaks.py): memory in use with no process listed at all;
+    """What a leak looks like (engine/judge.py): memory in use with no process listed at all;
     memory NVML attributes to processes that no longer exist; processes that outlived a sweep
     stuck in D state in the driver. Only a GPU reset or a reboot frees any of them."""
 

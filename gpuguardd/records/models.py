@@ -99,7 +99,7 @@ class MigSummary(WireRecord):
     holder_count: int = 0
     # Read back without a state it could be trusted with: never "idle".
     state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
-    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/judge.py), else ""
 
 
 @dataclass
@@ -123,7 +123,7 @@ class GpuSummary(WireRecord):
     # None: not known (no NVML: the GPUs come from device nodes alone).
     mig_mode: bool | None = None
     mig_instances: list[MigSummary] | None = None
-    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/judge.py), else ""
     vendor: Vendor = Vendor.NVIDIA
     # Bytes: the judge's released line for it (judge.released_line). Not sent: the start gate
     # that reads it runs beside the scan (daemon or --local); an idle AMD GPU's driver keeps
