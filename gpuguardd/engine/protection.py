@@ -1,10 +1,9 @@
 """Who a sweep must never signal, and why. The answer is on the holder before any signal.
 
 A protected executable is recognised by file identity, never by path text: /proc/PID/exe
-reads whatever path the process sees in its own mount namespace, and any user can make that
-say /usr/bin/nvidia-persistenced (`unshare -Urm`, a bind mount over /usr/bin). stat() through
-the magic link reaches the file the process really runs, so its (st_dev, st_ino) is compared
-with those of the files ProtectedExecutables names, looked up in the daemon's own namespace.
+reads the path in the process's own mount namespace, which any user can make say
+/usr/bin/nvidia-persistenced (`unshare -Urm`). stat() through the magic link reaches the file
+it really runs, compared by (st_dev, st_ino) with the ProtectedExecutables in our namespace.
 """
 
 from __future__ import annotations
@@ -26,16 +25,12 @@ FileId = tuple[int, int]
 
 @dataclass(frozen=True)
 class ProtectedFiles:
-    """The files ProtectedExecutables names, as they are now in the daemon's namespace.
-
-    Looked up again for every scan, not once per configuration: a package installed or
-    upgraded since start-up changes which inode is nvidia-persistenced.
-    """
+    """The files ProtectedExecutables names, looked up for every scan (an upgrade changes the
+    inode)."""
 
     by_id: dict[FileId, str]
-    # Configured paths and globs, for one case only: a process in the daemon's own mount
-    # namespace and root whose executable was deleted or replaced since it started (a package
-    # upgrade). Only root can have put a file at such a path there.
+    # Configured paths and globs, for a process in our own mount namespace and root whose
+    # executable was replaced since it started (an upgrade): only root can put a file there.
     patterns: tuple[str, ...]
 
     @classmethod
@@ -52,13 +47,11 @@ class ProtectedFiles:
         return cls(by_id=by_id, patterns=tuple(config.protected_executables))
 
     def match(self, pid: int) -> str | None:
-        """The protected path whose file `pid` runs, or None."""
         try:
             st = os.stat(f"/proc/{pid}/exe")
         except OSError:
-            # The process is gone, or its file is on a filesystem that refuses us (a user's
-            # FUSE mount): either way not one of the files we stat()ed above. Sparing it
-            # instead would let any user shield a holder by running it from a FUSE mount.
+            # Gone, or on a filesystem that refuses us (a user's FUSE mount): not one of ours.
+            # Sparing it would let any user shield a holder by running it from a FUSE mount.
             return None
         return self.by_id.get((st.st_dev, st.st_ino)) or self._replaced_in_our_namespace(pid)
 
