@@ -45,21 +45,12 @@ log = logging.getLogger("gpuguard.engine")
 MAX_GRACE_MS = 3_600_000
 
 
-@dataclass(frozen=True)
-class HolderFilter:
-    gpus: tuple[int, ...] = ()
-    unit: str = ""
-    container: str = ""
-    include_protected: bool = True
-    mig: tuple[str, ...] = ()  # MIG UUIDs: only these instances' holders
-
-
-def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> list[Holder]:
-    """The holders `holder_filter` lets through (Engine.list_holders, the daemon's ListHolders)."""
-    scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
-    on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
+def filter_holders(holders: Iterable[Holder], scope: Scope, include_protected: bool = True) -> list[Holder]:
+    """The holders a listing of `scope` shows: of its unit or container, that may be on its GPUs."""
+    named = Scope(unit=scope.unit, container=scope.container)
+    on = Scope(gpus=scope.gpus, mig=scope.mig)
     return [h for h in holders
-            if (holder_filter.include_protected or not h.protected) and in_scope(h, scope) and may_be_on(h, on)]
+            if (include_protected or not h.protected) and in_scope(h, named) and may_be_on(h, on)]
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
@@ -173,9 +164,9 @@ class Engine:
         return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
                           warnings=warnings)
 
-    def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
+    def list_holders(self, scope: Scope, include_protected: bool = True) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
-        return filter_holders(result.holders, holder_filter), result
+        return filter_holders(result.holders, scope, include_protected), result
 
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:

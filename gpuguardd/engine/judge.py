@@ -1,11 +1,9 @@
 """The one judge of "is this GPU free?": from what is known of a GPU (or MIG instance) and its
 holders, whichever the vendor, a verdict and its reasons.
 
-Every surface asks it and words its answer its own way: the Gpu objects' State and LeakKind
-(gpustate.py), the start gate's FreeSinceUsec, WaitingOn and Wait, daemon and --local alike
-(gate.py), `gpuguardctl check` (cli/check.py), a sweep's verification (sweep.py) and through
-it the Slurm epilog's drain reason and reset, and AutoReset (which acts on State). Nothing else
-decides, so no two of them can disagree on the same facts.
+Every surface asks it and words the answer its own way (Gpu State and LeakKind, the start
+gate, `gpuguardctl check`, a sweep's verification and so the Slurm epilog, AutoReset): nothing
+else decides, so no two of them can disagree on the same facts.
 
 The rule, safe side first:
   * a compute holder that may be on it (protected or not; one whose GPU, or MIG instance,
@@ -80,7 +78,7 @@ class Judgement:
     released: bool = False  # its memory is back: at or below the line plus what live pids hold
 
     def blocking(self, allow_unverified: bool = False) -> list[Reason]:
-        """The reasons it is not free for the next job ([] when it is)."""
+        """The reasons it is not free for the next job."""
         return [r for r in self.reasons if r.why not in HARMLESS
                 and not (allow_unverified and r.why in UNVERIFIED)]
 
@@ -89,8 +87,8 @@ class Judgement:
 
 
 def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
-    """May compute holder `holder` be on GPU `index` (None: any GPU, no list to tell them by),
-    or on its MIG instance `mig_uuid`? An unknown GPU or instance counts as this one."""
+    """May compute holder `holder` be on GPU `index` (None: any), or on its MIG instance
+    `mig_uuid`? An unknown GPU or instance counts as this one."""
     if holder.kind != HolderKind.COMPUTE:
         return False
     if index is not None and holder.gpus and index not in holder.gpus:
@@ -101,8 +99,7 @@ def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
 
 
 def judge(facts: Facts, free_below: int | None = None) -> Judgement:
-    """The verdict on `facts` (module docstring). `free_below`: the gate's line, in bytes
-    (memory must be below it to be free); None: the released line decides."""
+    """The verdict on `facts`. `free_below`: the gate's line in bytes (None: the released line)."""
     f = facts
     reasons = [Reason(Why.SWEEPING)] if f.sweeping else []
     reasons += [Reason(Why.HOLDER, holder=h) for h in f.holders]
@@ -149,7 +146,6 @@ def judge(facts: Facts, free_below: int | None = None) -> Judgement:
 
 
 def released_line(gpu: GpuInfo, configured: int) -> int:
-    """The released line of `gpu`: its backend's own where it sets one."""
     return configured if gpu.released_below is None else gpu.released_below
 
 
@@ -157,8 +153,7 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
              released_below: int, pids_local: bool, *, sweeping: bool = False,
              ending: Collection[int] = (), stuck: Collection[int] = (),
              exists: Callable[[int], bool] = procfs.pid_exists) -> Facts:
-    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read
-    them; `released_below` the configured line ([Sweep] ReleasedBelowMiB, in bytes)."""
+    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read them."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance
     listed = memory.processes
     live: list[int] = []
@@ -183,8 +178,8 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
 def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
                     holders: Sequence[Holder], backend_error: str | None,
                     sweeping: bool = False) -> Facts:
-    """The facts a published summary carries (the daemon's judgement of NVML's side, which
-    clients see no more of) with the holders and sweeps known now. `index` None: any GPU."""
+    """The facts a published summary carries (the daemon's judgement of what it read), with the
+    holders and sweeps known now. `index` None: any GPU."""
     on = tuple(h for h in holders if may_be_on(h, index, mig_uuid))
     if backend_error is not None:
         return Facts(backend_error=backend_error, holders=on, sweeping=sweeping)

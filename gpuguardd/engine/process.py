@@ -103,11 +103,11 @@ class ProcessHandle:
 
 
 def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
-                  on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
+                  on_exit: Callable[[int, float], None]) -> None:
     """Wait until every handle's process has exited or `timeout` passes, calling
-    `on_exit(pid, seen_at)` as each is seen; {pid: seen_at}. Without a pidfd, /proc is polled."""
+    `on_exit(pid, seen_at)` as each is seen. Without a pidfd, /proc is polled."""
     pending = {h.pid: h for h in handles}
-    done: dict[int, float] = {}
+    done: set[int] = set()
     deadline = time.monotonic() + timeout
     poller = select.poll()
     by_fd = {h.pidfd: h.pid for h in pending.values() if h.pidfd is not None}
@@ -116,9 +116,8 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
     fallback = [h for h in pending.values() if h.pidfd is None]
 
     def seen(pid: int, at: float) -> None:
-        done[pid] = at
-        if on_exit is not None:
-            on_exit(pid, at)
+        done.add(pid)
+        on_exit(pid, at)
     while len(done) < len(pending):
         for handle in fallback:
             if handle.pid not in done and handle.exited():
@@ -137,7 +136,6 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
         for fd, _ in events:
             poller.unregister(fd)
             seen(by_fd.pop(fd), at)
-    return done
 
 
 def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:

@@ -180,9 +180,7 @@ class GpuReset:
                     self.report.warn(problem, WarningCode.LOCKS_UNAVAILABLE)
                 self._reset()
         except (NvmlHung, NvmlCallFailed, OSError) as exc:
-            self.report.outcome = Outcome.RESET_FAILED
-            self.report.error = str(exc)
-            self.step(f"failed: {exc}", logging.ERROR)
+            self._error(str(exc), "failed: ")
         finally:
             locks.release()
         self.report.duration_ms = int((time.monotonic() - self._started) * 1000)
@@ -191,16 +189,14 @@ class GpuReset:
                  self.report.outcome, f" ({self.report.error})" if self.report.error else "")
         return self.report
 
-    def _error(self, why: str) -> bool:
-        self.report.outcome = Outcome.RESET_FAILED
+    def _error(self, why: str, said: str = "", outcome: Outcome = Outcome.RESET_FAILED) -> bool:
+        self.report.outcome = outcome
         self.report.error = why
-        self.step(why, logging.ERROR)
+        self.step(said + why, logging.ERROR if outcome == Outcome.RESET_FAILED else logging.WARNING)
         return False
 
     def _refuse(self, why: str) -> None:
-        self.report.outcome = Outcome.RESET_REFUSED
-        self.report.error = why
-        self.step(f"refused: {why}", logging.WARNING)
+        self._error(why, "refused: ", Outcome.RESET_REFUSED)
 
     def _reset(self) -> None:
         scan = self.scan()
