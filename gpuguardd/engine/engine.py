@@ -304,9 +304,7 @@ class Engine:
             # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
             # context (NVML's lists show it): those are what a later round looks at.
             sweep = Sweep(scope, settings, first, lambda: self._scan_pinned(pids=started_since(since)),
-                          self.snapshot, requested_by=request.requested_by, reason=request.reason,
-                          observer=observer, report_id=request.report_id,
-                          resumes=request.resumes, requester_kind=request.requester_kind)
+                          self.snapshot, request, observer)
             sweep.report.warnings.extend(warnings)
             if lock_problem:
                 sweep.report.warn(lock_problem, WarningCode.LOCKS_UNAVAILABLE)

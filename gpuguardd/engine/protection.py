@@ -56,11 +56,8 @@ class ProtectedFiles:
         return self.by_id.get((st.st_dev, st.st_ino)) or self._replaced_in_our_namespace(pid)
 
     def _replaced_in_our_namespace(self, pid: int) -> str | None:
-        try:
-            link = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            return None
-        if not link.endswith(_DELETED) or not _same_namespace_and_root(pid):
+        link = procfs.read_exe(pid)
+        if link is None or not link.endswith(_DELETED) or not _same_namespace_and_root(pid):
             return None
         original = link.removesuffix(_DELETED)
         for pattern in self.patterns:

@@ -23,13 +23,12 @@ from gpuguardd.engine.scope import gpu_scope, holds_no_device_here, in_scope, is
 from gpuguardd.records.enums import (
     HolderKind,
     Outcome,
-    RequesterKind,
     SpareReason,
     SurvivorReason,
     WarningCode,
     Why,
 )
-from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
+from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope, SweepRequest
 from gpuguardd.records.report import (
     GpuResult,
     Leak,
@@ -87,9 +86,8 @@ def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
 
 class Sweep:
     def __init__(self, scope: Scope, settings: SweepSettings, scan: Scan, rescan: Callable[[], Scan],
-                 snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
-                 observer: SweepObserver | None = None, report_id: str = "",
-                 resumes: str = "", requester_kind: RequesterKind = RequesterKind.MANUAL) -> None:
+                 snapshot: Callable[[], NvmlSnapshot], request: SweepRequest,
+                 observer: SweepObserver | None = None) -> None:
         """`rescan`: after each round of signals, what may have become a holder since."""
         self.scope = scope
         self.settings = settings
@@ -97,10 +95,10 @@ class Sweep:
         self.rescan = rescan
         self.snapshot = snapshot
         self.observer = observer
-        self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
-                             requested_by=requested_by, reason=reason, resumes=resumes,
+        self.report = Report(id=request.report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=request.requested_by, reason=request.reason, resumes=request.resumes,
                              scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
-                             dry_run=settings.dry_run, requester_kind=requester_kind)
+                             dry_run=settings.dry_run, requester_kind=request.requester_kind)
         self._t0 = time.monotonic()
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()

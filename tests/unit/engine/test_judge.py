@@ -18,7 +18,16 @@ from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.judge import Facts, facts_of, facts_of_record, judge, may_be_on
 from gpuguardd.engine.sweep import Sweep, SweepSettings, memory_view
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
-from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, NvmlSnapshot, ScanResult, Scope
+from gpuguardd.records.models import (
+    GpuInfo,
+    GpuSummary,
+    Holder,
+    MigInstance,
+    NvmlSnapshot,
+    ScanResult,
+    Scope,
+    SweepRequest,
+)
 from tests.unit.helpers import DEAD, LIVE
 
 MiB = 1 << 20
@@ -221,7 +230,7 @@ def by_sweep_verify(case: Case) -> bool:
     settings = SweepSettings(grace_sec=0, kill_timeout_sec=0, verify_timeout_sec=0,
                              released_below_bytes=CONFIG.released_below_mib * MiB, dry_run=False)
     sweep = Sweep(Scope(gpus=(0,)), settings, ([], scan.nvml, [], []),
-                  lambda: ([], scan.nvml, [], []), lambda: scan.nvml, "test")
+                  lambda: ([], scan.nvml, [], []), lambda: scan.nvml, SweepRequest(requested_by="test"))
     sweep._pids_local = scan.nvml.pids_local
     view = memory_view(scan.nvml, 0)
     return view is not None and not sweep._unreadable(view) and sweep._judge(view).released

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpuguardd.engine.sweep import MAX_ROUNDS, Sweep, SweepSettings
 from gpuguardd.records.enums import HolderKind, RequesterKind, SpareReason, SurvivorReason, WarningCode
-from gpuguardd.records.models import Holder, NvmlSnapshot, Scope
+from gpuguardd.records.models import Holder, NvmlSnapshot, Scope, SweepRequest
 from gpuguardd.records.report import Report
 
 
@@ -24,7 +24,7 @@ def plan(holders: list[Holder], scope: Scope) -> Report:
     nvml = NvmlSnapshot(available=False)
     pinned: Any = [(h, Handle()) for h in holders]
     sweep = Sweep(scope, settings, (pinned, nvml, [], []), lambda: ([], nvml, [], []), lambda: nvml,
-                  requested_by="x", requester_kind=RequesterKind.WATCH)
+                  SweepRequest(requested_by="x", requester_kind=RequesterKind.WATCH))
     return sweep.run()
 
 
@@ -77,7 +77,7 @@ def test_every_survivor_carries_the_code_of_why() -> None:
 
     pinned: Any = [(zombie(1), Handle())]
     report = Sweep(Scope(gpus=(0,)), settings, (pinned, nvml, [], []), rescan, lambda: nvml,
-                   requested_by="x").run()
+                   SweepRequest(requested_by="x")).run()
     codes = [s.code for s in report.survived]
     assert codes == [SurvivorReason.ZOMBIE] * MAX_ROUNDS + [SurvivorReason.REAPPEARED]
     assert report.survived[0].why == "zombie: parent 7 has not reaped it"
