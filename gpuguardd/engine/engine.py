@@ -182,7 +182,6 @@ class Engine:
         known = ", ".join(str(g) for g in sorted({g.index for g in snap.gpus} | set(nodes))) or "none"
         for item in items:
             chosen = selector(item).check()
-            text = chosen.text
             if chosen.kind == INDEX:
                 index = chosen.index
                 if snap.by_index(index) is None and index not in nodes:
@@ -199,16 +198,15 @@ class Engine:
                 matches = [found.index for found in chosen.find(known_gpus(snap)) if not found.mig]
                 if not matches:
                     what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
-                    raise InvalidArgument(f"unknown {what} {text!r}" + (
+                    raise InvalidArgument(f"unknown {what} {chosen.text!r}" + (
                         "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
                 indices.update(matches)
         return tuple(sorted(indices)), warnings
 
     @staticmethod
     def resolve_mig(wanted: Iterable[object], nvml: NvmlSnapshot) -> tuple[tuple[str, ...], list[object]]:
-        """The MIG UUIDs among what the caller named (as NVML spells them), and the rest.
-
-        A MIG instance is a scope of its own: it is never widened to its GPU."""
+        """The MIG UUIDs among what the caller named (as NVML spells them; never widened to their
+        GPU), and the rest."""
         found: list[str] = []
         rest: list[object] = []
         for item in wanted:

@@ -58,26 +58,21 @@ def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
     tokens = device_map.maps_prefilter or device_map.maps_tokens
     for line in procfs.maps_lines(pid, tokens):
-        node = _maps_line_node(line, device_map)
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
+        node = device_map.by_path.get(path)
+        if node is None:
+            try:
+                major_text, minor_text = parts[3].split(b":")
+                dev = os.makedev(int(major_text, 16), int(minor_text, 16))
+                node = device_map.by_inode.get((dev, int(parts[4])))
+            except ValueError:
+                continue
         if node is not None:
             raw.nodes[node.path] = node
             raw.how.add("mmap")
-
-
-def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
-    parts = line.split(None, 5)
-    if len(parts) < 5:
-        return None
-    path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
-    node = device_map.by_path.get(path)
-    if node is None:
-        try:
-            major_text, minor_text = parts[3].split(b":")
-            dev = os.makedev(int(major_text, 16), int(minor_text, 16))
-            node = device_map.by_inode.get((dev, int(parts[4])))
-        except ValueError:
-            node = None
-    return node
 
 
 def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:

@@ -43,8 +43,6 @@ HARMLESS = frozenset({Why.SUSPENDED})
 
 @dataclass(frozen=True)
 class Facts:
-    """What is known of one GPU or MIG instance and its holders."""
-
     backend_error: str | None = None  # NVML does not answer (why): nothing below was read
     listed: bool = True  # NVML lists it
     suspended: bool = False

@@ -70,10 +70,6 @@ class ProcessHandle:
         except OSError:
             pass
 
-    def _same_process(self) -> bool:
-        stat = procfs.read_stat(self.pid)
-        return stat is not None and stat.start_time == self.start_time
-
     def alive(self) -> bool:
         """True while the process exists (a zombie keeps its PID)."""
         try:
@@ -86,7 +82,7 @@ class ProcessHandle:
         try:
             if self.pidfd is not None:
                 signal.pidfd_send_signal(self.pidfd, sig)
-            elif self._same_process():
+            elif (stat := procfs.read_stat(self.pid)) is not None and stat.start_time == self.start_time:
                 os.kill(self.pid, sig)
             else:
                 return False

@@ -25,8 +25,7 @@ FileId = tuple[int, int]
 
 @dataclass(frozen=True)
 class ProtectedFiles:
-    """The files ProtectedExecutables names, looked up for every scan (an upgrade changes the
-    inode)."""
+    """The files ProtectedExecutables names, looked up for every scan (an upgrade changes them)."""
 
     by_id: dict[FileId, str]
     # Configured paths and globs, for a process in our own mount namespace and root whose

@@ -236,7 +236,7 @@ class Sweep:
                 sent_at.setdefault(pid, time.monotonic())
                 result = self._signal(holder, handle, sig)
                 if result == "gone":
-                    self._record_exit(holder, handle, gone_as, sent_at[pid])
+                    self._record_exit(holder, handle, gone_as, sent_at[pid], time.monotonic())
                     del live[pid]
                 elif result == "denied":
                     report.survived.append(Survivor.of(holder, SurvivorReason.PERMISSION_DENIED,
@@ -280,8 +280,7 @@ class Sweep:
         self._exiting.clear()
 
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
-                     sent_at: float, seen_at: float | None = None) -> None:
-        seen = time.monotonic() if seen_at is None else seen_at
+                     sent_at: float, seen: float) -> None:
         # The kernel's exit status while it has it; else SIGTERM is credited only if it could have ended it.
         stat = procfs.read_stat(holder.pid)
         if stat is not None and stat.start_time != handle.start_time:
