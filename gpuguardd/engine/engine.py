@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gpuguardd.config import Config, command_argv
+from gpuguardd.config import Config
 from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_scope_label,
@@ -24,7 +24,7 @@ from gpuguardd.engine.mig import annotate_device_paths
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
-from gpuguardd.engine.reset import GpuReset, ResetSettings
+from gpuguardd.engine.reset import GpuReset
 from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
 from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
 from gpuguardd.errors import InvalidArgument
@@ -323,14 +323,7 @@ class Engine:
         return report
 
     def reset_gpu(self, index: int, requested_by: str, reason: str = "") -> Report:
-        config = self.config
-        settings = ResetSettings(command=command_argv(config.reset_command), timeout_sec=config.reset_timeout_sec,
-                                 verify_timeout_sec=config.verify_timeout_sec,
-                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
-                                 lock_directory=os.path.join(config.runtime_directory, "locks"),
-                                 amd_command=command_argv(config.amd_reset_command),
-                                 sysfs_path=config.sysfs_path)
-        return GpuReset(index, self.nvml, self.scan, settings, requested_by, reason).run()
+        return GpuReset(index, self.nvml, self.scan, self.config, requested_by, reason).run()
 
 
 def log_device_refusals(config: Config) -> None:

@@ -20,9 +20,8 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from gpuguardd.config import DEFAULT_AMD_RESET_COMMAND, command_argv
+from gpuguardd.config import Config, command_argv
 from gpuguardd.engine import procfs
 from gpuguardd.engine.driverinfo import bus_key
 from gpuguardd.engine.judge import Judgement, facts_of, judge
@@ -46,18 +45,7 @@ PAUSED = "NVML closed for a GPU reset"
 # capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
 NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
 KFD_NODE = "/dev/kfd"
-
-
-@dataclass(frozen=True)
-class ResetSettings:
-    command: tuple[str, ...]
-    timeout_sec: float
-    verify_timeout_sec: float
-    released_below_bytes: int
-    lock_directory: str
-    poll_sec: float = 0.1
-    amd_command: tuple[str, ...] = command_argv(DEFAULT_AMD_RESET_COMMAND)
-    sysfs_path: str = "/sys"
+POLL_SEC = 0.1  # between readings while verifying
 
 
 def _name(holder: Holder) -> str:
@@ -150,12 +138,12 @@ def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str 
 
 class GpuReset:
     def __init__(self, index: int, nvml: Nvml, scan: Callable[[], ScanResult],
-                 settings: ResetSettings, requested_by: str, reason: str = "",
+                 config: Config, requested_by: str, reason: str = "",
                  run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run) -> None:
         self.index = index
         self.nvml = nvml
         self.scan = scan
-        self.settings = settings
+        self.config = config
         self._run = run
         self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=requested_by, reason=reason,
@@ -170,7 +158,7 @@ class GpuReset:
     def run(self) -> Report:
         log.info("reset %s of GPU %d requested by %s%s", self.report.id[:8], self.index,
                  self.report.requested_by, f" (reason: {self.report.reason})" if self.report.reason else "")
-        locks = GpuLocks(self.settings.lock_directory)
+        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
             problem = locks.acquire([self.index], wait=False)
             if locks.busy:
@@ -208,7 +196,7 @@ class GpuReset:
         own = frozenset({os.getpid(), *procfs.ancestors(os.getpid())})
         amd = gpu.vendor == Vendor.AMD
         why = (refusal(gpu, scan.nvml, scan.holders, own)
-               or (amd_refusal(gpu, scan, own, self.settings.sysfs_path) if amd else "")
+               or (amd_refusal(gpu, scan, own, self.config.sysfs_path) if amd else "")
                or ("" if gpu.pci_bus_id else "its PCI bus id is unknown")
                or ("" if amd else self._nvlink_refusal()))
         if why:
@@ -217,7 +205,7 @@ class GpuReset:
         before = self._before(gpu, scan.nvml.pids_local)
         if amd:
             # No persistence mode and no session of gpuguardd's own to close: it reads sysfs.
-            if self._command(gpu.pci_bus_id, self.settings.amd_command):
+            if self._command(gpu.pci_bus_id, self.config.amd_reset_command):
                 self._verify(before, lambda: self.scan().nvml)
             return
         if gpu.mig_mode:
@@ -227,7 +215,7 @@ class GpuReset:
         try:
             self.nvml.pause(PAUSED)
             self.step("closed gpuguardd's NVML session")
-            ok = self._command(gpu.pci_bus_id)
+            ok = self._command(gpu.pci_bus_id, self.config.reset_command)
         finally:
             self.nvml.resume()
             if restore:
@@ -236,7 +224,7 @@ class GpuReset:
             self._verify(before, self.nvml.snapshot)
 
     def _judge(self, gpu: GpuInfo, pids_local: bool) -> Judgement:
-        return judge(facts_of(gpu, None, (), self.settings.released_below_bytes, pids_local))
+        return judge(facts_of(gpu, None, (), self.config.released_below_mib * 1024 * 1024, pids_local))
 
     def _before(self, gpu: GpuInfo, pids_local: bool) -> GpuResult:
         before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
@@ -313,16 +301,16 @@ class GpuReset:
                              WarningCode.PERSISTENCE_NOT_RESTORED)
             self.step(f"could not restore persistence mode: {exc}", logging.ERROR)
 
-    def _command(self, bus_id: str, command: tuple[str, ...] | None = None) -> bool:
-        argv = [*(command or self.settings.command), bus_id]
+    def _command(self, bus_id: str, command: str) -> bool:
+        argv = [*command_argv(command), bus_id]
         shown = " ".join(argv)
         self.step(f"running {shown}")
         try:
             done = self._run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, timeout=self.settings.timeout_sec,
+                             stderr=subprocess.STDOUT, timeout=self.config.reset_timeout_sec,
                              check=False)
         except subprocess.TimeoutExpired:
-            return self._error(f"{shown} did not finish within {self.settings.timeout_sec:g} s")
+            return self._error(f"{shown} did not finish within {self.config.reset_timeout_sec:g} s")
         except OSError as exc:
             return self._error(f"cannot run {shown}: {exc.strerror or exc}")
         said = done.stdout[-_OUTPUT_MAX:].decode("utf-8", "replace").strip()
@@ -334,7 +322,7 @@ class GpuReset:
     def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot]) -> None:
         """Poll `read` (NVML, or an AMD GPU's scan) until the judge finds the GPU's memory
         released, or VerifyTimeoutSec passes."""
-        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        deadline = time.monotonic() + self.config.verify_timeout_sec
         while True:
             snap = read()
             gpu = snap.by_index(self.index)
@@ -344,7 +332,7 @@ class GpuReset:
                 before.released = self._judge(gpu, snap.pids_local).released
             if before.released or time.monotonic() >= deadline:
                 break
-            time.sleep(self.settings.poll_sec)
+            time.sleep(POLL_SEC)
         if before.released:
             self.report.outcome = Outcome.RESET
             self.report.verified = True
