@@ -26,7 +26,7 @@ from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset
 from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
-from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import (
@@ -273,16 +273,13 @@ class Engine:
         since, nvml = prepared.since, prepared.nvml
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         config = self.config
-        settings = SweepSettings(
-            grace_sec=config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0,
-            kill_timeout_sec=config.kill_timeout_sec, verify_timeout_sec=config.verify_timeout_sec,
-            released_below_bytes=config.released_below_mib * 1024 * 1024, dry_run=request.is_dry_run(config.dry_run))
+        dry_run = request.is_dry_run(config.dry_run)
         warnings = list(prepared.warnings)
         lock_problem = ""
         locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
             first = self._scan_pinned(nvml)
-            if not settings.dry_run:
+            if not dry_run:
                 # Which GPUs the sweep touches is only known from a scan; lock those. If we had
                 # to wait for another sweep, look again, and widen the lock if it reaches further.
                 held: set[str] = set()
@@ -301,7 +298,7 @@ class Engine:
             # After the scan that decided the locks, a process becomes a holder by starting (a
             # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
             # context (NVML's lists show it): those are what a later round looks at.
-            sweep = Sweep(scope, settings, first, lambda: self._scan_pinned(pids=started_since(since)),
+            sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(since)),
                           self.snapshot, request, observer)
             sweep.report.warnings.extend(warnings)
             if lock_problem:

@@ -13,9 +13,10 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol, Union
 
+from gpuguardd.config import Config
 from gpuguardd.engine import process, procfs
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
@@ -47,6 +48,10 @@ MAX_ROUNDS = 3
 # the sweep's, not yet released, or another tenant's. Once the sweep's are gone, verification
 # calls such lists settled this long after their last change: unverified, never freed.
 FOREIGN_SETTLE_SEC = 2.0
+# NVML has no "memory released" event: verification polls fast first (release is usually
+# quick), then backs off to this.
+POLL_START_SEC = 0.005
+POLL_MAX_SEC = 0.1
 
 
 class SweepObserver(Protocol):
@@ -54,17 +59,6 @@ class SweepObserver(Protocol):
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class SweepSettings:
-    grace_sec: float
-    kill_timeout_sec: float
-    verify_timeout_sec: float
-    released_below_bytes: int
-    dry_run: bool
-    poll_start_sec: float = 0.005
-    poll_max_sec: float = 0.1
 
 
 Pinned = list[tuple[Holder, ProcessHandle]]
@@ -85,20 +79,22 @@ def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
 
 
 class Sweep:
-    def __init__(self, scope: Scope, settings: SweepSettings, scan: Scan, rescan: Callable[[], Scan],
+    def __init__(self, scope: Scope, config: Config, scan: Scan, rescan: Callable[[], Scan],
                  snapshot: Callable[[], NvmlSnapshot], request: SweepRequest,
                  observer: SweepObserver | None = None) -> None:
         """`rescan`: after each round of signals, what may have become a holder since."""
         self.scope = scope
-        self.settings = settings
+        self.config = config
+        self.grace_sec = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+        self.dry_run = request.is_dry_run(config.dry_run)
         self.scan = scan
         self.rescan = rescan
         self.snapshot = snapshot
         self.observer = observer
         self.report = Report(id=request.report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=request.requested_by, reason=request.reason, resumes=request.resumes,
-                             scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
-                             dry_run=settings.dry_run, requester_kind=request.requester_kind)
+                             scope=ReportScope.of(scope, grace_ms=int(self.grace_sec * 1000)),
+                             dry_run=self.dry_run, requester_kind=request.requester_kind)
         self._t0 = time.monotonic()
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
@@ -125,7 +121,7 @@ class Sweep:
         if not nvml.gpus_known:
             report.warn(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified",
                         WarningCode.NVML_UNAVAILABLE)
-        if self.settings.dry_run:
+        if self.dry_run:
             report.outcome = Outcome.DRY_RUN
             report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
             self._close(pinned)
@@ -251,10 +247,10 @@ class Sweep:
             wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
 
         send_all(signal.SIGTERM, "")
-        wait(signal.SIGTERM, self.settings.grace_sec)
+        wait(signal.SIGTERM, self.grace_sec)
         if live:
             send_all(signal.SIGKILL, signal.SIGTERM.name)
-            wait(signal.SIGKILL, self.settings.kill_timeout_sec)
+            wait(signal.SIGKILL, self.config.kill_timeout_sec)
         for pid, (holder, handle) in live.items():
             # SIGKILL is pending: exiting, however slowly (module docstring; sglang issue 31746).
             self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
@@ -273,7 +269,7 @@ class Sweep:
     def _report_exiting(self) -> None:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
             state, code, why = process.survivor_reason(pid)
-            waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
+            waited = self.config.kill_timeout_sec + self.config.verify_timeout_sec
             self.report.survived.append(Survivor.of(holder, code, f"{why} ({waited:g} s after SIGKILL)",
                                                     state=state))
             handle.close()
@@ -303,7 +299,7 @@ class Sweep:
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
         """The judge's verdict on a view's memory, with what the sweep ended as ending."""
         gpu, instance = view
-        return judge(facts_of(gpu, instance, (), self.settings.released_below_bytes,
+        return judge(facts_of(gpu, instance, (), self.config.released_below_mib * 1024 * 1024,
                               self._pids_local, ending={*self._terminated_pids, *self._exiting},
                               stuck=set(stuck)))
 
@@ -331,12 +327,12 @@ class Sweep:
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
         """Poll NVML until the memory is back and no target is still exiting, or until
         VerifyTimeoutSec (foreign pids' lists: until they settle); the last readings."""
-        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        deadline = time.monotonic() + self.config.verify_timeout_sec
         if not gpus or not nvml_available:
             if self._exiting:  # nothing to read: wait for the processes alone, not the clock
                 self._wait_exiting(max(0.0, deadline - time.monotonic()))
             return {}
-        delay = self.settings.poll_start_sec
+        delay = POLL_START_SEC
         foreign: dict[MemoryKey, frozenset[int]] = {}
         quiet_since = time.monotonic()
         while True:
@@ -355,9 +351,8 @@ class Sweep:
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.gpus_known else {}
-            # NVML has no "memory released" event: poll fast first (release is usually quick), then back off.
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.settings.poll_max_sec)
+            delay = min(delay * 2, POLL_MAX_SEC)
 
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
                    after: MemoryView | None) -> GpuResult:
@@ -371,7 +366,7 @@ class Sweep:
             entry.memory_used_after = _memory_of(after).memory_used
             entry.released = self._judge(after).released
         else:
-            entry.memory_used_after = was.memory_used if was and self.settings.dry_run else 0
+            entry.memory_used_after = was.memory_used if was and self.dry_run else 0
         return entry
 
     def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],

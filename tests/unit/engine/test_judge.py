@@ -16,7 +16,7 @@ from gpuguardd.daemon.gate import GateService
 from gpuguardd.engine.gate import GateRule
 from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.judge import Facts, facts_of, facts_of_record, judge, may_be_on
-from gpuguardd.engine.sweep import Sweep, SweepSettings, memory_view
+from gpuguardd.engine.sweep import Sweep, memory_view
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import (
     GpuInfo,
@@ -227,9 +227,9 @@ def by_daemon(case: Case) -> tuple[bool, bool]:
 
 def by_sweep_verify(case: Case) -> bool:
     scan = case.scan()
-    settings = SweepSettings(grace_sec=0, kill_timeout_sec=0, verify_timeout_sec=0,
-                             released_below_bytes=CONFIG.released_below_mib * MiB, dry_run=False)
-    sweep = Sweep(Scope(gpus=(0,)), settings, ([], scan.nvml, [], []),
+    config = Config(grace_sec=0, kill_timeout_sec=0, verify_timeout_sec=0,
+                    released_below_mib=CONFIG.released_below_mib)
+    sweep = Sweep(Scope(gpus=(0,)), config, ([], scan.nvml, [], []),
                   lambda: ([], scan.nvml, [], []), lambda: scan.nvml, SweepRequest(requested_by="test"))
     sweep._pids_local = scan.nvml.pids_local
     view = memory_view(scan.nvml, 0)
