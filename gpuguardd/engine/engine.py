@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -87,8 +86,7 @@ class Prepared:
 class Engine:
     def __init__(self, config: Config, nvml: Nvml | None = None,
                  use_pidfd: bool | None = None) -> None:
-        self._config = config
-        self._config_lock = threading.Lock()
+        self.config = config  # replaced whole on a reload: a reader sees the old or the new one
         # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
         self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec,
                                  sysfs=lambda: self.config.sysfs_path)
@@ -96,15 +94,6 @@ class Engine:
         if not self.use_pidfd:
             log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
                         "checks before each signal")
-
-    @property
-    def config(self) -> Config:
-        with self._config_lock:
-            return self._config
-
-    def set_config(self, config: Config) -> None:
-        with self._config_lock:
-            self._config = config
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
         """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
@@ -274,7 +263,6 @@ class Engine:
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         config = self.config
         dry_run = request.is_dry_run(config.dry_run)
-        warnings = list(prepared.warnings)
         lock_problem = ""
         locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
@@ -300,7 +288,7 @@ class Engine:
             # context (NVML's lists show it): those are what a later round looks at.
             sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(since)),
                           self.snapshot, request, observer)
-            sweep.report.warnings.extend(warnings)
+            sweep.report.warnings.extend(prepared.warnings)
             if lock_problem:
                 sweep.report.warn(lock_problem, WarningCode.LOCKS_UNAVAILABLE)
             if not self.use_pidfd:

@@ -26,7 +26,7 @@ stuck-in-driver (a sweep's survivors asleep in the driver, D state; vllm 25127: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gpuguardd.engine import procfs
@@ -148,9 +148,8 @@ def released_line(gpu: GpuInfo, configured: int) -> int:
 
 
 def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
-             released_below: int, pids_local: bool, *, sweeping: bool = False,
-             ending: Collection[int] = (), stuck: Collection[int] = (),
-             exists: Callable[[int], bool] = procfs.pid_exists) -> Facts:
+             released_below: int, pids_local: bool, *,
+             ending: Collection[int] = (), stuck: Collection[int] = ()) -> Facts:
     """The facts of a GPU (instance None) or one of its MIG instances, as the backend read them."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance
     listed = memory.processes
@@ -158,7 +157,7 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
     dead: list[int] = []
     if pids_local:
         for pid in listed:
-            (live if exists(pid) else dead).append(pid)
+            (live if procfs.pid_exists(pid) else dead).append(pid)
     return Facts(
         suspended=gpu.suspended, lost=gpu.lost,
         unreadable=gpu.unknown or bool(memory.error and not memory.memory_total),
@@ -168,9 +167,7 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
         foreign=() if pids_local else tuple(listed),
         ending=tuple(p for p in listed if p in ending),
         stuck=tuple(p for p in listed if p in stuck),
-        holders=tuple(h for h in holders
-                      if may_be_on(h, gpu.index, instance.uuid if instance else "")),
-        sweeping=sweeping)
+        holders=tuple(h for h in holders if may_be_on(h, gpu.index, instance.uuid if instance else "")))
 
 
 def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
