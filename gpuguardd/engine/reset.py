@@ -138,13 +138,11 @@ def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str 
 
 class GpuReset:
     def __init__(self, index: int, nvml: Nvml, scan: Callable[[], ScanResult],
-                 config: Config, requested_by: str, reason: str = "",
-                 run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run) -> None:
+                 config: Config, requested_by: str, reason: str = "") -> None:
         self.index = index
         self.nvml = nvml
         self.scan = scan
         self.config = config
-        self._run = run
         self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=requested_by, reason=reason,
                              scope=ReportScope(gpus=[index]), kind=REPORT_RESET,
@@ -306,9 +304,8 @@ class GpuReset:
         shown = " ".join(argv)
         self.step(f"running {shown}")
         try:
-            done = self._run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, timeout=self.config.reset_timeout_sec,
-                             check=False)
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=self.config.reset_timeout_sec, check=False)
         except subprocess.TimeoutExpired:
             return self._error(f"{shown} did not finish within {self.config.reset_timeout_sec:g} s")
         except OSError as exc:

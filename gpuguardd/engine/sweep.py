@@ -136,10 +136,8 @@ class Sweep:
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             report.targets.extend(Target.of(holder) for holder, _ in targets)
             gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
-        report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED,
-                                                   f"appeared again after {MAX_ROUNDS} rounds: "
-                                                   "something keeps starting new holders")
-                               for holder, _ in targets)
+        why = f"appeared again after {MAX_ROUNDS} rounds: something keeps starting new holders"
+        report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED, why) for holder, _ in targets)
         self._close(pinned)
         after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
@@ -170,20 +168,17 @@ class Sweep:
                     self.report.spared.append(Spared.of(holder, code, why))
                 continue
             if holder.protected:
-                self.report.spared.append(Spared.of(
-                    holder, holder.protected_code or SpareReason.OTHER, holder.protected_why))
+                spared = (holder.protected_code or SpareReason.OTHER, holder.protected_why)
             elif holds_no_device_here(holder):
-                self.report.spared.append(Spared.of(
-                    holder, SpareReason.NO_DEVICE_HERE,
-                    "NVML lists it, but it holds no NVIDIA device here "
-                    "(another PID namespace's pid, or a reused one?)"))
+                spared = (SpareReason.NO_DEVICE_HERE, "NVML lists it, but it holds no NVIDIA device here "
+                          "(another PID namespace's pid, or a reused one?)")
             elif holder.kind != HolderKind.COMPUTE and not self.scope.include_management:
-                self.report.spared.append(Spared.of(
-                    holder, SpareReason.MANAGEMENT,
-                    "management client (no CUDA context); include_management ends it"))
+                spared = (SpareReason.MANAGEMENT, "management client (no CUDA context); include_management ends it")
             else:
                 targets.append((holder, handle))
                 self.report.targets.append(Target.of(holder))
+                continue
+            self.report.spared.append(Spared.of(holder, *spared))
         return targets
 
     def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
@@ -236,8 +231,7 @@ class Sweep:
                     del live[pid]
                 elif result == "denied":
                     report.survived.append(Survivor.of(holder, SurvivorReason.PERMISSION_DENIED,
-                                                               f"permission denied sending {sig.name} "
-                                                               "(run as root)"))
+                                                       f"permission denied sending {sig.name} (run as root)"))
                     del live[pid]
 
         def wait(sig: signal.Signals, timeout: float) -> None:
