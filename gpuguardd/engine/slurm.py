@@ -97,10 +97,8 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
     if text not in _NO_GPUS:
         for item in (i.strip() for i in text.split(",")):
             pci = not is_digits(item) and selector(item).kind == PCI
-            minor = item if pci else parse_uint(item, name, MAX_MINOR)
-            if minor not in minors:
-                minors.append(minor)
-    return EpilogJob(job_id, uid, tuple(minors))
+            minors.append(item if pci else parse_uint(item, name, MAX_MINOR))
+    return EpilogJob(job_id, uid, tuple(dict.fromkeys(minors)))
 
 
 def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
