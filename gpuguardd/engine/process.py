@@ -91,9 +91,7 @@ class ProcessHandle:
         return True
 
     def exited(self) -> bool:
-        if self.pidfd is not None:
-            ready, _, _ = select.select([self.pidfd], [], [], 0)
-            return bool(ready)
+        """By /proc, for a handle without a pidfd (wait_for_exit polls pidfds)."""
         stat = procfs.read_stat(self.pid)
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
