@@ -53,9 +53,10 @@ def filter_holders(holders: Iterable[Holder], scope: Scope, include_protected: b
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
-    """Whether `holder` may compute on `on`'s GPUs or MIG instances, for a listing. The sweep
-    (scope.gpu_scope) leaves out a holder it cannot place; a listing shows it wherever it may
-    be: on every GPU whose node it holds, and on all when its GPU is unknown altogether."""
+    """Whether `holder` may compute on `on`'s GPUs or MIG instances, for a listing and so for
+    `gpuguardctl check`. The sweep (scope.gpu_scope) leaves out a holder it cannot place; a
+    check must not call a GPU free on that doubt: such a holder counts on every GPU whose node
+    it holds, and on all when its GPU is unknown altogether."""
     if not on.gpus and not on.mig:
         return True
     if holder.nvml_gpus or holder.mig or holder.kind != HolderKind.COMPUTE:
