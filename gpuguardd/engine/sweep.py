@@ -135,7 +135,8 @@ class Sweep:
             targets = [(h, p) for h, p in pinned
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             report.targets.extend(Target.of(holder) for holder, _ in targets)
-            gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
+            # Keys mix ints and strings: no sort, the new ones after.
+            gpus_in_scope = list(dict.fromkeys([*gpus_in_scope, *self._gpus_in_scope(targets, nvml)]))
         why = f"appeared again after {MAX_ROUNDS} rounds: something keeps starting new holders"
         report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED, why) for holder, _ in targets)
         self._close(pinned)
@@ -404,8 +405,3 @@ class Sweep:
 
 def _memory_of(view: MemoryView) -> GpuInfo | MigInstance:
     return view[1] or view[0]
-
-
-def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:
-    """first, then what `more` adds, without repeats (keys mix ints and strings: no sort)."""
-    return list(dict.fromkeys([*first, *more]))
