@@ -233,7 +233,6 @@ def describe(pid: int, nvml: NvmlSnapshot,
     holder.devices = [n.path for n in nodes]
     holder.roles = sorted({n.role for n in nodes})
     how = set(raw.how)
-    holder.node_gpus = _gpus_for(nodes, nvml)
     memory = 0
     nvml_gpus: set[int] = set()
     # The driver's pids (NVML's, KFD's) name local processes only where they are this
@@ -249,7 +248,7 @@ def describe(pid: int, nvml: NvmlSnapshot,
             nvml_gpus.add(index)
             memory += vram
     caps_gpus, holder.mig = _mig_for(pid, nodes, nvml, device_map)
-    holder.node_gpus = sorted(set(holder.node_gpus) | caps_gpus)
+    holder.node_gpus = sorted(set(_gpus_for(nodes, nvml)) | caps_gpus)
     holder.how = [h for h in ("fd", "mmap", "nvml", "kfd", "fdinfo") if h in how]
     holder.nvml_gpus = sorted(nvml_gpus)
     # Only NVML knows where a process computes (every CUDA process holds every GPU's node):
