@@ -106,7 +106,5 @@ def protection(holder: Holder, config: Config, own_chain: Iterable[int],
 
 def mark_protection(holder: Holder, config: Config, own_chain: Iterable[int],
                     protected: ProtectedFiles | None = None) -> None:
-    found = protection(holder, config, own_chain, protected)
-    holder.protected = found is not None
-    holder.protected_code = found[0] if found is not None else None
-    holder.protected_why = found[1] if found is not None else ""
+    holder.protected_code, holder.protected_why = protection(holder, config, own_chain, protected) or (None, "")
+    holder.protected = holder.protected_code is not None
