@@ -25,7 +25,7 @@ from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
 from gpuguardd.engine.reset import GpuReset
 from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
-from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, close_all
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import (
@@ -149,8 +149,7 @@ class Engine:
     def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
         """Every holder, on `nvml` (a reading taken already) or a fresh one."""
         pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
-        for _, handle in pinned:
-            handle.close()
+        close_all(pinned)
         return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
                           warnings=warnings)
 
@@ -279,8 +278,7 @@ class Engine:
                     lock_problem = locks.acquire(held) or ""
                     if lock_problem or not locks.waited:
                         break
-                    for _, handle in first[0]:
-                        handle.close()
+                    close_all(first[0])
                     first = self._scan_pinned()
                     wanted = self._lock_names(scope, first[0], first[1])
 

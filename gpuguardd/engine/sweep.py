@@ -71,6 +71,11 @@ MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
+def close_all(pinned: Pinned) -> None:
+    for _, handle in pinned:
+        handle.close()
+
+
 def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
     if isinstance(key, str):
         return snap.mig_instance(key)
@@ -124,13 +129,13 @@ class Sweep:
         if self.dry_run:
             report.outcome = Outcome.DRY_RUN
             report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
-            self._close(pinned)
+            close_all(pinned)
             return self._finish()
         rounds = 0
         while targets and rounds < MAX_ROUNDS:
             rounds += 1
             self._terminate(targets)
-            self._close(pinned)
+            close_all(pinned)
             pinned, _, _, _ = self.rescan()
             targets = [(h, p) for h, p in pinned
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
@@ -139,7 +144,7 @@ class Sweep:
             gpus_in_scope = list(dict.fromkeys([*gpus_in_scope, *self._gpus_in_scope(targets, nvml)]))
         why = f"appeared again after {MAX_ROUNDS} rounds: something keeps starting new holders"
         report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED, why) for holder, _ in targets)
-        self._close(pinned)
+        close_all(pinned)
         after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
@@ -150,11 +155,6 @@ class Sweep:
         self.report.code_warnings()
         self.report.duration_ms = int((time.monotonic() - self._t0) * 1000)
         return self.report
-
-    @staticmethod
-    def _close(pinned: Pinned) -> None:
-        for _, handle in pinned:
-            handle.close()
 
     def _plan(self, pinned: Pinned) -> Pinned:
         targets: Pinned = []
