@@ -249,7 +249,7 @@ class Daemon:
             if config.state_directory != old.state_directory:
                 log.warning("StateDirectory changed to %s: the history stays in %s until restart",
                             config.state_directory, old.state_directory)
-            self.engine.set_config(config)
+            self.engine.config = config
             log_device_refusals(config)
             self.service.config_changed()
             log.info("configuration reloaded from %s",

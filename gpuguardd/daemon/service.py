@@ -31,7 +31,7 @@ from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.units import UnitSweeps
-from gpuguardd.engine.engine import Engine, HolderFilter, Prepared, filter_holders
+from gpuguardd.engine.engine import Engine, Prepared, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
 from gpuguardd.records.codec import Wire
@@ -160,11 +160,9 @@ class Service:
         return self.engine.config.dry_run
 
     async def list_holders(self, caller: Caller, options: dict[str, Any]) -> list[marshal.VarDict]:
-        holder_filter = HolderFilter(include_protected=options.get("include_protected", True))
+        scope = Scope()
         if options.get("gpus") or options.get("unit") or options.get("container"):
             scope = await self._resolve(SweepRequest.from_options(options))
-            holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
-                                         mig=scope.mig, include_protected=holder_filter.include_protected)
         # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
         # gpuguardctl sends) waits for a scan that starts after the call, for a non-root uid
         # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
@@ -173,7 +171,7 @@ class Service:
             fresh = False
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
-        holders = filter_holders(result.holders, holder_filter)
+        holders = filter_holders(result.holders, scope, options.get("include_protected", True))
         # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
         # typed one, so the sizes typed once per scan bound it.
         sizes = [typed[id(h)][1] for h in holders]

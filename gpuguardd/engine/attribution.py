@@ -26,7 +26,7 @@ class Attribution:
 
 
 def cgroup_path(cgroup_file: str) -> str:
-    """The path that systemd uses for tracking: name=systemd on v1/hybrid, else the v2 line."""
+    """systemd's tracking path: name=systemd on v1/hybrid, else the v2 line."""
     unified = ""
     for line in cgroup_file.splitlines():
         parts = line.split(":", 2)
@@ -39,8 +39,7 @@ def cgroup_path(cgroup_file: str) -> str:
     return unified
 
 
-# (pattern over the whole path, label prefix). First match wins; order matters where a runtime
-# nests inside another's slice.
+# (pattern over the whole path, label prefix): the first match wins.
 _CONTAINER_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^/lxc\.payload[./]([^/]+)"), "lxc"),  # upstream LXC >= 4
     # Proxmox VE keeps the container's own hierarchy under "ns" (lxc.cgroup.dir.container.inner)
@@ -96,8 +95,7 @@ def attribute(cgroup_file: str | None) -> Attribution:
     unit = unit_of(inner)
     if container and not unit:
         # Docker and Podman (systemd cgroup driver) run a container as a host scope,
-        # docker-<id>.scope: that scope is the unit of its processes, so [Watch] Units= and
-        # a unit sweep can name it. A unit inside the container stays the container's.
+        # docker-<id>.scope: the unit of its processes, unless they have one inside.
         host = unit_of(path)
         if container_scope_label(host) == container:
             unit = host
@@ -105,8 +103,7 @@ def attribute(cgroup_file: str | None) -> Attribution:
 
 
 def normalize_unit_name(name: str) -> str:
-    """Validate a unit name as systemd would (ValueError names the problem), adding ".service"
-    the way systemctl does."""
+    """A unit name validated as systemd would (ValueError), with ".service" added as systemctl does."""
     if not name:
         raise ValueError("empty unit name")
     if len(name) > 255:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from gpuguardd.config import Config, command_argv
-from gpuguardd.engine import amd, leaks, nvmlprocs, procfs, slurm
+from gpuguardd.config import Config
+from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
 from gpuguardd.engine.attribution import (
     container_scope_label,
     normalize_unit_name,
@@ -23,9 +22,9 @@ from gpuguardd.engine.locks import UNKNOWN_GPU, GpuLocks
 from gpuguardd.engine.nvml import Nvml
 from gpuguardd.engine.process import pidfds_supported
 from gpuguardd.engine.protection import ProtectedFiles, mark_protection
-from gpuguardd.engine.reset import GpuReset, ResetSettings
+from gpuguardd.engine.reset import GpuReset
 from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
-from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, SweepSettings
+from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, close_all
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import (
@@ -44,54 +43,39 @@ log = logging.getLogger("gpuguard.engine")
 MAX_GRACE_MS = 3_600_000
 
 
-@dataclass(frozen=True)
-class HolderFilter:
-    gpus: tuple[int, ...] = ()
-    unit: str = ""
-    container: str = ""
-    include_protected: bool = True
-    mig: tuple[str, ...] = ()  # MIG UUIDs: only these instances' holders
-
-
-def filter_holders(holders: Iterable[Holder], holder_filter: HolderFilter) -> list[Holder]:
-    """The holders `holder_filter` lets through: of a fresh scan (Engine.list_holders) or of
-    one the daemon already has (ListHolders)."""
-    scope = Scope(unit=holder_filter.unit, container=holder_filter.container)
-    on = Scope(gpus=holder_filter.gpus, mig=holder_filter.mig)
+def filter_holders(holders: Iterable[Holder], scope: Scope, include_protected: bool = True) -> list[Holder]:
+    """The holders a listing of `scope` shows: of its unit or container, that may be on its GPUs."""
+    named = Scope(unit=scope.unit, container=scope.container)
+    on = Scope(gpus=scope.gpus, mig=scope.mig)
     return [h for h in holders
-            if (holder_filter.include_protected or not h.protected) and in_scope(h, scope) and may_be_on(h, on)]
+            if (include_protected or not h.protected) and in_scope(h, named) and may_be_on(h, on)]
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
-    """Whether `holder` may compute on `on`'s GPUs or MIG instances: what a listing and
-    `gpuguardctl check` go by. The sweep's rule (scope.gpu_scope) leaves out a holder it
-    cannot place, as it must not end a tenant of another GPU; a check must not call a GPU free
-    for the same doubt. So a holder NVML does not list counts on every GPU whose node it holds,
-    and one whose GPU is unknown altogether (it holds only nvidia-uvm and nvidiactl) on all."""
+    """Whether `holder` may compute on `on`'s GPUs or MIG instances, for a listing and so for
+    `gpuguardctl check`. The sweep (scope.gpu_scope) leaves out a holder it cannot place; a
+    check must not call a GPU free on that doubt: such a holder counts on every GPU whose node
+    it holds, and on all when its GPU is unknown altogether."""
     if not on.gpus and not on.mig:
         return True
     if holder.nvml_gpus or holder.mig or holder.kind != HolderKind.COMPUTE:
-        # NVML (or a MIG caps node) says where it computes; a management client computes
-        # nowhere, and holds every GPU's node (nvidia-smi): shown where the sweep places it.
+        # NVML (or a MIG caps node) places it; a management client (nvidia-smi) holds every
+        # GPU's node: shown where the sweep places it.
         return in_scope(holder, on)
     if not holder.node_gpus:
         return True
-    # A MIG instance's parent GPU is not known here: a holder of GPU nodes only is placed by
-    # those nodes on whole GPUs, and in an instance by the sweep's rule.
+    # By its nodes on whole GPUs; in a MIG instance (whose GPU is not known here) by the sweep's rule.
     return bool(set(holder.node_gpus) & set(on.gpus)) or in_scope(holder, on)
 
 
 def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
-    """NVML's GPUs, for matching selectors (selectors.py)."""
     return [KnownGpu(g.index, g.uuid, tuple(m.uuid for m in g.mig), g.pci_bus_id) for g in nvml.gpus]
 
 
 @dataclass
 class Prepared:
-    """A request resolved on one reading of the GPUs, which its sweep then works from: the
-    request's check (before the sweep counts as running) and the sweep share one GPU read and
-    one scope resolution. `since`: clock ticks before that read (holders started after it are
-    what a later round looks at)."""
+    """A request resolved on one reading of the GPUs, shared by its check and its sweep.
+    `since`: clock ticks before that read (a later round looks at holders started after it)."""
 
     since: int
     nvml: NvmlSnapshot
@@ -102,8 +86,7 @@ class Prepared:
 class Engine:
     def __init__(self, config: Config, nvml: Nvml | None = None,
                  use_pidfd: bool | None = None) -> None:
-        self._config = config
-        self._config_lock = threading.Lock()
+        self.config = config  # replaced whole on a reload: a reader sees the old or the new one
         # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
         self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec,
                                  sysfs=lambda: self.config.sysfs_path)
@@ -111,15 +94,6 @@ class Engine:
         if not self.use_pidfd:
             log.warning("pidfds unavailable (kernel older than 5.3?): falling back to start-time "
                         "checks before each signal")
-
-    @property
-    def config(self) -> Config:
-        with self._config_lock:
-            return self._config
-
-    def set_config(self, config: Config) -> None:
-        with self._config_lock:
-            self._config = config
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
         """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
@@ -146,8 +120,7 @@ class Engine:
         return _device_map(self.config)
 
     def _first_amd_index(self, snap: NvmlSnapshot) -> int:
-        """After NVML's GPUs; without NVML, after the GPUs NVIDIA's nodes name (holders of those
-        are then named by minor), so that no index names two GPUs."""
+        """After NVML's GPUs; without NVML, after the minors NVIDIA's nodes name: no index names two GPUs."""
         taken = [g.index for g in snap.gpus]
         if not snap.available:
             taken.extend(node_gpus(self.device_map()))
@@ -175,14 +148,13 @@ class Engine:
     def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
         """Every holder, on `nvml` (a reading taken already) or a fresh one."""
         pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
-        for _, handle in pinned:
-            handle.close()
+        close_all(pinned)
         return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
                           warnings=warnings)
 
-    def list_holders(self, holder_filter: HolderFilter = HolderFilter()) -> tuple[list[Holder], ScanResult]:
+    def list_holders(self, scope: Scope, include_protected: bool = True) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
-        return filter_holders(result.holders, holder_filter), result
+        return filter_holders(result.holders, scope, include_protected), result
 
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:
@@ -198,7 +170,6 @@ class Engine:
         known = ", ".join(str(g) for g in sorted({g.index for g in snap.gpus} | set(nodes))) or "none"
         for item in items:
             chosen = selector(item).check()
-            text = chosen.text
             if chosen.kind == INDEX:
                 index = chosen.index
                 if snap.by_index(index) is None and index not in nodes:
@@ -215,16 +186,15 @@ class Engine:
                 matches = [found.index for found in chosen.find(known_gpus(snap)) if not found.mig]
                 if not matches:
                     what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
-                    raise InvalidArgument(f"unknown {what} {text!r}" + (
+                    raise InvalidArgument(f"unknown {what} {chosen.text!r}" + (
                         "" if snap.available else f" ({snap.error or 'NVML unavailable'})"))
                 indices.update(matches)
         return tuple(sorted(indices)), warnings
 
     @staticmethod
     def resolve_mig(wanted: Iterable[object], nvml: NvmlSnapshot) -> tuple[tuple[str, ...], list[object]]:
-        """The MIG UUIDs among what the caller named (as NVML spells them), and the rest.
-
-        A MIG instance is a scope of its own: it is never widened to its GPU."""
+        """The MIG UUIDs among what the caller named (as NVML spells them; never widened to their
+        GPU), and the rest."""
         found: list[str] = []
         rest: list[object] = []
         for item in wanted:
@@ -241,7 +211,7 @@ class Engine:
         return tuple(sorted(set(found))), rest
 
     def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None
-                        ) -> tuple[Scope, SweepSettings, list[str]]:
+                        ) -> tuple[Scope, list[str]]:
         nvml = nvml or self.snapshot(with_processes=False)
         mig, others = self.resolve_mig(request.gpus, nvml)
         gpus, warnings = self.resolve_gpus(others, nvml)
@@ -257,16 +227,7 @@ class Engine:
                       include_management=request.include_management,
                       adopted=tuple((int(p), int(s)) for p, s in request.adopted),
                       slurm_job=request.slurm_job, slurm_uid=request.slurm_uid)
-        return scope, self._settings(request), warnings
-
-    def _settings(self, request: SweepRequest) -> SweepSettings:
-        """The sweep settings of a (checked) request under the current configuration."""
-        config = self.config
-        grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
-        return SweepSettings(grace_sec=grace, kill_timeout_sec=config.kill_timeout_sec,
-                             verify_timeout_sec=config.verify_timeout_sec,
-                             released_below_bytes=config.released_below_mib * 1024 * 1024,
-                             dry_run=request.is_dry_run(config.dry_run))
+        return scope, warnings
 
     def _lock_names(self, scope: Scope, pinned: Pinned, nvml: NvmlSnapshot) -> set[str]:
         names: set[str] = {str(g) for g in scope.gpus}
@@ -284,31 +245,28 @@ class Engine:
         return names
 
     def prepare(self, request: SweepRequest) -> Prepared:
-        """`request` resolved on a fresh reading of every GPU (with its process lists, for the
-        sweep's scan): InvalidArgument for a bad request. Never the inventory's last poll: a
-        GPU named by UUID or PCI bus id is found by what the driver says now (one that came
-        since is known, one that went is refused, indices that moved are the new ones)."""
+        """`request` resolved on a fresh reading (InvalidArgument for a bad one), never the
+        inventory's last poll: a GPU named by UUID or PCI bus id is found where it is now."""
         since = clock_ticks()
         nvml = self.snapshot()  # one reading for the request's GPUs and the scan
-        scope, _, warnings = self.resolve_request(request, nvml)
+        scope, warnings = self.resolve_request(request, nvml)
         return Prepared(since, nvml, scope, warnings)
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
-        """Sweep `request`, from `prepared` (Engine.prepare, the request's check) when given:
-        no second GPU reading or resolution. What may change since then comes from the
-        request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
+        """Sweep `request` from `prepared` (its check) when given. What may change since comes
+        from the request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
         if prepared is None:
             prepared = self.prepare(request)
         since, nvml = prepared.since, prepared.nvml
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
-        settings = self._settings(request)
-        warnings = list(prepared.warnings)
+        config = self.config
+        dry_run = request.is_dry_run(config.dry_run)
         lock_problem = ""
-        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
+        locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
             first = self._scan_pinned(nvml)
-            if not settings.dry_run:
+            if not dry_run:
                 # Which GPUs the sweep touches is only known from a scan; lock those. If we had
                 # to wait for another sweep, look again, and widen the lock if it reaches further.
                 held: set[str] = set()
@@ -317,23 +275,18 @@ class Engine:
                     locks.release()
                     held = held | wanted
                     lock_problem = locks.acquire(held) or ""
-                    if lock_problem:
+                    if lock_problem or not locks.waited:
                         break
-                    if not locks.waited:
-                        break
-                    for _, handle in first[0]:
-                        handle.close()
+                    close_all(first[0])
                     first = self._scan_pinned()
                     wanted = self._lock_names(scope, first[0], first[1])
 
             # After the scan that decided the locks, a process becomes a holder by starting (a
             # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
             # context (NVML's lists show it): those are what a later round looks at.
-            sweep = Sweep(scope, settings, first, lambda: self._scan_pinned(pids=started_since(since)),
-                          self.snapshot, requested_by=request.requested_by, reason=request.reason,
-                          observer=observer, report_id=request.report_id,
-                          resumes=request.resumes, requester_kind=request.requester_kind)
-            sweep.report.warnings.extend(warnings)
+            sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(since)),
+                          self.snapshot, request, observer)
+            sweep.report.warnings.extend(prepared.warnings)
             if lock_problem:
                 sweep.report.warn(lock_problem, WarningCode.LOCKS_UNAVAILABLE)
             if not self.use_pidfd:
@@ -353,27 +306,17 @@ class Engine:
         return report
 
     def reset_gpu(self, index: int, requested_by: str, reason: str = "") -> Report:
-        """Reset GPU `index` if nothing holds it (reset.py): the report, of kind "reset"."""
-        config = self.config
-        settings = ResetSettings(command=command_argv(config.reset_command), timeout_sec=config.reset_timeout_sec,
-                                 verify_timeout_sec=config.verify_timeout_sec,
-                                 released_below_bytes=config.released_below_mib * 1024 * 1024,
-                                 lock_directory=os.path.join(config.runtime_directory, "locks"),
-                                 amd_command=command_argv(config.amd_reset_command),
-                                 sysfs_path=config.sysfs_path)
-        return GpuReset(index, self.nvml, self.scan, settings, requested_by, reason).run()
+        return GpuReset(index, self.nvml, self.scan, self.config, requested_by, reason).run()
 
 
 def log_device_refusals(config: Config) -> None:
-    """Log, once per configuration, the [Devices] Paths entries that are refused (each scan
-    also puts them in its warnings, which only sweep reports show)."""
+    """Log the refused [Devices] Paths entries once per configuration (scans' warnings reach only reports)."""
     for warning in _device_map(config).warnings:
         log.warning("%s", warning)
 
 
 def _device_map(config: Config, snap: NvmlSnapshot | None = None) -> DeviceMap:
-    """The configured nodes; with a reading, also its AMD GPUs' DRM nodes (engine/amd.py found
-    them by their driver: the scan needs no second look at sysfs)."""
+    """The configured nodes; with a reading, also its AMD GPUs' DRM nodes (found by amd.py)."""
     amd = frozenset(minor for g in snap.gpus if g.vendor == Vendor.AMD
                     for minor in (g.minor, g.card_minor) if minor is not None) if snap else frozenset()
     return build_device_map(config.device_paths, allow_majors=config.allow_majors,
@@ -381,7 +324,6 @@ def _device_map(config: Config, snap: NvmlSnapshot | None = None) -> DeviceMap:
 
 
 def _checked(validate: Callable[[str], str], value: str) -> str:
-    """`validate(value)` for a non-empty value, its ValueError as the caller's InvalidArgument."""
     if not value:
         return ""
     try:
@@ -391,7 +333,6 @@ def _checked(validate: Callable[[str], str], value: str) -> str:
 
 
 def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
-    """What NVML's lists said that /proc does not bear out, for the scan's warnings."""
     if not snap.gpus_known:
         return []
     warnings = [w for gpu in snap.gpus for w in gpu.warnings]
@@ -399,7 +340,7 @@ def nvml_pid_warnings(snap: NvmlSnapshot, holders: list[Holder]) -> list[str]:
         return [*warnings, snap.error]
     for gpu in snap.gpus:
         for pid in sorted(gpu.processes):
-            if not leaks.pid_exists(pid):
+            if not procfs.pid_exists(pid):
                 lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
                 warnings.append(f"GPU {gpu.index}: {lister} lists pid {pid}, which does not exist "
                                 "here (exited, memory not released yet?)")

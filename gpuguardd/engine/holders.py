@@ -1,11 +1,9 @@
 """Discovery: every process that holds a watched device, by fd, by mmap, or in NVML's lists.
 
-psutil's open_files() reports regular files only, so device fds are found here, from
-/proc/<pid>/fd. One stat() per fd (following the link, relative to the open fd directory)
-gives the node's identity; no readlink is needed because the identity, not the name, decides.
-Maps are read as bytes, and only the lines holding one of DeviceMap.maps_prefilter's few
-substrings are parsed. Each process is pinned by a pidfd before it is read, so a holder's
-details need no second look. bench/bench_scan.py measures all this against fuser and lsof.
+Device fds are found from /proc/<pid>/fd, one stat() per fd: the node's identity, not its
+name, decides. Maps are read as bytes, and only lines holding one of DeviceMap.maps_prefilter's
+substrings are parsed. Each process is pinned by a pidfd before it is read, so its details
+need no second look. bench/bench_scan.py measures this against fuser and lsof.
 """
 
 from __future__ import annotations
@@ -32,13 +30,10 @@ log = logging.getLogger("gpuguard.engine")
 
 @dataclass
 class RawHolding:
-    """What the fast pass saw of one process, before details are read."""
-
     pid: int
     nodes: dict[str, DeviceNode] = field(default_factory=dict)
     how: set[str] = field(default_factory=set)
-    # Opened before /proc/<pid> was read: while it shows the process alive, what was read was
-    # that process's, since a PID is reused only after its process is reaped.
+    # Opened before /proc/<pid> was read: while it shows the process alive, what was read is its.
     pidfd: int | None = None
     # The fds on an AMD GPU's render or card node: the only fdinfo files worth reading.
     drm_fds: list[str] = field(default_factory=list)
@@ -50,7 +45,6 @@ class RawHolding:
 
 
 def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
-    """Note in `raw` the watched nodes among the process's open fds."""
     by_inode = device_map.by_inode
     for dev, ino, rdev, fd in procfs.char_device_fds(pid):
         node = by_inode.get((dev, ino)) or device_map.node_for_rdev(rdev)
@@ -63,26 +57,21 @@ def _scan_fds(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 
 def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
     for line in procfs.maps_lines(pid, device_map.maps_prefilter):
-        node = _maps_line_node(line, device_map)
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
+        node = device_map.by_path.get(path)
+        if node is None:
+            try:
+                major_text, minor_text = parts[3].split(b":")
+                dev = os.makedev(int(major_text, 16), int(minor_text, 16))
+                node = device_map.by_inode.get((dev, int(parts[4])))
+            except ValueError:
+                continue
         if node is not None:
             raw.nodes[node.path] = node
             raw.how.add("mmap")
-
-
-def _maps_line_node(line: bytes, device_map: DeviceMap) -> DeviceNode | None:
-    parts = line.split(None, 5)
-    if len(parts) < 5:
-        return None
-    path = parts[5].decode("utf-8", "replace").strip() if len(parts) == 6 else ""
-    node = device_map.by_path.get(path)
-    if node is None:
-        try:
-            major_text, minor_text = parts[3].split(b":")
-            dev = os.makedev(int(major_text, 16), int(minor_text, 16))
-            node = device_map.by_inode.get((dev, int(parts[4])))
-        except ValueError:
-            node = None
-    return node
 
 
 def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:
@@ -115,10 +104,7 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
 def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
              ) -> tuple[dict[int, RawHolding], list[int]]:
     """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
-
-    With use_pidfd each process is pinned before it is read, and a holder keeps its pidfd in
-    RawHolding.pidfd for describe() (or the caller's RawHolding.close()); one that could not
-    be pinned has none, and describe() pins it and reads it again."""
+    With use_pidfd a holder keeps the pidfd it was pinned by for describe() (or close())."""
     found: dict[int, RawHolding] = {}
     unreadable: set[int] = set()
     try:
@@ -139,9 +125,8 @@ def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bo
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
-    """exe, cmdline and user; each may be denied or vanish independently. Text is made valid
-    UTF-8 and bounded (safetext): a process chooses these bytes. Read from /proc directly:
-    three small reads, where psutil would add its import and a stat() per process."""
+    """exe, cmdline and user, each of which may be denied or vanish; a process chooses these
+    bytes, so they are made valid UTF-8 and bounded (safetext)."""
     exe = procfs.read_exe(holder.pid)
     if exe is not None:
         # A binary replaced on disk while running reads "path (deleted)"; the path decides.
@@ -198,9 +183,8 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
 
 def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
              device_map: DeviceMap) -> tuple[set[int], list[str]]:
-    """The MIG instances a holder runs in: NVML's per-instance lists where they list it (and
-    its pids are this /proc's), else the instances whose caps nodes it holds; with the GPUs
-    those caps nodes belong to (node evidence, like /dev/nvidiaN)."""
+    """The MIG instances a holder runs in, by NVML's per-instance lists, else by the caps nodes
+    it holds (then with those nodes' GPUs)."""
     listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
               for i in gpu.mig if pid in i.processes}
     if listed:
@@ -213,10 +197,9 @@ def describe(pid: int, nvml: NvmlSnapshot,
              device_map: DeviceMap, user_cache: dict[int, str],
              use_pidfd: bool = True, raw: RawHolding | None = None
              ) -> tuple[Holder, ProcessHandle] | None:
-    """Read a holder's details, race-free: the process is pinned (pidfd, or start time) before
-    its holdings are read and checked to be alive after everything was read, so the details
-    can't belong to a recycled PID. A `raw` from scan_raw(use_pidfd=True) was read after
-    pinning: it is taken over, pidfd included. Otherwise the holdings are read again here."""
+    """Read a holder's details, race-free: pinned (pidfd, or start time) before its holdings are
+    read and alive after, so nothing read belongs to a recycled PID. A `raw` read after pinning
+    is taken over, pidfd included; otherwise the holdings are read again here."""
     if raw is not None and raw.pidfd is not None:
         stat = procfs.read_stat(pid)
         if stat is None:
@@ -249,7 +232,6 @@ def describe(pid: int, nvml: NvmlSnapshot,
     holder.devices = [n.path for n in nodes]
     holder.roles = sorted({n.role for n in nodes})
     how = set(raw.how)
-    holder.node_gpus = _gpus_for(nodes, nvml)
     memory = 0
     nvml_gpus: set[int] = set()
     # The driver's pids (NVML's, KFD's) name local processes only where they are this
@@ -265,12 +247,11 @@ def describe(pid: int, nvml: NvmlSnapshot,
             nvml_gpus.add(index)
             memory += vram
     caps_gpus, holder.mig = _mig_for(pid, nodes, nvml, device_map)
-    holder.node_gpus = sorted(set(holder.node_gpus) | caps_gpus)
+    holder.node_gpus = sorted(set(_gpus_for(nodes, nvml)) | caps_gpus)
     holder.how = [h for h in ("fd", "mmap", "nvml", "kfd", "fdinfo") if h in how]
     holder.nvml_gpus = sorted(nvml_gpus)
-    # Which GPU a process computes on only NVML knows: every CUDA process holds every GPU's
-    # node. The nodes stand in, for display, for a process NVML does not list; the sweep's
-    # scope rule (sweep.gpu_scope) treats the two sources differently.
+    # Only NVML knows where a process computes (every CUDA process holds every GPU's node):
+    # nodes stand in for one NVML does not list; scope.gpu_scope tells the two apart.
     if holder.nvml_gpus:
         on_amd = any(g.index in nvml_gpus and g.vendor == Vendor.AMD for g in nvml.gpus)
         holder.gpus, holder.gpus_from = holder.nvml_gpus, GpusFrom.KFD if on_amd else GpusFrom.NVML
@@ -293,8 +274,8 @@ def clock_ticks() -> int:
 
 
 def started_since(ticks: int) -> list[int]:
-    """The processes started at clock_ticks() `ticks` or later, by start time, so a recycled
-    PID counts as new; and those whose start cannot be read (exited meanwhile)."""
+    """The processes started at `ticks` or later (a recycled PID counts as new), and those whose
+    start cannot be read."""
     return [pid for pid in procfs.list_pids()
             if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
 
@@ -302,14 +283,13 @@ def started_since(ticks: int) -> list[int]:
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
                  pids: list[int] | None = None
                  ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
-    """All holders with open handles on them (the caller closes them), and unreadable pids.
-    `pids`: look only at these, and at those NVML lists (default: every process)."""
+    """All holders with open handles (the caller closes them), and unreadable pids. `pids`: look
+    only at these and those NVML lists."""
     raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd)
     candidates = set(raw)
     if nvml.pids_local:
         for gpu in nvml.gpus:
-            # Checked again though nvmlprocs.merge dropped non-pids: pidfd_open(4294967295)
-            # raises OverflowError, not OSError.
+            # pidfd_open(4294967295) raises OverflowError, not OSError.
             candidates.update(p for p in gpu.processes if 0 < p < 2**31)
     user_cache: dict[int, str] = {}
     result: list[tuple[Holder, ProcessHandle]] = []

@@ -1,11 +1,9 @@
 """The one judge of "is this GPU free?": from what is known of a GPU (or MIG instance) and its
 holders, whichever the vendor, a verdict and its reasons.
 
-Every surface asks it and words its answer its own way: the Gpu objects' State and LeakKind
-(gpustate.py), the start gate's FreeSinceUsec, WaitingOn and Wait, daemon and --local alike
-(gate.py), `gpuguardctl check` (cli/check.py), a sweep's verification (sweep.py) and through
-it the Slurm epilog's drain reason and reset, and AutoReset (which acts on State). Nothing else
-decides, so no two of them can disagree on the same facts.
+Every surface asks it and words the answer its own way (Gpu State and LeakKind, the start
+gate, `gpuguardctl check`, a sweep's verification and so the Slurm epilog, AutoReset): nothing
+else decides, so no two of them can disagree on the same facts.
 
 The rule, safe side first:
   * a compute holder that may be on it (protected or not; one whose GPU, or MIG instance,
@@ -17,16 +15,21 @@ The rule, safe side first:
     --allow-unverified); a runtime-suspended GPU's last figures are judged, but never called
     released by a sweep;
   * memory above the released line (the GPU's own threshold where its backend sets one, else
-    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked, of a kind (engine/leaks.py);
-    the gate's own line ([Gate] FreeBelowMiB, or a waiter's) replaces it for "free".
+    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked; the gate's own line ([Gate]
+    FreeBelowMiB, or a waiter's) replaces it for "free".
+
+A leak is of a kind, as an operator acts on each differently (docs/recovery.md): no-process
+(nothing listed; rocm-systems 8263: 46 GB stranded), dead-pids (listed pids that do not exist;
+vllm-dashboard 182; said only where NVML's pids are this /proc's, else the GPU stays in use),
+stuck-in-driver (a sweep's survivors asleep in the driver, D state; vllm 25127: reports only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from gpuguardd.engine import leaks
+from gpuguardd.engine import procfs
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
 
@@ -40,8 +43,6 @@ HARMLESS = frozenset({Why.SUSPENDED})
 
 @dataclass(frozen=True)
 class Facts:
-    """What is known of one GPU or MIG instance and its holders."""
-
     backend_error: str | None = None  # NVML does not answer (why): nothing below was read
     listed: bool = True  # NVML lists it
     suspended: bool = False
@@ -75,20 +76,17 @@ class Judgement:
     released: bool = False  # its memory is back: at or below the line plus what live pids hold
 
     def blocking(self, allow_unverified: bool = False) -> list[Reason]:
-        """The reasons it is not free for the next job ([] when it is)."""
+        """The reasons it is not free for the next job."""
         return [r for r in self.reasons if r.why not in HARMLESS
                 and not (allow_unverified and r.why in UNVERIFIED)]
-
-    def free(self, allow_unverified: bool = False) -> bool:
-        return not self.blocking(allow_unverified)
 
     def has(self, why: Why) -> bool:
         return any(r.why == why for r in self.reasons)
 
 
 def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
-    """May compute holder `holder` be on GPU `index` (None: any GPU, no list to tell them by),
-    or on its MIG instance `mig_uuid`? An unknown GPU or instance counts as this one."""
+    """May compute holder `holder` be on GPU `index` (None: any), or on its MIG instance
+    `mig_uuid`? An unknown GPU or instance counts as this one."""
     if holder.kind != HolderKind.COMPUTE:
         return False
     if index is not None and holder.gpus and index not in holder.gpus:
@@ -99,8 +97,7 @@ def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
 
 
 def judge(facts: Facts, free_below: int | None = None) -> Judgement:
-    """The verdict on `facts` (module docstring). `free_below`: the gate's line, in bytes
-    (memory must be below it to be free); None: the released line decides."""
+    """The verdict on `facts`. `free_below`: the gate's line in bytes (None: the released line)."""
     f = facts
     reasons = [Reason(Why.SWEEPING)] if f.sweeping else []
     reasons += [Reason(Why.HOLDER, holder=h) for h in f.holders]
@@ -147,23 +144,20 @@ def judge(facts: Facts, free_below: int | None = None) -> Judgement:
 
 
 def released_line(gpu: GpuInfo, configured: int) -> int:
-    """The released line of `gpu`: its backend's own where it sets one."""
     return configured if gpu.released_below is None else gpu.released_below
 
 
 def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
-             released_below: int, pids_local: bool, *, sweeping: bool = False,
-             ending: Collection[int] = (), stuck: Collection[int] = (),
-             exists: Callable[[int], bool] = leaks.pid_exists) -> Facts:
-    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read
-    them; `released_below` the configured line ([Sweep] ReleasedBelowMiB, in bytes)."""
+             released_below: int, pids_local: bool, *,
+             ending: Collection[int] = (), stuck: Collection[int] = ()) -> Facts:
+    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read them."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance
     listed = memory.processes
     live: list[int] = []
     dead: list[int] = []
     if pids_local:
         for pid in listed:
-            (live if exists(pid) else dead).append(pid)
+            (live if procfs.pid_exists(pid) else dead).append(pid)
     return Facts(
         suspended=gpu.suspended, lost=gpu.lost,
         unreadable=gpu.unknown or bool(memory.error and not memory.memory_total),
@@ -173,16 +167,14 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
         foreign=() if pids_local else tuple(listed),
         ending=tuple(p for p in listed if p in ending),
         stuck=tuple(p for p in listed if p in stuck),
-        holders=tuple(h for h in holders
-                      if may_be_on(h, gpu.index, instance.uuid if instance else "")),
-        sweeping=sweeping)
+        holders=tuple(h for h in holders if may_be_on(h, gpu.index, instance.uuid if instance else "")))
 
 
 def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
                     holders: Sequence[Holder], backend_error: str | None,
                     sweeping: bool = False) -> Facts:
-    """The facts a published summary carries (the daemon's judgement of NVML's side, which
-    clients see no more of) with the holders and sweeps known now. `index` None: any GPU."""
+    """The facts a published summary carries (the daemon's judgement of what it read), with the
+    holders and sweeps known now. `index` None: any GPU."""
     on = tuple(h for h in holders if may_be_on(h, index, mig_uuid))
     if backend_error is not None:
         return Facts(backend_error=backend_error, holders=on, sweeping=sweeping)

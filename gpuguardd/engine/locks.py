@@ -25,9 +25,8 @@ class GpuLocks:
         self.busy = False  # the last acquire(wait=False) found a GPU locked
 
     def acquire(self, gpus: Iterable[object], wait: bool = True) -> str | None:
-        """Lock the GPUs in a fixed order (no deadlock). Returns a warning if locking is off.
-        wait=False (a GPU reset, which must never run beside a sweep): holds nothing and sets
-        `busy` when another holds one of them."""
+        """Lock the GPUs in a fixed order (no deadlock); a warning if locking is off. wait=False
+        (a reset): hold nothing and set `busy` when another holds one of them."""
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
         except OSError as exc:

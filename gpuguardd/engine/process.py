@@ -1,10 +1,8 @@
 """Handles on processes that can never hit a recycled PID.
 
-A pidfd names one process, not a number: once that process is gone, signalling through the
-pidfd fails with ESRCH even if the PID was handed to someone else. Where the kernel has no
-pidfds (before 5.3), the fallback checks the start time right before each kill; that leaves a
-window of microseconds instead of the seconds between a scan and a signal, and the sweep
-report says the fallback was used.
+A pidfd names one process, not a number: once it is gone, signalling through the pidfd fails
+with ESRCH even if the PID was reused. Without pidfds (before 5.3) the start time is checked
+right before each kill: a window of microseconds, not seconds, and the report says so.
 """
 
 from __future__ import annotations
@@ -32,8 +30,6 @@ def pidfds_supported() -> bool:
 
 
 class ProcessHandle:
-    """One process as it was when scanned: pid plus start time, and a pidfd where possible."""
-
     def __init__(self, pid: int, start_time: int, pidfd: int | None) -> None:
         self.pid = pid
         self.start_time = start_time
@@ -41,8 +37,7 @@ class ProcessHandle:
 
     @classmethod
     def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
-        """A handle on the process now running as `pid`, or None: with a pidfd, the start time
-        read after it is this process's once alive() holds after the read."""
+        """A handle on the process now running as `pid`, or None."""
         pidfd: int | None = None
         if use_pidfd:
             try:
@@ -61,7 +56,6 @@ class ProcessHandle:
         return handle
 
     def dup(self) -> ProcessHandle:
-        """Another handle on the same process, closed independently of this one."""
         return ProcessHandle(self.pid, self.start_time,
                              None if self.pidfd is None else os.dup(self.pidfd))
 
@@ -76,23 +70,19 @@ class ProcessHandle:
         except OSError:
             pass
 
-    def _same_process(self) -> bool:
-        stat = procfs.read_stat(self.pid)
-        return stat is not None and stat.start_time == self.start_time
-
     def alive(self) -> bool:
-        """True while the process exists (a zombie still exists: it keeps its PID)."""
+        """True while the process exists (a zombie keeps its PID)."""
         try:
             return self.send(0)
         except PermissionError:
             return True
 
     def send(self, sig: int) -> bool:
-        """Deliver `sig` to exactly this process. False if it is already gone."""
+        """Deliver `sig` to exactly this process; False if it is gone."""
         try:
             if self.pidfd is not None:
                 signal.pidfd_send_signal(self.pidfd, sig)
-            elif self._same_process():
+            elif (stat := procfs.read_stat(self.pid)) is not None and stat.start_time == self.start_time:
                 os.kill(self.pid, sig)
             else:
                 return False
@@ -101,21 +91,17 @@ class ProcessHandle:
         return True
 
     def exited(self) -> bool:
-        """True once the process has exited (zombie or reaped)."""
-        if self.pidfd is not None:
-            ready, _, _ = select.select([self.pidfd], [], [], 0)
-            return bool(ready)
+        """By /proc, for a handle without a pidfd (wait_for_exit polls pidfds)."""
         stat = procfs.read_stat(self.pid)
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
 
 def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
-                  on_exit: Callable[[int, float], None] | None = None) -> dict[int, float]:
-    """Wait until every handle's process has exited or `timeout` passes: {pid: when its exit
-    was seen (time.monotonic())}, and `on_exit(pid, seen_at)` as each is seen. A pidfd is
-    readable the moment its process exits; the fallback polls /proc."""
+                  on_exit: Callable[[int, float], None]) -> None:
+    """Wait until every handle's process has exited or `timeout` passes, calling
+    `on_exit(pid, seen_at)` as each is seen. Without a pidfd, /proc is polled."""
     pending = {h.pid: h for h in handles}
-    done: dict[int, float] = {}
+    done: set[int] = set()
     deadline = time.monotonic() + timeout
     poller = select.poll()
     by_fd = {h.pidfd: h.pid for h in pending.values() if h.pidfd is not None}
@@ -124,9 +110,8 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
     fallback = [h for h in pending.values() if h.pidfd is None]
 
     def seen(pid: int, at: float) -> None:
-        done[pid] = at
-        if on_exit is not None:
-            on_exit(pid, at)
+        done.add(pid)
+        on_exit(pid, at)
     while len(done) < len(pending):
         for handle in fallback:
             if handle.pid not in done and handle.exited():
@@ -145,11 +130,9 @@ def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
         for fd, _ in events:
             poller.unregister(fd)
             seen(by_fd.pop(fd), at)
-    return done
 
 
 def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:
-    """A process still there after SIGKILL: its /proc state, why as a code, and in words."""
     stat = procfs.read_stat(pid)
     if stat is None:
         return "", SurvivorReason.EXITED, "exited"
@@ -177,8 +160,7 @@ def ignores_sigterm(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How an exited process ended, as the kernel had it: the signal that killed it, or the
-    status it exited with. str() words it for people (a terminated entry's exit_status)."""
+    """How an exited process ended: the signal that killed it, or its exit status."""
 
     killed_by: str = ""  # the signal's name ("SIGKILL", or "signal 42"); "" for an exit
     status: int = 0  # the exit status, when it exited
@@ -201,8 +183,8 @@ def exit_status(stat: procfs.ProcStat | None) -> ExitStatus | None:
 
 
 def ended_by(last_sent: str, status: ExitStatus | None, sigterm_ignored: bool) -> str:
-    """The signal of ours that ended a process, as far as is known; "" for none. `last_sent`:
-    the last one sent before its exit was seen, `status`: exit_status()."""
+    """The signal of ours that ended a process, as far as is known ("" for none); `last_sent`:
+    the last one sent before its exit was seen."""
     sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
     if status is not None and status.killed_by:
         return status.killed_by if status.killed_by in sent else ""

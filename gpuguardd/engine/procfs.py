@@ -25,8 +25,7 @@ class ProcStat:
     ppid: int
     flags: int
     start_time: int
-    # How the process ended, as waitpid() would say (field 52; a zombie's is its real one),
-    # None where the kernel does not show it.
+    # How it ended, as waitpid() would say (field 52), None where the kernel does not show it.
     exit_code: int | None = None
 
     @property
@@ -36,6 +35,10 @@ class ProcStat:
 
 def list_pids() -> list[int]:
     return [int(name) for name in os.listdir(PROC) if name.isdigit()]
+
+
+def pid_exists(pid: int) -> bool:
+    return os.path.exists(f"{PROC}/{pid}")
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -59,13 +62,11 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
-# The kernel prints each cgroup path within PATH_MAX (or fails the read), one line per
-# hierarchy: this is far more than any real file, and keeps a hostile one from costing memory.
+# Far more than any real file (a PATH_MAX line per hierarchy); a hostile one costs no memory.
 CGROUP_READ_MAX = 64 * 1024
 
 
 def _read_bounded(path: str, limit: int) -> tuple[bytes, bool] | None:
-    """Up to `limit` bytes of `path`, and whether there was more."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(limit + 1)
@@ -83,8 +84,7 @@ def read_cgroup(pid: int) -> str | None:
 
 
 def read_cmdline(pid: int) -> str | None:
-    """The command line as one string (arguments joined by spaces, as psutil's would be
-    joined), at most safetext.CMDLINE_MAX bytes: only that much of it is read."""
+    """The arguments joined by spaces, at most safetext.CMDLINE_MAX bytes (only that is read)."""
     read = _read_bounded(f"{PROC}/{pid}/cmdline", safetext.CMDLINE_MAX)
     if read is None:
         return None
@@ -95,9 +95,8 @@ def read_cmdline(pid: int) -> str | None:
 
 
 def char_device_fds(pid: int) -> list[tuple[int, int, int, str]]:
-    """(st_dev, st_ino, st_rdev, fd) of each open fd of `pid` that is a character device, by
-    stat() through the fd link (the node's identity, not its name, decides). OSError when the
-    fd directory cannot be opened (not ours to read, or exited)."""
+    """(st_dev, st_ino, st_rdev, fd) of each open fd of `pid` on a character device, by stat()
+    through the fd link. OSError when the fd directory cannot be opened."""
     dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     found: list[tuple[int, int, int, str]] = []
     try:
@@ -117,8 +116,8 @@ MAPS_READ = 256 * 1024  # a read() of a maps file: most fit in one
 
 
 def _read_whole(path: str) -> bytes | None:
-    """A /proc file read whole with plain reads, None when it cannot be read: no buffered file
-    object (whose open() also asks isatty() and fstat()), 20 % less CPU for a scan's maps."""
+    """A /proc file read whole with plain reads (a buffered file's open() also asks isatty() and
+    fstat(): 20 % more CPU for a scan's maps), None when it cannot be read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -135,9 +134,8 @@ def _read_whole(path: str) -> bytes | None:
 
 
 def maps_lines(pid: int, tokens: Sequence[bytes]) -> list[bytes]:
-    """The lines of /proc/<pid>/maps that hold one of `tokens`, each line once; [] when the file
-    cannot be read. Read as bytes and searched, never parsed whole: a process maps hundreds
-    of files, and only the lines naming a watched node matter."""
+    """The lines of /proc/<pid>/maps that hold one of `tokens`, each once ([] when unreadable):
+    searched as bytes, never parsed whole."""
     data = _read_whole(f"{PROC}/{pid}/maps")
     if data is None:
         return []
@@ -159,15 +157,14 @@ def maps_lines(pid: int, tokens: Sequence[bytes]) -> list[bytes]:
 
 def read_exe(pid: int) -> str | None:
     """The executable's path as the kernel prints it (a replaced binary ends in " (deleted)");
-    None for a kernel thread, a zombie, an exited process or one we may not look at."""
+    None for a kernel thread, a zombie, or one gone or not ours to read."""
     try:
         return os.readlink(f"{PROC}/{pid}/exe")
     except OSError:
         return None
 
 
-# The status file's Uid: line comes early (after Name, at most 64 bytes escaped, and 7 short
-# lines); the signal masks and NSpid within four times that.
+# The status file's Uid: line comes early; the signal masks and NSpid within four times that.
 STATUS_HEAD_MAX = 4096
 
 
@@ -177,7 +174,6 @@ def _status(pid: int, limit: int) -> dict[bytes, bytes] | None:
 
 
 def read_uid(pid: int) -> int | None:
-    """The process's real uid (the first of the Uid: line's four), or None."""
     fields = _status(pid, STATUS_HEAD_MAX)
     try:
         return None if fields is None else int(fields[b"Uid"].split()[0])
@@ -187,8 +183,7 @@ def read_uid(pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class Signals:
-    """A process's signal dispositions (status: SigIgn, SigCgt) and its PIDs in each PID
-    namespace from the outermost (NSpid)."""
+    """SigIgn, SigCgt and NSpid (its PIDs from the outermost namespace) of a process's status."""
 
     ignored: int
     caught: int
@@ -208,13 +203,12 @@ def read_signals(pid: int) -> Signals | None:
 
 
 def read_wchan(pid: int) -> str | None:
-    """The kernel function a process sleeps in (a symbol name: short, but text all the same)."""
     read = _read_bounded(f"{PROC}/{pid}/wchan", safetext.NAME_MAX)
     return None if read is None else safetext.text(read[0], safetext.NAME_MAX, read[1])
 
 
 def ancestors(pid: int) -> list[int]:
-    """pid and its parents up to PID 1, for "never signal the sweeper's own chain"."""
+    """pid and its parents up to PID 1."""
     chain: list[int] = []
     current = pid
     while current > 0 and current not in chain:

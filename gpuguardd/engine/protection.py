@@ -1,10 +1,9 @@
 """Who a sweep must never signal, and why. The answer is on the holder before any signal.
 
 A protected executable is recognised by file identity, never by path text: /proc/PID/exe
-reads whatever path the process sees in its own mount namespace, and any user can make that
-say /usr/bin/nvidia-persistenced (`unshare -Urm`, a bind mount over /usr/bin). stat() through
-the magic link reaches the file the process really runs, so its (st_dev, st_ino) is compared
-with those of the files ProtectedExecutables names, looked up in the daemon's own namespace.
+reads the path in the process's own mount namespace, which any user can make say
+/usr/bin/nvidia-persistenced (`unshare -Urm`). stat() through the magic link reaches the file
+it really runs, compared by (st_dev, st_ino) with the ProtectedExecutables in our namespace.
 """
 
 from __future__ import annotations
@@ -26,16 +25,11 @@ FileId = tuple[int, int]
 
 @dataclass(frozen=True)
 class ProtectedFiles:
-    """The files ProtectedExecutables names, as they are now in the daemon's namespace.
-
-    Looked up again for every scan, not once per configuration: a package installed or
-    upgraded since start-up changes which inode is nvidia-persistenced.
-    """
+    """The files ProtectedExecutables names, looked up for every scan (an upgrade changes them)."""
 
     by_id: dict[FileId, str]
-    # Configured paths and globs, for one case only: a process in the daemon's own mount
-    # namespace and root whose executable was deleted or replaced since it started (a package
-    # upgrade). Only root can have put a file at such a path there.
+    # Configured paths and globs, for a process in our own mount namespace and root whose
+    # executable was replaced since it started (an upgrade): only root can put a file there.
     patterns: tuple[str, ...]
 
     @classmethod
@@ -52,22 +46,17 @@ class ProtectedFiles:
         return cls(by_id=by_id, patterns=tuple(config.protected_executables))
 
     def match(self, pid: int) -> str | None:
-        """The protected path whose file `pid` runs, or None."""
         try:
             st = os.stat(f"/proc/{pid}/exe")
         except OSError:
-            # The process is gone, or its file is on a filesystem that refuses us (a user's
-            # FUSE mount): either way not one of the files we stat()ed above. Sparing it
-            # instead would let any user shield a holder by running it from a FUSE mount.
+            # Gone, or on a filesystem that refuses us (a user's FUSE mount): not one of ours.
+            # Sparing it would let any user shield a holder by running it from a FUSE mount.
             return None
         return self.by_id.get((st.st_dev, st.st_ino)) or self._replaced_in_our_namespace(pid)
 
     def _replaced_in_our_namespace(self, pid: int) -> str | None:
-        try:
-            link = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            return None
-        if not link.endswith(_DELETED) or not _same_namespace_and_root(pid):
+        link = procfs.read_exe(pid)
+        if link is None or not link.endswith(_DELETED) or not _same_namespace_and_root(pid):
             return None
         original = link.removesuffix(_DELETED)
         for pattern in self.patterns:
@@ -117,7 +106,5 @@ def protection(holder: Holder, config: Config, own_chain: Iterable[int],
 
 def mark_protection(holder: Holder, config: Config, own_chain: Iterable[int],
                     protected: ProtectedFiles | None = None) -> None:
-    found = protection(holder, config, own_chain, protected)
-    holder.protected = found is not None
-    holder.protected_code = found[0] if found is not None else None
-    holder.protected_why = found[1] if found is not None else ""
+    holder.protected_code, holder.protected_why = protection(holder, config, own_chain, protected) or (None, "")
+    holder.protected = holder.protected_code is not None

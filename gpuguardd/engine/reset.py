@@ -1,17 +1,15 @@
 """Resetting one GPU that nothing holds, through the driver's supported path, and proving it.
 
-NVML has no call that resets a GPU; the driver's supported reset is `nvidia-smi -r`, which
-needs that no process use the GPU, persistence mode be off, and NVLink peers be reset together
-(the nvidia-smi manual). So a reset here refuses unless nothing holds the GPU, turns
-persistence mode off through NVML (nvidia-persistenced then lets go), closes gpuguardd's own
-NVML session, runs [Recovery] ResetCommand with the PCI bus id, restores persistence mode and
-polls until the GPU answers with its memory back. Every step is kept in the report.
+NVML cannot reset a GPU; `nvidia-smi -r` can, if no process uses it, persistence mode is off
+and NVLink peers are reset together (its manual). So a reset refuses unless nothing holds the
+GPU, turns persistence mode off (nvidia-persistenced lets go), closes gpuguardd's own NVML
+session, runs [Recovery] ResetCommand with the PCI bus id, restores persistence mode and polls
+until the GPU answers with its memory back. Every step is kept in the report.
 
-An AMD GPU takes the same guarded path without NVML, through [Recovery] AmdResetCommand (the
-amdgpu recovery rocm-smi --gpureset triggers). AMD's amd-smi guide says what else it takes:
-every process with /dev/kfd open is ended, and the GPU's whole XGMI hive is reset with it. So
-it is refused while anyone holds /dev/kfd, for a GPU in a hive or one partition of a GPU, and
-for the boot display GPU (the console is on it).
+An AMD GPU takes the same path without NVML, through [Recovery] AmdResetCommand. Per AMD's
+amd-smi guide a reset ends every process with /dev/kfd open and resets the whole XGMI hive: so
+it is refused while anyone holds /dev/kfd, for a GPU in a hive or a partition of one, and for
+the boot display GPU.
 """
 
 from __future__ import annotations
@@ -22,12 +20,11 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from gpuguardd.config import DEFAULT_AMD_RESET_COMMAND, command_argv
-from gpuguardd.engine import leaks, procfs
+from gpuguardd.config import Config, command_argv
+from gpuguardd.engine import procfs
 from gpuguardd.engine.driverinfo import bus_key
-from gpuguardd.engine.judge import facts_of, judge
+from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.locks import GpuLocks
 from gpuguardd.engine.nvml import Nvml, NvmlCallFailed
 from gpuguardd.engine.nvmlworker import NvmlHung
@@ -37,33 +34,18 @@ from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, Repo
 
 log = logging.getLogger("gpuguard.reset")
 
-# Holders a reset may go past: NVML asks nvidia-persistenced to let go when persistence mode
-# is turned off (its manual), so it is paused, not refused.
+# Holders a reset goes past: turning persistence mode off makes nvidia-persistenced let go.
 PAUSABLE = frozenset({"nvidia-persistenced"})
 # DCGM's host engine keeps its handles until it is stopped (DCGM documents no per-GPU release).
 HOSTENGINE = frozenset({"nv-hostengine"})
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
-# Bytes of the command's output kept in a step. Steps, like every report text, are kept as
-# they are and escaped where shown (the journal's formatter, gpuguardctl's printer).
-_OUTPUT_MAX = 300
+_OUTPUT_MAX = 300  # bytes of the command's output kept in a step (escaped where shown)
 PAUSED = "NVML closed for a GPU reset"
 # What the NVIDIA driver asks of a caller that changes a GPU (its privileged check is
 # capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
 NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
 KFD_NODE = "/dev/kfd"
-
-
-@dataclass(frozen=True)
-class ResetSettings:
-    command: tuple[str, ...]
-    timeout_sec: float
-    verify_timeout_sec: float
-    released_below_bytes: int
-    lock_directory: str
-    poll_sec: float = 0.1
-    # [Recovery] AmdResetCommand (the GPU's PCI address appended), and where sysfs is.
-    amd_command: tuple[str, ...] = command_argv(DEFAULT_AMD_RESET_COMMAND)
-    sysfs_path: str = "/sys"
+POLL_SEC = 0.1  # between readings while verifying
 
 
 def _name(holder: Holder) -> str:
@@ -71,8 +53,7 @@ def _name(holder: Holder) -> str:
 
 
 def _touches(holder: Holder, gpu: GpuInfo) -> bool:
-    """Whether `holder` has GPU `gpu` open (its node, NVML's word or a MIG instance of it), or
-    computes somewhere nobody can name (it may be this GPU)."""
+    """Whether `holder` has GPU `gpu` open, or computes somewhere nobody can name."""
     if gpu.index in holder.gpus or gpu.index in holder.node_gpus or gpu.index in holder.nvml_gpus:
         return True
     if set(holder.mig) & {m.uuid for m in gpu.mig}:
@@ -81,12 +62,11 @@ def _touches(holder: Holder, gpu: GpuInfo) -> bool:
 
 
 def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int]) -> str:
-    """Why GPU `gpu` must not be reset now ("" when it may): anything but gpuguardd itself
-    and pausable management daemons holding it, or a process NVML (for an AMD GPU: KFD) still
-    lists alive."""
+    """Why GPU `gpu` must not be reset now ("" when it may): a holder other than gpuguardd and
+    PAUSABLE daemons, or a process NVML (or KFD) lists that may be alive."""
     lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
     if snap.pids_local:
-        alive = sorted(pid for pid in gpu.processes if leaks.pid_exists(pid))
+        alive = sorted(pid for pid in gpu.processes if procfs.pid_exists(pid))
         if alive:
             return (f"{lister} lists live process(es) on it ({', '.join(map(str, alive[:5]))}): "
                     "end them first (gpuguardctl sweep)")
@@ -129,9 +109,8 @@ def _kfd_hive(sysfs: str, gpu_id: int) -> int:
 
 
 def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str = "/sys") -> str:
-    """What else an AMD GPU's reset would take down ("" when nothing): AMD documents that it
-    ends every process holding /dev/kfd and resets the GPU's whole XGMI hive (amd-smi's CLI
-    guide, "amd-smi reset"); a partition (MI300 CPX and kin) is reset with its siblings."""
+    """What else an AMD GPU's reset would take down ("" when nothing): /dev/kfd holders, its
+    XGMI hive, its sibling partitions (MI300 CPX and kin), the console."""
     for holder in scan.holders:
         if holder.pid in own or not (KFD_NODE in holder.devices or "kfd" in holder.roles):
             continue
@@ -158,16 +137,12 @@ def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str 
 
 
 class GpuReset:
-    """One reset of GPU `index`: run() returns its report (never raises for the GPU's sake)."""
-
     def __init__(self, index: int, nvml: Nvml, scan: Callable[[], ScanResult],
-                 settings: ResetSettings, requested_by: str, reason: str = "",
-                 run: Callable[..., subprocess.CompletedProcess[bytes]] = subprocess.run) -> None:
+                 config: Config, requested_by: str, reason: str = "") -> None:
         self.index = index
         self.nvml = nvml
         self.scan = scan
-        self.settings = settings
-        self._run = run
+        self.config = config
         self.report = Report(id=uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
                              requested_by=requested_by, reason=reason,
                              scope=ReportScope(gpus=[index]), kind=REPORT_RESET,
@@ -181,7 +156,7 @@ class GpuReset:
     def run(self) -> Report:
         log.info("reset %s of GPU %d requested by %s%s", self.report.id[:8], self.index,
                  self.report.requested_by, f" (reason: {self.report.reason})" if self.report.reason else "")
-        locks = GpuLocks(self.settings.lock_directory)
+        locks = GpuLocks(os.path.join(self.config.runtime_directory, "locks"))
         try:
             problem = locks.acquire([self.index], wait=False)
             if locks.busy:
@@ -191,9 +166,7 @@ class GpuReset:
                     self.report.warn(problem, WarningCode.LOCKS_UNAVAILABLE)
                 self._reset()
         except (NvmlHung, NvmlCallFailed, OSError) as exc:
-            self.report.outcome = Outcome.RESET_FAILED
-            self.report.error = str(exc)
-            self.step(f"failed: {exc}", logging.ERROR)
+            self._error(str(exc), "failed: ")
         finally:
             locks.release()
         self.report.duration_ms = int((time.monotonic() - self._started) * 1000)
@@ -202,16 +175,14 @@ class GpuReset:
                  self.report.outcome, f" ({self.report.error})" if self.report.error else "")
         return self.report
 
-    def _error(self, why: str) -> bool:
-        self.report.outcome = Outcome.RESET_FAILED
+    def _error(self, why: str, said: str = "", outcome: Outcome = Outcome.RESET_FAILED) -> bool:
+        self.report.outcome = outcome
         self.report.error = why
-        self.step(why, logging.ERROR)
+        self.step(said + why, logging.ERROR if outcome == Outcome.RESET_FAILED else logging.WARNING)
         return False
 
     def _refuse(self, why: str) -> None:
-        self.report.outcome = Outcome.RESET_REFUSED
-        self.report.error = why
-        self.step(f"refused: {why}", logging.WARNING)
+        self._error(why, "refused: ", Outcome.RESET_REFUSED)
 
     def _reset(self) -> None:
         scan = self.scan()
@@ -221,20 +192,18 @@ class GpuReset:
             self._refuse(f"no GPU {self.index} ({scan.nvml.error or 'NVML does not list it'})")
             return
         own = frozenset({os.getpid(), *procfs.ancestors(os.getpid())})
-        why = refusal(gpu, scan.nvml, scan.holders, own)
-        if not why and gpu.vendor == Vendor.AMD:
-            why = amd_refusal(gpu, scan, own, self.settings.sysfs_path)
-        if not why and not gpu.pci_bus_id:
-            why = "its PCI bus id is unknown"
-        if not why and gpu.vendor != Vendor.AMD:
-            why = self._nvlink_refusal()
+        amd = gpu.vendor == Vendor.AMD
+        why = (refusal(gpu, scan.nvml, scan.holders, own)
+               or (amd_refusal(gpu, scan, own, self.config.sysfs_path) if amd else "")
+               or ("" if gpu.pci_bus_id else "its PCI bus id is unknown")
+               or ("" if amd else self._nvlink_refusal()))
         if why:
             self._refuse(why)
             return
         before = self._before(gpu, scan.nvml.pids_local)
-        if gpu.vendor == Vendor.AMD:
+        if amd:
             # No persistence mode and no session of gpuguardd's own to close: it reads sysfs.
-            if self._command(gpu.pci_bus_id, self.settings.amd_command):
+            if self._command(gpu.pci_bus_id, self.config.amd_reset_command):
                 self._verify(before, lambda: self.scan().nvml)
             return
         if gpu.mig_mode:
@@ -244,7 +213,7 @@ class GpuReset:
         try:
             self.nvml.pause(PAUSED)
             self.step("closed gpuguardd's NVML session")
-            ok = self._command(gpu.pci_bus_id)
+            ok = self._command(gpu.pci_bus_id, self.config.reset_command)
         finally:
             self.nvml.resume()
             if restore:
@@ -252,11 +221,14 @@ class GpuReset:
         if ok:
             self._verify(before, self.nvml.snapshot)
 
+    def _judge(self, gpu: GpuInfo, pids_local: bool) -> Judgement:
+        return judge(facts_of(gpu, None, (), self.config.released_below_mib * 1024 * 1024, pids_local))
+
     def _before(self, gpu: GpuInfo, pids_local: bool) -> GpuResult:
         before = GpuResult(index=gpu.index, uuid=gpu.uuid, memory_used_before=gpu.memory_used,
                            memory_total=gpu.memory_total)
         self.report.gpus = [before]
-        kind = judge(facts_of(gpu, None, (), self.settings.released_below_bytes, pids_local)).leak
+        kind = self._judge(gpu, pids_local).leak
         shown = ""
         if kind is not None:
             self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
@@ -289,6 +261,13 @@ class GpuReset:
                     "them, or a reboot)")
         return ""
 
+    def _set_persistence(self, on: bool) -> None:
+        import pynvml
+
+        mode = pynvml.NVML_FEATURE_ENABLED if on else pynvml.NVML_FEATURE_DISABLED
+        self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(h, mode),
+                              "nvmlDeviceSetPersistenceMode")
+
     def _persistence_off(self) -> bool:
         """Turn persistence mode off if it is on; whether it has to be restored."""
         import pynvml
@@ -303,8 +282,7 @@ class GpuReset:
             self.step("persistence mode is off")
             return False
         try:
-            self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
-                h, pynvml.NVML_FEATURE_DISABLED), "nvmlDeviceSetPersistenceMode")
+            self._set_persistence(False)
         except NvmlCallFailed as exc:
             # The driver grants it to CAP_SYS_ADMIN only, which the shipped unit leaves out.
             hint = f": the driver allows it only with {NEEDS}" if "Permission" in str(exc) else ""
@@ -313,27 +291,23 @@ class GpuReset:
         return True
 
     def _persistence_on(self) -> None:
-        import pynvml
-
         try:
-            self.nvml.device_call(self.index, lambda h: pynvml.nvmlDeviceSetPersistenceMode(
-                h, pynvml.NVML_FEATURE_ENABLED), "nvmlDeviceSetPersistenceMode")
+            self._set_persistence(True)
             self.step("restored persistence mode")
         except (NvmlCallFailed, NvmlHung) as exc:
             self.report.warn(f"persistence mode could not be restored: {exc}",
                              WarningCode.PERSISTENCE_NOT_RESTORED)
             self.step(f"could not restore persistence mode: {exc}", logging.ERROR)
 
-    def _command(self, bus_id: str, command: tuple[str, ...] | None = None) -> bool:
-        argv = [*(command or self.settings.command), bus_id]
+    def _command(self, bus_id: str, command: str) -> bool:
+        argv = [*command_argv(command), bus_id]
         shown = " ".join(argv)
         self.step(f"running {shown}")
         try:
-            done = self._run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, timeout=self.settings.timeout_sec,
-                             check=False)
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=self.config.reset_timeout_sec, check=False)
         except subprocess.TimeoutExpired:
-            return self._error(f"{shown} did not finish within {self.settings.timeout_sec:g} s")
+            return self._error(f"{shown} did not finish within {self.config.reset_timeout_sec:g} s")
         except OSError as exc:
             return self._error(f"cannot run {shown}: {exc.strerror or exc}")
         said = done.stdout[-_OUTPUT_MAX:].decode("utf-8", "replace").strip()
@@ -343,20 +317,19 @@ class GpuReset:
         return True
 
     def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot]) -> None:
-        """Poll `read` (NVML, or for an AMD GPU the sysfs scan) until the judge finds the GPU's
-        memory released (below its own line: engine/judge.py), or VerifyTimeoutSec passes."""
-        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        """Poll `read` (NVML, or an AMD GPU's scan) until the judge finds the GPU's memory
+        released, or VerifyTimeoutSec passes."""
+        deadline = time.monotonic() + self.config.verify_timeout_sec
         while True:
             snap = read()
             gpu = snap.by_index(self.index)
             answers = gpu is not None and not (gpu.lost or gpu.unknown)
             if gpu is not None and answers:
                 before.memory_used_after = gpu.memory_used
-                before.released = judge(facts_of(gpu, None, (), self.settings.released_below_bytes,
-                                                 snap.pids_local)).released
+                before.released = self._judge(gpu, snap.pids_local).released
             if before.released or time.monotonic() >= deadline:
                 break
-            time.sleep(self.settings.poll_sec)
+            time.sleep(POLL_SEC)
         if before.released:
             self.report.outcome = Outcome.RESET
             self.report.verified = True

@@ -11,13 +11,8 @@ from gpuguardd.records.models import Holder, Scope
 
 def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
     """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
-    why it was left out.
-
-    NVML's per-GPU lists say which GPUs a process computes on. A process NVML does not list
-    (NVML unavailable, a process without a context, a PID namespace NVML does not speak for)
-    has only its nodes to show, and every CUDA process holds every GPU's node whichever GPU it
-    uses: it is on the scope's GPUs only if every GPU node it holds is in the scope, since
-    otherwise it may be a tenant of another GPU."""
+    why. NVML's lists say where a process computes; one NVML does not list has only its nodes,
+    and a CUDA process holds every GPU's node: it is on `gpus` only if all its nodes are."""
     wanted = set(gpus)
     if holder.nvml_gpus:
         return bool(wanted & set(holder.nvml_gpus)), ""
@@ -31,17 +26,9 @@ def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
 
 
 def holds_no_device_here(holder: Holder) -> bool:
-    """NVML lists it, but it holds no device here (no fd, no mapping): NVML's pid may be another
-    namespace's, or a pid reused since. Never a target; a zombie is the exception, as it holds
-    nothing any more and is never signalled (the sweep reports it with its parent)."""
+    """NVML lists it, but it holds no device here: another namespace's pid, or one reused since.
+    Not a zombie, which holds nothing any more (the sweep reports it with its parent)."""
     return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
-
-
-def _on_mig_scope(holder: Holder, scope: Scope) -> bool:
-    """In a scope of MIG instances only when every instance it runs in is one of them: a
-    tenant of another instance of the same GPU is never touched, and a holder of the GPU
-    whose instance is unknown (no NVML listing, no caps node) is no instance's tenant."""
-    return bool(holder.mig) and set(holder.mig) <= set(scope.mig)
 
 
 def mig_scope_why(holder: Holder, scope: Scope) -> str:
@@ -53,8 +40,10 @@ def mig_scope_why(holder: Holder, scope: Scope) -> str:
 
 
 def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
-    """On the scope's whole GPUs (gpu_scope's rule) or inside its MIG instances."""
-    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or _on_mig_scope(holder, scope)
+    """On the scope's whole GPUs (gpu_scope's rule), or in its MIG instances only: a tenant of
+    another instance too, or of an unknown one, is never touched."""
+    on_mig = bool(holder.mig) and set(holder.mig) <= set(scope.mig)
+    return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or on_mig
 
 
 def in_scope(holder: Holder, scope: Scope) -> bool:

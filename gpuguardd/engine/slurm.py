@@ -1,17 +1,15 @@
 """Slurm: the epilog's sweep of one finished job, and nothing of any other job.
 
-A Slurm epilog runs as root after the job's processes were signalled (and Slurm waited
-KillWait), outside the job's cgroup. What can still hold the job's GPUs:
+The epilog runs as root after Slurm signalled the job and waited KillWait. What can still
+hold the job's GPUs:
 
-1. processes still in the job's cgroup (_JOB_CGROUP; any controller: the job is tracked in
-   the freezer/devices/cpuset hierarchies, not name=systemd);
-2. processes that escaped it (a launcher's daemonised workers, SGLang's DP workers): owned by
-   the job's user, holding one of the job's GPUs, and in no job's cgroup at all; never for a
-   job of root (SLURM_JOB_UID=0), whose "escaped" processes could be any system service.
+1. processes still in the job's cgroup (_JOB_CGROUP, in any controller's hierarchy);
+2. processes that escaped it (a launcher's daemonised workers): the job user's, on one of the
+   job's GPUs, and in no job's cgroup; never for a job of root, whose "escaped" processes
+   could be any system service.
 
-A process in another job's cgroup is never in scope, whoever owns it and whatever it holds.
-The job's GPUs come from SLURM_JOB_GPUS (or CUDA_VISIBLE_DEVICES), which in the epilog are
-device minors (/dev/nvidia<minor>), not NVML indices: the caller maps them (gpu_minors()).
+A process in another job's cgroup is never in scope. The job's GPUs (SLURM_JOB_GPUS, or
+CUDA_VISIBLE_DEVICES) are device minors, not NVML indices: gpu_selectors() maps them.
 """
 
 from __future__ import annotations
@@ -55,12 +53,10 @@ def job_of_cgroups(cgroup_file: str) -> str:
 
 
 def in_job_scope(holder: Holder, job: str, uid: int, on_job_gpus: Callable[[], bool]) -> bool:
-    """Rule 1 or rule 2 of the module docstring, for one holder. `on_job_gpus` is the sweep's
-    own rule for "on these GPUs" (scope.gpu_scope: NVML's lists first)."""
+    """Rule 1 or 2 of the module docstring; `on_job_gpus`: the sweep's rule (scope.gpu_scope)."""
     owner_job = job_of_cgroups(procfs.read_cgroup(holder.pid) or "")
     if owner_job:
         return owner_job == job
-    # Rule 2 for a root job would reach every root service on the job's GPUs.
     return uid != ROOT_UID and holder.uid == uid and not holder.container and on_job_gpus()
 
 
@@ -101,16 +97,13 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
     if text not in _NO_GPUS:
         for item in (i.strip() for i in text.split(",")):
             pci = not is_digits(item) and selector(item).kind == PCI
-            minor = item if pci else parse_uint(item, name, MAX_MINOR)
-            if minor not in minors:
-                minors.append(minor)
-    return EpilogJob(job_id, uid, tuple(minors))
+            minors.append(item if pci else parse_uint(item, name, MAX_MINOR))
+    return EpilogJob(job_id, uid, tuple(dict.fromkeys(minors)))
 
 
 def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
-    """Indices (as the sweep's `gpus` strings) for device minors, and warnings; a PCI bus id
-    goes as it is (the sweep resolves it). Without a GPU list, minor N is taken to be GPU N
-    (what /dev/nvidiaN is on almost every host)."""
+    """The sweep's `gpus` strings for device minors (a PCI bus id as it is), and warnings.
+    Without a GPU list, minor N is taken to be GPU N, as it is on almost every host."""
     by_minor = {-1 if "minor" in g.unread else g.minor: str(g.index) for g in gpus}
     selectors: list[str] = []
     warnings: list[str] = []
@@ -130,7 +123,6 @@ def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[
 
 
 def check_request(request: SweepRequest) -> None:
-    """A request's Slurm fields, validated as every other option: InvalidArgument names them."""
     if not request.slurm_job:
         if request.slurm_uid != -1:
             raise InvalidArgument("slurm_uid given without slurm_job")
@@ -152,8 +144,6 @@ def summary(job: str, report: Report) -> str:
         details = [f"GPU {g.index} {g.memory_used_after // (1024 * 1024)} MiB still used"
                    for g in report.gpus if not g.released]
     elif outcome == Outcome.UNVERIFIED:
-        # Why the memory could not be verified: NVML unavailable, a GPU unreadable, or NVML's
-        # pids not this namespace's (sweep.py codes each warning it words).
         details = report.warnings_of(UNVERIFIED_WARNINGS) or ["GPU memory not verified"]
     elif report.error:
         details = [report.error]

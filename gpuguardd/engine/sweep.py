@@ -13,9 +13,10 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol, Union
 
+from gpuguardd.config import Config
 from gpuguardd.engine import process, procfs
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
@@ -23,13 +24,12 @@ from gpuguardd.engine.scope import gpu_scope, holds_no_device_here, in_scope, is
 from gpuguardd.records.enums import (
     HolderKind,
     Outcome,
-    RequesterKind,
     SpareReason,
     SurvivorReason,
     WarningCode,
     Why,
 )
-from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope
+from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope, SweepRequest
 from gpuguardd.records.report import (
     GpuResult,
     Leak,
@@ -44,11 +44,14 @@ from gpuguardd.records.report import (
 log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
-# Where NVML's pids are not this /proc's (gpuguardd in a container), a process NVML still lists
-# may be the sweep's, not yet released, or another tenant's, and nothing here tells which. Once
-# none of the sweep's processes is left, verification waits for such lists only while they keep
-# changing, and this long after the last change calls them settled: unverified, never freed.
+# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed process may be
+# the sweep's, not yet released, or another tenant's. Once the sweep's are gone, verification
+# calls such lists settled this long after their last change: unverified, never freed.
 FOREIGN_SETTLE_SEC = 2.0
+# NVML has no "memory released" event: verification polls fast first (release is usually
+# quick), then backs off to this.
+POLL_START_SEC = 0.005
+POLL_MAX_SEC = 0.1
 
 
 class SweepObserver(Protocol):
@@ -56,17 +59,6 @@ class SweepObserver(Protocol):
 
     def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
                            signal_name: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class SweepSettings:
-    grace_sec: float
-    kill_timeout_sec: float
-    verify_timeout_sec: float
-    released_below_bytes: int
-    dry_run: bool
-    poll_start_sec: float = 0.005
-    poll_max_sec: float = 0.1
 
 
 Pinned = list[tuple[Holder, ProcessHandle]]
@@ -79,6 +71,11 @@ MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
+def close_all(pinned: Pinned) -> None:
+    for _, handle in pinned:
+        handle.close()
+
+
 def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
     if isinstance(key, str):
         return snap.mig_instance(key)
@@ -87,22 +84,22 @@ def memory_view(snap: NvmlSnapshot, key: MemoryKey) -> MemoryView | None:
 
 
 class Sweep:
-    def __init__(self, scope: Scope, settings: SweepSettings, scan: Scan, rescan: Callable[[], Scan],
-                 snapshot: Callable[[], NvmlSnapshot], requested_by: str, reason: str = "",
-                 observer: SweepObserver | None = None, report_id: str = "",
-                 resumes: str = "", requester_kind: RequesterKind = RequesterKind.MANUAL) -> None:
-        """`scan`: what the sweep works from; `rescan`: after each round of signals, what may
-        have become a holder since (Engine.sweep says what that is)."""
+    def __init__(self, scope: Scope, config: Config, scan: Scan, rescan: Callable[[], Scan],
+                 snapshot: Callable[[], NvmlSnapshot], request: SweepRequest,
+                 observer: SweepObserver | None = None) -> None:
+        """`rescan`: after each round of signals, what may have become a holder since."""
         self.scope = scope
-        self.settings = settings
+        self.config = config
+        self.grace_sec = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
+        self.dry_run = request.is_dry_run(config.dry_run)
         self.scan = scan
         self.rescan = rescan
         self.snapshot = snapshot
         self.observer = observer
-        self.report = Report(id=report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
-                             requested_by=requested_by, reason=reason, resumes=resumes,
-                             scope=ReportScope.of(scope, grace_ms=int(settings.grace_sec * 1000)),
-                             dry_run=settings.dry_run, requester_kind=requester_kind)
+        self.report = Report(id=request.report_id or uuid.uuid4().hex, started_usec=time.time_ns() // 1000,
+                             requested_by=request.requested_by, reason=request.reason, resumes=request.resumes,
+                             scope=ReportScope.of(scope, grace_ms=int(self.grace_sec * 1000)),
+                             dry_run=self.dry_run, requester_kind=request.requester_kind)
         self._t0 = time.monotonic()
         # (pid, start time) of every process this sweep dealt with, so a rescan knows them.
         self._handled: set[tuple[int, int]] = set()
@@ -129,44 +126,35 @@ class Sweep:
         if not nvml.gpus_known:
             report.warn(f"{nvml.error or 'NVML unavailable'}: GPU memory cannot be verified",
                         WarningCode.NVML_UNAVAILABLE)
-        if self.settings.dry_run:
+        if self.dry_run:
             report.outcome = Outcome.DRY_RUN
             report.gpus = [self._gpu_entry(before.get(k), k, None) for k in gpus_in_scope]
-            self._close(pinned)
+            close_all(pinned)
             return self._finish()
         rounds = 0
         while targets and rounds < MAX_ROUNDS:
             rounds += 1
             self._terminate(targets)
-            self._close(pinned)
+            close_all(pinned)
             pinned, _, _, _ = self.rescan()
             targets = [(h, p) for h, p in pinned
                        if is_target(h, self.scope) and (h.pid, h.start_time) not in self._handled]
             report.targets.extend(Target.of(holder) for holder, _ in targets)
-            gpus_in_scope = _ordered(gpus_in_scope, self._gpus_in_scope(targets, nvml))
-        report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED,
-                                                   f"appeared again after {MAX_ROUNDS} rounds: "
-                                                   "something keeps starting new holders")
-                               for holder, _ in targets)
-        self._close(pinned)
+            # Keys mix ints and strings: no sort, the new ones after.
+            gpus_in_scope = list(dict.fromkeys([*gpus_in_scope, *self._gpus_in_scope(targets, nvml)]))
+        why = f"appeared again after {MAX_ROUNDS} rounds: something keeps starting new holders"
+        report.survived.extend(Survivor.of(holder, SurvivorReason.REAPPEARED, why) for holder, _ in targets)
+        close_all(pinned)
         after = self._verify(gpus_in_scope, nvml.gpus_known)
         self._report_exiting()
         report.gpus = [self._gpu_entry(before.get(k), k, after.get(k)) for k in gpus_in_scope]
-        report.code_warnings()
         self._decide_outcome(gpus_in_scope, before, after, nvml.gpus_known)
-        # Every warning _decide_outcome adds says why a GPU's memory was not verified.
-        report.code_warnings(WarningCode.MEMORY_UNVERIFIED)
         return self._finish()
 
     def _finish(self) -> Report:
         self.report.code_warnings()
         self.report.duration_ms = int((time.monotonic() - self._t0) * 1000)
         return self.report
-
-    @staticmethod
-    def _close(pinned: Pinned) -> None:
-        for _, handle in pinned:
-            handle.close()
 
     def _plan(self, pinned: Pinned) -> Pinned:
         targets: Pinned = []
@@ -176,32 +164,27 @@ class Sweep:
                 code = SpareReason.OTHER_GPU
                 if not why:
                     why, code = mig_scope_why(holder, self.scope), SpareReason.OTHER_MIG_INSTANCE
-                # Worth a line for what the scope would otherwise have taken; protected processes
-                # (gpuguard itself among them) are never in question.
+                # Worth a line for what the scope would otherwise have taken (never a protected one).
                 if why and not holder.protected and in_scope(holder, replace(self.scope, gpus=(), mig=())):
                     self.report.spared.append(Spared.of(holder, code, why))
                 continue
             if holder.protected:
-                self.report.spared.append(Spared.of(
-                    holder, holder.protected_code or SpareReason.OTHER, holder.protected_why))
+                spared = (holder.protected_code or SpareReason.OTHER, holder.protected_why)
             elif holds_no_device_here(holder):
-                self.report.spared.append(Spared.of(
-                    holder, SpareReason.NO_DEVICE_HERE,
-                    "NVML lists it, but it holds no NVIDIA device here "
-                    "(another PID namespace's pid, or a reused one?)"))
+                spared = (SpareReason.NO_DEVICE_HERE, "NVML lists it, but it holds no NVIDIA device here "
+                          "(another PID namespace's pid, or a reused one?)")
             elif holder.kind != HolderKind.COMPUTE and not self.scope.include_management:
-                self.report.spared.append(Spared.of(
-                    holder, SpareReason.MANAGEMENT,
-                    "management client (no CUDA context); include_management ends it"))
+                spared = (SpareReason.MANAGEMENT, "management client (no CUDA context); include_management ends it")
             else:
                 targets.append((holder, handle))
                 self.report.targets.append(Target.of(holder))
+                continue
+            self.report.spared.append(Spared.of(holder, *spared))
         return targets
 
     def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
-        """What to verify: whole GPUs by index, and MIG instances by UUID where the scope
-        (or, for a unit or container, its holders) is an instance: that instance's memory is
-        what the sweep freed, and the GPU's aggregate also holds its other tenants'."""
+        """What to verify: whole GPUs by index, MIG instances by UUID where the scope (or, for a
+        unit or container, its holders) is an instance: the GPU's aggregate holds other tenants'."""
         if self.scope.gpus or self.scope.mig:
             return [*sorted(self.scope.gpus), *sorted(self.scope.mig)]
         if self.scope.whole_host:
@@ -245,12 +228,11 @@ class Sweep:
                 sent_at.setdefault(pid, time.monotonic())
                 result = self._signal(holder, handle, sig)
                 if result == "gone":
-                    self._record_exit(holder, handle, gone_as, sent_at[pid])
+                    self._record_exit(holder, handle, gone_as, sent_at[pid], time.monotonic())
                     del live[pid]
                 elif result == "denied":
                     report.survived.append(Survivor.of(holder, SurvivorReason.PERMISSION_DENIED,
-                                                               f"permission denied sending {sig.name} "
-                                                               "(run as root)"))
+                                                       f"permission denied sending {sig.name} (run as root)"))
                     del live[pid]
 
         def wait(sig: signal.Signals, timeout: float) -> None:
@@ -260,16 +242,15 @@ class Sweep:
             wait_for_exit([h for _, h in live.values()], timeout, on_exit=exited)
 
         send_all(signal.SIGTERM, "")
-        wait(signal.SIGTERM, self.settings.grace_sec)
+        wait(signal.SIGTERM, self.grace_sec)
         if live:
             send_all(signal.SIGKILL, signal.SIGTERM.name)
-            wait(signal.SIGKILL, self.settings.kill_timeout_sec)
+            wait(signal.SIGKILL, self.config.kill_timeout_sec)
         for pid, (holder, handle) in live.items():
             # SIGKILL is pending: exiting, however slowly (module docstring; sglang issue 31746).
             self._exiting[pid] = (holder, handle.dup(), sent_at[pid])
 
     def _wait_exiting(self, timeout: float) -> None:
-        """Sleep up to `timeout`, recording exits of exiting processes as they happen."""
         if not self._exiting:
             time.sleep(timeout)
             return
@@ -283,17 +264,15 @@ class Sweep:
     def _report_exiting(self) -> None:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
             state, code, why = process.survivor_reason(pid)
-            waited = self.settings.kill_timeout_sec + self.settings.verify_timeout_sec
+            waited = self.config.kill_timeout_sec + self.config.verify_timeout_sec
             self.report.survived.append(Survivor.of(holder, code, f"{why} ({waited:g} s after SIGKILL)",
                                                     state=state))
             handle.close()
         self._exiting.clear()
 
     def _record_exit(self, holder: Holder, handle: ProcessHandle, signal_name: str,
-                     sent_at: float, seen_at: float | None = None) -> None:
-        seen = time.monotonic() if seen_at is None else seen_at
-        # What is known, not what was hoped: the kernel's exit status while it still has it;
-        # otherwise SIGTERM is credited only if it could have ended the process.
+                     sent_at: float, seen: float) -> None:
+        # The kernel's exit status while it has it; else SIGTERM is credited only if it could have ended it.
         stat = procfs.read_stat(holder.pid)
         if stat is not None and stat.start_time != handle.start_time:
             stat = None  # reaped, and its PID is another process's now
@@ -304,8 +283,7 @@ class Sweep:
                            exited_after_ms=max(0, int((seen - sent_at) * 1000)),
                            exit_status="" if status is None else str(status))
         if stat is not None:
-            # Exited but not reaped: harmless unless NVML still charges memory to it (checked
-            # at verification), but worth naming the parent that should reap it.
+            # Exited, not reaped: name the parent that should reap it.
             entry.zombie_parent = stat.ppid
         self.report.terminated.append(entry)
         self._terminated_pids.add(holder.pid)
@@ -314,17 +292,14 @@ class Sweep:
                                              signal_name)
 
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
-        """The judge's verdict on a view's memory: what the sweep ended (or waits for) must be
-        gone from NVML's lists, what live processes still hold is not the sweep's."""
+        """The judge's verdict on a view's memory, with what the sweep ended as ending."""
         gpu, instance = view
-        return judge(facts_of(gpu, instance, (), self.settings.released_below_bytes,
+        return judge(facts_of(gpu, instance, (), self.config.released_below_mib * 1024 * 1024,
                               self._pids_local, ending={*self._terminated_pids, *self._exiting},
                               stuck=set(stuck)))
 
     def _foreign_pids(self, view: MemoryView) -> frozenset[int]:
-        """The pids NVML lists there when they are not this /proc's: whether they are the
-        sweep's (not yet released) or another tenant's cannot be read, so while there are any,
-        neither "freed" nor "not released" can be said."""
+        """The pids NVML lists there when they are not this /proc's (FOREIGN_SETTLE_SEC)."""
         return frozenset() if self._pids_local else frozenset(_memory_of(view).processes)
 
     def _unreadable(self, view: MemoryView) -> str:
@@ -346,14 +321,13 @@ class Sweep:
 
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
         """Poll NVML until the memory is back and no target is still exiting, or until
-        VerifyTimeoutSec; the last readings. Lists of foreign pids (_foreign_pids) are waited
-        for only until they settle (FOREIGN_SETTLE_SEC)."""
-        deadline = time.monotonic() + self.settings.verify_timeout_sec
+        VerifyTimeoutSec (foreign pids' lists: until they settle); the last readings."""
+        deadline = time.monotonic() + self.config.verify_timeout_sec
         if not gpus or not nvml_available:
             if self._exiting:  # nothing to read: wait for the processes alone, not the clock
                 self._wait_exiting(max(0.0, deadline - time.monotonic()))
             return {}
-        delay = self.settings.poll_start_sec
+        delay = POLL_START_SEC
         foreign: dict[MemoryKey, frozenset[int]] = {}
         quiet_since = time.monotonic()
         while True:
@@ -372,10 +346,8 @@ class Sweep:
                 return current
             if time.monotonic() >= deadline:
                 return current if snap.gpus_known else {}
-            # NVML has no "memory released" event; poll fast first, since release is usually
-            # quick once the process is gone, then back off.
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, self.settings.poll_max_sec)
+            delay = min(delay * 2, POLL_MAX_SEC)
 
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
                    after: MemoryView | None) -> GpuResult:
@@ -389,7 +361,7 @@ class Sweep:
             entry.memory_used_after = _memory_of(after).memory_used
             entry.released = self._judge(after).released
         else:
-            entry.memory_used_after = was.memory_used if was and self.settings.dry_run else 0
+            entry.memory_used_after = was.memory_used if was and self.dry_run else 0
         return entry
 
     def _decide_outcome(self, gpus: list[MemoryKey], before: dict[MemoryKey, MemoryView],
@@ -404,11 +376,11 @@ class Sweep:
             if view is None:
                 was = _memory_of(before[key]) if key in before else None
                 if nvml_available:
-                    report.warnings.append(f"{name}: memory could not be read"
-                                           + (f" ({was.error})" if was and was.error else ""))
+                    report.warn(f"{name}: memory could not be read" + (f" ({was.error})" if was and was.error else ""),
+                                WarningCode.MEMORY_UNVERIFIED)
                 continue
             if key not in readable:
-                report.warnings.append(f"{name}: {self._unreadable(view)}")
+                report.warn(f"{name}: {self._unreadable(view)}", WarningCode.MEMORY_UNVERIFIED)
                 continue
             if not self._judge(view).released:
                 not_released.append(key)
@@ -432,10 +404,4 @@ class Sweep:
 
 
 def _memory_of(view: MemoryView) -> GpuInfo | MigInstance:
-    """Whose memory a view is about: the instance's, or the whole GPU's."""
     return view[1] or view[0]
-
-
-def _ordered(first: list[MemoryKey], more: list[MemoryKey]) -> list[MemoryKey]:
-    """first, then what `more` adds, without repeats (keys mix ints and strings: no sort)."""
-    return list(dict.fromkeys([*first, *more]))

@@ -40,7 +40,7 @@ class GpuState(WireEnum):
 
 
 class LeakKind(WireEnum):
-    """What a leak looks like (engine/leaks.py); only a GPU reset or a reboot frees any of them."""
+    """What a leak looks like (engine/judge.py); only a GPU reset or a reboot frees any of them."""
 
     NO_PROCESS = "no-process"
     DEAD_PIDS = "dead-pids"

@@ -89,7 +89,7 @@ class MigSummary(WireRecord):
     holder_count: int = 0
     # Read back without a state it could be trusted with: never "idle".
     state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
-    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/judge.py), else ""
 
 
 @dataclass
@@ -111,7 +111,7 @@ class GpuSummary(WireRecord):
     error: str = ""
     mig_mode: bool | None = None  # None: not known (no NVML: GPUs from device nodes alone)
     mig_instances: list[MigSummary] | None = None
-    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
+    leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/judge.py), else ""
     vendor: Vendor = Vendor.NVIDIA
     # Bytes, judge.released_line; not sent: the gate beside the scan must not wait on an idle AMD GPU's VRAM.
     released_below: int = field(default=0, metadata={"wire": False})

@@ -152,7 +152,7 @@ class Leak(WireRecord):
     uuid: str = ""
     bytes: int = 0
     mig_uuid: str = ""
-    kind: str = ""  # a LeakKind (engine/leaks.py); absent from records older than the kinds
+    kind: str = ""  # a LeakKind (engine/judge.py); absent from records older than the kinds
 
 
 @dataclass

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from gpuguardd.config import Config
-from gpuguardd.engine.engine import Engine, HolderFilter
-from gpuguardd.records.models import Holder
+from gpuguardd.engine.engine import Engine
+from gpuguardd.records.models import Holder, Scope
 from tests.conftest import GiB, GpuHost
 
 
@@ -130,9 +130,9 @@ def test_unit_and_container_attribution(inproc_nvml: GpuHost, systemd_cgroup) ->
     assert (a.unit, a.container) == ("gg-test-sglang.service", "")
     assert a.cgroup == "/system.slice/gg-test-sglang.service"
     assert (b.unit, b.container) == ("gg-test-sglang.service", "lxc/129")
-    only_host, _ = engine.list_holders(HolderFilter(unit="gg-test-sglang.service"))
+    only_host, _ = engine.list_holders(Scope(unit="gg-test-sglang.service"))
     assert [h.pid for h in only_host] == [on_host.pid]
-    only_lxc, _ = engine.list_holders(HolderFilter(container="lxc/129"))
+    only_lxc, _ = engine.list_holders(Scope(container="lxc/129"))
     assert [h.pid for h in only_lxc] == [in_lxc.pid]
 
 

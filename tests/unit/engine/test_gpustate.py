@@ -1,4 +1,4 @@
-"""Ghost memory, classified (engine/leaks.py), as the GPU objects, sweep reports, metrics and
+"""Ghost memory, classified (engine/judge.py), as the GPU objects, sweep reports, metrics and
 `gpuguardctl check` show it; and which holders a GPU reset may go past (engine/reset.py)."""
 
 from __future__ import annotations

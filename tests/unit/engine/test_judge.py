@@ -16,9 +16,18 @@ from gpuguardd.daemon.gate import GateService
 from gpuguardd.engine.gate import GateRule
 from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.engine.judge import Facts, facts_of, facts_of_record, judge, may_be_on
-from gpuguardd.engine.sweep import Sweep, SweepSettings, memory_view
+from gpuguardd.engine.sweep import Sweep, memory_view
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
-from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, NvmlSnapshot, ScanResult, Scope
+from gpuguardd.records.models import (
+    GpuInfo,
+    GpuSummary,
+    Holder,
+    MigInstance,
+    NvmlSnapshot,
+    ScanResult,
+    Scope,
+    SweepRequest,
+)
 from tests.unit.helpers import DEAD, LIVE
 
 MiB = 1 << 20
@@ -39,7 +48,7 @@ def whys(facts: Facts, free_below: int | None = None) -> list[Why]:
 
 def test_free_is_nothing_held_nothing_listed_and_memory_at_or_below_the_line() -> None:
     verdict = judge(Facts(used=LINE, released_below=LINE))
-    assert (verdict.state, verdict.reasons, verdict.released, verdict.free()) == \
+    assert (verdict.state, verdict.reasons, verdict.released, not verdict.blocking()) == \
         (GpuState.IDLE, (), True, True)
     above = judge(Facts(used=LINE + 1, released_below=LINE))
     assert (above.state, above.leak, whys(Facts(used=LINE + 1, released_below=LINE))) == \
@@ -49,7 +58,7 @@ def test_free_is_nothing_held_nothing_listed_and_memory_at_or_below_the_line() -
 def test_a_compute_holder_that_may_be_on_it_is_in_use_protected_or_not() -> None:
     for holder in (compute([0]), compute([0], protected=True), compute([])):
         verdict = judge(Facts(used=3 * GiB, released_below=LINE, holders=(holder,)))
-        assert verdict.state == GpuState.IN_USE and verdict.leak is None and not verdict.free()
+        assert verdict.state == GpuState.IN_USE and verdict.leak is None and verdict.blocking()
         assert Why.HOLDER in [r.why for r in verdict.reasons]
 
 
@@ -84,25 +93,25 @@ def test_figures_not_read_are_never_free_unless_allowed() -> None:
                          (Facts(listed=False), GpuState.UNKNOWN),
                          (Facts(lost=True), GpuState.LOST)):
         verdict = judge(facts)
-        assert (verdict.state, verdict.free(), verdict.released) == (state, False, False)
-    assert judge(Facts(backend_error="x")).free(allow_unverified=True)
-    assert judge(Facts(unreadable=True)).free(allow_unverified=True)
-    assert not judge(Facts(lost=True)).free(allow_unverified=True)
+        assert (verdict.state, not verdict.blocking(), verdict.released) == (state, False, False)
+    assert not judge(Facts(backend_error="x")).blocking(allow_unverified=True)
+    assert not judge(Facts(unreadable=True)).blocking(allow_unverified=True)
+    assert judge(Facts(lost=True)).blocking(allow_unverified=True)
     # Without NVML a holder still makes it in use (gpus --local: in-use, not unknown).
     assert judge(Facts(backend_error="x", holders=(compute([0]),))).state == GpuState.IN_USE
 
 
 def test_suspended_is_judged_on_its_last_figures_never_released() -> None:
     verdict = judge(Facts(suspended=True, used=MiB, released_below=LINE))
-    assert (verdict.state, verdict.free(), verdict.released, verdict.leak) == \
+    assert (verdict.state, not verdict.blocking(), verdict.released, verdict.leak) == \
         (GpuState.SUSPENDED, True, False, None)
-    assert not judge(Facts(suspended=True, used=GiB, released_below=LINE), LINE).free()
+    assert judge(Facts(suspended=True, used=GiB, released_below=LINE), LINE).blocking()
 
 
 def test_the_gates_line_replaces_the_released_line_for_free() -> None:
     facts = Facts(used=300 * MiB, released_below=LINE)
-    assert judge(facts).state == GpuState.LEAKED and not judge(facts).free()
-    assert judge(facts, 512 * MiB).free()  # a waiter's higher line lets it pass
+    assert judge(facts).state == GpuState.LEAKED and judge(facts).blocking()
+    assert not judge(facts, 512 * MiB).blocking()  # a waiter's higher line lets it pass
     assert whys(Facts(used=LINE, released_below=LINE), LINE) == [Why.MEMORY]  # at or above
 
 
@@ -219,10 +228,10 @@ def by_daemon(case: Case) -> tuple[bool, bool]:
 
 def by_sweep_verify(case: Case) -> bool:
     scan = case.scan()
-    settings = SweepSettings(grace_sec=0, kill_timeout_sec=0, verify_timeout_sec=0,
-                             released_below_bytes=CONFIG.released_below_mib * MiB, dry_run=False)
-    sweep = Sweep(Scope(gpus=(0,)), settings, ([], scan.nvml, [], []),
-                  lambda: ([], scan.nvml, [], []), lambda: scan.nvml, "test")
+    config = Config(grace_sec=0, kill_timeout_sec=0, verify_timeout_sec=0,
+                    released_below_mib=CONFIG.released_below_mib)
+    sweep = Sweep(Scope(gpus=(0,)), config, ([], scan.nvml, [], []),
+                  lambda: ([], scan.nvml, [], []), lambda: scan.nvml, SweepRequest(requested_by="test"))
     sweep._pids_local = scan.nvml.pids_local
     view = memory_view(scan.nvml, 0)
     return view is not None and not sweep._unreadable(view) and sweep._judge(view).released

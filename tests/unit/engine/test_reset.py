@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 from pathlib import Path
 from typing import cast
 
 import pytest
 
+from gpuguardd.config import Config
 from gpuguardd.engine.nvml import Nvml
-from gpuguardd.engine.reset import GpuReset, ResetSettings, refusal
+from gpuguardd.engine.reset import GpuReset, refusal
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
 from gpuguardd.records.models import GpuInfo, Holder, NvmlSnapshot, ScanResult
 from gpuguardd.records.report import Report
@@ -76,12 +78,10 @@ class Host:
         path.write_text(value + "\n")
 
     def reset(self) -> tuple[Outcome, str, list[list[str]]]:
-        settings = ResetSettings(command=("nvidia-smi", "-r", "-i"), timeout_sec=10,
-                                 verify_timeout_sec=1.0, released_below_bytes=256 * MiB,
-                                 lock_directory=str(self.root / "locks"), poll_sec=0.02,
-                                 amd_command=(str(self.smi), "reset", "--gpureset", "--gpu"),
-                                 sysfs_path=str(self.sysfs))
-        report = self.report = GpuReset(0, cast(Nvml, NoNvml()), self.scan, settings, "test").run()
+        config = Config(reset_timeout_sec=10, verify_timeout_sec=1.0, released_below_mib=256,
+                        runtime_directory=str(self.root), sysfs_path=str(self.sysfs),
+                        amd_reset_command=shlex.join([str(self.smi), "reset", "--gpureset", "--gpu"]))
+        report = self.report = GpuReset(0, cast(Nvml, NoNvml()), self.scan, config, "test").run()
         calls = [json.loads(line) for line in self.calls.read_text().splitlines()] \
             if self.calls.exists() else []
         return report.outcome, report.error, calls

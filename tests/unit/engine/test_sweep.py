@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuguardd.engine.sweep import MAX_ROUNDS, Sweep, SweepSettings
+from gpuguardd.config import Config
+from gpuguardd.engine.sweep import MAX_ROUNDS, Sweep
 from gpuguardd.records.enums import HolderKind, RequesterKind, SpareReason, SurvivorReason, WarningCode
-from gpuguardd.records.models import Holder, NvmlSnapshot, Scope
+from gpuguardd.records.models import Holder, NvmlSnapshot, Scope, SweepRequest
 from gpuguardd.records.report import Report
 
 
@@ -19,12 +20,11 @@ class Handle:
 
 
 def plan(holders: list[Holder], scope: Scope) -> Report:
-    settings = SweepSettings(grace_sec=1, kill_timeout_sec=1, verify_timeout_sec=1,
-                             released_below_bytes=0, dry_run=True)
+    config = Config(grace_sec=1, kill_timeout_sec=1, verify_timeout_sec=1, released_below_mib=0, dry_run=True)
     nvml = NvmlSnapshot(available=False)
     pinned: Any = [(h, Handle()) for h in holders]
-    sweep = Sweep(scope, settings, (pinned, nvml, [], []), lambda: ([], nvml, [], []), lambda: nvml,
-                  requested_by="x", requester_kind=RequesterKind.WATCH)
+    sweep = Sweep(scope, config, (pinned, nvml, [], []), lambda: ([], nvml, [], []), lambda: nvml,
+                  SweepRequest(requested_by="x", requester_kind=RequesterKind.WATCH))
     return sweep.run()
 
 
@@ -63,8 +63,7 @@ def test_every_survivor_carries_the_code_of_why() -> None:
     """Zombies are survivors without a signal sent (only their parent can release them); a
     new one every round is what keeps appearing: after MAX_ROUNDS the last ones survive as
     that. Each is coded where it is recorded, its words unchanged."""
-    settings = SweepSettings(grace_sec=0.01, kill_timeout_sec=0.01, verify_timeout_sec=0.01, dry_run=False,
-                             released_below_bytes=0)
+    config = Config(grace_sec=0.01, kill_timeout_sec=0.01, verify_timeout_sec=0.01, released_below_mib=0)
     nvml = NvmlSnapshot(available=False)
     rounds = iter(range(1, 100))
 
@@ -76,8 +75,8 @@ def test_every_survivor_carries_the_code_of_why() -> None:
         return [(zombie(next(rounds) + 1), Handle())], nvml, [], []
 
     pinned: Any = [(zombie(1), Handle())]
-    report = Sweep(Scope(gpus=(0,)), settings, (pinned, nvml, [], []), rescan, lambda: nvml,
-                   requested_by="x").run()
+    report = Sweep(Scope(gpus=(0,)), config, (pinned, nvml, [], []), rescan, lambda: nvml,
+                   SweepRequest(requested_by="x")).run()
     codes = [s.code for s in report.survived]
     assert codes == [SurvivorReason.ZOMBIE] * MAX_ROUNDS + [SurvivorReason.REAPPEARED]
     assert report.survived[0].why == "zombie: parent 7 has not reaped it"
