@@ -1,15 +1,10 @@
-"""Typed records and the plain dicts the wire carries (D-Bus `a{sv}` through bus/marshal.py,
-history.jsonl, `gpuguardctl --json`): one way out, one way back.
+"""Typed records to and from the plain dicts of D-Bus `a{sv}`, history.jsonl and `--json`.
 
-`to_dict()` of a record gpuguard built gives every field in declaration order (the order the
-keys have always had) but the OPTIONAL ones while empty; enums as values, records as dicts.
-
-`from_dict()` reads a record from someone else's hands (a history an older version wrote or
-someone edited, a newer daemon's reply) and never raises. A key missing or of another type is
-named in `unread` (printers show "?") and its field gets a stand-in (the field's `unread`
-metadata, else its default, else the type's zero). to_dict() then gives back what was read,
-key for key, unknown keys included, so a record passed through (the CLI's --json, a history
-served again) keeps its shape: it is a view of what was read, not to be changed.
+to_dict() of a record built here gives every field in declaration order, but OPTIONAL ones while
+empty. from_dict() reads someone else's dict (an old or edited history, a newer daemon) and never
+raises: a key missing or mistyped is named in `unread` (printed "?") and stands in as the field's
+`unread` metadata, else its default, else the type's zero. to_dict() of what was read gives it
+back key for key, unknown keys included: a record passed through keeps its shape.
 """
 
 from __future__ import annotations
@@ -106,8 +101,7 @@ _SPECS: dict[type, dict[str, _Spec]] = {}
 
 
 def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
-    """The keys of the wire form, in order: the fields but the base's bookkeeping and those
-    declared with metadata {"wire": False} (what only this process needs to know)."""
+    """The wire's keys in order: the fields but the base's and those with metadata {"wire": False}."""
     if cls in _SPECS:
         return _SPECS[cls]
     namespace = vars(sys.modules[cls.__module__])
@@ -138,8 +132,6 @@ def _constant(value: object) -> Callable[[], Any]:
 
 
 def _reader(text: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[], Any]]:
-    """A reader and a zero for the annotations records use (without spaces): int, str, bool,
-    an enum, a record, list[...] and tuple[...] of those, and `X | None`."""
     if text.endswith("|None"):
         inner, _ = _reader(text[: -len("|None")], namespace)
         return (lambda value: (True, None) if value is None else inner(value)), _constant(None)
@@ -173,8 +165,7 @@ def _scalar(kind: type) -> Reader:
 
 
 def _list_of(item: Reader, salvage: bool) -> Reader:
-    """`salvage`: a list of texts (warnings) that is something else is still shown as text:
-    a lone string as one entry, a list's items as they print."""
+    """`salvage`: a list of texts given as something else still shows: a string as one entry, items as text."""
     def read(value: object) -> tuple[bool, Any]:
         if isinstance(value, list):
             items = [item(entry) for entry in value]

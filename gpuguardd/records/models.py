@@ -1,6 +1,4 @@
-"""Plain data passed between the engine's modules, the service and the CLI; a sweep's report
-is in report.py, the vocabularies in enums.py, the wire form (to_dict/from_dict) in codec.py.
-"""
+"""Plain data passed between the engine's modules, the service and the CLI."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DeviceNode:
-    """One device file gpuguard watches, and what holding it means."""
-
     path: str
     role: str  # gpu, control, uvm, modeset, caps, other
     minor: int | None = None  # the GPU's minor number, for role "gpu"
@@ -28,7 +24,7 @@ class DeviceNode:
 
 @dataclass
 class MigInstance:
-    """One MIG device (a compute instance in a GPU instance) of a GPU in MIG mode."""
+    """A compute instance in a GPU instance of a GPU in MIG mode."""
 
     uuid: str  # "MIG-...", what users name it by
     gpu_instance_id: int
@@ -128,13 +124,11 @@ class NvmlSnapshot:
 
     @property
     def gpus_known(self) -> bool:
-        """Whether `gpus` names the host's GPUs: NVML answered, or amdgpu's sysfs named some."""
         return self.available or any(g.vendor == Vendor.AMD for g in self.gpus)
 
     @property
     def vendors(self) -> list[str]:
-        """Manager.Vendors: the vendors whose GPUs are read now, sorted; NVIDIA while NVML
-        answers, even with no GPU listed (a GPU may come)."""
+        """Manager.Vendors: NVIDIA while NVML answers, even with no GPU listed (a GPU may come)."""
         found = {str(gpu.vendor) for gpu in self.gpus}
         if self.available:
             found.add(str(Vendor.NVIDIA))
@@ -147,14 +141,13 @@ class NvmlSnapshot:
         return next(((gpu, mig) for gpu in self.gpus for mig in gpu.mig if mig.uuid.lower() == uuid.lower()), None)
 
     def index_for_minor(self, minor: int, vendor: Vendor = Vendor.NVIDIA) -> int | None:
-        """The GPU of a node's minor: /dev/nvidia<minor>, or an AMD GPU's renderD or card node."""
         return next((gpu.index for gpu in self.gpus if gpu.vendor == vendor
                      and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None)), None)
 
 
 @dataclass
 class Holder(WireRecord):
-    """A process holding a GPU device or listed by NVML: a ListHolders entry (docs/contract.md)."""
+    """A process holding a GPU device or listed by NVML: a ListHolders entry."""
 
     pid: int
     comm: str = ""
@@ -194,8 +187,7 @@ class ScanResult:
 
 @dataclass
 class SweepRequest(WireRecord):
-    """What a sweep is asked to do: to_dict/from_dict give the in-flight record
-    (daemon/inflight.py), options/from_options a call's SweepOptions (the OPTIONS keys)."""
+    """What a sweep is asked to do: to_dict the in-flight record, options() a call's SweepOptions."""
 
     OPTIONS: ClassVar[tuple[str, ...]] = ("gpus", "unit", "container", "grace_ms", "dry_run",
                                           "include_management", "reason", "slurm_job", "slurm_uid")
@@ -222,18 +214,16 @@ class SweepRequest(WireRecord):
     resumes: str = ""
 
     def is_dry_run(self, default: bool) -> bool:
-        """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`) decides."""
         return default if self.dry_run is None else self.dry_run
 
     def options(self) -> dict[str, Any]:
-        """The OPTIONS that say something (not their default): what a call sends."""
+        """What a call sends: the OPTIONS not at their default."""
         default = SweepRequest()
         return {key: getattr(self, key) for key in self.OPTIONS if getattr(self, key) != getattr(default, key)}
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> SweepRequest:
-        """The request of a call's validated options (marshal.parse_options; other keys ignored),
-        `gpus` as text: a fresh record, whose to_dict writes every key, unlike one from_dict reads."""
+        """A fresh record (to_dict writes every key) of marshal.parse_options's checked options."""
         given = {key: values[key] for key in cls.OPTIONS if key in values}
         return cls(**{**given, "gpus": [str(gpu) for gpu in given.get("gpus", [])]})
 
@@ -257,10 +247,8 @@ class Scope:
         return not (self.gpus or self.mig or self.unit or self.container or self.slurm_job)
 
 
-def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
-                   with_management: bool = True) -> str:
-    """A scope in words for the journal and gpuguardctl ("GPU 0,1, unit x.service"), `whole`
-    when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
+def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host", with_management: bool = True) -> str:
+    """"GPU 0,1, unit x.service", for the journal and gpuguardctl; not escaped, as their printers do."""
     named = [("GPU ", ",".join(str(g) for g in scope.gpus)), ("MIG ", ",".join(scope.mig)),
              ("unit ", scope.unit), ("container ", scope.container)]
     parts = [label + value for label, value in named if value]
