@@ -27,8 +27,7 @@ Reader = Callable[[object], tuple[bool, Any]]  # (True, typed), or (False, None 
 class WireRecord:
     """Base of the records that travel as dicts; subclasses are dataclasses."""
 
-    # Keys left out while empty, so they appear only when they say something (a MIG UUID, a
-    # zombie's parent); one typed `X | None` while None only (an empty list still says "none").
+    # Keys left out while empty (a MIG UUID, a zombie's parent); an `X | None` one while None only.
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     unread: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -67,8 +66,7 @@ class WireRecord:
             ok, value = spec.read(source[name]) if name in source else (name in cls.OPTIONAL, None)
             if not ok:
                 unread.add(name)
-            # Missing, None or unread: a stand-in, unless a printer can still show some of it
-            # (text for a list of texts). Every field typed `X | None` stands in as None.
+            # Missing, None or unread: a stand-in, unless a printer can still show some (list[str]).
             values[name] = value if value is not None else spec.stand_in()
         record = cls(**values)
         object.__setattr__(record, "unread", frozenset(unread))

@@ -56,12 +56,9 @@ class GpuInfo:
     mig_mode: bool = False
     mig: list[MigInstance] = field(default_factory=list)
     vendor: Vendor = Vendor.NVIDIA
-    # AMD (engine/amd.py): `minor` is renderD<minor>'s, `card_minor` card<N>'s (None without
-    # one), `gpu_id` KFD's (0 without KFD: an APU or Radeon card driven by DRM alone).
-    card_minor: int | None = None
-    gpu_id: int = 0
-    # Released below this many bytes where the backend knows better ([Sweep] AmdReleasedBelowMiB).
-    released_below: int | None = None
+    card_minor: int | None = None  # AMD: card<N>'s (`minor` is renderD<minor>'s); None without one
+    gpu_id: int = 0  # AMD: KFD's (0 without KFD: an APU or Radeon card driven by DRM alone)
+    released_below: int | None = None  # bytes, where the backend knows better ([Sweep] AmdReleasedBelowMiB)
 
     @property
     def device_path(self) -> str:
@@ -83,8 +80,7 @@ class MigSummary(WireRecord):
     memory_total: int = 0
     memory_used: int = 0
     holder_count: int = 0
-    # Read back without a state it could be trusted with: never "idle".
-    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
+    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})  # never "idle"
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/leaks.py), else ""
 
 
@@ -119,8 +115,7 @@ class NvmlSnapshot:
     error: str = ""
     driver_version: str = ""
     gpus: list[GpuInfo] = field(default_factory=list)
-    # False when NVML's (host) PIDs are not this /proc's: its lists then name no local process.
-    pids_local: bool = True
+    pids_local: bool = True  # False when NVML's (host) PIDs are not this /proc's
 
     @property
     def gpus_known(self) -> bool:
@@ -129,10 +124,7 @@ class NvmlSnapshot:
     @property
     def vendors(self) -> list[str]:
         """Manager.Vendors: NVIDIA while NVML answers, even with no GPU listed (a GPU may come)."""
-        found = {str(gpu.vendor) for gpu in self.gpus}
-        if self.available:
-            found.add(str(Vendor.NVIDIA))
-        return sorted(found)
+        return sorted({str(gpu.vendor) for gpu in self.gpus} | ({str(Vendor.NVIDIA)} if self.available else set()))
 
     def by_index(self, index: int) -> GpuInfo | None:
         return next((gpu for gpu in self.gpus if gpu.index == index), None)
@@ -205,11 +197,9 @@ class SweepRequest(WireRecord):
     # A Slurm epilog's job: its cgroup's processes and its user's escaped holders of `gpus` only.
     slurm_job: str = ""
     slurm_uid: int = -1  # -1: none
-    # Whether the report goes into the audit history: not a dry run by anyone but root, as a
-    # flood of them must never push a real sweep's record out (docs/security.md).
+    # False for a non-root dry run: a flood of them must never push a real sweep out of the history.
     audited: bool = True
-    # Set by the daemon only: the report's id, chosen before the sweep so that its in-flight
-    # record names it, and the interrupted sweep's this one finishes. "": fresh, resuming none.
+    # Daemon-set: the report's id, chosen first for the in-flight record, and the sweep it finishes.
     report_id: str = ""
     resumes: str = ""
 
