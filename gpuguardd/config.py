@@ -264,14 +264,13 @@ def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]
             origins.extend((str(item), f"{path}:{number}") for item in parsed)
 
 
-def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROPIN_DIR) -> list[str]:
-    files = [main] if os.path.exists(main) else []
+def config_files() -> list[str]:
+    files = [DEFAULT_CONFIG_FILE] if os.path.exists(DEFAULT_CONFIG_FILE) else []
     try:
-        names = sorted(n for n in os.listdir(dropin_dir) if n.endswith(".conf"))
+        names = sorted(n for n in os.listdir(DEFAULT_DROPIN_DIR) if n.endswith(".conf"))
     except OSError:
         names = []
-    files.extend(os.path.join(dropin_dir, n) for n in names)
-    return files
+    return files + [os.path.join(DEFAULT_DROPIN_DIR, n) for n in names]
 
 
 def load_config(paths: Sequence[str] | None = None) -> Config:
