@@ -69,10 +69,9 @@ def under_journald() -> bool:
     return stream == f"{st.st_dev}:{st.st_ino}"
 
 
-def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None) -> None:
+def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    use_prefix = under_journald() if sd_daemon is None else sd_daemon
-    handler.setFormatter(SdDaemonFormatter("%(message)s") if use_prefix else PlainFormatter(program))
+    handler.setFormatter(SdDaemonFormatter("%(message)s") if sd_daemon or under_journald() else PlainFormatter(program))
     root = logging.getLogger("gpuguard")
     root.handlers[:] = [handler]
     root.setLevel(level)

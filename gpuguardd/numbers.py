@@ -26,7 +26,6 @@ def shown(text: str) -> str:
 
 
 def is_digits(text: str) -> bool:
-    """Whether `text` is one or more ASCII digits and nothing else (no sign, space, newline)."""
     return text.isascii() and text.isdigit()
 
 
