@@ -109,14 +109,9 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
             continue
         annotation = str(f.type).replace(" ", "")
         reader, zero = _reader(annotation, namespace)
-        if "unread" in f.metadata:
-            stand_in: Callable[[], Any] = _constant(f.metadata["unread"])
-        elif f.default is not MISSING:
-            stand_in = _constant(f.default)
-        elif f.default_factory is not MISSING:
-            stand_in = f.default_factory
-        else:
-            stand_in = zero
+        given = f.metadata.get("unread", f.default)
+        factory = f.default_factory if f.default_factory is not MISSING else zero
+        stand_in = _constant(given) if given is not MISSING else factory
         empty: tuple[object, ...] = ()
         if f.name in cls.OPTIONAL:
             empty = (None,) if annotation.endswith("|None") else (None, "", [], ())
