@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuguardd.errors import ConfigError
-from gpuguardd.numbers import parse_uint
+from gpuguardd.numbers import parse_uint, shown
 
 DEFAULT_CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
@@ -119,8 +119,7 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
         pos = match.end()
     # 400 digits parse as float('inf'): nothing downstream (sleep, int(ms)) survives that.
     if not math.isfinite(total) or total > maximum:
-        raise ValueError(f"time span {text[:40]!r}{'...' if len(text) > 40 else ''} is too long "
-                         f"(at most {_span_text(maximum)})")
+        raise ValueError(f"time span {shown(text)} is too long (at most {_span_text(maximum)})")
     return total
 
 
