@@ -39,16 +39,13 @@ class WireRecord:
 
     def _wire(self) -> object:
         specs = _specs(type(self))
-        out: Wire = {}
         if self._source is None:
-            for name, spec in specs.items():
-                value = getattr(self, name)
-                if value not in spec.empty:
-                    out[name] = plain(value)
-            return out
+            return {name: plain(value) for name, spec in specs.items()
+                    if (value := getattr(self, name)) not in spec.empty}
         (source,) = self._source
         if not isinstance(source, Mapping):
             return source
+        out: Wire = {}
         for name in specs:
             if name in source:
                 out[name] = source[name] if name in self.unread else plain(getattr(self, name))
