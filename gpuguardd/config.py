@@ -1,10 +1,7 @@
-"""Configuration: built-in defaults, overridden by systemd-style INI files.
+"""Configuration: built-in defaults, then the main file and its drop-ins in name order (systemd's way).
 
-The files are read in the order systemd admins expect (main file, then drop-ins in name order).
-Lists follow systemd's rules: each assignment appends (the first to the built-in default), an
-empty assignment resets. Unknown keys are errors rather than warnings, because a typo in
-`ProtectedExecutables=` must not silently leave nvidia-persistenced unprotected. Every number
-and time span has an upper bound, so no value can overflow a timer or make a sweep endless.
+Lists append to the default (an empty assignment resets). Unknown keys are errors: a typo in
+ProtectedExecutables= must not leave nvidia-persistenced unprotected. Every number has an upper bound.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuguardd.errors import ConfigError
-from gpuguardd.numbers import parse_uint
+from gpuguardd.numbers import parse_uint, shown
 
 DEFAULT_CONFIG_FILE = "/etc/gpuguard/gpuguard.conf"
 DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
@@ -27,38 +24,20 @@ DEFAULT_DROPIN_DIR = "/etc/gpuguard/gpuguard.conf.d"
 # Real paths as shipped by NVIDIA's and the distributions' packages. Matching is on the resolved
 # /proc/<pid>/exe, so the paths here are resolved again at load time (merged /usr, symlinks).
 DEFAULT_PROTECTED_EXECUTABLES = (
-    "/usr/bin/nvidia-persistenced",
-    "/usr/bin/nv-fabricmanager",
-    "/usr/bin/nvidia-fabricmanager",
-    "/usr/bin/nv-hostengine",
-    "/usr/lib/xorg/Xorg",
-    "/usr/libexec/Xorg",
-    "/usr/bin/Xorg",
-    "/usr/bin/Xwayland",
-    "/usr/sbin/gdm3",
-    "/usr/sbin/gdm",
-    "/usr/bin/sddm",
-    "/usr/sbin/lightdm",
-    "/usr/bin/gnome-shell",
-    "/usr/bin/kwin_wayland",
+    "/usr/bin/nvidia-persistenced", "/usr/bin/nv-fabricmanager", "/usr/bin/nvidia-fabricmanager",
+    "/usr/bin/nv-hostengine", "/usr/lib/xorg/Xorg", "/usr/libexec/Xorg", "/usr/bin/Xorg", "/usr/bin/Xwayland",
+    "/usr/sbin/gdm3", "/usr/sbin/gdm", "/usr/bin/sddm", "/usr/sbin/lightdm",
+    "/usr/bin/gnome-shell", "/usr/bin/kwin_wayland",
 )
 
 DEFAULT_PROTECTED_UNITS = (
-    "nvidia-persistenced.service",
-    "nvidia-fabricmanager.service",
-    "nvidia-dcgm.service",
-    "dcgm.service",
-    "display-manager.service",
-    "gdm.service",
-    "gdm3.service",
-    "sddm.service",
-    "lightdm.service",
+    "nvidia-persistenced.service", "nvidia-fabricmanager.service", "nvidia-dcgm.service", "dcgm.service",
+    "display-manager.service", "gdm.service", "gdm3.service", "sddm.service", "lightdm.service",
 )
 
 # NVIDIA's nodes, then AMD's: KFD (every ROCm process opens it) and the DRM nodes of amdgpu.
 # Which of them count (the "kfd" and "drm" majors of /proc/devices) is engine/devices.py's.
-DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*",
-                        "/dev/dri/card*")
+DEFAULT_DEVICE_PATHS = ("/dev/nvidia*", "/dev/nvidia-caps/*", "/dev/kfd", "/dev/dri/renderD*", "/dev/dri/card*")
 # amd-smi's per-GPU reset, the GPU's PCI address appended (`-g` takes an index, a BDF or a UUID):
 # the amdgpu driver's own recovery (debugfs amdgpu_gpu_recover), as rocm-smi --gpureset does.
 DEFAULT_AMD_RESET_COMMAND = "amd-smi reset --gpureset --gpu"
@@ -140,8 +119,7 @@ def parse_timespan(text: str, maximum: float = MAX_TIMESPAN_SEC) -> float:
         pos = match.end()
     # 400 digits parse as float('inf'): nothing downstream (sleep, int(ms)) survives that.
     if not math.isfinite(total) or total > maximum:
-        raise ValueError(f"time span {text[:40]!r}{'...' if len(text) > 40 else ''} is too long "
-                         f"(at most {_span_text(maximum)})")
+        raise ValueError(f"time span {shown(text)} is too long (at most {_span_text(maximum)})")
     return total
 
 
@@ -182,8 +160,7 @@ def _timespan_field(maximum: float, minimum: float = 0.0) -> Callable[[str], flo
 
 
 def command_argv(text: str) -> tuple[str, ...]:
-    """A command line (shell-style quoting, no shell): a program found on PATH or by its
-    absolute path, then its arguments."""
+    """Shell-style quoting, run with no shell: a name found on PATH or an absolute path, then arguments."""
     try:
         words = tuple(shlex.split(text))
     except ValueError as exc:
@@ -208,8 +185,7 @@ def _major_list(text: str) -> list[int]:
     return [parse_uint(item, "device major number", 4095) for item in text.split()]  # majors are 12 bits
 
 
-# (section, key) -> (Config field, parser); a field whose default is a tuple is a list. The
-# bounds are gpuguard.conf(5)'s.
+# (section, key) -> (Config field, parser); a tuple default makes a list. Bounds: gpuguard.conf(5).
 _KEYS: dict[tuple[str, str], tuple[str, Callable[[str], Any]]] = {
     ("Sweep", "GraceSec"): ("grace_sec", _timespan_field(MAX_GRACE_SEC)),
     ("Sweep", "KillTimeoutSec"): ("kill_timeout_sec", _timespan_field(600.0)),
@@ -287,14 +263,13 @@ def _apply_file(path: str, values: dict[str, Any], origins: list[tuple[str, str]
             origins.extend((str(item), f"{path}:{number}") for item in parsed)
 
 
-def config_files(main: str = DEFAULT_CONFIG_FILE, dropin_dir: str = DEFAULT_DROPIN_DIR) -> list[str]:
-    files = [main] if os.path.exists(main) else []
+def config_files() -> list[str]:
+    files = [DEFAULT_CONFIG_FILE] if os.path.exists(DEFAULT_CONFIG_FILE) else []
     try:
-        names = sorted(n for n in os.listdir(dropin_dir) if n.endswith(".conf"))
+        names = sorted(n for n in os.listdir(DEFAULT_DROPIN_DIR) if n.endswith(".conf"))
     except OSError:
         names = []
-    files.extend(os.path.join(dropin_dir, n) for n in names)
-    return files
+    return files + [os.path.join(DEFAULT_DROPIN_DIR, n) for n in names]
 
 
 def load_config(paths: Sequence[str] | None = None) -> Config:
@@ -310,5 +285,4 @@ def load_config(paths: Sequence[str] | None = None) -> Config:
         given = os.environ.get(name.upper())
         if given and name not in final:
             final[name] = given.split(":")[0]
-    return replace(Config(), sources=tuple(files), origins=tuple(origins),
-                               **final)  # type: ignore[arg-type]
+    return replace(Config(), sources=tuple(files), origins=tuple(origins), **final)  # type: ignore[arg-type]

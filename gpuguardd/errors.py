@@ -27,8 +27,6 @@ class NvmlError(GpuGuardError):
 
 
 class ConfigError(GpuGuardError):
-    """A configuration file that cannot be used, located down to file, line and key."""
-
     dbus_name = "InvalidArgument"
 
     def __init__(self, path: str, line: int, key: str, message: str) -> None:

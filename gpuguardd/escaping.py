@@ -1,12 +1,8 @@
-"""One rule for text that reaches a person: an admin's terminal or the journal.
-
-Process names, command lines, unit names and paths are chosen by whoever started the process.
-Written raw, `\\x1b[2J` clears the admin's screen, `\\x1b]0;...\\x07` sets the terminal's title,
-a newline forges a second journal line, and a bidi override (U+202E) shows text reversed. So
-every character str.isprintable() refuses (C0 and C1 controls, DEL, bidi and zero-width format
-characters, line and paragraph separators, lone surrogates) is written as Python's
-unicode_escape writes it; escaping twice changes nothing, so layers may each apply it. JSON
-output needs none of this: json.dumps escapes control characters itself.
+"""One rule for text that reaches a terminal or the journal, where process, unit and path names are
+anyone's: raw, `\\x1b[2J` clears the screen, a newline forges a journal line, U+202E reverses text.
+Every character str.isprintable() refuses (controls, DEL, bidi and zero-width format characters,
+separators, lone surrogates) is written as unicode_escape does; escaping twice changes nothing.
+JSON needs none of this: json.dumps escapes control characters itself.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ def escape_text(text: object) -> str:
 
 
 def escaped(data: Any) -> Any:
-    """`data` (dicts, lists, tuples, strings, numbers) with every string in it escaped, keys
-    included: what the human output formats from, so no field can be forgotten."""
+    """Every string in `data`, keys included, escaped: human output formats from it, forgetting none."""
     if isinstance(data, str):
         return escape_text(data)
     if isinstance(data, dict):

@@ -1,7 +1,5 @@
-"""Logging to stderr with sd-daemon priority prefixes, so journald keeps each line's level.
-
-Both formatters escape the message (escaping.py) after its arguments are put in, so no call
-site can forget: a process named "x\\n<3>forged" stays one line, at the level it was logged at.
+"""Logging to stderr with sd-daemon priority prefixes, so journald keeps each line's level. Both
+formatters escape the formatted message: a process named "x\\n<3>forged" stays one line.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from typing import Any
 
 from gpuguardd.escaping import escape_text
 
-_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6,
-             logging.DEBUG: 7}
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
 
 def _escape_exception_texts(described: traceback.TracebackException, seen: set[int]) -> None:
@@ -35,8 +32,7 @@ class SdDaemonFormatter(logging.Formatter):
         return super().formatMessage(record)
 
     def formatException(self, ei: Any) -> str:
-        # A traceback is many lines (each gets the prefix below), but an exception's text can
-        # quote a process name: escaped, it cannot add lines of its own.
+        # Each traceback line gets the prefix; an exception's text, escaped, cannot add lines.
         try:
             described = traceback.TracebackException(*ei[:3])
             _escape_exception_texts(described, set())
@@ -66,8 +62,6 @@ class PlainFormatter(logging.Formatter):
 def under_journald() -> bool:
     """True when stderr is connected to the journal (systemd sets JOURNAL_STREAM to match)."""
     stream = os.environ.get("JOURNAL_STREAM", "")
-    if ":" not in stream:
-        return False
     try:
         st = os.fstat(sys.stderr.fileno())
     except (OSError, ValueError):
@@ -75,10 +69,9 @@ def under_journald() -> bool:
     return stream == f"{st.st_dev}:{st.st_ino}"
 
 
-def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool | None = None) -> None:
+def setup_logging(program: str, level: int = logging.INFO, sd_daemon: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    use_prefix = under_journald() if sd_daemon is None else sd_daemon
-    handler.setFormatter(SdDaemonFormatter("%(message)s") if use_prefix else PlainFormatter(program))
+    handler.setFormatter(SdDaemonFormatter("%(message)s") if sd_daemon or under_journald() else PlainFormatter(program))
     root = logging.getLogger("gpuguard")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -89,8 +82,7 @@ JOURNAL_SOCKET = "/run/systemd/journal/socket"
 
 
 def journal_too(program: str, level: int, message: str) -> None:
-    """Also put `message` in the journal when stderr does not go there, for the few lines an
-    operator must find later (a daemon vanishing mid-sweep). Best effort: never an error."""
+    """Also journal `message` when stderr goes elsewhere (a daemon vanishing mid-sweep); best effort."""
     if under_journald() or not os.path.exists(JOURNAL_SOCKET):
         return
     import socket

@@ -1,9 +1,6 @@
-"""Numbers read from outside (environment, command line, configuration, the bus), strictly.
-
-Python's int() takes any Unicode decimal digit (U+0660, full-width "42"), a sign, underscores
-and white space, and str.isdigit() is True for U+00B2, which int() then refuses. Here a number
-is ASCII digits only, within the range of what it names, or a BadNumber (an InvalidArgument
-and a ValueError, so every caller's usual handler takes it) naming the value.
+"""Numbers read from outside, strictly: int() takes any Unicode digit (U+0660), a sign, underscores
+and spaces, and str.isdigit() is True for U+00B2, which int() refuses. Here a number is ASCII digits
+in range, or a BadNumber (an InvalidArgument and a ValueError, for every caller's handler).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ def shown(text: str) -> str:
 
 
 def is_digits(text: str) -> bool:
-    """Whether `text` is one or more ASCII digits and nothing else (no sign, space, newline)."""
     return text.isascii() and text.isdigit()
 
 
@@ -46,8 +42,7 @@ def parse_uint(text: str, what: str, maximum: int = UINT32_MAX, minimum: int = 0
 
 
 def parse_job_id(text: str, what: str = "Slurm job id") -> str:
-    """A Slurm job id as its digits (the text is what goes on): the same rule for the epilog's
-    environment, `--local` and the daemon's `slurm_job` option."""
+    """One rule for the epilog's environment, `--local` and the daemon's `slurm_job` option."""
     if not is_digits(text) or len(text) > JOB_ID_DIGITS:
         raise BadNumber(f"{what} {shown(text)} is not a Slurm job id (1 to {JOB_ID_DIGITS} ASCII digits)")
     return text

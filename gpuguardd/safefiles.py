@@ -1,10 +1,6 @@
-"""Opening files in directories someone else might write to, as root, without following links.
-
-The daemon writes its history and locks, as root, in directories a configuration names. A
-symbolic link planted there (a world-writable RuntimeDirectory=, a permission mistake) would let
-anyone truncate or append to any file on the host. So the last component is never followed
-(O_NOFOLLOW), and temporary files get a fresh unpredictable name, created exclusively (O_EXCL).
-write_atomic is the one way a file is replaced: readers see the old file or the new one.
+"""Files root opens in directories a configuration names: a link planted there (a world-writable
+RuntimeDirectory=) would let anyone truncate any file. So the last component is never followed
+(O_NOFOLLOW), and temporaries get a fresh random name, created exclusively (O_EXCL).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
-    """os.open() that fails with ELOOP, instead of following, when `path` is a symbolic link."""
+    """os.open() that fails with ELOOP when `path` is a symbolic link."""
     return os.open(path, flags | NOFOLLOW, mode)
 
 
@@ -34,9 +30,8 @@ def fsync_directory(path: str) -> None:
 
 def write_atomic(path: str, chunks: Iterable[bytes], prefix: str, mode: int = 0o644,
                  fsync: bool = True, fsync_dir: bool = False) -> None:
-    """Replace `path` with `chunks` at once: a temporary beside it (`prefix` and a random suffix,
-    never an existing file or link), given exactly `mode` (not the umask's), synced with `fsync`,
-    renamed over `path` (with `fsync_dir`, durably). A failure leaves `path` and no temporary."""
+    """Replace `path` at once, readers seeing the old file or the new, with exactly `mode` (not the
+    umask's). A failure leaves `path` and no temporary."""
     directory = os.path.dirname(path) or "."
     temporary = os.path.join(directory, prefix + secrets.token_hex(8))
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)

@@ -1,12 +1,7 @@
-"""Text from untrusted places made safe to send: valid UTF-8, no NUL, bounded length.
-
-D-Bus strings must be valid UTF-8 without NUL, or the whole reply (or signal, or property)
-fails to encode. /proc hands out bytes (a process names its argv and exe path as it likes),
-which psutil and os decode with surrogateescape into lone surrogates no encoder accepts.
-Everything read from /proc goes through text() (bytes) or clean() (a str), once, where read.
-
-Bad bytes become backslash escapes (b"\\xff" -> "\\\\xff"): readable, and stable for the same
-process. Long text is cut at a byte budget with a marker, so no field can blow up a reply.
+"""Untrusted text made sendable: D-Bus strings must be UTF-8 without NUL, or the whole reply fails.
+/proc hands out a process's own bytes, which psutil and os decode into lone surrogates; everything
+read there goes through text() or clean() once, where read. Bad bytes become backslash escapes
+(b"\\xff" -> "\\\\xff"), stable for a process; long text is cut at a byte budget, with a marker.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ MARKER = " [...truncated]"
 
 
 def cut(value: str, limit: int, already_cut: bool = False) -> str:
-    """`value` (valid UTF-8) in at most `limit` bytes, ending in MARKER when anything was left
-    out (here, or where it was read: `already_cut`)."""
+    """At most `limit` bytes, ending in MARKER when anything was left out (here, or `already_cut`)."""
     if not already_cut and len(value) * 4 <= limit:
         return value  # cannot be over: no need to encode
     data = value.encode("utf-8")
@@ -37,15 +31,12 @@ def cut(value: str, limit: int, already_cut: bool = False) -> str:
 
 
 def text(raw: bytes, limit: int = PATH_MAX, already_cut: bool = False) -> str:
-    """Bytes read from /proc as a valid, NUL-free string of at most `limit` bytes;
-    `already_cut`: the bytes were cut short where they were read (the marker says so)."""
-    value = raw.decode("utf-8", "backslashreplace").replace("\0", "\\x00")
-    return cut(value, limit, already_cut)
+    """`already_cut`: the bytes were cut short where they were read."""
+    return cut(raw.decode("utf-8", "backslashreplace").replace("\0", "\\x00"), limit, already_cut)
 
 
 def clean(value: str, limit: int = 0) -> str:
-    """A str that may hold lone surrogates (surrogateescape'd bytes from os/psutil/pwd, or
-    "\\udcff" from an old JSON record) or NUL, as text() would have made of the bytes (limit 0: no cap)."""
+    """A str with lone surrogates (from os/psutil/pwd, an old JSON record) or NUL as text() makes it."""
     if not is_clean(value):
         try:
             raw = value.encode("utf-8", "surrogateescape")
@@ -64,8 +55,7 @@ def is_clean(value: str) -> bool:
 
 
 def repair(value: Any) -> tuple[Any, bool]:
-    """`value` (plain JSON data) with every string, key included, clean(); and whether
-    anything had to change."""
+    """Plain JSON data with every string, key included, clean(); and whether anything changed."""
     if isinstance(value, str):
         return (value, False) if is_clean(value) else (clean(value), True)
     if isinstance(value, dict):
@@ -80,8 +70,7 @@ def repair(value: Any) -> tuple[Any, bool]:
 
 
 def user_name(uid: int) -> str:
-    """The name of `uid` (from NSS, which may be LDAP: untrusted text, made safe and bounded
-    like /proc's), or the number when it has none."""
+    """From NSS, which may be LDAP: untrusted, cleaned like /proc's text; the number when it has none."""
     try:
         return clean(pwd.getpwuid(uid).pw_name, NAME_MAX)
     except KeyError:

@@ -1,15 +1,10 @@
-"""Typed records and the plain dicts the wire carries (D-Bus `a{sv}` through bus/marshal.py,
-history.jsonl, `gpuguardctl --json`): one way out, one way back.
+"""Typed records to and from the plain dicts of D-Bus `a{sv}`, history.jsonl and `--json`.
 
-`to_dict()` of a record gpuguard built gives every field in declaration order (the order the
-keys have always had) but the OPTIONAL ones while empty; enums as values, records as dicts.
-
-`from_dict()` reads a record from someone else's hands (a history an older version wrote or
-someone edited, a newer daemon's reply) and never raises. A key missing or of another type is
-named in `unread` (printers show "?") and its field gets a stand-in (the field's `unread`
-metadata, else its default, else the type's zero). to_dict() then gives back what was read,
-key for key, unknown keys included, so a record passed through (the CLI's --json, a history
-served again) keeps its shape: it is a view of what was read, not to be changed.
+to_dict() of a record built here gives every field in declaration order, but OPTIONAL ones while
+empty. from_dict() reads someone else's dict (an old or edited history, a newer daemon) and never
+raises: a key missing or mistyped is named in `unread` (printed "?") and stands in as the field's
+`unread` metadata, else its default, else the type's zero. to_dict() of what was read gives it
+back key for key, unknown keys included: a record passed through keeps its shape.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ Reader = Callable[[object], tuple[bool, Any]]  # (True, typed), or (False, None 
 class WireRecord:
     """Base of the records that travel as dicts; subclasses are dataclasses."""
 
-    # Keys left out while empty, so they appear only when they say something (a MIG UUID, a
-    # zombie's parent); one typed `X | None` while None only (an empty list still says "none").
+    # Keys left out while empty (a MIG UUID, a zombie's parent); an `X | None` one while None only.
     OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     unread: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -45,16 +39,13 @@ class WireRecord:
 
     def _wire(self) -> object:
         specs = _specs(type(self))
-        out: Wire = {}
         if self._source is None:
-            for name, spec in specs.items():
-                value = getattr(self, name)
-                if value not in spec.empty:
-                    out[name] = plain(value)
-            return out
+            return {name: plain(value) for name, spec in specs.items()
+                    if (value := getattr(self, name)) not in spec.empty}
         (source,) = self._source
         if not isinstance(source, Mapping):
             return source
+        out: Wire = {}
         for name in specs:
             if name in source:
                 out[name] = source[name] if name in self.unread else plain(getattr(self, name))
@@ -72,8 +63,7 @@ class WireRecord:
             ok, value = spec.read(source[name]) if name in source else (name in cls.OPTIONAL, None)
             if not ok:
                 unread.add(name)
-            # Missing, None or unread: a stand-in, unless a printer can still show some of it
-            # (text for a list of texts). Every field typed `X | None` stands in as None.
+            # Missing, None or unread: a stand-in, unless a printer can still show some (list[str]).
             values[name] = value if value is not None else spec.stand_in()
         record = cls(**values)
         object.__setattr__(record, "unread", frozenset(unread))
@@ -106,8 +96,7 @@ _SPECS: dict[type, dict[str, _Spec]] = {}
 
 
 def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
-    """The keys of the wire form, in order: the fields but the base's bookkeeping and those
-    declared with metadata {"wire": False} (what only this process needs to know)."""
+    """The wire's keys in order: the fields but the base's and those with metadata {"wire": False}."""
     if cls in _SPECS:
         return _SPECS[cls]
     namespace = vars(sys.modules[cls.__module__])
@@ -117,14 +106,9 @@ def _specs(cls: type[WireRecord]) -> dict[str, _Spec]:
             continue
         annotation = str(f.type).replace(" ", "")
         reader, zero = _reader(annotation, namespace)
-        if "unread" in f.metadata:
-            stand_in: Callable[[], Any] = _constant(f.metadata["unread"])
-        elif f.default is not MISSING:
-            stand_in = _constant(f.default)
-        elif f.default_factory is not MISSING:
-            stand_in = f.default_factory
-        else:
-            stand_in = zero
+        given = f.metadata.get("unread", f.default)
+        factory = f.default_factory if f.default_factory is not MISSING else zero
+        stand_in = _constant(given) if given is not MISSING else factory
         empty: tuple[object, ...] = ()
         if f.name in cls.OPTIONAL:
             empty = (None,) if annotation.endswith("|None") else (None, "", [], ())
@@ -138,8 +122,6 @@ def _constant(value: object) -> Callable[[], Any]:
 
 
 def _reader(text: str, namespace: Mapping[str, Any]) -> tuple[Reader, Callable[[], Any]]:
-    """A reader and a zero for the annotations records use (without spaces): int, str, bool,
-    an enum, a record, list[...] and tuple[...] of those, and `X | None`."""
     if text.endswith("|None"):
         inner, _ = _reader(text[: -len("|None")], namespace)
         return (lambda value: (True, None) if value is None else inner(value)), _constant(None)
@@ -173,8 +155,7 @@ def _scalar(kind: type) -> Reader:
 
 
 def _list_of(item: Reader, salvage: bool) -> Reader:
-    """`salvage`: a list of texts (warnings) that is something else is still shown as text:
-    a lone string as one entry, a list's items as they print."""
+    """`salvage`: a list of texts given as something else still shows: a string as one entry, items as text."""
     def read(value: object) -> tuple[bool, Any]:
         if isinstance(value, list):
             items = [item(entry) for entry in value]

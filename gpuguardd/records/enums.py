@@ -1,8 +1,5 @@
-"""The closed vocabularies of gpuguard's records: sweep outcomes, GPU states, holder kinds.
-
-Each is a `str` enum whose values are the contract's words (docs/contract.md), so a member
-compares, hashes, formats and serialises (json, D-Bus `s`) as its value. The explicit __str__
-is Python 3.11's enum.StrEnum on 3.10 too (3.11's format() would print "Outcome.FREED").
+"""The closed vocabularies of records: `str` enums whose values are docs/contract.md's words, so a
+member compares, hashes and serialises as its value. __str__ as 3.11's StrEnum: format() is "freed".
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ class Outcome(WireEnum):
     ERROR = "error"
     UNVERIFIED = "unverified"  # processes ended, but nobody can say the memory came back
     INTERRUPTED = "interrupted"  # gpuguardd died mid-sweep; `finished_by` names who finished it
-    # A GPU reset's: done and verified, refused before anything was touched, or not verified.
-    RESET = "reset"
-    RESET_REFUSED = "reset-refused"
-    RESET_FAILED = "reset-failed"
+    RESET = "reset"  # a GPU reset's, done and verified
+    RESET_REFUSED = "reset-refused"  # refused before anything was touched
+    RESET_FAILED = "reset-failed"  # not verified
 
 
 class GpuState(WireEnum):
@@ -60,8 +56,7 @@ class HolderKind(WireEnum):
 
 
 class GpusFrom(WireEnum):
-    """Where a holder's `gpus` come from. The GPU nodes it holds say only that it uses the
-    driver: a CUDA process opens every GPU's node whichever GPU it computes on."""
+    """Where a holder's `gpus` come from; a CUDA process opens every GPU's node, whichever it uses."""
 
     NVML = "nvml"
     KFD = "kfd"  # AMD: KFD's per-process VRAM entries or DRM fdinfo
@@ -70,8 +65,7 @@ class GpusFrom(WireEnum):
 
 
 class Why(WireEnum):
-    """Why the judge (engine/judge.py) says a GPU or MIG instance is not free; each surface
-    words them its own way."""
+    """Why engine/judge.py says a GPU or MIG instance is not free; each surface words them its own way."""
 
     SWEEPING = "sweeping"  # a sweep of its GPU is running
     HOLDER = "holder"  # a compute holder may be on it (protected or not, GPU told or not)
@@ -88,8 +82,7 @@ class Why(WireEnum):
 
 
 class SpareReason(WireEnum):
-    """Why a sweep left a process alone (a spared entry's `code`; `why` words it): decided by
-    protection.py for those never to be signalled, sweep.py's plan for the rest."""
+    """A spared entry's `code` (`why` words it), from protection.py or, for the rest, sweep.py's plan."""
 
     INIT = "init"  # PID 1
     KERNEL_THREAD = "kernel-thread"
@@ -118,13 +111,10 @@ class SurvivorReason(WireEnum):
 
 
 class RequesterKind(WireEnum):
-    """Who asked for a sweep or a reset, as the daemon decided when the request came (a
-    report's `requester_kind`): the metrics' `trigger` label, never requested_by or a reason."""
+    """Who asked for a sweep or reset, decided when the request came: the metrics' `trigger` label."""
 
     HOOK = "hook"  # root's ExecStopPost drop-in (its reason is the hook's, dropins.py)
-    # Someone else than root whose reason is the hook's: named as a manual caller, but the
-    # unit watch still takes its real sweep as the stop's one sweep.
-    HOOK_NONROOT = "hook-nonroot"
+    HOOK_NONROOT = "hook-nonroot"  # the hook's reason, not root: manual, yet the watch's stop sweep
     WATCH = "watch"  # the unit watch, at a watched unit's stop
     SLURM = "slurm"  # root's Slurm epilog (a slurm_job request)
     RECOVERED = "recovered"  # a unit that stopped while no gpuguardd ran (daemon/resume.py)
@@ -133,13 +123,10 @@ class RequesterKind(WireEnum):
 
 
 class WarningCode(WireEnum):
-    """What a report's warning is about (`warning_codes`, one for each of `warnings`): consumers
-    that act on a kind of warning (the Slurm epilog's drain reason) test the code."""
+    """A report's `warning_codes[i]`, what warnings[i] is about: consumers (Slurm's drain) test it."""
 
     NVML_UNAVAILABLE = "nvml-unavailable"  # no GPU's memory can be verified
-    # A GPU's (or MIG instance's) memory could not be read, or proves nothing (hung, lost,
-    # suspended, NVML's pids another namespace's).
-    MEMORY_UNVERIFIED = "memory-unverified"
+    MEMORY_UNVERIFIED = "memory-unverified"  # unreadable, or proves nothing (hung, lost, suspended...)
     LOCKS_UNAVAILABLE = "locks-unavailable"  # sweeps and resets of a GPU are not serialized
     PERSISTENCE_NOT_RESTORED = "persistence-not-restored"  # a reset could not turn it back on
     OTHER = "other"

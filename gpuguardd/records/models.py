@@ -1,6 +1,4 @@
-"""Plain data passed between the engine's modules, the service and the CLI; a sweep's report
-is in report.py, the vocabularies in enums.py, the wire form (to_dict/from_dict) in codec.py.
-"""
+"""Plain data passed between the engine's modules, the service and the CLI."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DeviceNode:
-    """One device file gpuguard watches, and what holding it means."""
-
     path: str
     role: str  # gpu, control, uvm, modeset, caps, other
     minor: int | None = None  # the GPU's minor number, for role "gpu"
@@ -28,7 +24,7 @@ class DeviceNode:
 
 @dataclass
 class MigInstance:
-    """One MIG device (a compute instance in a GPU instance) of a GPU in MIG mode."""
+    """A compute instance in a GPU instance of a GPU in MIG mode."""
 
     uuid: str  # "MIG-...", what users name it by
     gpu_instance_id: int
@@ -60,12 +56,9 @@ class GpuInfo:
     mig_mode: bool = False
     mig: list[MigInstance] = field(default_factory=list)
     vendor: Vendor = Vendor.NVIDIA
-    # AMD (engine/amd.py): `minor` is renderD<minor>'s, `card_minor` card<N>'s (None without
-    # one), `gpu_id` KFD's (0 without KFD: an APU or Radeon card driven by DRM alone).
-    card_minor: int | None = None
-    gpu_id: int = 0
-    # Released below this many bytes where the backend knows better ([Sweep] AmdReleasedBelowMiB).
-    released_below: int | None = None
+    card_minor: int | None = None  # AMD: card<N>'s (`minor` is renderD<minor>'s); None without one
+    gpu_id: int = 0  # AMD: KFD's (0 without KFD: an APU or Radeon card driven by DRM alone)
+    released_below: int | None = None  # bytes, where the backend knows better ([Sweep] AmdReleasedBelowMiB)
 
     @property
     def device_path(self) -> str:
@@ -87,8 +80,7 @@ class MigSummary(WireRecord):
     memory_total: int = 0
     memory_used: int = 0
     holder_count: int = 0
-    # Read back without a state it could be trusted with: never "idle".
-    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})
+    state: GpuState = field(default=GpuState.UNKNOWN, metadata={"unread": GpuState.UNKNOWN})  # never "idle"
     leak_kind: str = ""  # a LeakKind while state is "leaked" (engine/judge.py), else ""
 
 
@@ -123,22 +115,16 @@ class NvmlSnapshot:
     error: str = ""
     driver_version: str = ""
     gpus: list[GpuInfo] = field(default_factory=list)
-    # False when NVML's (host) PIDs are not this /proc's: its lists then name no local process.
-    pids_local: bool = True
+    pids_local: bool = True  # False when NVML's (host) PIDs are not this /proc's
 
     @property
     def gpus_known(self) -> bool:
-        """Whether `gpus` names the host's GPUs: NVML answered, or amdgpu's sysfs named some."""
         return self.available or any(g.vendor == Vendor.AMD for g in self.gpus)
 
     @property
     def vendors(self) -> list[str]:
-        """Manager.Vendors: the vendors whose GPUs are read now, sorted; NVIDIA while NVML
-        answers, even with no GPU listed (a GPU may come)."""
-        found = {str(gpu.vendor) for gpu in self.gpus}
-        if self.available:
-            found.add(str(Vendor.NVIDIA))
-        return sorted(found)
+        """Manager.Vendors: NVIDIA while NVML answers, even with no GPU listed (a GPU may come)."""
+        return sorted({str(gpu.vendor) for gpu in self.gpus} | ({str(Vendor.NVIDIA)} if self.available else set()))
 
     def by_index(self, index: int) -> GpuInfo | None:
         return next((gpu for gpu in self.gpus if gpu.index == index), None)
@@ -147,14 +133,13 @@ class NvmlSnapshot:
         return next(((gpu, mig) for gpu in self.gpus for mig in gpu.mig if mig.uuid.lower() == uuid.lower()), None)
 
     def index_for_minor(self, minor: int, vendor: Vendor = Vendor.NVIDIA) -> int | None:
-        """The GPU of a node's minor: /dev/nvidia<minor>, or an AMD GPU's renderD or card node."""
         return next((gpu.index for gpu in self.gpus if gpu.vendor == vendor
                      and minor in (gpu.minor, gpu.card_minor if vendor == Vendor.AMD else None)), None)
 
 
 @dataclass
 class Holder(WireRecord):
-    """A process holding a GPU device or listed by NVML: a ListHolders entry (docs/contract.md)."""
+    """A process holding a GPU device or listed by NVML: a ListHolders entry."""
 
     pid: int
     comm: str = ""
@@ -194,8 +179,7 @@ class ScanResult:
 
 @dataclass
 class SweepRequest(WireRecord):
-    """What a sweep is asked to do: to_dict/from_dict give the in-flight record
-    (daemon/inflight.py), options/from_options a call's SweepOptions (the OPTIONS keys)."""
+    """What a sweep is asked to do: to_dict the in-flight record, options() a call's SweepOptions."""
 
     OPTIONS: ClassVar[tuple[str, ...]] = ("gpus", "unit", "container", "grace_ms", "dry_run",
                                           "include_management", "reason", "slurm_job", "slurm_uid")
@@ -213,27 +197,23 @@ class SweepRequest(WireRecord):
     # A Slurm epilog's job: its cgroup's processes and its user's escaped holders of `gpus` only.
     slurm_job: str = ""
     slurm_uid: int = -1  # -1: none
-    # Whether the report goes into the audit history: not a dry run by anyone but root, as a
-    # flood of them must never push a real sweep's record out (docs/security.md).
+    # False for a non-root dry run: a flood of them must never push a real sweep out of the history.
     audited: bool = True
-    # Set by the daemon only: the report's id, chosen before the sweep so that its in-flight
-    # record names it, and the interrupted sweep's this one finishes. "": fresh, resuming none.
+    # Daemon-set: the report's id, chosen first for the in-flight record, and the sweep it finishes.
     report_id: str = ""
     resumes: str = ""
 
     def is_dry_run(self, default: bool) -> bool:
-        """The one rule for a request that leaves dry_run open: [Sweep] DryRun (`default`) decides."""
         return default if self.dry_run is None else self.dry_run
 
     def options(self) -> dict[str, Any]:
-        """The OPTIONS that say something (not their default): what a call sends."""
+        """What a call sends: the OPTIONS not at their default."""
         default = SweepRequest()
         return {key: getattr(self, key) for key in self.OPTIONS if getattr(self, key) != getattr(default, key)}
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> SweepRequest:
-        """The request of a call's validated options (marshal.parse_options; other keys ignored),
-        `gpus` as text: a fresh record, whose to_dict writes every key, unlike one from_dict reads."""
+        """A fresh record (to_dict writes every key) of marshal.parse_options's checked options."""
         given = {key: values[key] for key in cls.OPTIONS if key in values}
         return cls(**{**given, "gpus": [str(gpu) for gpu in given.get("gpus", [])]})
 
@@ -257,10 +237,8 @@ class Scope:
         return not (self.gpus or self.mig or self.unit or self.container or self.slurm_job)
 
 
-def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host",
-                   with_management: bool = True) -> str:
-    """A scope in words for the journal and gpuguardctl ("GPU 0,1, unit x.service"), `whole`
-    when it names nothing. Not escaped: the log formatter and the CLI's printer do."""
+def describe_scope(scope: Scope | ReportScope, whole: str = "the whole host", with_management: bool = True) -> str:
+    """"GPU 0,1, unit x.service", for the journal and gpuguardctl; not escaped, as their printers do."""
     named = [("GPU ", ",".join(str(g) for g in scope.gpus)), ("MIG ", ",".join(scope.mig)),
              ("unit ", scope.unit), ("container ", scope.container)]
     parts = [label + value for label, value in named if value]

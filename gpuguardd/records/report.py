@@ -1,6 +1,5 @@
-"""A sweep's report and its entries: the contract's keys (docs/contract.md, "A report") in the
-order the wire has always carried them. An entry about a process is built from its holder by
-one builder (Target.of, Survivor.of, Spared.of), so every list names a process the same way.
+"""A sweep's report and its entries: docs/contract.md's keys in the wire's order. An entry about a
+process is built from its holder (Target.of, Survivor.of, Spared.of), so each list names it alike.
 """
 
 from __future__ import annotations
@@ -10,14 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from gpuguardd.records.codec import WireRecord
-from gpuguardd.records.enums import (
-    HolderKind,
-    Outcome,
-    RequesterKind,
-    SpareReason,
-    SurvivorReason,
-    WarningCode,
-)
+from gpuguardd.records.enums import HolderKind, Outcome, RequesterKind, SpareReason, SurvivorReason, WarningCode
 
 if TYPE_CHECKING:
     from gpuguardd.records.models import Holder, Scope
@@ -27,8 +19,7 @@ if TYPE_CHECKING:
 class ReportScope(WireRecord):
     """What a sweep covered, resolved (GPU indices, not what the caller typed)."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig", "adopted_pids", "slurm_job", "slurm_uid",
-                                                     "grace_ms"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"mig", "adopted_pids", "slurm_job", "slurm_uid", "grace_ms"})
 
     gpus: list[int] = field(default_factory=list)
     unit: str = ""
@@ -73,8 +64,7 @@ class Target(WireRecord):
 
 @dataclass
 class Terminated(WireRecord):
-    """A process that ended during the sweep, and the signal of ours that ended it ("" for
-    none: it exited on its own)."""
+    """A process that ended during the sweep, and our signal that ended it ("": it exited itself)."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"exit_status", "zombie_parent", "uid"})
 
@@ -102,17 +92,15 @@ class Survivor(WireRecord):
     code: SurvivorReason = SurvivorReason.OTHER
 
     @classmethod
-    def of(cls, holder: Holder, code: SurvivorReason, why: str,
-           state: str | None = None) -> Survivor:
-        """The one way a survivor is named; `state` when it was read after the scan."""
+    def of(cls, holder: Holder, code: SurvivorReason, why: str, state: str | None = None) -> Survivor:
+        """`state` when it was read after the scan."""
         return cls(pid=holder.pid, comm=holder.comm, unit=holder.unit,
                    state=holder.state if state is None else state, why=why, code=code)
 
 
 @dataclass
 class Spared(WireRecord):
-    """A process in (or touching) the scope that the sweep left alone on purpose, and why:
-    `code` for programs (the metrics count by it), `why` for people."""
+    """A process in (or touching) the scope left alone on purpose: `code` for programs, `why` for people."""
 
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"code"})  # absent before the codes: OTHER
 

@@ -1,9 +1,6 @@
-"""GPU selectors: how a caller names a GPU (an index, a GPU UUID, a MIG instance's UUID, a PCI
-bus id), read and matched in one place for the engine's scopes, gpuguardctl's D-Bus client and
-`gpuguardctl check`. Each caller says what an index out of range or an unknown UUID means to it.
-
-UUIDs match whatever their case (NVML spells them "GPU-4e1f…", users lower-case them), a PCI
-bus id in either case and domain width (NVML "00000000:C3:00.0", the kernel "0000:c3:00.0").
+"""How a caller names a GPU (an index, a GPU or MIG UUID, a PCI bus id), read and matched for
+the engine, gpuguardctl's client and `check`; each says what an unknown one means to it. UUIDs
+match in any case (NVML "GPU-4e1f…"), a bus id in any case and domain width (NVML's 8 digits).
 """
 
 from __future__ import annotations
@@ -63,7 +60,6 @@ class Selector:
         return self.kind != MIG_UUID or bool(_MIG_UUID.match(self.text))
 
     def check(self) -> Selector:
-        """Itself, or InvalidArgument naming the text when it names no GPU at all."""
         if not self.kind:
             raise InvalidArgument(f"invalid GPU {self.text!r}: expected an index, a GPU-/MIG- UUID or a "
                                   "PCI bus id (0000:c3:00.0)")
@@ -71,7 +67,6 @@ class Selector:
 
 
 def selector(item: object) -> Selector:
-    """What `item` (an int, or text as typed) names; kind "" when nothing."""
     text = str(item).strip()
     if isinstance(item, int) or is_digits(text):
         # BadNumber names a negative index or one past 2^32-1 (the bus carries a `u`); U+00B2
@@ -87,7 +82,6 @@ def selector(item: object) -> Selector:
 
 
 def one_gpu(indices: Iterable[int], text: str) -> int:
-    """The one GPU `text` named (a reset is of one GPU): InvalidArgument otherwise."""
     found = list(indices)
     if len(found) != 1 or selector(text).kind == MIG_UUID:
         raise InvalidArgument(f"--gpu {text!r} must name one whole GPU")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuguardd import config as config_module
 from gpuguardd.config import Config, config_files, load_config, parse_bool, parse_timespan
 from gpuguardd.errors import ConfigError
 
@@ -55,7 +56,7 @@ def test_booleans() -> None:
         parse_bool("maybe")
 
 
-def test_values_lists_and_dropin_order(tmp_path: Path) -> None:
+def test_values_lists_and_dropin_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     main = write(tmp_path / "gpuguard.conf", """
 # comment
 [Sweep]
@@ -71,7 +72,9 @@ Units=sglang-*.service
     write(dropins / "10-early.conf", "[Sweep]\nGraceSec=7\nProtectedExecutables=\nProtectedExecutables=/opt/c\n"
                                      "[Watch]\nUnits=vllm-*.service\n")
     write(dropins / "ignored.txt", "[Sweep]\nGraceSec=99\n")
-    files = config_files(main, str(dropins))
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_FILE", main)
+    monkeypatch.setattr(config_module, "DEFAULT_DROPIN_DIR", str(dropins))
+    files = config_files()
     assert [Path(f).name for f in files] == ["gpuguard.conf", "10-early.conf", "20-late.conf"]
     config = load_config(files)
     assert config.grace_sec == 5.0  # the last drop-in wins
