@@ -1,41 +1,26 @@
 """AMD GPUs read from the amdgpu driver's own files in sysfs: no ROCm library, no device node.
 
-Where each figure comes from (the kernel's sources named, as of Linux 6.x):
-- The GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c,
-  node_show): `gpu_id` (one decimal, 0 for a CPU node), `properties` (one "key value" a line,
-  printed "%s %u" or "%s %llu": decimal), of which `drm_render_minor`, `domain`, `location_id`
-  (pci_dev_id(): bus << 8 | devfn) and `unique_id` (0 where the ASIC has none) are read. Then
-  the amdgpu devices KFD does not list (an APU or a Radeon without KFD), found by their render
-  nodes, class/drm/renderD<N>.
-- Per GPU, the render node's PCI device (class/drm/renderD<N>/device/): `vendor`, `device`,
-  `revision` ("0x%04x"), `mem_info_vram_total` and `mem_info_vram_used` (decimal bytes,
-  amdgpu/amdgpu_vram_mgr.c), `power/runtime_status` (drivers/base/power/sysfs.c), and
-  `drm/card<N>` (the primary node).
-- Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (amdkfd/kfd_process.c), decimal
-  bytes of the process's KFD (ROCm) allocations on that GPU; graphics (GEM) buffers are not in
-  it: a DRM client's fdinfo says those (below). <pid> is the process's lead thread in the initial
-  PID namespace, and the entry goes only when KFD's release worker has run
-  (kfd_process_wq_release), after the process is gone: it can outlive the PID.
-- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of an open render or card node (the kernel's
-  Documentation/gpu/drm-usage-stats.rst, amdgpu/amdgpu_fdinfo.c): "key:<tab>value" lines,
-  `drm-driver` (mandatory), `drm-pdev` (the PCI address), `drm-client-id` (one per open file
-  description: fds dup()ed or passed on share it), and `drm-<category>-<region>: <uint> [KiB|MiB]`
-  (no unit: bytes; GiB accepted too); amdgpu's regions are "cpu", "gtt", "vram", xe's "vram0".
-  `drm-resident-vram` is what the buffers occupy in VRAM now (what mem_info_vram_used drops by
-  when the client goes), `drm-memory-vram` (amdgpu's, KiB) its deprecated alias;
-  `drm-total-vram` counts evicted buffers too, so it is used only where neither is given.
-- Names: libdrm's data/amdgpu.ids ("DEVICE,\tREVISION,\tNAME", hex), amdgpu's `product_name`
-  (read from the board's FRU at probe), pci.ids, in that order.
+Sources (the kernel's, as of Linux 6.x):
+- GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c): `gpu_id` (0
+  for a CPU node) and `properties` ("key value" lines, decimal): `drm_render_minor`, `domain`,
+  `location_id` (bus << 8 | devfn), `unique_id` (0 where the ASIC has none). Then the amdgpu
+  devices KFD does not list (an APU, a Radeon without KFD), by their render nodes.
+- Per GPU, the render node's PCI device: `vendor`, `device`, `revision` ("0x%04x"),
+  `mem_info_vram_total` and `_used` (amdgpu_vram_mgr.c), `power/runtime_status`, `drm/card<N>`.
+- Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (kfd_process.c): bytes of the
+  process's KFD (ROCm) allocations, not its graphics (GEM) buffers. <pid> is in the initial PID
+  namespace, and the entry outlives the process until KFD's release worker has run.
+- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of a render or card node (drm-usage-stats.rst,
+  amdgpu_fdinfo.c): `drm-driver` (mandatory), `drm-pdev`, `drm-client-id` (one per open file
+  description, shared by fds dup()ed or passed on), `drm-<category>-<region>: <uint> [KiB|MiB]`.
+  `drm-resident-vram` is what leaves VRAM with the client (`drm-memory-vram` its deprecated
+  alias); `drm-total-vram` counts evicted buffers too, so it counts only where neither is given.
+- Names: libdrm's amdgpu.ids, amdgpu's `product_name` (the board's FRU), pci.ids, in that order.
 
-Never waking a GPU: power/runtime_status is a PCI core attribute, read first; anything but
-"active" (or "unsupported", or no such file: runtime PM not in use) is a GPU found asleep, and
-none of its mem_info_* files is opened (an amdgpu attribute may resume the device to answer).
-PCI config attributes (vendor, device, revision) and KFD's files are the kernel's copies and
-never touch the device. /dev/kfd and /dev/dri are never opened.
-
-Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A KFD
-proc entry that is no PID is left out, named in the `warnings` of the GPUs it has a vram_ file
-for (of every KFD GPU where it has none).
+Never waking a GPU: power/runtime_status, a PCI core attribute, is read first; a GPU found
+asleep has none of its mem_info_* files opened (an amdgpu attribute may resume the device to
+answer). PCI config and KFD files never touch the device; /dev/kfd and /dev/dri are never opened.
+Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py).
 """
 
 from __future__ import annotations
@@ -122,11 +107,7 @@ def _hex(path: str, maximum: int) -> int:
 
 
 def _properties(path: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for line in _read(path, _PROPS_MAX).splitlines():
-        key, _, value = line.partition(" ")
-        fields[key] = value
-    return fields
+    return {key: value for key, _, value in (line.partition(" ") for line in _read(path, _PROPS_MAX).splitlines())}
 
 
 @dataclass
@@ -265,10 +246,8 @@ def _name(pci: str, device: int, revision: int) -> str:
 
 
 def _uuid(node: _Node | None, device: int, bdf: str) -> str:
-    """"GPU-" and 16 hex digits: KFD's unique_id, as ROCm and HIP print it; without one, the
-    device id (4 digits), PCI domain (8: domains are 32-bit, VMD's start at 0x10000) and
-    location id (4: bus << 8 | devfn) of the device, unique on the host and stable across boots
-    of the same hardware. The vendor is left out: it is always 1002."""
+    """KFD's unique_id, as ROCm and HIP print it; without one, the device id, PCI domain (32-bit:
+    VMD's start at 0x10000) and location id, unique on the host and stable across boots."""
     if node is not None and node.unique_id:
         return f"GPU-{node.unique_id:016x}"
     match = BDF.fullmatch(bdf)
@@ -398,8 +377,7 @@ def parse_fdinfo(text: str) -> DrmClient | None:
         key, value = match.groups()
         fields.setdefault(key, value.strip())
         memory = _FDINFO_VRAM.fullmatch(key)
-        size = _fdinfo_size(value) if memory else None
-        if memory and size is not None:
+        if memory and (size := _fdinfo_size(value)) is not None:
             rank = _FDINFO_RANK[memory.group(1)]
             if memory.group(2) not in vram or rank < vram[memory.group(2)][0]:
                 vram[memory.group(2)] = (rank, size)

@@ -1,9 +1,8 @@
 """NVML through the real pynvml: GPU inventory, memory, and the driver's process lists.
 
 NVML may be missing, may fail per GPU (GPU_IS_LOST, UNKNOWN, NO_PERMISSION) or per call, and
-may hang for good. None of that is fatal: the snapshot says what is unknown. Every NVML call
-runs on the session's one worker thread (nvmlworker.py) with a deadline, so a hung driver
-costs a caller at most that deadline, and nothing once the worker is known to be stuck.
+may hang for good: the snapshot says what is unknown. Every NVML call runs on the session's
+worker thread (nvmlworker.py) with a deadline, so a hung driver costs a caller at most that.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _note(gpu: GpuInfo | MigInstance, exc: BaseException) -> None:
-    """Keep the first error a GPU's reading met."""
     gpu.error = gpu.error or _error_text(exc)
 
 
@@ -73,9 +71,8 @@ _job = threading.local()
 
 
 def _named(name: str) -> Any:
-    """pynvml looks every C function up by name right before calling it: this wrapper of that
-    one lookup names each entry point in the running job's _Progress, so that a hang is
-    reported by name without wrapping every call site (a profile hook cost ~15 ms a poll)."""
+    """pynvml looks every C function up by name right before calling it: wrapping that lookup
+    names a hang's entry point without wrapping every call site (a profile hook cost ~15 ms a poll)."""
     progress = getattr(_job, "progress", None)
     if progress is not None:
         progress.call = str(name)[:128]
@@ -102,8 +99,8 @@ class Nvml:
         # How long one snapshot (all its NVML calls) may take before the driver counts as hung.
         self._timeout = timeout
         self._worker = NvmlWorker()
-        # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
-        # Read through a worker of its own: the nvidia module answers it under its own locks.
+        # Minors of GPUs NVML cannot identify, read on a worker of its own: the nvidia module
+        # answers /proc/driver/nvidia/gpus under its own locks.
         self._driver_gpus_dir = driver_gpus_dir
         self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
         self._driver_gpus: list[driverinfo.DriverGpu] | None = None
@@ -134,8 +131,7 @@ class Nvml:
         self.last_error = ""
         return True
 
-    def _close(self) -> None:
-        """End the open session (caller holds the lock); its error is ignored: it is over anyway."""
+    def _close(self) -> None:  # the caller holds the lock
         if self._initialized:
             self._initialized = False
             with contextlib.suppress(pynvml.NVMLError):
@@ -149,8 +145,7 @@ class Nvml:
             self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
 
     def device_call(self, index: int, call: Callable[[Any], Any], what: str) -> Any:
-        """`call(handle)` for GPU `index` on the worker thread, within the timeout; an NVML
-        error is NvmlCallFailed."""
+        """`call(handle)` for GPU `index` on the worker thread, within the timeout."""
         def job() -> Any:
             with self._lock:
                 if not self._ensure_init():
@@ -162,9 +157,8 @@ class Nvml:
         return self._worker.run(job, self._timeout(), what)
 
     def pause(self, reason: str) -> None:
-        """Close the NVML session (its handles keep the GPUs' device nodes open, and a reset
-        refuses a GPU anyone has open) and answer snapshots with every GPU unknown for
-        `reason` until resume(): nothing re-opens it meanwhile."""
+        """Close NVML (its handles keep the GPUs' nodes open, and a reset refuses a GPU anyone has
+        open): until resume(), snapshots give every GPU unknown for `reason`."""
         def job() -> None:
             with self._lock:
                 self._paused = reason
@@ -177,13 +171,8 @@ class Nvml:
 
     def _unknown(self, message: str, count: int, driver: str, done: dict[int, GpuInfo]) -> NvmlSnapshot:
         """Every GPU not in `done` unknown for `message`, as NVML last said it was."""
-        gpus = []
-        for index in range(count):
-            gpu = done.get(index)
-            if gpu is None:
-                gpu = GpuInfo(index=index, unknown=True, error=message)
-                self._recall(gpu)
-            gpus.append(gpu)
+        gpus = [done[index] if index in done else self._recall(GpuInfo(index=index, unknown=True, error=message))
+                for index in range(count)]
         return NvmlSnapshot(available=True, error=message, driver_version=driver, gpus=gpus)
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
@@ -208,7 +197,7 @@ class Nvml:
             driverinfo.fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
 
-    def _recall(self, gpu: GpuInfo) -> None:
+    def _recall(self, gpu: GpuInfo) -> GpuInfo:
         """Give a GPU that cannot be read now its identity and MIG instances as NVML said before
         (their figures unknown), so its nodes, holders and MIG UUIDs still map to it."""
         identity = self._identity.get(gpu.index)
@@ -217,16 +206,14 @@ class Nvml:
         seen = self._seen.get(gpu.index)
         if seen is not None and seen.uuid == gpu.uuid:
             _copy_mig(seen, gpu, figures=False)
+        return gpu
 
     def _read_driver_gpus(self) -> list[driverinfo.DriverGpu]:
-        if self._driver_gpus:
-            return self._driver_gpus  # fixed while the driver stays loaded
-        try:
-            self._driver_gpus = self._driver_worker.run(lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir),
-                                                        self._timeout(), self._driver_gpus_dir)
-        except NvmlHung:
-            return []
-        return self._driver_gpus
+        if not self._driver_gpus:  # else fixed while the driver stays loaded
+            with contextlib.suppress(NvmlHung):
+                self._driver_gpus = self._driver_worker.run(
+                    lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir), self._timeout(), self._driver_gpus_dir)
+        return self._driver_gpus or []
 
     def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
         with self._lock:
@@ -303,8 +290,7 @@ class Nvml:
             gpu.error = _error_text(exc)
             gpu.lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
             gpu.unknown = not gpu.lost
-            self._recall(gpu)
-            return gpu
+            return self._recall(gpu)
 
         def query(call: Callable[[Any], Any]) -> Any | None:
             try:
@@ -340,8 +326,7 @@ class Nvml:
 
     def _mig(self, handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
         """The MIG devices of a GPU in MIG mode, each with its memory and processes: the
-        parent's process lists are empty for all but privileged callers (nvml.h). Slots without
-        an instance answer NOT_FOUND."""
+        parent's process lists are empty for all but privileged callers (nvml.h)."""
         try:
             current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
         except pynvml.NVMLError as exc:
@@ -409,8 +394,7 @@ class Nvml:
 
 
 def _copy_mig(seen: GpuInfo, gpu: GpuInfo, figures: bool) -> None:
-    """Give `gpu` the MIG instances it was `seen` with: their memory figures if `figures`, else
-    none, and the GPU's error."""
+    """Give `gpu` the MIG instances it was `seen` with, their figures or else the GPU's error."""
     gpu.mig_mode = seen.mig_mode
     gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id, compute_instance_id=m.compute_instance_id,
                            memory_total=m.memory_total if figures else 0,
