@@ -121,35 +121,23 @@ class DeviceMap:
 
     def node_for_rdev(self, rdev: int) -> DeviceNode | None:
         node = self.by_rdev.get(rdev)
-        if node is not None:
-            return node
         family = self.majors.get(os.major(rdev))
-        if family is None:
-            return None
         minor = os.minor(rdev)
+        if node is not None or family is None:
+            return node
+        if family == "drm" and minor not in self.amd_minors:
+            return None  # DRM's major is every DRM driver's: only amdgpu's nodes are GPUs'
+        role = {"nvidia": {NVIDIA_CTL_MINOR: "control", NVIDIA_MODESET_MINOR: "modeset"}.get(minor, "gpu"),
+                "uvm": "uvm" if minor == 0 else "control", "caps": "caps", "imex": "caps", "kfd": "kfd",
+                "drm": "render" if minor >= DRM_RENDER_MINOR_BASE else "card"}.get(family, "control")
+        numbered = role in ("gpu", "render", "card") or family == "caps"
         # A node we were not configured with, e.g. created inside a container: name it by number.
-        label = f"char:{os.major(rdev)}:{minor}"
-        if family == "nvidia":
-            role = {NVIDIA_CTL_MINOR: "control", NVIDIA_MODESET_MINOR: "modeset"}.get(minor, "gpu")
-            return DeviceNode(label, role, minor=minor if role == "gpu" else None, rdev=rdev)
-        if family == "uvm":
-            return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
-        if family == "caps":
-            return DeviceNode(label, "caps", minor=minor, rdev=rdev)
-        if family == "kfd":
-            return DeviceNode(label, "kfd", rdev=rdev)
-        if family == "drm":  # only where amdgpu drives it
-            return DeviceNode(label, "render" if minor >= DRM_RENDER_MINOR_BASE else "card", minor=minor,
-                              rdev=rdev) if minor in self.amd_minors else None
-        return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
+        return DeviceNode(f"char:{os.major(rdev)}:{minor}", role, minor=minor if numbered else None, rdev=rdev)
 
 
 def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
-    """Why a watched path must not count as a GPU device, or None.
-
-    Anything else would make every holder of it a GPU holder: a node with /dev/null's numbers
-    makes each `| grep` a management client that --include-management kills.
-    """
+    """Why a watched path must not count as a GPU device, or None: else every holder of it is a GPU
+    holder (with /dev/null's numbers, each `| grep` a management client --include-management kills)."""
     if not stat.S_ISCHR(st.st_mode):
         kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a block device" if stat.S_ISBLK(
             st.st_mode) else "not a device"
@@ -200,8 +188,7 @@ def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
                     continue
             if (role == "gpu" and family is not None) or (role == "caps" and family == "caps"):
                 minor = os.minor(rdev)
-            node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev,
-                              inode=(st.st_dev, st.st_ino))
+            node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev, inode=(st.st_dev, st.st_ino))
             device_map.nodes.append(node)
             device_map.by_path[path] = node
             device_map.by_rdev.setdefault(rdev, node)
@@ -229,10 +216,8 @@ def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
 
 def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
                        nvml: NvmlSnapshot) -> tuple[set[int], set[str]]:
-    """The GPUs (NVML indices) and MIG UUIDs that the caps nodes among `nodes` open.
-
-    A compute-instance node names its instance. A GPU-instance node alone (the process has not
-    opened a compute instance of it) stands for every compute instance in that GPU instance."""
+    """The GPUs (NVML indices) and MIG UUIDs that the caps nodes among `nodes` open. A GPU-instance
+    node without one of its compute instances' stands for every compute instance in it."""
     held = [caps[n.minor] for n in nodes if n.role == "caps" and n.minor is not None and n.minor in caps]
     gpus: set[int] = set()
     migs: set[str] = set()
@@ -252,11 +237,9 @@ def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
     return gpus, migs
 
 
-def annotate_device_paths(nvml: NvmlSnapshot, caps: dict[int, MigCap],
-                          nodes: list[DeviceNode]) -> None:
+def annotate_device_paths(nvml: NvmlSnapshot, caps: dict[int, MigCap], nodes: list[DeviceNode]) -> None:
     """Set each instance's device_path: its compute instance's caps node, by minor."""
-    by_instance = {(c.gpu_minor, c.gpu_instance_id, c.compute_instance_id): minor
-                   for minor, c in caps.items()}
+    by_instance = {(c.gpu_minor, c.gpu_instance_id, c.compute_instance_id): minor for minor, c in caps.items()}
     paths = {n.minor: n.path for n in nodes if n.role == "caps" and n.minor is not None}
     for gpu in nvml.gpus:
         for instance in gpu.mig:

@@ -1,15 +1,13 @@
 """NVIDIA GPUs as the kernel describes them, without NVML: the GPUs NVML can no longer
 describe, and those an NVML call would wake.
 
-A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN
-open: without the minor a sweep of that GPU would miss them. The module lists every GPU it
-drives, whatever its state, in /proc/driver/nvidia/gpus/<pci bus id>/information.
+A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN open;
+the module still lists it in /proc/driver/nvidia/gpus/<pci bus id>/information.
 
-Runtime PM: /sys/bus/pci/devices/<bdf>/power/runtime_status is an attribute of the PCI core
-that never calls into the nvidia module. NVML queries do: one on a suspended GPU resumes it,
-and frequent ones keep it from suspending (nvtop issue 267, beszel PR 1587,
-cosmic-ext-applet-system-monitor issue 38), and an open session attaches every GPU (btop issue
-1831). So nvml.py asks here first, and makes no NVML call naming a GPU asleep.
+Runtime PM: /sys/bus/pci/devices/<bdf>/power/runtime_status, a PCI core attribute, never calls
+into the nvidia module. NVML does: a query resumes a suspended GPU, frequent ones keep it from
+suspending (nvtop issue 267, beszel PR 1587, cosmic-ext-applet-system-monitor issue 38), and an
+open session attaches every GPU (btop issue 1831). So nvml.py makes no NVML call naming a GPU asleep.
 """
 
 from __future__ import annotations
@@ -71,10 +69,8 @@ def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
 
 
 def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
-    """Give GPUs without a minor number the module's, matched by UUID, then by bus id, and
-    only then by position: NVML numbers GPUs in PCI bus order, so the i-th GPU by bus id is
-    index i, but only when both list the same GPUs (same count, and every GPU whose bus id
-    NVML did give sits at its own position)."""
+    """Give GPUs without a minor number the module's, matched by UUID, bus id, else position: NVML
+    numbers GPUs in bus order, so the i-th by bus id is index i, where both list the same GPUs."""
     if not driver:
         return
     by_uuid = {g.uuid.lower(): g for g in driver if g.uuid}

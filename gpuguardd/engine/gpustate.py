@@ -1,7 +1,5 @@
 """A GPU's state as the Gpu objects, `gpuguardctl gpus` and the metrics show it: the judge's
-verdict (engine/judge.py) for a whole GPU and a MIG instance alike, from a scan's holders and
-NVML's figures.
-"""
+verdict for a whole GPU and a MIG instance alike, from a scan's holders and NVML's figures."""
 
 from __future__ import annotations
 

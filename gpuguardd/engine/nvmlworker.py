@@ -1,9 +1,8 @@
 """One thread that owns every NVML call, so a hung driver never blocks anyone else.
 
 NVML calls can hang for good in an ioctl no signal reaches (open-gpu-kernel-modules issue
-1333), so jobs run on this worker and callers wait with a deadline. Past one, the worker is
-marked hung and every later call is answered at once with NvmlHung instead of queueing behind
-it, until the stuck call returns.
+1333). Past a caller's deadline the worker is marked hung, and until the stuck call returns
+every later call gets NvmlHung at once instead of queueing behind it.
 """
 
 from __future__ import annotations
