@@ -25,6 +25,7 @@ Every file is untrusted text: read bounded, numbers ASCII only and in range (num
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
@@ -182,16 +183,15 @@ def _amdgpu_minors(sysfs: str) -> list[tuple[str, int]]:
     return sorted(found)
 
 
-# Parsed name tables by (path, kind): ((mtime, size, inode), table), so a poll re-reads none.
-_tables: dict[tuple[str, str], tuple[tuple[int, int, int], dict[tuple[int, int], str]]] = {}
+# Parsed name tables by path: ((mtime, size, inode), table), so a poll re-reads none.
+_tables: dict[str, tuple[tuple[int, int, int], dict[tuple[int, int], str]]] = {}
 
 
-def _table(path: str, kind: str, parse: Callable[[str], dict[tuple[int, int], str]]
-           ) -> dict[tuple[int, int], str]:
+def _table(path: str, parse: Callable[[str], dict[tuple[int, int], str]]) -> dict[tuple[int, int], str]:
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        cached = _tables.get((path, kind))
+        cached = _tables.get(path)
         if cached is not None and cached[0] == stamp:
             return cached[1]
         with open(path, "rb") as handle:
@@ -199,7 +199,7 @@ def _table(path: str, kind: str, parse: Callable[[str], dict[tuple[int, int], st
     except OSError:
         return {}
     table = parse(text)
-    _tables[(path, kind)] = (stamp, table)
+    _tables[path] = (stamp, table)
     return table
 
 
@@ -233,7 +233,7 @@ def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
 
 
 def _name(pci: str, device: int, revision: int) -> str:
-    name = _table(AMDGPU_IDS, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
+    name = _table(AMDGPU_IDS, _parse_amdgpu_ids).get((device, revision))
     if name:
         return name
     try:
@@ -242,7 +242,7 @@ def _name(pci: str, device: int, revision: int) -> str:
         product = ""
     if product and product.isprintable():
         return product
-    return _table(PCI_IDS, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
+    return _table(PCI_IDS, _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
 
 
 def _uuid(node: _Node | None, device: int, bdf: str) -> str:
@@ -270,11 +270,9 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None) -> None:
         if expected and target != expected:
             raise _Bad(f"{pci} is {target}, but KFD places GPU {gpu.gpu_id} at {expected}")
         gpu.pci_bus_id = target
-        try:
-            gpu.card_minor = next(int(m.group(1)) for m in map(_CARD.fullmatch, os.listdir(os.path.join(pci, "drm")))
-                                  if m)
-        except (OSError, StopIteration):
-            gpu.card_minor = None
+        with contextlib.suppress(OSError):
+            gpu.card_minor = next((int(m.group(1)) for m in map(_CARD.fullmatch, os.listdir(os.path.join(pci, "drm")))
+                                   if m), None)
     elif expected:
         # A partition's render node (amdgpu_xcp.N, a platform device): the PCI device is KFD's.
         gpu.pci_bus_id = expected

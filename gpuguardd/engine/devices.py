@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 from gpuguardd.records.models import DeviceNode, NvmlSnapshot
 
 _GPU_NAME = re.compile(r"^nvidia([0-9]{1,7})$")
-# The amdgpu driver's DRM nodes: /dev/dri/renderD<minor> (compute and rendering) and
-# /dev/dri/card<minor> (the primary node, modesetting); /dev/kfd is ROCm's compute node.
+# amdgpu's DRM nodes: /dev/dri/renderD<minor> (compute, rendering) and card<minor> (modesetting).
 _DRM_NAME = re.compile(r"^(renderD|card)([0-9]{1,7})$")
 DRM_RENDER_MINOR_BASE = 128  # drm_minor_type: primary 0-63, (control 64-127), render 128-
 _CAPS_NAME = re.compile(r"^nvidia-cap([0-9]{1,7})$")

@@ -22,8 +22,7 @@ from gpuguardd.records.selectors import pci_key
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
-# What the kernel writes to runtime_status (drivers/base/power/sysfs.c, rtpm_status_show) for a
-# device (going) down: a query now would resume it.
+# runtime_status of a device (going) down (drivers/base/power/sysfs.c): a query would resume it.
 ASLEEP = frozenset(("suspended", "suspending"))
 _MAX_WORD = 64  # runtime_status and the module's version: one short word and a newline
 # A PCI address as the kernel spells it in sysfs: domain:bus:device.function, lower-case hex.

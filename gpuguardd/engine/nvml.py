@@ -21,7 +21,6 @@ from gpuguardd.engine import driverinfo, nvmlprocs
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
-PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
 _SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
@@ -30,9 +29,7 @@ def _text(value: Any) -> str:
 
 
 def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, pynvml.NVMLError):
-        return f"NVML: {exc}"
-    return f"NVML: {exc.__class__.__name__}: {exc}"
+    return f"NVML: {exc}" if isinstance(exc, pynvml.NVMLError) else f"NVML: {exc.__class__.__name__}: {exc}"
 
 
 def _note(gpu: GpuInfo | MigInstance, exc: BaseException) -> None:
@@ -116,7 +113,7 @@ class Nvml:
         if self._initialized:
             return True
         if pynvml is None:
-            self.last_error = PYNVML_MISSING
+            self.last_error = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
             return False
         try:
             pynvml.nvmlInit()
@@ -239,7 +236,7 @@ class Nvml:
             progress.driver, progress.count = driver, count
             self._last_driver, self._last_count = driver, count
             self.last_error = ""
-            gpus = []
+            gpus = progress.done  # what a hang leaves read, too
             for index in range(count):
                 progress.gpu = index
                 # Its bus id as NVML last gave it; before that, the nvidia driver's i-th device
@@ -247,14 +244,12 @@ class Nvml:
                 identity = self._identity.get(index)
                 bus_id = driverinfo.bus_key(identity[3]) if identity is not None else (
                     bound[index] if len(bound) == count else "")
-                if bus_id in bound and driverinfo.asleep(sysfs, bus_id):
-                    # Not one NVML call names it, not even its handle: any could resume it.
-                    gpus.append(self._asleep(index, bus_id))
-                else:
-                    gpus.append(self._gpu(index, with_processes))
-                progress.done.append(gpus[-1])
-                if not (gpus[-1].unknown or gpus[-1].lost or gpus[-1].suspended):
-                    self._seen[index] = gpus[-1]
+                # No NVML call names a GPU asleep, not even for its handle: any could resume it.
+                asleep = bus_id in bound and driverinfo.asleep(sysfs, bus_id)
+                gpu = self._asleep(index, bus_id) if asleep else self._gpu(index, with_processes)
+                gpus.append(gpu)
+                if not (gpu.unknown or gpu.lost or gpu.suspended):
+                    self._seen[index] = gpu
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
     def _all_asleep(self, bound: list[str]) -> NvmlSnapshot:
@@ -328,18 +323,13 @@ class Nvml:
         """The MIG devices of a GPU in MIG mode, each with its memory and processes: the
         parent's process lists are empty for all but privileged callers (nvml.h)."""
         try:
-            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
-        except pynvml.NVMLError as exc:
-            if not _unsupported(exc):  # else a GPU (or driver) without MIG
-                _note(gpu, exc)
-            return
-        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
-            return
-        gpu.mig_mode = True
-        try:
+            if pynvml.nvmlDeviceGetMigMode(handle)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+                return
+            gpu.mig_mode = True
             slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
         except pynvml.NVMLError as exc:
-            _note(gpu, exc)
+            if gpu.mig_mode or not _unsupported(exc):  # no MIG mode: a GPU (or driver) without MIG
+                _note(gpu, exc)
             return
         for slot in range(slots):
             try:
@@ -348,18 +338,16 @@ class Nvml:
                 if not isinstance(exc, pynvml.NVMLError_NotFound):  # an empty slot
                     _note(gpu, exc)
                 continue
-            instance = self._instance(mig_handle, gpu, with_processes)
-            if instance is not None:
-                gpu.mig.append(instance)
+            self._instance(mig_handle, gpu, with_processes)
 
-    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> MigInstance | None:
+    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
         try:
             instance = MigInstance(uuid=_text(pynvml.nvmlDeviceGetUUID(mig_handle)),
                                    gpu_instance_id=int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)),
                                    compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)))
         except pynvml.NVMLError as exc:
             _note(gpu, exc)  # without its UUID and ids nobody can name or find the instance
-            return None
+            return
         try:
             instance.memory_total, instance.memory_used = self._memory(mig_handle)
         except pynvml.NVMLError as exc:
@@ -371,7 +359,7 @@ class Nvml:
             for pid, used in instance.processes.items():
                 # The parent's aggregate list (privileged callers) has them already: once.
                 gpu.processes.setdefault(pid, used)
-        return instance
+        gpu.mig.append(instance)
 
     @staticmethod
     def _memory(handle: Any) -> tuple[int, int]:

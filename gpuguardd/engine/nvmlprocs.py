@@ -37,9 +37,7 @@ _SUCCESS = 0
 _INSUFFICIENT_SIZE = 7
 _RETRIES = 3  # the list may grow between the size query and the read
 PID_MAX_LIMIT = 4 * 1024 * 1024  # the kernel's ceiling for pid_max on 64-bit
-# The inode the kernel gives the initial PID namespace (PROC_PID_INIT_INO in
-# include/linux/proc_ns.h, fixed since Linux 3.8).
-PROC_PID_INIT_INO = 0xEFFFFFFC
+PROC_PID_INIT_INO = 0xEFFFFFFC  # the initial PID namespace's inode (linux/proc_ns.h), fixed since 3.8
 
 
 class _Info16(ctypes.Structure):
@@ -105,8 +103,7 @@ def _read(handle: Any, name: str, mode: int) -> list[Entry] | None:
             return []
         if ret not in (_SUCCESS, _INSUFFICIENT_SIZE):
             break
-        # Twice what was asked for: room for processes started meanwhile, and never less
-        # than a driver writing wider entries than we think would need.
+        # Twice what was asked for: room for new processes, and for entries wider than we think.
         capacity = count * 2 + 5
         array = (struct * capacity)()
         ret, count = call(array, capacity)
