@@ -62,13 +62,8 @@ def read_mig_minors(path: str) -> tuple[dict[int, MigCap], str]:
         return {}, f"cannot read {path}: {exc.strerror or exc}: MIG caps nodes map to no instance"
     if len(data) > MAX_MIG_MINORS_BYTES:
         return {}, f"{path} is over {MAX_MIG_MINORS_BYTES} bytes: not read"
-    caps: dict[int, MigCap] = {}
-    for line in data.decode("ascii", "replace").splitlines():
-        match = _MIG_LINE.fullmatch(line.strip())
-        if match:
-            gpu, gi, ci, minor = match.groups()
-            caps[int(minor)] = MigCap(int(gpu), int(gi), int(ci) if ci is not None else None)
-    return caps, ""
+    lines = (_MIG_LINE.fullmatch(line.strip()) for line in data.decode("ascii", "replace").splitlines())
+    return {int(m[4]): MigCap(int(m[1]), int(m[2]), int(m[3]) if m[3] is not None else None) for m in lines if m}, ""
 
 
 def role_for_name(path: str) -> tuple[str, int | None]:
@@ -157,6 +152,8 @@ def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
     drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
     device_map = DeviceMap(majors=driver_majors(), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
+    by_dir: dict[str, list[str]] = {}
+    devs: set[bytes] = set()
     if mig_minors:
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
         if problem:
@@ -192,25 +189,17 @@ def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
             device_map.by_path[path] = node
             device_map.by_rdev.setdefault(rdev, node)
             device_map.by_inode[(st.st_dev, st.st_ino)] = node
+            by_dir.setdefault(os.path.dirname(path), []).append(os.path.basename(path))
+            devs.add(f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} ".encode())  # maps' "%02x:%02x"
     if not device_map.nodes and not device_map.majors:
         device_map.warnings.append(
             "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
             "in /proc/devices: nothing can hold a GPU here")
-    device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
-    return device_map
-
-
-def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
-    by_dir: dict[str, list[str]] = {}
-    devs: set[bytes] = set()
-    for node in nodes:
-        by_dir.setdefault(os.path.dirname(node.path), []).append(os.path.basename(node.path))
-        if node.inode is not None:  # maps prints the file's filesystem as "%02x:%02x"
-            devs.add(f" {os.major(node.inode[0]):02x}:{os.minor(node.inode[0]):02x} ".encode())
     # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
-    return tuple(sorted(prefixes | devs))
+    device_map.maps_prefilter = tuple(sorted(prefixes | devs))
+    return device_map
 
 
 def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],

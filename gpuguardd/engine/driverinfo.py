@@ -93,27 +93,26 @@ def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
         gpu.pci_bus_id = gpu.pci_bus_id or match.bus_id
 
 
+def _word(path: str) -> str:
+    """A sysfs attribute of one word, "" where it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(_MAX_WORD).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
 def asleep(sysfs: str, bus_id: str) -> bool:
     """Whether the PCI device `bus_id` (NVML's or the kernel's spelling) is runtime-suspended;
     False where that cannot be read (no such device, no runtime PM, no PCI address)."""
     bdf = bus_key(bus_id)
-    if not BDF.fullmatch(bdf):
-        return False
-    try:
-        with open(os.path.join(sysfs, "bus/pci/devices", bdf, "power/runtime_status"), "rb") as handle:
-            raw = handle.read(_MAX_WORD)
-    except OSError:
-        return False
-    return raw.decode("ascii", "replace").strip() in ASLEEP
+    status = os.path.join(sysfs, "bus/pci/devices", bdf, "power/runtime_status")
+    return bool(BDF.fullmatch(bdf)) and _word(status) in ASLEEP  # the address checked before it is read
 
 
 def driver_version(sysfs: str) -> str:
     """The nvidia module's version (module/nvidia/version), what NVML would say, or ""."""
-    try:
-        with open(os.path.join(sysfs, "module/nvidia/version"), "rb") as handle:
-            text = handle.read(_MAX_WORD).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
+    text = _word(os.path.join(sysfs, "module/nvidia/version"))
     return text if _VERSION.fullmatch(text) else ""
 
 

@@ -90,11 +90,9 @@ class Nvml:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
-        # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
-        self._seen: dict[int, GpuInfo] = {}
+        self._seen: dict[int, GpuInfo] = {}  # each GPU as last read whole: what one unreadable now was
         self.last_error = ""
-        # How long one snapshot (all its NVML calls) may take before the driver counts as hung.
-        self._timeout = timeout
+        self._timeout = timeout  # seconds one snapshot may take before the driver counts as hung
         self._worker = NvmlWorker()
         # Minors of GPUs NVML cannot identify, read on a worker of its own: the nvidia module
         # answers /proc/driver/nvidia/gpus under its own locks.
@@ -105,8 +103,7 @@ class Nvml:
         self._last_count: int | None = None
         self._last_driver = ""
         self._paused = ""  # why NVML is closed for a GPU reset (pause()); "" while it is not
-        # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
-        self._sysfs = sysfs
+        self._sysfs = sysfs  # where runtime PM is read ([Devices] SysfsPath): a GPU asleep is not asked
         self._released = False  # closed as every GPU slept: what was seen of them still holds
 
     def _ensure_init(self) -> bool:
@@ -220,8 +217,7 @@ class Nvml:
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
             bound = driverinfo.nvidia_bus_ids(sysfs)
-            if bound and self._last_count in (None, len(bound)) \
-                    and all(driverinfo.asleep(sysfs, bus) for bus in bound):
+            if bound and self._last_count in (None, len(bound)) and all(driverinfo.asleep(sysfs, bus) for bus in bound):
                 return self._all_asleep(bound)
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
