@@ -5,8 +5,7 @@ Sources (the kernel's, as of Linux 6.x):
   for a CPU node) and `properties` ("key value" lines, decimal): `drm_render_minor`, `domain`,
   `location_id` (bus << 8 | devfn), `unique_id` (0 where the ASIC has none). Then the amdgpu
   devices KFD does not list (an APU, a Radeon without KFD), by their render nodes.
-- Per GPU, the render node's PCI device: `vendor`, `device`, `revision` ("0x%04x"),
-  `mem_info_vram_total` and `_used` (amdgpu_vram_mgr.c), `power/runtime_status`, `drm/card<N>`.
+- Per GPU, its render node's PCI device: IDs, `mem_info_vram_*` (amdgpu_vram_mgr.c), `drm/card<N>`.
 - Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (kfd_process.c): bytes of the
   process's KFD (ROCm) allocations, not its graphics (GEM) buffers. <pid> is in the initial PID
   namespace, and the entry outlives the process until KFD's release worker has run.
@@ -17,10 +16,9 @@ Sources (the kernel's, as of Linux 6.x):
   alias); `drm-total-vram` counts evicted buffers too, so it counts only where neither is given.
 - Names: libdrm's amdgpu.ids, amdgpu's `product_name` (the board's FRU), pci.ids, in that order.
 
-Never waking a GPU: power/runtime_status, a PCI core attribute, is read first; a GPU found
-asleep has none of its mem_info_* files opened (an amdgpu attribute may resume the device to
-answer). PCI config and KFD files never touch the device; /dev/kfd and /dev/dri are never opened.
-Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py).
+Never waking a GPU: power/runtime_status, a PCI core attribute, is read first, and an asleep GPU's
+mem_info_* files (amdgpu's: one may resume the device to answer) stay closed. PCI config and KFD
+files never touch the device; /dev/kfd and /dev/dri are never opened. Every file is untrusted text.
 """
 
 from __future__ import annotations

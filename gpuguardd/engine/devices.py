@@ -1,14 +1,12 @@
 """Which device files gpuguard watches, and how to recognise them from any mount namespace.
 
-A process inside a container may reach the same GPU through a node at another path or with
-another inode (Docker's --device creates fresh nodes). The device number is the identity that
-survives that, so nodes are indexed by path, by inode (for mmaps) and by rdev, with the
-driver's majors from /proc/devices as the last resort.
+A process in a container may reach a GPU through a node at another path or inode (Docker's
+--device creates fresh nodes); its device number survives that. So nodes are indexed by path,
+inode (for mmaps) and rdev, with the drivers' majors from /proc/devices as the last resort.
 
 MIG: a process in an instance holds its GPU's /dev/nvidiaN and the instance's capability nodes,
 /dev/nvidia-caps/nvidia-capN, for the GPU instance (`gpu0/gi1/access`) and the compute instance
-(`gpu0/gi1/ci0/access`); /proc/driver/nvidia-caps/mig-minors says which minor N is which
-("gpuG": the GPU's minor). It is untrusted text: read bounded, a line that does not parse skipped.
+(`gpu0/gi1/ci0/access`; gpuG: the GPU's minor), each N as untrusted /proc/driver/nvidia-caps/mig-minors says.
 """
 
 from __future__ import annotations

@@ -296,10 +296,8 @@ class Nvml:
             uuid, name, minor, pci = (query(get) for get in (
                 pynvml.nvmlDeviceGetUUID, pynvml.nvmlDeviceGetName, pynvml.nvmlDeviceGetMinorNumber,
                 pynvml.nvmlDeviceGetPciInfo_v3))
-            identity = (_text(uuid) if uuid is not None else "",
-                        _text(name) if name is not None else "",
-                        int(minor) if minor is not None else None,
-                        _text(pci.busId) if pci is not None else "")
+            identity = (_text(uuid) if uuid is not None else "", _text(name) if name is not None else "",
+                        int(minor) if minor is not None else None, _text(pci.busId) if pci is not None else "")
             # NVML numbers devices once per initialisation, so what a GPU is does not change
             # until the next nvmlInit: read it once instead of on every poll.
             if None not in (uuid, name, minor, pci):
