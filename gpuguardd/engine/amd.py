@@ -39,12 +39,12 @@ PCI_IDS = "/usr/share/misc/pci.ids"
 AMD_VENDOR = 0x1002
 VRAM_MAX = 2**50  # 1 PiB: past any GPU's memory, so a larger figure is a broken file
 PID_MAX = 2**22  # PID_MAX_LIMIT (include/linux/threads.h)
-MINOR_MAX = 2**20 - 1  # MINORBITS
-UINT64_MAX = 2**64 - 1
 ACTIVE = frozenset(("active", "unsupported", ""))  # "": no runtime_status, no runtime PM
 
 _ATTR_MAX = 256  # one attribute: a number, a word, a product name (64 bytes in amdgpu)
 _PROPS_MAX = 65536  # a topology node's properties: at most a page
+# The properties read, each with its ceiling: MINORBITS, a 32-bit domain, bus << 8 | devfn, a u64.
+_PROPS = {"drm_render_minor": 2**20 - 1, "domain": numbers.UINT32_MAX, "location_id": 0xFFFF, "unique_id": 2**64 - 1}
 _IDS_MAX = 8 << 20  # pci.ids is ~1.4 MB today
 _HEX = re.compile(r"0x([0-9a-f]{1,8})")
 _RENDER = re.compile(r"renderD([0-9]{1,7})")
@@ -135,9 +135,7 @@ def _kfd_nodes(sysfs: str) -> list[_Node]:
                 continue  # a CPU node
             path = os.path.join(base, name, "properties")
             props = _properties(path)
-            limits = {"drm_render_minor": MINOR_MAX, "domain": numbers.UINT32_MAX,
-                      "location_id": 0xFFFF, "unique_id": UINT64_MAX}
-            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in limits.items() if key in props}
+            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in _PROPS.items() if key in props}
             if "drm_render_minor" not in values or "location_id" not in values:
                 raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
             node.minor, loc = values["drm_render_minor"], values["location_id"]

@@ -190,9 +190,8 @@ def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
             by_dir.setdefault(os.path.dirname(path), []).append(os.path.basename(path))
             devs.add(f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} ".encode())  # maps' "%02x:%02x"
     if not device_map.nodes and not device_map.majors:
-        device_map.warnings.append(
-            "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
-            "in /proc/devices: nothing can hold a GPU here")
+        device_map.warnings.append(f"no device files match {' '.join(patterns)} and no GPU driver is registered "
+                                   "in /proc/devices: nothing can hold a GPU here")
     # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}

@@ -52,8 +52,6 @@ class _Progress:
     """How far a snapshot job got, read by the caller when the job does not return in time."""
 
     def __init__(self) -> None:
-        self.count: int | None = None
-        self.driver = ""
         self.done: list[GpuInfo] = []
         self.gpu: int | None = None
         self.call = "nvmlInit"
@@ -184,9 +182,8 @@ class Nvml:
             snap = self._worker.run(job, self._timeout(), progress)  # type: ignore[arg-type]
         except NvmlHung as hung:
             self.last_error = message = hung.describe()
-            count = progress.count if progress.count is not None else self._last_count
-            snap = NvmlSnapshot(available=False, error=message) if count is None else self._unknown(
-                message, count, progress.driver or self._last_driver, {g.index: g for g in list(progress.done)})
+            snap = NvmlSnapshot(available=False, error=message) if self._last_count is None else self._unknown(
+                message, self._last_count, self._last_driver, {g.index: g for g in list(progress.done)})
         if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
             driverinfo.fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
@@ -229,7 +226,6 @@ class Nvml:
                 self._close()
                 self.last_error = _error_text(exc)
                 return NvmlSnapshot(available=False, error=self.last_error)
-            progress.driver, progress.count = driver, count
             self._last_driver, self._last_count = driver, count
             self.last_error = ""
             gpus = progress.done  # what a hang leaves read, too
