@@ -110,9 +110,7 @@ def _properties(path: str) -> dict[str, str]:
 
 
 @dataclass
-class _Node:
-    """What KFD's topology says of one GPU."""
-
+class _Node:  # what KFD's topology says of one GPU
     gpu_id: int
     minor: int | None = None
     bdf: str = ""
@@ -229,8 +227,7 @@ def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
 
 
 def _name(pci: str, device: int, revision: int) -> str:
-    name = _table(AMDGPU_IDS, _parse_amdgpu_ids).get((device, revision))
-    if name:
+    if name := _table(AMDGPU_IDS, _parse_amdgpu_ids).get((device, revision)):
         return name
     try:
         product = safetext.clean(_read(os.path.join(pci, "product_name")).strip(), safetext.NAME_MAX)
@@ -324,9 +321,8 @@ def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
 
 
 def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> list[GpuInfo]:
-    """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
-    then the rest in PCI order; `processes`: pid -> bytes, None where unreadable. Never
-    raises: a GPU that cannot be read is `unknown` with an `error` naming the file."""
+    """The AMD GPUs under `sysfs`, indexed from `first_index`: KFD's in node order, then the rest
+    in PCI order. Never raises: a GPU that cannot be read is `unknown`, its `error` naming the file."""
     pairs: list[tuple[int | None, _Node | None]] = [(node.minor, node) for node in _kfd_nodes(sysfs)]
     seen = {minor for minor, _ in pairs}
     pairs += [(minor, None) for _, minor in _amdgpu_minors(sysfs) if minor not in seen]
@@ -384,9 +380,8 @@ def parse_fdinfo(text: str) -> DrmClient | None:
 
 
 def drm_vram(pid: int, fds: list[str], proc: str = "/proc") -> dict[str, int]:
-    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (those
-    the holder scan found on DRM nodes), each (pdev, client id) once. A vanished or unreadable
-    fd is left out, silently."""
+    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (on DRM
+    nodes), each (pdev, client id) once; a vanished or unreadable fd is left out."""
     seen: set[tuple[str, int] | str] = set()
     totals: dict[str, int] = {}
     for fd in sorted(fds, key=int):

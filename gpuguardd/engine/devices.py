@@ -36,8 +36,7 @@ _NAMED_ROLES = {"kfd": "kfd", "nvidiactl": "control", "nvidia-uvm": "uvm", "nvid
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 CAPS_DIRECTORY = "/dev/nvidia-caps"
-# 8 GPUs x 7 instances x 2 lines, plus config/monitor, is well under 1 KiB a GPU.
-MAX_MIG_MINORS_BYTES = 1 << 20
+MAX_MIG_MINORS_BYTES = 1 << 20  # 8 GPUs x 7 instances x 2 lines, plus config/monitor: under 1 KiB a GPU
 _MIG_LINE = re.compile(r"gpu(\d{1,9})/gi(\d{1,9})(?:/ci(\d{1,9}))?/access\s+(\d{1,9})")
 
 
@@ -100,13 +99,11 @@ class DeviceMap:
     by_rdev: dict[int, DeviceNode] = field(default_factory=dict)
     by_inode: dict[tuple[int, int], DeviceNode] = field(default_factory=dict)
     majors: dict[int, str] = field(default_factory=dict)
-    # Substrings, one of which is on every /proc/<pid>/maps line naming a watched node (by path
-    # or by dev and inode): " <common path prefix>" per directory of nodes and " <dev> " per
-    # filesystem. Two searches per process, not two per node; a line found is checked exactly.
+    # Substrings found on every /proc/<pid>/maps line naming a watched node (which is then checked
+    # exactly): " <common path prefix>" per node directory, " <dev> " per filesystem; two searches a process.
     maps_prefilter: tuple[bytes, ...] = ()
     warnings: list[str] = field(default_factory=list)
-    # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
-    mig_caps: dict[int, MigCap] = field(default_factory=dict)
+    mig_caps: dict[int, MigCap] = field(default_factory=dict)  # nvidia-caps minor -> the instance it opens
     # The DRM minors (render and card) of the GPUs amdgpu drives: other DRM nodes (an Intel
     # iGPU, a virtual display) are nobody's GPU here, and their holders no GPU holders.
     amd_minors: frozenset[int] = frozenset()
@@ -144,10 +141,9 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
 def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
                      origin: Callable[[str], str] | None = None, mig_minors: str | None = None,
                      amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
-    """The nodes `patterns` name now. Entries that are not character devices of a GPU
-    driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
-    where it was configured (`origin(pattern)`) and why. DRM nodes of a GPU amdgpu does not
-    drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
+    """The nodes `patterns` name now, but for what is no character device of a GPU driver's major (or
+    `allow_majors`): left out with a warning saying where it was configured (`origin`) and why. DRM
+    nodes amdgpu does not drive are left out silently: the default Paths match every /dev/dri node."""
     device_map = DeviceMap(majors=driver_majors(), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
     by_dir: dict[str, list[str]] = {}
@@ -214,11 +210,10 @@ def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
             gpus.add(cap.gpu_minor)  # as for /dev/nvidiaN without NVML: the minor names it
             continue
         for gpu in nvml.gpus:
-            if gpu.minor != cap.gpu_minor:
-                continue
-            gpus.add(gpu.index)
-            migs.update(i.uuid for i in gpu.mig if i.gpu_instance_id == cap.gpu_instance_id
-                        and cap.compute_instance_id in (None, i.compute_instance_id))
+            if gpu.minor == cap.gpu_minor:
+                gpus.add(gpu.index)
+                migs.update(i.uuid for i in gpu.mig if i.gpu_instance_id == cap.gpu_instance_id
+                            and cap.compute_instance_id in (None, i.compute_instance_id))
     return gpus, migs
 
 

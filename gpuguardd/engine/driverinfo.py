@@ -25,8 +25,7 @@ _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
 # runtime_status of a device (going) down (drivers/base/power/sysfs.c): a query would resume it.
 ASLEEP = frozenset(("suspended", "suspending"))
 _MAX_WORD = 64  # runtime_status and the module's version: one short word and a newline
-# A PCI address as the kernel spells it in sysfs: domain:bus:device.function, lower-case hex.
-BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")  # a PCI address as sysfs spells it
 _VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 
 
