@@ -93,7 +93,6 @@ def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
 
 
 def _word(path: str) -> str:
-    """A sysfs attribute of one word, "" where it cannot be read."""
     try:
         with open(path, "rb") as handle:
             return handle.read(_MAX_WORD).decode("ascii", "replace").strip()
