@@ -1,45 +1,29 @@
 """AMD GPUs read from the amdgpu driver's own files in sysfs: no ROCm library, no device node.
 
-Where each figure comes from (the kernel's sources named, as of Linux 6.x):
-- The GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c,
-  node_show): `gpu_id` (one decimal, 0 for a CPU node), `properties` (one "key value" a line,
-  printed "%s %u" or "%s %llu": decimal), of which `drm_render_minor`, `domain`, `location_id`
-  (pci_dev_id(): bus << 8 | devfn) and `unique_id` (0 where the ASIC has none) are read. Then
-  the amdgpu devices KFD does not list (an APU or a Radeon without KFD), found by their render
-  nodes, class/drm/renderD<N>.
-- Per GPU, the render node's PCI device (class/drm/renderD<N>/device/): `vendor`, `device`,
-  `revision` ("0x%04x"), `mem_info_vram_total` and `mem_info_vram_used` (decimal bytes,
-  amdgpu/amdgpu_vram_mgr.c), `power/runtime_status` (drivers/base/power/sysfs.c), and
-  `drm/card<N>` (the primary node).
-- Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (amdkfd/kfd_process.c), decimal
-  bytes of the process's KFD (ROCm) allocations on that GPU; graphics (GEM) buffers are not in
-  it: a DRM client's fdinfo says those (below). <pid> is the process's lead thread in the initial
-  PID namespace, and the entry goes only when KFD's release worker has run
-  (kfd_process_wq_release), after the process is gone: it can outlive the PID.
-- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of an open render or card node (the kernel's
-  Documentation/gpu/drm-usage-stats.rst, amdgpu/amdgpu_fdinfo.c): "key:<tab>value" lines,
-  `drm-driver` (mandatory), `drm-pdev` (the PCI address), `drm-client-id` (one per open file
-  description: fds dup()ed or passed on share it), and `drm-<category>-<region>: <uint> [KiB|MiB]`
-  (no unit: bytes; GiB accepted too); amdgpu's regions are "cpu", "gtt", "vram", xe's "vram0".
-  `drm-resident-vram` is what the buffers occupy in VRAM now (what mem_info_vram_used drops by
-  when the client goes), `drm-memory-vram` (amdgpu's, KiB) its deprecated alias;
-  `drm-total-vram` counts evicted buffers too, so it is used only where neither is given.
-- Names: libdrm's data/amdgpu.ids ("DEVICE,\tREVISION,\tNAME", hex), amdgpu's `product_name`
-  (read from the board's FRU at probe), pci.ids, in that order.
+Sources (the kernel's, as of Linux 6.x):
+- GPUs: KFD's topology, class/kfd/kfd/topology/nodes/<n>/ (amdkfd/kfd_topology.c): `gpu_id` (0
+  for a CPU node) and `properties` ("key value" lines, decimal): `drm_render_minor`, `domain`,
+  `location_id` (bus << 8 | devfn), `unique_id` (0 where the ASIC has none). Then the amdgpu
+  devices KFD does not list (an APU, a Radeon without KFD), by their render nodes.
+- Per GPU, its render node's PCI device: IDs, `mem_info_vram_*` (amdgpu_vram_mgr.c), `drm/card<N>`.
+- Memory by process: class/kfd/kfd/proc/<pid>/vram_<gpu_id> (kfd_process.c): bytes of the
+  process's KFD (ROCm) allocations, not its graphics (GEM) buffers. <pid> is in the initial PID
+  namespace, and the entry outlives the process until KFD's release worker has run.
+- DRM clients' memory: /proc/<pid>/fdinfo/<fd> of a render or card node (drm-usage-stats.rst,
+  amdgpu_fdinfo.c): `drm-driver` (mandatory), `drm-pdev`, `drm-client-id` (one per open file
+  description, shared by fds dup()ed or passed on), `drm-<category>-<region>: <uint> [KiB|MiB]`.
+  `drm-resident-vram` is what leaves VRAM with the client (`drm-memory-vram` its deprecated
+  alias); `drm-total-vram` counts evicted buffers too, so it counts only where neither is given.
+- Names: libdrm's amdgpu.ids, amdgpu's `product_name` (the board's FRU), pci.ids, in that order.
 
-Never waking a GPU: power/runtime_status is a PCI core attribute, read first; anything but
-"active" (or "unsupported", or no such file: runtime PM not in use) is a GPU found asleep, and
-none of its mem_info_* files is opened (an amdgpu attribute may resume the device to answer).
-PCI config attributes (vendor, device, revision) and KFD's files are the kernel's copies and
-never touch the device. /dev/kfd and /dev/dri are never opened.
-
-Every file is untrusted text: read bounded, numbers ASCII only and in range (numbers.py). A KFD
-proc entry that is no PID is left out, named in the `warnings` of the GPUs it has a vram_ file
-for (of every KFD GPU where it has none).
+Never waking a GPU: power/runtime_status, a PCI core attribute, is read first, and an asleep GPU's
+mem_info_* files (amdgpu's: one may resume the device to answer) stay closed. PCI config and KFD
+files never touch the device; /dev/kfd and /dev/dri are never opened. Every file is untrusted text.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
@@ -55,12 +39,12 @@ PCI_IDS = "/usr/share/misc/pci.ids"
 AMD_VENDOR = 0x1002
 VRAM_MAX = 2**50  # 1 PiB: past any GPU's memory, so a larger figure is a broken file
 PID_MAX = 2**22  # PID_MAX_LIMIT (include/linux/threads.h)
-MINOR_MAX = 2**20 - 1  # MINORBITS
-UINT64_MAX = 2**64 - 1
 ACTIVE = frozenset(("active", "unsupported", ""))  # "": no runtime_status, no runtime PM
 
 _ATTR_MAX = 256  # one attribute: a number, a word, a product name (64 bytes in amdgpu)
 _PROPS_MAX = 65536  # a topology node's properties: at most a page
+# The properties read, each with its ceiling: MINORBITS, a 32-bit domain, bus << 8 | devfn, a u64.
+_PROPS = {"drm_render_minor": 2**20 - 1, "domain": numbers.UINT32_MAX, "location_id": 0xFFFF, "unique_id": 2**64 - 1}
 _IDS_MAX = 8 << 20  # pci.ids is ~1.4 MB today
 _HEX = re.compile(r"0x([0-9a-f]{1,8})")
 _RENDER = re.compile(r"renderD([0-9]{1,7})")
@@ -122,17 +106,11 @@ def _hex(path: str, maximum: int) -> int:
 
 
 def _properties(path: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for line in _read(path, _PROPS_MAX).splitlines():
-        key, _, value = line.partition(" ")
-        fields[key] = value
-    return fields
+    return {key: value for key, _, value in (line.partition(" ") for line in _read(path, _PROPS_MAX).splitlines())}
 
 
 @dataclass
-class _Node:
-    """What KFD's topology says of one GPU."""
-
+class _Node:  # what KFD's topology says of one GPU
     gpu_id: int
     minor: int | None = None
     bdf: str = ""
@@ -155,9 +133,7 @@ def _kfd_nodes(sysfs: str) -> list[_Node]:
                 continue  # a CPU node
             path = os.path.join(base, name, "properties")
             props = _properties(path)
-            limits = {"drm_render_minor": MINOR_MAX, "domain": numbers.UINT32_MAX,
-                      "location_id": 0xFFFF, "unique_id": UINT64_MAX}
-            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in limits.items() if key in props}
+            values = {key: _uint(props[key], f"{path} ({key})", top) for key, top in _PROPS.items() if key in props}
             if "drm_render_minor" not in values or "location_id" not in values:
                 raise _Bad(f"cannot read {path}: no drm_render_minor or location_id")
             node.minor, loc = values["drm_render_minor"], values["location_id"]
@@ -201,16 +177,15 @@ def _amdgpu_minors(sysfs: str) -> list[tuple[str, int]]:
     return sorted(found)
 
 
-# Parsed name tables by (path, kind): ((mtime, size, inode), table), so a poll re-reads none.
-_tables: dict[tuple[str, str], tuple[tuple[int, int, int], dict[tuple[int, int], str]]] = {}
+# Parsed name tables by path: ((mtime, size, inode), table), so a poll re-reads none.
+_tables: dict[str, tuple[tuple[int, int, int], dict[tuple[int, int], str]]] = {}
 
 
-def _table(path: str, kind: str, parse: Callable[[str], dict[tuple[int, int], str]]
-           ) -> dict[tuple[int, int], str]:
+def _table(path: str, parse: Callable[[str], dict[tuple[int, int], str]]) -> dict[tuple[int, int], str]:
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        cached = _tables.get((path, kind))
+        cached = _tables.get(path)
         if cached is not None and cached[0] == stamp:
             return cached[1]
         with open(path, "rb") as handle:
@@ -218,7 +193,7 @@ def _table(path: str, kind: str, parse: Callable[[str], dict[tuple[int, int], st
     except OSError:
         return {}
     table = parse(text)
-    _tables[(path, kind)] = (stamp, table)
+    _tables[path] = (stamp, table)
     return table
 
 
@@ -252,8 +227,7 @@ def _parse_pci_ids(text: str) -> dict[tuple[int, int], str]:
 
 
 def _name(pci: str, device: int, revision: int) -> str:
-    name = _table(AMDGPU_IDS, "amdgpu.ids", _parse_amdgpu_ids).get((device, revision))
-    if name:
+    if name := _table(AMDGPU_IDS, _parse_amdgpu_ids).get((device, revision)):
         return name
     try:
         product = safetext.clean(_read(os.path.join(pci, "product_name")).strip(), safetext.NAME_MAX)
@@ -261,14 +235,12 @@ def _name(pci: str, device: int, revision: int) -> str:
         product = ""
     if product and product.isprintable():
         return product
-    return _table(PCI_IDS, "pci.ids", _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
+    return _table(PCI_IDS, _parse_pci_ids).get((device, 0)) or f"AMD GPU 0x{device:04x}"
 
 
 def _uuid(node: _Node | None, device: int, bdf: str) -> str:
-    """"GPU-" and 16 hex digits: KFD's unique_id, as ROCm and HIP print it; without one, the
-    device id (4 digits), PCI domain (8: domains are 32-bit, VMD's start at 0x10000) and
-    location id (4: bus << 8 | devfn) of the device, unique on the host and stable across boots
-    of the same hardware. The vendor is left out: it is always 1002."""
+    """KFD's unique_id, as ROCm and HIP print it; without one, the device id, PCI domain (32-bit:
+    VMD's start at 0x10000) and location id, unique on the host and stable across boots."""
     if node is not None and node.unique_id:
         return f"GPU-{node.unique_id:016x}"
     match = BDF.fullmatch(bdf)
@@ -291,11 +263,9 @@ def _fill(gpu: GpuInfo, sysfs: str, node: _Node | None) -> None:
         if expected and target != expected:
             raise _Bad(f"{pci} is {target}, but KFD places GPU {gpu.gpu_id} at {expected}")
         gpu.pci_bus_id = target
-        try:
-            gpu.card_minor = next(int(m.group(1)) for m in map(_CARD.fullmatch, os.listdir(os.path.join(pci, "drm")))
-                                  if m)
-        except (OSError, StopIteration):
-            gpu.card_minor = None
+        with contextlib.suppress(OSError):
+            gpu.card_minor = next((int(m.group(1)) for m in map(_CARD.fullmatch, os.listdir(os.path.join(pci, "drm")))
+                                   if m), None)
     elif expected:
         # A partition's render node (amdgpu_xcp.N, a platform device): the PCI device is KFD's.
         gpu.pci_bus_id = expected
@@ -351,9 +321,8 @@ def _kfd_processes(sysfs: str, gpus: list[GpuInfo]) -> None:
 
 
 def read_gpus(sysfs: str, first_index: int, *, with_processes: bool = True) -> list[GpuInfo]:
-    """The AMD GPUs under `sysfs` ("/sys"), indexed from `first_index`: KFD's in node order,
-    then the rest in PCI order; `processes`: pid -> bytes, None where unreadable. Never
-    raises: a GPU that cannot be read is `unknown` with an `error` naming the file."""
+    """The AMD GPUs under `sysfs`, indexed from `first_index`: KFD's in node order, then the rest
+    in PCI order. Never raises: a GPU that cannot be read is `unknown`, its `error` naming the file."""
     pairs: list[tuple[int | None, _Node | None]] = [(node.minor, node) for node in _kfd_nodes(sysfs)]
     seen = {minor for minor, _ in pairs}
     pairs += [(minor, None) for _, minor in _amdgpu_minors(sysfs) if minor not in seen]
@@ -398,8 +367,7 @@ def parse_fdinfo(text: str) -> DrmClient | None:
         key, value = match.groups()
         fields.setdefault(key, value.strip())
         memory = _FDINFO_VRAM.fullmatch(key)
-        size = _fdinfo_size(value) if memory else None
-        if memory and size is not None:
+        if memory and (size := _fdinfo_size(value)) is not None:
             rank = _FDINFO_RANK[memory.group(1)]
             if memory.group(2) not in vram or rank < vram[memory.group(2)][0]:
                 vram[memory.group(2)] = (rank, size)
@@ -412,9 +380,8 @@ def parse_fdinfo(text: str) -> DrmClient | None:
 
 
 def drm_vram(pid: int, fds: list[str], proc: str = "/proc") -> dict[str, int]:
-    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (those
-    the holder scan found on DRM nodes), each (pdev, client id) once. A vanished or unreadable
-    fd is left out, silently."""
+    """Bytes of VRAM by PCI address held by the DRM clients behind process `pid`'s `fds` (on DRM
+    nodes), each (pdev, client id) once; a vanished or unreadable fd is left out."""
     seen: set[tuple[str, int] | str] = set()
     totals: dict[str, int] = {}
     for fd in sorted(fds, key=int):

@@ -1,14 +1,12 @@
 """Which device files gpuguard watches, and how to recognise them from any mount namespace.
 
-A process inside a container may reach the same GPU through a node at another path or with
-another inode (Docker's --device creates fresh nodes). The device number is the identity that
-survives that, so nodes are indexed by path, by inode (for mmaps) and by rdev, with the
-driver's majors from /proc/devices as the last resort.
+A process in a container may reach a GPU through a node at another path or inode (Docker's
+--device creates fresh nodes); its device number survives that. So nodes are indexed by path,
+inode (for mmaps) and rdev, with the drivers' majors from /proc/devices as the last resort.
 
 MIG: a process in an instance holds its GPU's /dev/nvidiaN and the instance's capability nodes,
 /dev/nvidia-caps/nvidia-capN, for the GPU instance (`gpu0/gi1/access`) and the compute instance
-(`gpu0/gi1/ci0/access`); /proc/driver/nvidia-caps/mig-minors says which minor N is which
-("gpuG": the GPU's minor). It is untrusted text: read bounded, a line that does not parse skipped.
+(`gpu0/gi1/ci0/access`; gpuG: the GPU's minor), each N as untrusted /proc/driver/nvidia-caps/mig-minors says.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from dataclasses import dataclass, field
 from gpuguardd.records.models import DeviceNode, NvmlSnapshot
 
 _GPU_NAME = re.compile(r"^nvidia([0-9]{1,7})$")
-# The amdgpu driver's DRM nodes: /dev/dri/renderD<minor> (compute and rendering) and
-# /dev/dri/card<minor> (the primary node, modesetting); /dev/kfd is ROCm's compute node.
+# amdgpu's DRM nodes: /dev/dri/renderD<minor> (compute, rendering) and card<minor> (modesetting).
 _DRM_NAME = re.compile(r"^(renderD|card)([0-9]{1,7})$")
 DRM_RENDER_MINOR_BASE = 128  # drm_minor_type: primary 0-63, (control 64-127), render 128-
 _CAPS_NAME = re.compile(r"^nvidia-cap([0-9]{1,7})$")
@@ -39,8 +36,7 @@ _NAMED_ROLES = {"kfd": "kfd", "nvidiactl": "control", "nvidia-uvm": "uvm", "nvid
 NVIDIA_CTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
 CAPS_DIRECTORY = "/dev/nvidia-caps"
-# 8 GPUs x 7 instances x 2 lines, plus config/monitor, is well under 1 KiB a GPU.
-MAX_MIG_MINORS_BYTES = 1 << 20
+MAX_MIG_MINORS_BYTES = 1 << 20  # 8 GPUs x 7 instances x 2 lines, plus config/monitor: under 1 KiB a GPU
 _MIG_LINE = re.compile(r"gpu(\d{1,9})/gi(\d{1,9})(?:/ci(\d{1,9}))?/access\s+(\d{1,9})")
 
 
@@ -63,13 +59,8 @@ def read_mig_minors(path: str) -> tuple[dict[int, MigCap], str]:
         return {}, f"cannot read {path}: {exc.strerror or exc}: MIG caps nodes map to no instance"
     if len(data) > MAX_MIG_MINORS_BYTES:
         return {}, f"{path} is over {MAX_MIG_MINORS_BYTES} bytes: not read"
-    caps: dict[int, MigCap] = {}
-    for line in data.decode("ascii", "replace").splitlines():
-        match = _MIG_LINE.fullmatch(line.strip())
-        if match:
-            gpu, gi, ci, minor = match.groups()
-            caps[int(minor)] = MigCap(int(gpu), int(gi), int(ci) if ci is not None else None)
-    return caps, ""
+    lines = (_MIG_LINE.fullmatch(line.strip()) for line in data.decode("ascii", "replace").splitlines())
+    return {int(m[4]): MigCap(int(m[1]), int(m[2]), int(m[3]) if m[3] is not None else None) for m in lines if m}, ""
 
 
 def role_for_name(path: str) -> tuple[str, int | None]:
@@ -108,48 +99,34 @@ class DeviceMap:
     by_rdev: dict[int, DeviceNode] = field(default_factory=dict)
     by_inode: dict[tuple[int, int], DeviceNode] = field(default_factory=dict)
     majors: dict[int, str] = field(default_factory=dict)
-    # Substrings, one of which is on every /proc/<pid>/maps line naming a watched node (by path
-    # or by dev and inode): " <common path prefix>" per directory of nodes and " <dev> " per
-    # filesystem. Two searches per process, not two per node; a line found is checked exactly.
+    # Substrings found on every /proc/<pid>/maps line naming a watched node (which is then checked
+    # exactly): " <common path prefix>" per node directory, " <dev> " per filesystem; two searches a process.
     maps_prefilter: tuple[bytes, ...] = ()
     warnings: list[str] = field(default_factory=list)
-    # nvidia-caps minor -> the MIG GPU or compute instance its node gives access to.
-    mig_caps: dict[int, MigCap] = field(default_factory=dict)
+    mig_caps: dict[int, MigCap] = field(default_factory=dict)  # nvidia-caps minor -> the instance it opens
     # The DRM minors (render and card) of the GPUs amdgpu drives: other DRM nodes (an Intel
     # iGPU, a virtual display) are nobody's GPU here, and their holders no GPU holders.
     amd_minors: frozenset[int] = frozenset()
 
     def node_for_rdev(self, rdev: int) -> DeviceNode | None:
         node = self.by_rdev.get(rdev)
-        if node is not None:
-            return node
         family = self.majors.get(os.major(rdev))
-        if family is None:
-            return None
         minor = os.minor(rdev)
+        if node is not None or family is None:
+            return node
+        if family == "drm" and minor not in self.amd_minors:
+            return None  # DRM's major is every DRM driver's: only amdgpu's nodes are GPUs'
+        role = {"nvidia": {NVIDIA_CTL_MINOR: "control", NVIDIA_MODESET_MINOR: "modeset"}.get(minor, "gpu"),
+                "uvm": "uvm" if minor == 0 else "control", "caps": "caps", "imex": "caps", "kfd": "kfd",
+                "drm": "render" if minor >= DRM_RENDER_MINOR_BASE else "card"}.get(family, "control")
+        numbered = role in ("gpu", "render", "card") or family == "caps"
         # A node we were not configured with, e.g. created inside a container: name it by number.
-        label = f"char:{os.major(rdev)}:{minor}"
-        if family == "nvidia":
-            role = {NVIDIA_CTL_MINOR: "control", NVIDIA_MODESET_MINOR: "modeset"}.get(minor, "gpu")
-            return DeviceNode(label, role, minor=minor if role == "gpu" else None, rdev=rdev)
-        if family == "uvm":
-            return DeviceNode(label, "uvm" if minor == 0 else "control", rdev=rdev)
-        if family == "caps":
-            return DeviceNode(label, "caps", minor=minor, rdev=rdev)
-        if family == "kfd":
-            return DeviceNode(label, "kfd", rdev=rdev)
-        if family == "drm":  # only where amdgpu drives it
-            return DeviceNode(label, "render" if minor >= DRM_RENDER_MINOR_BASE else "card", minor=minor,
-                              rdev=rdev) if minor in self.amd_minors else None
-        return DeviceNode(label, "caps" if family == "imex" else "control", rdev=rdev)
+        return DeviceNode(f"char:{os.major(rdev)}:{minor}", role, minor=minor if numbered else None, rdev=rdev)
 
 
 def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -> str | None:
-    """Why a watched path must not count as a GPU device, or None.
-
-    Anything else would make every holder of it a GPU holder: a node with /dev/null's numbers
-    makes each `| grep` a management client that --include-management kills.
-    """
+    """Why a watched path must not count as a GPU device, or None: else every holder of it is a GPU
+    holder (with /dev/null's numbers, each `| grep` a management client --include-management kills)."""
     if not stat.S_ISCHR(st.st_mode):
         kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a block device" if stat.S_ISBLK(
             st.st_mode) else "not a device"
@@ -164,12 +141,13 @@ def refusal(st: os.stat_result, driver: Iterable[int], allowed: Iterable[int]) -
 def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
                      origin: Callable[[str], str] | None = None, mig_minors: str | None = None,
                      amd_minors: frozenset[int] = frozenset()) -> DeviceMap:
-    """The nodes `patterns` name now. Entries that are not character devices of a GPU
-    driver's major (or one of `allow_majors`) are left out with a warning naming the entry,
-    where it was configured (`origin(pattern)`) and why. DRM nodes of a GPU amdgpu does not
-    drive (`amd_minors`) are left out silently: the default Paths match every /dev/dri node."""
+    """The nodes `patterns` name now, but for what is no character device of a GPU driver's major (or
+    `allow_majors`): left out with a warning saying where it was configured (`origin`) and why. DRM
+    nodes amdgpu does not drive are left out silently: the default Paths match every /dev/dri node."""
     device_map = DeviceMap(majors=driver_majors(), amd_minors=amd_minors)
     allowed = frozenset(allow_majors)
+    by_dir: dict[str, list[str]] = {}
+    devs: set[bytes] = set()
     if mig_minors:
         device_map.mig_caps, problem = read_mig_minors(mig_minors)
         if problem:
@@ -200,39 +178,27 @@ def build_device_map(patterns: Iterable[str], allow_majors: Iterable[int] = (),
                     continue
             if (role == "gpu" and family is not None) or (role == "caps" and family == "caps"):
                 minor = os.minor(rdev)
-            node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev,
-                              inode=(st.st_dev, st.st_ino))
+            node = DeviceNode(path=path, role=role, minor=minor, rdev=rdev, inode=(st.st_dev, st.st_ino))
             device_map.nodes.append(node)
             device_map.by_path[path] = node
             device_map.by_rdev.setdefault(rdev, node)
             device_map.by_inode[(st.st_dev, st.st_ino)] = node
+            by_dir.setdefault(os.path.dirname(path), []).append(os.path.basename(path))
+            devs.add(f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} ".encode())  # maps' "%02x:%02x"
     if not device_map.nodes and not device_map.majors:
-        device_map.warnings.append(
-            "no device files match " + " ".join(patterns) + " and no GPU driver is registered "
-            "in /proc/devices: nothing can hold a GPU here")
-    device_map.maps_prefilter = _maps_prefilter(device_map.nodes)
-    return device_map
-
-
-def _maps_prefilter(nodes: list[DeviceNode]) -> tuple[bytes, ...]:
-    by_dir: dict[str, list[str]] = {}
-    devs: set[bytes] = set()
-    for node in nodes:
-        by_dir.setdefault(os.path.dirname(node.path), []).append(os.path.basename(node.path))
-        if node.inode is not None:  # maps prints the file's filesystem as "%02x:%02x"
-            devs.add(f" {os.major(node.inode[0]):02x}:{os.minor(node.inode[0]):02x} ".encode())
+        device_map.warnings.append(f"no device files match {' '.join(patterns)} and no GPU driver is registered "
+                                   "in /proc/devices: nothing can hold a GPU here")
     # Character by character on purpose: "/dev/nvidia" covers nvidia0, nvidiactl, nvidia-uvm.
     prefixes = {b" " + os.path.join(directory, os.path.commonprefix(names)).encode()  # noqa: RUF071
                 for directory, names in by_dir.items()}
-    return tuple(sorted(prefixes | devs))
+    device_map.maps_prefilter = tuple(sorted(prefixes | devs))
+    return device_map
 
 
 def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
                        nvml: NvmlSnapshot) -> tuple[set[int], set[str]]:
-    """The GPUs (NVML indices) and MIG UUIDs that the caps nodes among `nodes` open.
-
-    A compute-instance node names its instance. A GPU-instance node alone (the process has not
-    opened a compute instance of it) stands for every compute instance in that GPU instance."""
+    """The GPUs (NVML indices) and MIG UUIDs that the caps nodes among `nodes` open. A GPU-instance
+    node without one of its compute instances' stands for every compute instance in it."""
     held = [caps[n.minor] for n in nodes if n.role == "caps" and n.minor is not None and n.minor in caps]
     gpus: set[int] = set()
     migs: set[str] = set()
@@ -244,19 +210,16 @@ def instances_for_caps(nodes: list[DeviceNode], caps: dict[int, MigCap],
             gpus.add(cap.gpu_minor)  # as for /dev/nvidiaN without NVML: the minor names it
             continue
         for gpu in nvml.gpus:
-            if gpu.minor != cap.gpu_minor:
-                continue
-            gpus.add(gpu.index)
-            migs.update(i.uuid for i in gpu.mig if i.gpu_instance_id == cap.gpu_instance_id
-                        and cap.compute_instance_id in (None, i.compute_instance_id))
+            if gpu.minor == cap.gpu_minor:
+                gpus.add(gpu.index)
+                migs.update(i.uuid for i in gpu.mig if i.gpu_instance_id == cap.gpu_instance_id
+                            and cap.compute_instance_id in (None, i.compute_instance_id))
     return gpus, migs
 
 
-def annotate_device_paths(nvml: NvmlSnapshot, caps: dict[int, MigCap],
-                          nodes: list[DeviceNode]) -> None:
+def annotate_device_paths(nvml: NvmlSnapshot, caps: dict[int, MigCap], nodes: list[DeviceNode]) -> None:
     """Set each instance's device_path: its compute instance's caps node, by minor."""
-    by_instance = {(c.gpu_minor, c.gpu_instance_id, c.compute_instance_id): minor
-                   for minor, c in caps.items()}
+    by_instance = {(c.gpu_minor, c.gpu_instance_id, c.compute_instance_id): minor for minor, c in caps.items()}
     paths = {n.minor: n.path for n in nodes if n.role == "caps" and n.minor is not None}
     for gpu in nvml.gpus:
         for instance in gpu.mig:

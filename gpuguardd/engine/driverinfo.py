@@ -1,15 +1,13 @@
 """NVIDIA GPUs as the kernel describes them, without NVML: the GPUs NVML can no longer
 describe, and those an NVML call would wake.
 
-A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN
-open: without the minor a sweep of that GPU would miss them. The module lists every GPU it
-drives, whatever its state, in /proc/driver/nvidia/gpus/<pci bus id>/information.
+A GPU that fell off the bus gives NVML no minor number, yet its holders keep /dev/nvidiaN open;
+the module still lists it in /proc/driver/nvidia/gpus/<pci bus id>/information.
 
-Runtime PM: /sys/bus/pci/devices/<bdf>/power/runtime_status is an attribute of the PCI core
-that never calls into the nvidia module. NVML queries do: one on a suspended GPU resumes it,
-and frequent ones keep it from suspending (nvtop issue 267, beszel PR 1587,
-cosmic-ext-applet-system-monitor issue 38), and an open session attaches every GPU (btop issue
-1831). So nvml.py asks here first, and makes no NVML call naming a GPU asleep.
+Runtime PM: /sys/bus/pci/devices/<bdf>/power/runtime_status, a PCI core attribute, never calls
+into the nvidia module. NVML does: a query resumes a suspended GPU, frequent ones keep it from
+suspending (nvtop issue 267, beszel PR 1587, cosmic-ext-applet-system-monitor issue 38), and an
+open session attaches every GPU (btop issue 1831). So nvml.py makes no NVML call naming a GPU asleep.
 """
 
 from __future__ import annotations
@@ -24,12 +22,10 @@ from gpuguardd.records.selectors import pci_key
 
 DRIVER_GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MAX_READ = 16384  # the real file is under 1 KiB; anything bigger is not it
-# What the kernel writes to runtime_status (drivers/base/power/sysfs.c, rtpm_status_show) for a
-# device (going) down: a query now would resume it.
+# runtime_status of a device (going) down (drivers/base/power/sysfs.c): a query would resume it.
 ASLEEP = frozenset(("suspended", "suspending"))
 _MAX_WORD = 64  # runtime_status and the module's version: one short word and a newline
-# A PCI address as the kernel spells it in sysfs: domain:bus:device.function, lower-case hex.
-BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
+BDF = re.compile(r"([0-9a-f]{4,8}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")  # a PCI address as sysfs spells it
 _VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 
 
@@ -71,10 +67,8 @@ def read_driver_gpus(directory: str = DRIVER_GPUS_DIR) -> list[DriverGpu]:
 
 
 def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
-    """Give GPUs without a minor number the module's, matched by UUID, then by bus id, and
-    only then by position: NVML numbers GPUs in PCI bus order, so the i-th GPU by bus id is
-    index i, but only when both list the same GPUs (same count, and every GPU whose bus id
-    NVML did give sits at its own position)."""
+    """Give GPUs without a minor number the module's, matched by UUID, bus id, else position: NVML
+    numbers GPUs in bus order, so the i-th by bus id is index i, where both list the same GPUs."""
     if not driver:
         return
     by_uuid = {g.uuid.lower(): g for g in driver if g.uuid}
@@ -98,27 +92,25 @@ def fill_from_driver(gpus: list[GpuInfo], driver: list[DriverGpu]) -> None:
         gpu.pci_bus_id = gpu.pci_bus_id or match.bus_id
 
 
+def _word(path: str) -> str:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(_MAX_WORD).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
 def asleep(sysfs: str, bus_id: str) -> bool:
     """Whether the PCI device `bus_id` (NVML's or the kernel's spelling) is runtime-suspended;
     False where that cannot be read (no such device, no runtime PM, no PCI address)."""
     bdf = bus_key(bus_id)
-    if not BDF.fullmatch(bdf):
-        return False
-    try:
-        with open(os.path.join(sysfs, "bus/pci/devices", bdf, "power/runtime_status"), "rb") as handle:
-            raw = handle.read(_MAX_WORD)
-    except OSError:
-        return False
-    return raw.decode("ascii", "replace").strip() in ASLEEP
+    status = os.path.join(sysfs, "bus/pci/devices", bdf, "power/runtime_status")
+    return bool(BDF.fullmatch(bdf)) and _word(status) in ASLEEP  # the address checked before it is read
 
 
 def driver_version(sysfs: str) -> str:
     """The nvidia module's version (module/nvidia/version), what NVML would say, or ""."""
-    try:
-        with open(os.path.join(sysfs, "module/nvidia/version"), "rb") as handle:
-            text = handle.read(_MAX_WORD).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
+    text = _word(os.path.join(sysfs, "module/nvidia/version"))
     return text if _VERSION.fullmatch(text) else ""
 
 

@@ -1,7 +1,5 @@
 """A GPU's state as the Gpu objects, `gpuguardctl gpus` and the metrics show it: the judge's
-verdict (engine/judge.py) for a whole GPU and a MIG instance alike, from a scan's holders and
-NVML's figures.
-"""
+verdict for a whole GPU and a MIG instance alike, from a scan's holders and NVML's figures."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ def gpu_summaries(scan: ScanResult, released_below_bytes: int) -> list[GpuSummar
 
 
 def mig_summaries(gpu: GpuInfo, scan: ScanResult, released_below_bytes: int) -> list[MigSummary]:
-    """A GPU's MIG instances as its Gpu object's MigInstances shows them: each is judged like
-    a GPU of its own, on its own memory and tenants."""
+    """A GPU's MIG instances, each judged like a GPU of its own, on its own memory and tenants."""
     out = []
     for instance in gpu.mig:
         verdict = judge(facts_of(gpu, instance, scan.holders, released_below_bytes, scan.nvml.pids_local))

@@ -1,9 +1,8 @@
 """NVML through the real pynvml: GPU inventory, memory, and the driver's process lists.
 
 NVML may be missing, may fail per GPU (GPU_IS_LOST, UNKNOWN, NO_PERMISSION) or per call, and
-may hang for good. None of that is fatal: the snapshot says what is unknown. Every NVML call
-runs on the session's one worker thread (nvmlworker.py) with a deadline, so a hung driver
-costs a caller at most that deadline, and nothing once the worker is known to be stuck.
+may hang for good: the snapshot says what is unknown. Every NVML call runs on the session's
+worker thread (nvmlworker.py) with a deadline, so a hung driver costs a caller at most that.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from gpuguardd.engine import driverinfo, nvmlprocs
 from gpuguardd.engine.nvmlworker import NvmlHung, NvmlWorker
 from gpuguardd.records.models import GpuInfo, MigInstance, NvmlSnapshot
 
-PYNVML_MISSING = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
 _SHUTDOWN_TIMEOUT_SEC = 1.0
 
 
@@ -31,13 +29,10 @@ def _text(value: Any) -> str:
 
 
 def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, pynvml.NVMLError):
-        return f"NVML: {exc}"
-    return f"NVML: {exc.__class__.__name__}: {exc}"
+    return f"NVML: {exc}" if isinstance(exc, pynvml.NVMLError) else f"NVML: {exc.__class__.__name__}: {exc}"
 
 
 def _note(gpu: GpuInfo | MigInstance, exc: BaseException) -> None:
-    """Keep the first error a GPU's reading met."""
     gpu.error = gpu.error or _error_text(exc)
 
 
@@ -57,8 +52,6 @@ class _Progress:
     """How far a snapshot job got, read by the caller when the job does not return in time."""
 
     def __init__(self) -> None:
-        self.count: int | None = None
-        self.driver = ""
         self.done: list[GpuInfo] = []
         self.gpu: int | None = None
         self.call = "nvmlInit"
@@ -73,9 +66,8 @@ _job = threading.local()
 
 
 def _named(name: str) -> Any:
-    """pynvml looks every C function up by name right before calling it: this wrapper of that
-    one lookup names each entry point in the running job's _Progress, so that a hang is
-    reported by name without wrapping every call site (a profile hook cost ~15 ms a poll)."""
+    """pynvml looks every C function up by name right before calling it: wrapping that lookup
+    names a hang's entry point without wrapping every call site (a profile hook cost ~15 ms a poll)."""
     progress = getattr(_job, "progress", None)
     if progress is not None:
         progress.call = str(name)[:128]
@@ -96,14 +88,12 @@ class Nvml:
         self._lock = threading.Lock()
         self._initialized = False
         self._identity: dict[int, tuple[str, str, int | None, str]] = {}
-        # Each GPU as last read whole since nvmlInit: what a GPU that cannot be read now was.
-        self._seen: dict[int, GpuInfo] = {}
+        self._seen: dict[int, GpuInfo] = {}  # each GPU as last read whole: what one unreadable now was
         self.last_error = ""
-        # How long one snapshot (all its NVML calls) may take before the driver counts as hung.
-        self._timeout = timeout
+        self._timeout = timeout  # seconds one snapshot may take before the driver counts as hung
         self._worker = NvmlWorker()
-        # /proc/driver/nvidia/gpus: minor numbers of GPUs NVML cannot identify (lost ones).
-        # Read through a worker of its own: the nvidia module answers it under its own locks.
+        # Minors of GPUs NVML cannot identify, read on a worker of its own: the nvidia module
+        # answers /proc/driver/nvidia/gpus under its own locks.
         self._driver_gpus_dir = driver_gpus_dir
         self._driver_worker = NvmlWorker("gpuguard-nvidia-procfs")
         self._driver_gpus: list[driverinfo.DriverGpu] | None = None
@@ -111,15 +101,14 @@ class Nvml:
         self._last_count: int | None = None
         self._last_driver = ""
         self._paused = ""  # why NVML is closed for a GPU reset (pause()); "" while it is not
-        # Where runtime PM is read ([Devices] SysfsPath): a GPU asleep there is not asked.
-        self._sysfs = sysfs
+        self._sysfs = sysfs  # where runtime PM is read ([Devices] SysfsPath): a GPU asleep is not asked
         self._released = False  # closed as every GPU slept: what was seen of them still holds
 
     def _ensure_init(self) -> bool:
         if self._initialized:
             return True
         if pynvml is None:
-            self.last_error = PYNVML_MISSING
+            self.last_error = "NVML: the Python module pynvml (package nvidia-ml-py) is not installed"
             return False
         try:
             pynvml.nvmlInit()
@@ -134,8 +123,7 @@ class Nvml:
         self.last_error = ""
         return True
 
-    def _close(self) -> None:
-        """End the open session (caller holds the lock); its error is ignored: it is over anyway."""
+    def _close(self) -> None:  # the caller holds the lock
         if self._initialized:
             self._initialized = False
             with contextlib.suppress(pynvml.NVMLError):
@@ -149,8 +137,7 @@ class Nvml:
             self._worker.run(job, _SHUTDOWN_TIMEOUT_SEC, "nvmlShutdown")
 
     def device_call(self, index: int, call: Callable[[Any], Any], what: str) -> Any:
-        """`call(handle)` for GPU `index` on the worker thread, within the timeout; an NVML
-        error is NvmlCallFailed."""
+        """`call(handle)` for GPU `index` on the worker thread, within the timeout."""
         def job() -> Any:
             with self._lock:
                 if not self._ensure_init():
@@ -162,9 +149,8 @@ class Nvml:
         return self._worker.run(job, self._timeout(), what)
 
     def pause(self, reason: str) -> None:
-        """Close the NVML session (its handles keep the GPUs' device nodes open, and a reset
-        refuses a GPU anyone has open) and answer snapshots with every GPU unknown for
-        `reason` until resume(): nothing re-opens it meanwhile."""
+        """Close NVML (its handles keep the GPUs' nodes open, and a reset refuses a GPU anyone has
+        open): until resume(), snapshots give every GPU unknown for `reason`."""
         def job() -> None:
             with self._lock:
                 self._paused = reason
@@ -177,13 +163,8 @@ class Nvml:
 
     def _unknown(self, message: str, count: int, driver: str, done: dict[int, GpuInfo]) -> NvmlSnapshot:
         """Every GPU not in `done` unknown for `message`, as NVML last said it was."""
-        gpus = []
-        for index in range(count):
-            gpu = done.get(index)
-            if gpu is None:
-                gpu = GpuInfo(index=index, unknown=True, error=message)
-                self._recall(gpu)
-            gpus.append(gpu)
+        gpus = [done[index] if index in done else self._recall(GpuInfo(index=index, unknown=True, error=message))
+                for index in range(count)]
         return NvmlSnapshot(available=True, error=message, driver_version=driver, gpus=gpus)
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
@@ -201,14 +182,13 @@ class Nvml:
             snap = self._worker.run(job, self._timeout(), progress)  # type: ignore[arg-type]
         except NvmlHung as hung:
             self.last_error = message = hung.describe()
-            count = progress.count if progress.count is not None else self._last_count
-            snap = NvmlSnapshot(available=False, error=message) if count is None else self._unknown(
-                message, count, progress.driver or self._last_driver, {g.index: g for g in list(progress.done)})
+            snap = NvmlSnapshot(available=False, error=message) if self._last_count is None else self._unknown(
+                message, self._last_count, self._last_driver, {g.index: g for g in list(progress.done)})
         if any(gpu.minor is None and (gpu.lost or gpu.unknown or gpu.suspended) for gpu in snap.gpus):
             driverinfo.fill_from_driver(snap.gpus, self._read_driver_gpus())
         return snap
 
-    def _recall(self, gpu: GpuInfo) -> None:
+    def _recall(self, gpu: GpuInfo) -> GpuInfo:
         """Give a GPU that cannot be read now its identity and MIG instances as NVML said before
         (their figures unknown), so its nodes, holders and MIG UUIDs still map to it."""
         identity = self._identity.get(gpu.index)
@@ -217,16 +197,14 @@ class Nvml:
         seen = self._seen.get(gpu.index)
         if seen is not None and seen.uuid == gpu.uuid:
             _copy_mig(seen, gpu, figures=False)
+        return gpu
 
     def _read_driver_gpus(self) -> list[driverinfo.DriverGpu]:
-        if self._driver_gpus:
-            return self._driver_gpus  # fixed while the driver stays loaded
-        try:
-            self._driver_gpus = self._driver_worker.run(lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir),
-                                                        self._timeout(), self._driver_gpus_dir)
-        except NvmlHung:
-            return []
-        return self._driver_gpus
+        if not self._driver_gpus:  # else fixed while the driver stays loaded
+            with contextlib.suppress(NvmlHung):
+                self._driver_gpus = self._driver_worker.run(
+                    lambda: driverinfo.read_driver_gpus(self._driver_gpus_dir), self._timeout(), self._driver_gpus_dir)
+        return self._driver_gpus or []
 
     def _snapshot(self, with_processes: bool, progress: _Progress) -> NvmlSnapshot:
         with self._lock:
@@ -236,8 +214,7 @@ class Nvml:
             # Only the nvidia driver's own devices: an unrelated device that happens to sit
             # at a bus id (a test's fake GPU on a real machine) says nothing of a GPU.
             bound = driverinfo.nvidia_bus_ids(sysfs)
-            if bound and self._last_count in (None, len(bound)) \
-                    and all(driverinfo.asleep(sysfs, bus) for bus in bound):
+            if bound and self._last_count in (None, len(bound)) and all(driverinfo.asleep(sysfs, bus) for bus in bound):
                 return self._all_asleep(bound)
             if not self._ensure_init():
                 return NvmlSnapshot(available=False, error=self.last_error)
@@ -249,10 +226,9 @@ class Nvml:
                 self._close()
                 self.last_error = _error_text(exc)
                 return NvmlSnapshot(available=False, error=self.last_error)
-            progress.driver, progress.count = driver, count
             self._last_driver, self._last_count = driver, count
             self.last_error = ""
-            gpus = []
+            gpus = progress.done  # what a hang leaves read, too
             for index in range(count):
                 progress.gpu = index
                 # Its bus id as NVML last gave it; before that, the nvidia driver's i-th device
@@ -260,14 +236,12 @@ class Nvml:
                 identity = self._identity.get(index)
                 bus_id = driverinfo.bus_key(identity[3]) if identity is not None else (
                     bound[index] if len(bound) == count else "")
-                if bus_id in bound and driverinfo.asleep(sysfs, bus_id):
-                    # Not one NVML call names it, not even its handle: any could resume it.
-                    gpus.append(self._asleep(index, bus_id))
-                else:
-                    gpus.append(self._gpu(index, with_processes))
-                progress.done.append(gpus[-1])
-                if not (gpus[-1].unknown or gpus[-1].lost or gpus[-1].suspended):
-                    self._seen[index] = gpus[-1]
+                # No NVML call names a GPU asleep, not even for its handle: any could resume it.
+                asleep = bus_id in bound and driverinfo.asleep(sysfs, bus_id)
+                gpu = self._asleep(index, bus_id) if asleep else self._gpu(index, with_processes)
+                gpus.append(gpu)
+                if not (gpu.unknown or gpu.lost or gpu.suspended):
+                    self._seen[index] = gpu
             return NvmlSnapshot(available=True, driver_version=driver, gpus=gpus)
 
     def _all_asleep(self, bound: list[str]) -> NvmlSnapshot:
@@ -303,8 +277,7 @@ class Nvml:
             gpu.error = _error_text(exc)
             gpu.lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
             gpu.unknown = not gpu.lost
-            self._recall(gpu)
-            return gpu
+            return self._recall(gpu)
 
         def query(call: Callable[[Any], Any]) -> Any | None:
             try:
@@ -319,10 +292,8 @@ class Nvml:
             uuid, name, minor, pci = (query(get) for get in (
                 pynvml.nvmlDeviceGetUUID, pynvml.nvmlDeviceGetName, pynvml.nvmlDeviceGetMinorNumber,
                 pynvml.nvmlDeviceGetPciInfo_v3))
-            identity = (_text(uuid) if uuid is not None else "",
-                        _text(name) if name is not None else "",
-                        int(minor) if minor is not None else None,
-                        _text(pci.busId) if pci is not None else "")
+            identity = (_text(uuid) if uuid is not None else "", _text(name) if name is not None else "",
+                        int(minor) if minor is not None else None, _text(pci.busId) if pci is not None else "")
             # NVML numbers devices once per initialisation, so what a GPU is does not change
             # until the next nvmlInit: read it once instead of on every poll.
             if None not in (uuid, name, minor, pci):
@@ -340,21 +311,15 @@ class Nvml:
 
     def _mig(self, handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
         """The MIG devices of a GPU in MIG mode, each with its memory and processes: the
-        parent's process lists are empty for all but privileged callers (nvml.h). Slots without
-        an instance answer NOT_FOUND."""
+        parent's process lists are empty for all but privileged callers (nvml.h)."""
         try:
-            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
-        except pynvml.NVMLError as exc:
-            if not _unsupported(exc):  # else a GPU (or driver) without MIG
-                _note(gpu, exc)
-            return
-        if current != pynvml.NVML_DEVICE_MIG_ENABLE:
-            return
-        gpu.mig_mode = True
-        try:
+            if pynvml.nvmlDeviceGetMigMode(handle)[0] != pynvml.NVML_DEVICE_MIG_ENABLE:
+                return
+            gpu.mig_mode = True
             slots = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
         except pynvml.NVMLError as exc:
-            _note(gpu, exc)
+            if gpu.mig_mode or not _unsupported(exc):  # no MIG mode: a GPU (or driver) without MIG
+                _note(gpu, exc)
             return
         for slot in range(slots):
             try:
@@ -363,18 +328,16 @@ class Nvml:
                 if not isinstance(exc, pynvml.NVMLError_NotFound):  # an empty slot
                     _note(gpu, exc)
                 continue
-            instance = self._instance(mig_handle, gpu, with_processes)
-            if instance is not None:
-                gpu.mig.append(instance)
+            self._instance(mig_handle, gpu, with_processes)
 
-    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> MigInstance | None:
+    def _instance(self, mig_handle: Any, gpu: GpuInfo, with_processes: bool) -> None:
         try:
             instance = MigInstance(uuid=_text(pynvml.nvmlDeviceGetUUID(mig_handle)),
                                    gpu_instance_id=int(pynvml.nvmlDeviceGetGpuInstanceId(mig_handle)),
                                    compute_instance_id=int(pynvml.nvmlDeviceGetComputeInstanceId(mig_handle)))
         except pynvml.NVMLError as exc:
             _note(gpu, exc)  # without its UUID and ids nobody can name or find the instance
-            return None
+            return
         try:
             instance.memory_total, instance.memory_used = self._memory(mig_handle)
         except pynvml.NVMLError as exc:
@@ -386,7 +349,7 @@ class Nvml:
             for pid, used in instance.processes.items():
                 # The parent's aggregate list (privileged callers) has them already: once.
                 gpu.processes.setdefault(pid, used)
-        return instance
+        gpu.mig.append(instance)
 
     @staticmethod
     def _memory(handle: Any) -> tuple[int, int]:
@@ -409,8 +372,7 @@ class Nvml:
 
 
 def _copy_mig(seen: GpuInfo, gpu: GpuInfo, figures: bool) -> None:
-    """Give `gpu` the MIG instances it was `seen` with: their memory figures if `figures`, else
-    none, and the GPU's error."""
+    """Give `gpu` the MIG instances it was `seen` with, their figures or else the GPU's error."""
     gpu.mig_mode = seen.mig_mode
     gpu.mig = [MigInstance(uuid=m.uuid, gpu_instance_id=m.gpu_instance_id, compute_instance_id=m.compute_instance_id,
                            memory_total=m.memory_total if figures else 0,

@@ -2,15 +2,13 @@
 
 Which call, and how wide its entries are:
   1. nvmlDeviceGetRunningProcessDetailList where the driver exports it (535.104 and later):
-     the count and the array travel in a versioned struct the driver checks, so no guessing.
-  2. Otherwise the _v3 lists, with the entry size chosen the way nvitop does (its PR 89, after
-     issues 75 and 88): drivers 535.43 to 535.86 export nvmlDeviceGetConfComputeMemSizeInfo
-     but not the detail list, and they write 32-byte entries (with the confidential-computing
-     field) where pynvml reads 24, which comes back as pids 0 and 4294967295. Every other
-     driver with _v3 writes 24 bytes.
+     a versioned struct the driver checks, so no guessing.
+  2. Otherwise _v3, sized as nvitop does (its PR 89, issues 75 and 88): drivers 535.43 to
+     535.86 export nvmlDeviceGetConfComputeMemSizeInfo but not the detail list, and write
+     32-byte entries where pynvml reads 24 (pids 0 and 4294967295 come back); others write 24.
   3. Otherwise _v2 (24 bytes), otherwise the unversioned call (16 bytes).
-pynvml's own wrappers are not used for the lists: they hard-code 24 bytes, and its detail-list
-wrapper assigns None to a ctypes integer field when memory is "not available".
+pynvml's list wrappers are not used: they hard-code 24 bytes, and its detail-list wrapper
+assigns None to a ctypes integer field when memory is "not available".
 
 What comes back is untrusted: every pid is checked (merge), and NVML's pids are host pids,
 meaningless in another PID namespace (pids_are_local).
@@ -19,6 +17,7 @@ meaningless in another PID namespace (pids_are_local).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any
 
@@ -38,9 +37,7 @@ _SUCCESS = 0
 _INSUFFICIENT_SIZE = 7
 _RETRIES = 3  # the list may grow between the size query and the read
 PID_MAX_LIMIT = 4 * 1024 * 1024  # the kernel's ceiling for pid_max on 64-bit
-# The inode the kernel gives the initial PID namespace (PROC_PID_INIT_INO in
-# include/linux/proc_ns.h, fixed since Linux 3.8).
-PROC_PID_INIT_INO = 0xEFFFFFFC
+PROC_PID_INIT_INO = 0xEFFFFFFC  # the initial PID namespace's inode (linux/proc_ns.h), fixed since 3.8
 
 
 class _Info16(ctypes.Structure):
@@ -51,9 +48,7 @@ class _Info24(_Info16):  # a subclass's fields follow its base's
     _fields_ = [("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
 
-class _Info32(_Info24):
-    """nvmlProcessDetail_v1_t, and what drivers 535.43-535.86 write through the _v3 lists."""
-
+class _Info32(_Info24):  # nvmlProcessDetail_v1_t, and what drivers 535.43-535.86 write via _v3
     _fields_ = [("usedGpuCcProtectedMemory", ctypes.c_ulonglong)]
 
 
@@ -108,8 +103,7 @@ def _read(handle: Any, name: str, mode: int) -> list[Entry] | None:
             return []
         if ret not in (_SUCCESS, _INSUFFICIENT_SIZE):
             break
-        # Twice what was asked for: room for processes started meanwhile, and never less
-        # than a driver writing wider entries than we think would need.
+        # Twice what was asked for: room for new processes, and for entries wider than we think.
         capacity = count * 2 + 5
         array = (struct * capacity)()
         ret, count = call(array, capacity)
@@ -147,12 +141,8 @@ def pid_max() -> int:
 
 
 def merge(lists: list[list[Entry]], index: int) -> tuple[dict[int, int | None], list[str]]:
-    """{pid: bytes} over GPU `index`'s lists, each process once, and a warning per entry that
-    is no pid.
-
-    A process in the compute and the graphics list (an OpenGL+CUDA program) is one process with
-    one amount of memory, which NVML reports in both: counted once (the larger), never summed.
-    """
+    """{pid: bytes} over GPU `index`'s lists, and a warning per entry that is no pid. A process
+    in two lists (OpenGL+CUDA) has one amount of memory, reported in both: the larger, not the sum."""
     found: dict[int, int | None] = {}
     warnings: list[str] = []
     limit = pid_max()
@@ -169,25 +159,16 @@ def merge(lists: list[list[Entry]], index: int) -> tuple[dict[int, int | None], 
     return found, warnings
 
 
-_local: bool | None = None
-
-
+@functools.cache  # a namespace never changes
 def pids_are_local() -> bool:
-    """Whether NVML's pids (the initial PID namespace's) are the pids of the /proc this
-    process reads: exactly when /proc's PID 1 is in the initial namespace (PROC_PID_INIT_INO).
-    Where PID 1 may not be inspected our own namespace stands in; anything unreadable answers
-    False, so the error is always distrust. A namespace never changes: the answer is kept."""
-    global _local
-    if _local is None:
-        inode = None
-        for who in ("1", "self"):
-            try:
-                inode = os.stat(f"{procfs.PROC}/{who}/ns/pid").st_ino
-                break
-            except OSError:
-                continue
-        _local = inode == PROC_PID_INIT_INO
-    return _local
+    """Whether NVML's pids (the initial PID namespace's) are those of the /proc read here: when
+    its PID 1 (else our own process) is in the initial namespace. Unreadable answers False."""
+    for who in ("1", "self"):
+        try:
+            return os.stat(f"{procfs.PROC}/{who}/ns/pid").st_ino == PROC_PID_INIT_INO
+        except OSError:
+            continue
+    return False
 
 
 NOT_LOCAL = ("NVML reports host PIDs, and gpuguard runs in another PID namespace (a container?): "

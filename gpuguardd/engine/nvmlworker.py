@@ -1,13 +1,13 @@
 """One thread that owns every NVML call, so a hung driver never blocks anyone else.
 
 NVML calls can hang for good in an ioctl no signal reaches (open-gpu-kernel-modules issue
-1333), so jobs run on this worker and callers wait with a deadline. Past one, the worker is
-marked hung and every later call is answered at once with NvmlHung instead of queueing behind
-it, until the stuck call returns.
+1333). Past a caller's deadline the worker is marked hung, and until the stuck call returns
+every later call gets NvmlHung at once instead of queueing behind it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -65,8 +65,7 @@ class NvmlWorker:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    # The running job started before this call did, so it is older than our
-                    # whole timeout: it is stuck, whoever is waiting for it.
+                    # The running job began before this call: older than our whole timeout, it is stuck.
                     self._mark_hung(self._job)
                     raise NvmlHung(self._job.what, self._job.started)
                 self._cond.wait(remaining)
@@ -77,10 +76,8 @@ class NvmlWorker:
             job.started = time.monotonic()
             self._job = job  # type: ignore[assignment]
             self._cond.notify_all()
-        try:
+        with contextlib.suppress(FutureTimeout):  # the job's own exceptions pass through
             return job.future.result(max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:  # the job's own exceptions pass through
-            pass
         with self._cond:
             if job.future.done():
                 return job.future.result()
