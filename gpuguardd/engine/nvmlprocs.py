@@ -27,6 +27,7 @@ except ImportError:  # nvml.py reports the missing module; nothing here runs wit
     pynvml = None
 
 from gpuguardd.engine import procfs
+from gpuguardd.numbers import parse_uint
 
 # The three lists NVML keeps per GPU, as (name of the old calls, detail-list mode).
 KINDS = (("nvmlDeviceGetComputeRunningProcesses", 0),
@@ -134,10 +135,9 @@ def read_lists(handle: Any) -> tuple[list[list[Entry]], list[BaseException]]:
 def pid_max() -> int:
     try:
         with open(f"{procfs.PROC}/sys/kernel/pid_max", encoding="ascii") as handle:
-            value = int(handle.read().strip())
+            return parse_uint(handle.read().strip(), "pid_max", PID_MAX_LIMIT, minimum=1)
     except (OSError, ValueError):
         return PID_MAX_LIMIT
-    return value if 0 < value <= PID_MAX_LIMIT else PID_MAX_LIMIT
 
 
 def merge(lists: list[list[Entry]], index: int) -> tuple[dict[int, int | None], list[str]]:
