@@ -1,9 +1,6 @@
-"""systemd's manager on the bus (org.freedesktop.systemd1): `Systemd`, the few calls the unit
-watch and unit sweeps make (adoption.SystemdView), and `UnitWatcher`, which follows its signals
-(`Subscribe`, then `JobRemoved` and the units' `PropertiesChanged`) and reports, on `events`,
-each stop of a unit matching `[Watch] Units` (also one without an ExecStopPost drop-in) and each
-service that starts. What counts as a stop is rules.py's.
-"""
+"""systemd's manager on the bus: `Systemd`, the few calls unit sweeps make, and `UnitWatcher`,
+which follows its signals and reports each stop of a unit matching `[Watch] Units` (drop-in or
+not) and each service that starts. What counts as a stop is rules.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType
@@ -39,9 +37,8 @@ class Systemd:
     def __init__(self, bus: MessageBus | None) -> None:
         self.bus = bus
         self.available = False
-        # The last state read of each unit. systemd unloads an inactive unit nobody references
-        # right after it stops, and with it its InvocationID and Result: the watcher, asking a
-        # moment later, gets those from here (the hook's sweep read them while it stopped).
+        # systemd unloads an unreferenced unit right after it stops, with its InvocationID and
+        # Result: the watcher, asking a moment later, gets them from the last state read here.
         self._known: collections.OrderedDict[str, UnitState] = collections.OrderedDict()
 
     async def _call(self, path: str, interface: str, member: str, signature: str = "",
@@ -86,8 +83,7 @@ class Systemd:
         path = await self.unit_path(unit)
         if path is None:
             known = self._known.get(unit)
-            return UnitState(unit, "", known.invocation_id if known else "",
-                             known.result if known else "")
+            return replace(known, active_state="") if known else UnitState(unit, "")
         active, invocation, result = await asyncio.gather(
             self.get(path, UNIT_IFACE, "ActiveState"), self.get(path, UNIT_IFACE, "InvocationID"),
             self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service")
@@ -111,15 +107,13 @@ class Systemd:
         return [str(item) for item in value or []]
 
     async def dropins(self, unit: str) -> list[str]:
-        """The unit's drop-in files (DropInPaths): whether gpuguard's hook applies to it."""
         value = await self.get(await self.unit_path(unit), UNIT_IFACE, "DropInPaths")
         return [str(item) for item in value or []] if isinstance(value, list) else []
 
 
 async def local_systemd(address: str | None) -> tuple[Systemd, MessageBus | None]:
-    """systemd's manager on the system bus (or `address`), for a unit sweep outside the
-    daemon (`gpuguardctl sweep --local`), and the connection to close afterwards; one with no
-    bus where there is no bus or no systemd on it (then nothing is adopted, as in the daemon)."""
+    """systemd for `gpuguardctl sweep --local`, and the connection to close afterwards; without a
+    bus or systemd on it, one not available: nothing is adopted, as in the daemon."""
     try:
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
         await asyncio.wait_for(bus.connect(), CALL_TIMEOUT_SEC)
@@ -127,9 +121,8 @@ async def local_systemd(address: str | None) -> tuple[Systemd, MessageBus | None
         log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
                  "looked for", exc)
         return Systemd(None), None
-    owner = await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC)
     systemd = Systemd(bus)
-    systemd.available = bool(owner)
+    systemd.available = bool(await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC))
     if not systemd.available:
         log.info("no systemd on the bus: the unit's escaped leftovers are not looked for")
     return systemd, bus
@@ -188,8 +181,7 @@ class UnitWatcher:
         # unique name. Anyone may send any signal straight to our connection (bus/connection.py).
         new_owner = name_owner_change(msg, SYSTEMD)
         if new_owner is not None:
-            # systemd re-executed (daemon-reexec) or came back: subscriptions are per
-            # connection, so subscribe again on its new one.
+            # systemd re-executed or came back: subscriptions are per connection, so again.
             if new_owner:
                 task = asyncio.ensure_future(self._resubscribe())
                 self._tasks.add(task)
@@ -225,10 +217,9 @@ class UnitWatcher:
             log.warning("re-subscribing to systemd failed: %s", exc)
 
     def _consider(self, unit: str, job_done: bool) -> None:
-        """Coalesce bursts of signals for one unit into one look at its state. A signal that
-        arrives while the look is reading the state may mean a state the look did not see (the
-        stop's JobRemoved while it read "deactivating"; the unit then unloaded, and no signal
-        comes again): the unit is looked at once more when that look is done."""
+        """One look at the unit's state per burst of signals; one more after a look that a signal
+        arrived during (the stop's JobRemoved while it read "deactivating"; the unit then
+        unloaded and no signal comes again)."""
         if job_done:
             self._again.add(unit)
         if unit in self._pending:
