@@ -7,6 +7,7 @@ systemd to reload.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -78,12 +79,12 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
         return 1
     if args.json:
-        out.write(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        out.write(json.dumps(dataclasses.asdict(result), indent=2, sort_keys=True) + "\n")
         return 0
     for message in result.messages:
         out.write(escape_text(message) + "\n")
     verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
             "removed": "removed", "absent": "nothing to remove"}[result.action]
     out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
-                          f"{result.reload}") + "\n")
+                          f"{result.daemon_reload}") + "\n")
     return 0
