@@ -1,14 +1,8 @@
-"""Which of gpuguardd's signals become a notification, and their text (the extension's rules:
-gnome-shell-extension/src/state.js, extension.js): a leak, a sweep that left something
-behind, a sweep that ended this user's processes.
-
-A report names each ended process's uid where the sweep's scan could read it. From a
-gpuguardd that does not, a process is this user's if, when the sweep started, a process of
-this uid had that pid and command (from /proc: the notifier runs as the user); a sweep may
-end a process before SweepStarted arrives, so this is the fallback only.
-
-Every text from the bus was chosen by whoever started a process: it is escaped by the CLI's
-rule (escaping.py), then, where the server renders the body as markup, as markup too.
+"""Which of gpuguardd's signals become a notification, and their text, by the GNOME Shell
+extension's rules (gnome-shell-extension/src/state.js): a leak, a sweep that left something
+behind, a sweep that ended this user's processes. An ended process the report gives no uid for
+is this user's if one of this uid had its pid and command when the sweep started. Texts from
+the bus are anyone's: escaped (escaping.py), and as markup too where the server renders it.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ class Notice:
     urgency: int = NORMAL
 
     def for_server(self, markup: bool) -> tuple[str, str]:
-        """(summary, body) for a server that renders the body as markup or not (the summary
-        is plain text by the spec)."""
+        """The summary is plain text by the spec; the body is markup where the server says so."""
         return self.summary, markup_escape(self.body) if markup else self.body
 
 
