@@ -17,7 +17,7 @@ from dbus_fast.aio import MessageBus
 from gpuguardd.bus.connection import BUS_DAEMON, bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
 from gpuguardd.systemd.adoption import MAX_UNITS
-from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep, matches, unit_name_from_path
+from gpuguardd.systemd.rules import UnitState, is_stop_to_sweep, matches, unit_name_from_path
 
 log = logging.getLogger("gpuguard.unitwatch")
 
@@ -41,7 +41,7 @@ class Systemd:
         # Result: the watcher, asking a moment later, gets them from the last state read here.
         self._known: collections.OrderedDict[str, UnitState] = collections.OrderedDict()
 
-    async def _call(self, path: str, interface: str, member: str, signature: str = "",
+    async def call(self, path: str, interface: str, member: str, signature: str = "",
                     body: Sequence[Any] = ()) -> Message | None:
         if self.bus is None:
             return None
@@ -55,23 +55,15 @@ class Systemd:
             log.debug("systemd %s: %s", member, exc)
             return None
 
-    async def subscribe(self) -> bool:
-        reply = await self._call(SYSTEMD_PATH, MANAGER_IFACE, "Subscribe")
-        self.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
-        if reply is not None and not self.available:
-            log.info("unit watch off: systemd is not on this bus (%s)", reply.error_name)
-        return self.available
-
     async def unit_path(self, unit: str) -> str | None:
-        reply = await self._call(SYSTEMD_PATH, MANAGER_IFACE, "GetUnit", "s", [unit])
+        reply = await self.call(SYSTEMD_PATH, MANAGER_IFACE, "GetUnit", "s", [unit])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             return None  # NoSuchUnit: not loaded, so not running either
         return str(reply.body[0])
 
     async def get(self, path: str | None, interface: str, name: str) -> Any | None:
         # One property at a time: GetAll of a service is a few hundred properties.
-        reply = None if path is None else await self._call(
-            path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
+        reply = None if path is None else await self.call(path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             return None
         return reply.body[0].value
@@ -118,8 +110,7 @@ async def local_systemd(address: str | None) -> tuple[Systemd, MessageBus | None
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
         await asyncio.wait_for(bus.connect(), CALL_TIMEOUT_SEC)
     except Exception as exc:  # OSError, AuthError, a wedged bus...
-        log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
-                 "looked for", exc)
+        log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not looked for", exc)
         return Systemd(None), None
     systemd = Systemd(bus)
     systemd.available = bool(await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC))
@@ -168,11 +159,14 @@ class UnitWatcher:
             self.systemd.available = False
             log.info("unit watch off: no systemd on this bus")
             return False
-        ok = await self.systemd.subscribe()
-        if ok:
+        reply = await self.systemd.call(SYSTEMD_PATH, MANAGER_IFACE, "Subscribe")
+        self.systemd.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
+        if self.systemd.available:
             log.info("watching systemd units%s", f" matching {' '.join(self.patterns)}"
                      if self.patterns else " (no [Watch] Units: recording GPUs only)")
-        return ok
+        elif reply is not None:
+            log.info("unit watch off: systemd is not on this bus (%s)", reply.error_name)
+        return self.systemd.available
 
     def _on_message(self, msg: Message) -> bool | None:
         if msg.message_type != MessageType.SIGNAL:
@@ -250,7 +244,7 @@ class UnitWatcher:
         self._last[unit] = state.active_state
         if len(self._last) > 4 * MAX_UNITS:
             self._last.pop(next(iter(self._last)))
-        if became_active(previous, state):
+        if state.active_state == "active" and previous != "active":  # it started: read its CUDA_VISIBLE_DEVICES
             self.events.put_nowait(UnitEvent(state, stopped=False))
         if not matches(unit, self.patterns) or not is_stop_to_sweep(previous, state, job_done):
             return

@@ -31,10 +31,8 @@ def legacy_requester_kind(requested_by: str) -> RequesterKind:
     is named with its uid ("uid 1000 (alice) :1.4", "hook:x via uid 65534 ..."): a space."""
     if " " in requested_by:
         return RequesterKind.HOOK_NONROOT if requested_by.startswith(HOOK_PREFIX) else RequesterKind.MANUAL
-    for prefix, kind in _LEGACY_KINDS:
-        if requested_by.startswith(prefix) and len(requested_by) > len(prefix):
-            return kind
-    return RequesterKind.MANUAL
+    return next((kind for prefix, kind in _LEGACY_KINDS
+                 if requested_by.startswith(prefix) and len(requested_by) > len(prefix)), RequesterKind.MANUAL)
 
 
 # systemd's object path of a unit: this prefix, then the name with every byte outside
@@ -72,11 +70,6 @@ def matches(unit: str, patterns: Iterable[str]) -> bool:
                or ("." not in pattern.rsplit("*", 1)[-1] and unit.endswith(".service")
                    and fnmatch.fnmatchcase(unit, pattern + ".service"))
                for pattern in patterns)
-
-
-def became_active(previous: str, state: UnitState) -> bool:
-    """The unit has just started (for its CUDA_VISIBLE_DEVICES hint and first holdings)."""
-    return state.active_state == "active" and previous != "active"
 
 
 def is_stop_to_sweep(previous: str, state: UnitState, job_done: bool) -> bool:
