@@ -58,8 +58,7 @@ def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int
             continue
         if token.startswith("-"):
             break  # CUDA stops at the first invalid ordinal ("-1" hides everything after)
-        wanted = token.lower()
-        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(wanted)]
+        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(token.lower())]
         if len(found) == 1:
             gpus.add(found[0])
     return gpus
@@ -143,8 +142,7 @@ class UnitGpuRecords:
             record.hinted.update(hinted)
             pairs = [p for p in processes if isinstance(p, list) and len(p) == 3 and count(p[0])
                      and count(p[1]) and isinstance(p[2], str)]
-            record.processes.update(((pid, start), comm)
-                                    for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT])
+            record.processes.update(((pid, start), comm) for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT])
             restored += 1
         return restored
 
@@ -173,8 +171,6 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
 
 
 class SystemdView(Protocol):
-    """What a unit sweep asks systemd (client.Systemd)."""
-
     available: bool
 
     async def state(self, unit: str) -> UnitState | None: ...

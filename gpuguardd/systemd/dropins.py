@@ -66,8 +66,7 @@ class HookTarget:
             # systemd tries every dash-truncation of the unit name: "a-b-c.service" gets
             # "a-b-.service.d" and "a-.service.d"; "a-.service" itself gets neither.
             unit_stem = unit.removesuffix(".service")
-            return (unit.endswith(".service") and unit_stem.startswith(stem)
-                    and len(unit_stem) > len(stem))
+            return unit.endswith(".service") and unit_stem.startswith(stem) and len(unit_stem) > len(stem)
         if self.kind == "template":
             return unit.endswith(".service") and unit.startswith(stem) and unit != self.name
         return unit == self.name
@@ -87,8 +86,7 @@ def parse_pattern(pattern: str) -> HookTarget:
         raise HookError(f"invalid pattern {pattern!r}: globs are not unit names; "
                         "use a prefix ending in '-' (e.g. sglang-) to cover a family of units")
     if "." in text and not text.endswith(".service"):
-        raise HookError(f"invalid pattern {pattern!r}: ExecStopPost= hooks only apply to "
-                        ".service units")
+        raise HookError(f"invalid pattern {pattern!r}: ExecStopPost= hooks only apply to .service units")
     name = text if text.endswith(".service") else text + ".service"
     stem = name.removesuffix(".service")
     if len(name) > _MAX_NAME:
@@ -102,8 +100,7 @@ def parse_pattern(pattern: str) -> HookTarget:
             raise HookError(f"invalid pattern {pattern!r}: not a valid template or instance name")
         return HookTarget(name, "unit" if instance else "template")
     if not _NAME_CHARS.fullmatch(stem):
-        raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits "
-                        "and :_.\\-")
+        raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits and :_.\\-")
     return HookTarget(name, "prefix" if stem.endswith("-") else "unit")
 
 
@@ -157,8 +154,7 @@ def render_start_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
 
 
 def requested_by_for_reason(reason: str) -> str:
-    """`hook:<unit>` for a reason the drop-in wrote ("hook:x.service result=..."), else "";
-    `gpuguardctl --local` and the daemon both record the hook so."""
+    """`hook:<unit>` for a reason the drop-in wrote ("hook:x.service result=..."), else ""."""
     if not reason.startswith(HOOK_PREFIX):
         return ""
     unit = (reason[len(HOOK_PREFIX):].split(None, 1) or [""])[0]
@@ -179,8 +175,6 @@ def _read(path: str) -> str | None:
 
 @dataclass
 class Result:
-    """What a hook command did, for text or --json output (dataclasses.asdict)."""
-
     action: str  # installed, updated, unchanged, removed, absent
     target: str
     path: str
@@ -200,11 +194,9 @@ def daemon_reload(root: str) -> str:
         return "skipped (systemd is not PID 1 here)"
     import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
 
-    done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise HookError(f"systemctl daemon-reload failed: {done.stderr.strip() or done.returncode}",
-                        usage=False)
+        raise HookError(f"systemctl daemon-reload failed: {done.stderr.strip() or done.returncode}", usage=False)
     return "done"
 
 
@@ -221,8 +213,7 @@ def install(pattern: str, root: str = "/", reload: bool = True, start: bool = Fa
     wanted = (render_start_dropin if start else render_dropin)(target, running_gpuguardctl())
     current = _read(path)
     if current is not None and not current.startswith(HEADER):
-        raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",
-                        usage=False)
+        raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it", usage=False)
     if current == wanted:
         return Result("unchanged", target.name, path, "not needed (nothing changed)")
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
@@ -277,9 +268,7 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
         except OSError:
             continue
         units.update(name for name in names if name.endswith(".service"))
-        for name in names:
-            if not name.endswith(".service.d"):
-                continue
+        for name in [n for n in names if n.endswith(".service.d")]:
             try:
                 files = sorted(f for f in os.listdir(os.path.join(directory, name)) if f.endswith(".conf"))
             except OSError:
@@ -292,13 +281,10 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
     if systemd_running(root):
         import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
 
-        done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain",
-                               "--no-legend", "--no-pager"], check=False, capture_output=True,
-                              text=True, timeout=60)
-        for line in done.stdout.splitlines():
-            fields = line.split()
-            if fields and fields[0].endswith(".service"):
-                units.add(fields[0])
+        done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain", "--no-legend",
+                               "--no-pager"], check=False, capture_output=True, text=True, timeout=60)
+        units.update(fields[0] for fields in map(str.split, done.stdout.splitlines())
+                     if fields and fields[0].endswith(".service"))
     services = sorted(units)
     hooks: list[InstalledHook] = []
     for name, path, text in found:
