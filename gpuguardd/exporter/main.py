@@ -69,7 +69,6 @@ class _Parsed:
 
 
 def render(text: str, accept: str | None) -> tuple[bytes, str]:
-    """The daemon's exposition, validated and in the format the scraper accepts."""
     encoder, content_type = choose_encoder(accept or "")
     return encoder(_Parsed(list(text_string_to_metric_families(text)))), content_type
 
@@ -95,8 +94,6 @@ class _Connection:
 
 
 class Exporter:
-    """The HTTP side: connections, their bounds, and scrapes sharing one GetMetrics call."""
-
     def __init__(self, bus_address: str | None) -> None:
         self.bus_address = bus_address
         self.connections: list[_Connection] = []  # oldest first
@@ -222,8 +219,7 @@ def listening_socket(listen: str) -> tuple[socket.socket, bool]:
         return socket.socket(fileno=SD_LISTEN_FDS_START), True
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, parse_uint(port, "port", 65535)))
     sock.listen(128)
@@ -257,14 +253,13 @@ def main() -> None:
         idle_exit = parse_timespan(args.idle_exit)
     except ValueError as exc:
         parser.error(f"--idle-exit: {exc}")
-    address = args.bus_address or os.environ.get(ENV_BUS_ADDRESS) or None
     try:
         sock, activated = listening_socket(args.listen)
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", args.listen, exc)
         sys.exit(1)
     log.info("serving /metrics on %s%s", sock.getsockname()[:2], " (socket-activated)" if activated else "")
-    asyncio.run(_serve(sock, Exporter(address), idle_exit))
+    asyncio.run(_serve(sock, Exporter(args.bus_address or os.environ.get(ENV_BUS_ADDRESS) or None), idle_exit))
 
 
 if __name__ == "__main__":

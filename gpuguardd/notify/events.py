@@ -45,9 +45,7 @@ def own_processes(uid: int, proc: str = "/proc") -> dict[int, str]:
         names = os.listdir(proc)
     except OSError:
         return found
-    for name in names:
-        if not is_digits(name):
-            continue
+    for name in filter(is_digits, names):
         try:
             if os.stat(f"{proc}/{name}").st_uid != uid:
                 continue
@@ -59,15 +57,12 @@ def own_processes(uid: int, proc: str = "/proc") -> dict[int, str]:
 
 
 class Events:
-    """Signals in (member, fields by the contract's argument names), notices out."""
-
     def __init__(self, uid: int, proc: str = "/proc") -> None:
         self.uid = uid
         self.proc = proc
         # sweep id -> this user's {pid: comm} when it started
         self._mine_at_start: dict[str, dict[int, str]] = {}
-        # GPU index -> "vendor product name" (cli.output.gpu_title, unescaped), from the
-        # daemon's Gpu objects (main.py reads them as it subscribes); empty until then.
+        # GPU index -> gpu_title, unescaped: main.py reads them from the daemon as it subscribes.
         self.titles: dict[int, str] = {}
 
     def signal(self, member: str, fields: dict[str, Any]) -> list[Notice]:
@@ -105,6 +100,5 @@ class Events:
                      else mine.get(int(t.get("pid", 0))) == t.get("comm"))]
         if ended:
             asker = escape_text(report.get("requested_by", "") or "unknown")
-            notices.append(Notice("Your GPU processes were ended",
-                                  f"{_names(ended)}, by a sweep asked by {asker}"))
+            notices.append(Notice("Your GPU processes were ended", f"{_names(ended)}, by a sweep asked by {asker}"))
         return notices

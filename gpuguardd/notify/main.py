@@ -33,8 +33,6 @@ _SERVER_PATH = "/org/freedesktop/Notifications"
 
 
 class Notifier:
-    """Sends notices on the session bus at `address` (None: $DBUS_SESSION_BUS_ADDRESS)."""
-
     def __init__(self, address: str | None) -> None:
         self.address = address or os.environ.get("DBUS_SESSION_BUS_ADDRESS", "")
         self._bus: MessageBus | None = None
@@ -54,7 +52,6 @@ class Notifier:
             self._bus = await MessageBus(bus_address=self.address).connect()
             reply = await self._bus.call(Message(destination=_SERVER, path=_SERVER_PATH,
                                                  interface=_SERVER, member="GetCapabilities"))
-            # Servers that render markup in the body need it escaped as markup too.
             self._markup = bool(reply and reply.message_type == MessageType.METHOD_RETURN
                                 and "body-markup" in reply.body[0])
         return self._bus
