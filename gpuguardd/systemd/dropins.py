@@ -2,8 +2,7 @@
 sweep --unit %n` after every stop of the unit; `gpuguard-start.conf` (--start), installed and
 removed on its own, runs `gpuguardctl wait` before every start. systemd (239+) also applies
 `foo-.service.d/` to every unit whose name starts with `foo-`, so one drop-in covers a family.
-Our files start with HEADER: `list` tells ours from an admin's by it, and `install` overwrites
-no file without it.
+Ours start with HEADER: `list` tells ours from an admin's by it; `install` overwrites no other.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from gpuguardd.systemd.rules import HOOK_PREFIX
 
 DROPIN_FILE = "gpuguard.conf"
 START_DROPIN_FILE = "gpuguard-start.conf"
-# The start gate's own deadline: a model server's unit usually sets TimeoutStartSec= to minutes
-# or infinity for loading; one that keeps systemd's 90 s default cuts a longer gate short.
-# Units override it (and --stable, --free-below) with Environment=GPUGUARD_WAIT_OPTIONS=...
+# The start gate's own deadline (a unit changes it in GPUGUARD_WAIT_OPTIONS): a model server's
+# unit sets TimeoutStartSec= to minutes for loading; systemd's 90 s default cuts a longer gate short.
 GATE_TIMEOUT = "60s"
 HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
 ETC_UNIT_DIR = "/etc/systemd/system"
@@ -200,17 +198,14 @@ def daemon_reload(root: str) -> str:
     return "done"
 
 
-def running_gpuguardctl() -> str:
-    """The gpuguardctl the hook should run: this one, when it was started as an installed
-    program (make install PREFIX=/usr/local puts it in /usr/local/bin), else the packaged path."""
-    program = sys.argv[0] if sys.argv else ""
-    return program if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl" else GPUGUARDCTL
-
-
 def install(pattern: str, root: str = "/", reload: bool = True, start: bool = False) -> Result:
     target = parse_pattern(pattern)
     path = target.dropin_path(root, start)
-    wanted = (render_start_dropin if start else render_dropin)(target, running_gpuguardctl())
+    # The hook runs this gpuguardctl if it was started as an installed program (make install
+    # PREFIX=/usr/local puts it in /usr/local/bin), else the packaged one.
+    program = sys.argv[0] if sys.argv else ""
+    ctl = program if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl" else GPUGUARDCTL
+    wanted = (render_start_dropin if start else render_dropin)(target, ctl)
     current = _read(path)
     if current is not None and not current.startswith(HEADER):
         raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it", usage=False)
