@@ -1,7 +1,6 @@
-"""gpuguard-exporter: gpuguardd's GetMetrics on /metrics, so the root daemon keeps
-PrivateNetwork=yes. It runs as a DynamicUser= under gpuguard-exporter.socket (allow-lists go
-on the .socket unit) and may exit when idle. The metrics are parsed and rendered again, never
-relayed as bytes: a scraper only gets well-formed exposition, in the format it asked for.
+"""gpuguard-exporter: gpuguardd's GetMetrics on /metrics, as a DynamicUser= under its .socket
+unit (allow-lists go there), so the root daemon keeps PrivateNetwork=yes. The metrics are parsed
+and rendered again, never relayed as bytes: a scraper only gets well-formed exposition.
 """
 
 from __future__ import annotations
@@ -73,11 +72,10 @@ def render(text: str, accept: str | None) -> tuple[bytes, str]:
     return encoder(_Parsed(list(text_string_to_metric_families(text)))), content_type
 
 
-# One event loop serves every connection, so an idle or trickling client costs a coroutine, not
-# the scrape's thread. The whole request must come within REQUEST_DEADLINE_SEC (not per read).
-# A new connection is always taken: past MAX_CONNECTIONS or MAX_PER_PEER the oldest one still
-# sending its request is closed, so an attacker's idle connections make room for the scraper,
-# never the reverse (a scraper on this host shares 127.0.0.1 with any local user).
+# One event loop serves every connection: an idle or trickling client costs a coroutine, not the
+# scrape's thread. The whole request must come within REQUEST_DEADLINE_SEC (not per read). Past
+# MAX_CONNECTIONS or MAX_PER_PEER, the oldest connection still sending its request is closed for a
+# new one: idle connections make room for the scraper, never the reverse (127.0.0.1 is everyone's).
 REQUEST_DEADLINE_SEC = 5.0
 WRITE_DEADLINE_SEC = 10.0
 MAX_REQUEST_BYTES = 8192

@@ -93,8 +93,7 @@ class UnitGpuRecords:
 
     def observe(self, holders: Iterable[Holder]) -> None:
         for holder in holders:
-            # A container's processes belong to no host unit, except the container's own
-            # host scope (docker-<id>.scope: attribution.container_scope_label).
+            # A container's processes belong to no host unit but the container's scope (docker-<id>.scope).
             host_unit = not holder.container or container_scope_label(holder.unit) == holder.container
             if not holder.unit or not host_unit or not holder.gpus:
                 continue

@@ -45,10 +45,9 @@ class Systemd:
                     body: Sequence[Any] = ()) -> Message | None:
         if self.bus is None:
             return None
-        message = Message(destination=SYSTEMD, path=path, interface=interface, member=member,
-                          signature=signature, body=list(body),
-                          # systemd is never bus-activated; a bus without it answers at once.
-                          flags=MessageFlag.NO_AUTOSTART)
+        # systemd is never bus-activated: with NO_AUTOSTART a bus without it answers at once.
+        message = Message(destination=SYSTEMD, path=path, interface=interface, member=member, signature=signature,
+                          body=list(body), flags=MessageFlag.NO_AUTOSTART)
         try:
             return await asyncio.wait_for(self.bus.call(message), CALL_TIMEOUT_SEC)
         except (asyncio.TimeoutError, OSError, EOFError) as exc:
@@ -171,8 +170,7 @@ class UnitWatcher:
     def _on_message(self, msg: Message) -> bool | None:
         if msg.message_type != MessageType.SIGNAL:
             return None
-        # Every signal is checked for its sender: the bus daemon's own, or systemd's current
-        # unique name. Anyone may send any signal straight to our connection (bus/connection.py).
+        # Anyone may send any signal straight to our connection: only the bus daemon's and systemd's count.
         new_owner = name_owner_change(msg, SYSTEMD)
         if new_owner is not None:
             # systemd re-executed or came back: subscriptions are per connection, so again.
@@ -197,8 +195,7 @@ class UnitWatcher:
             if matches(unit, self.patterns):
                 self._consider(unit, job_done=False)
             elif unit.endswith(".service"):
-                # Other services matter only as they start (CUDA_VISIBLE_DEVICES hint): no
-                # lookups for the many state changes of every other unit on the host.
+                # Other services matter only as they start (CUDA_VISIBLE_DEVICES): no lookup per change.
                 changed = msg.body[1].get("ActiveState")
                 if changed is not None and changed.value == "active":
                     self._consider(unit, job_done=False)

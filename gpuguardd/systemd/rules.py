@@ -35,8 +35,7 @@ def legacy_requester_kind(requested_by: str) -> RequesterKind:
                  if requested_by.startswith(prefix) and len(requested_by) > len(prefix)), RequesterKind.MANUAL)
 
 
-# systemd's object path of a unit: this prefix, then the name with every byte outside
-# [A-Za-z0-9] written as _xx (sd_bus_path_encode).
+# A unit's object path: this prefix, then its name with each byte outside [A-Za-z0-9] as _xx (sd_bus_path_encode).
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
 
 _ESCAPE = re.compile(r"_([0-9a-fA-F]{2})")
