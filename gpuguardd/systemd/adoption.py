@@ -39,8 +39,8 @@ MAX_PROCESSES_PER_UNIT = 4096
 
 def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int]:
     """NVML indices named by CUDA_VISIBLE_DEVICES in a unit's Environment (a hint only). UUIDs,
-    abbreviated as CUDA allows, are exact; ordinals equal NVML indices with CUDA_DEVICE_ORDER=
-    PCI_BUS_ID or identical GPUs, and only widen where escaped leftovers are looked for."""
+    abbreviated as CUDA allows, are exact; ordinals equal NVML indices under CUDA_DEVICE_ORDER=PCI_BUS_ID
+    or with identical GPUs, and only widen where escaped leftovers are looked for."""
     value = dict(item.partition("=")[::2] for item in environment).get("CUDA_VISIBLE_DEVICES")
     if not value:
         return set()

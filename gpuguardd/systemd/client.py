@@ -31,18 +31,17 @@ CALL_TIMEOUT_SEC = 5.0
 
 
 class Systemd:
-    """Without a bus (`bus` None) there is no systemd to ask: nothing is adopted, automatic
-    sweeps dedupe by time."""
+    """Without a bus (`bus` None) there is no systemd to ask: nothing is adopted, automatic sweeps dedupe by time."""
 
     def __init__(self, bus: MessageBus | None) -> None:
         self.bus = bus
         self.available = False
-        # systemd unloads an unreferenced unit right after it stops, with its InvocationID and
-        # Result: the watcher, asking a moment later, gets them from the last state read here.
+        # systemd unloads an unreferenced unit right after it stops, with its InvocationID and Result:
+        # the watcher, asking a moment later, gets them from the last read (the hook sweep's, as it stopped).
         self._known: collections.OrderedDict[str, UnitState] = collections.OrderedDict()
 
     async def call(self, path: str, interface: str, member: str, signature: str = "",
-                    body: Sequence[Any] = ()) -> Message | None:
+                   body: Sequence[Any] = ()) -> Message | None:
         if self.bus is None:
             return None
         # systemd is never bus-activated: with NO_AUTOSTART a bus without it answers at once.
@@ -77,8 +76,7 @@ class Systemd:
             return replace(known, active_state="") if known else UnitState(unit, "")
         active, invocation, result = await asyncio.gather(
             self.get(path, UNIT_IFACE, "ActiveState"), self.get(path, UNIT_IFACE, "InvocationID"),
-            self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service")
-            else asyncio.sleep(0))
+            self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service") else asyncio.sleep(0))
         if active is None:
             return None
         state = UnitState(unit, str(active),
@@ -173,7 +171,7 @@ class UnitWatcher:
         # Anyone may send any signal straight to our connection: only the bus daemon's and systemd's count.
         new_owner = name_owner_change(msg, SYSTEMD)
         if new_owner is not None:
-            # systemd re-executed or came back: subscriptions are per connection, so again.
+            # systemd re-executed or came back: subscriptions are per connection, so anew.
             if new_owner:
                 task = asyncio.ensure_future(self._resubscribe())
                 self._tasks.add(task)
