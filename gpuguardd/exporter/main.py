@@ -251,13 +251,14 @@ def main() -> None:
         idle_exit = parse_timespan(args.idle_exit)
     except ValueError as exc:
         parser.error(f"--idle-exit: {exc}")
+    address = args.bus_address or os.environ.get(ENV_BUS_ADDRESS) or None
     try:
         sock, activated = listening_socket(args.listen)
     except (OSError, ValueError) as exc:
         log.error("cannot listen on %s: %s", args.listen, exc)
         sys.exit(1)
     log.info("serving /metrics on %s%s", sock.getsockname()[:2], " (socket-activated)" if activated else "")
-    asyncio.run(_serve(sock, Exporter(args.bus_address or os.environ.get(ENV_BUS_ADDRESS) or None), idle_exit))
+    asyncio.run(_serve(sock, Exporter(address), idle_exit))
 
 
 if __name__ == "__main__":

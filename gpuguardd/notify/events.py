@@ -75,9 +75,8 @@ class Events:
         if member == "LeakSuspected":
             title = self.titles.get(int(fields["gpu"]), "")
             which = f" ({escape_text(title)})" if title else ""
-            return [Notice(f"GPU {int(fields['gpu'])}: memory leaked",
-                           f"{human_bytes(int(fields['bytes']))} in use with no process holding "
-                           f"the GPU{which}.", CRITICAL)]
+            return [Notice(f"GPU {int(fields['gpu'])}: memory leaked", f"{human_bytes(int(fields['bytes']))} in use "
+                           f"with no process holding the GPU{which}.", CRITICAL)]
         if member == "SweepFinished":
             return self._finished(str(fields["id"]), fields["report"])
         return []
@@ -93,8 +92,7 @@ class Events:
                                   f"Still running: {_names(report.get('survived', []))}", CRITICAL))
         elif outcome == "memory-not-released":
             notices.append(Notice("A GPU sweep left something behind",
-                                  "The processes are gone, but the GPU memory was not released.",
-                                  CRITICAL))
+                                  "The processes are gone, but the GPU memory was not released.", CRITICAL))
         ended = [t for t in report.get("terminated", [])
                  if (t["uid"] == self.uid if "uid" in t
                      else mine.get(int(t.get("pid", 0))) == t.get("comm"))]
