@@ -8,6 +8,7 @@ systemd to reload.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -51,12 +52,12 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         sys.stderr.write(f"gpuguardctl: error: {escape_text(f'{where}: {exc.strerror or exc}')}\n")
         return 1
     if args.json:
-        print_json(result.to_dict(), out)
+        print_json(dataclasses.asdict(result), out)
         return 0
     for message in result.messages:
         out.write(escape_text(message) + "\n")
     verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
             "removed": "removed", "absent": "nothing to remove"}[result.action]
     out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
-                          f"{result.reload}") + "\n")
+                          f"{result.daemon_reload}") + "\n")
     return 0

@@ -1,14 +1,6 @@
-"""gpuguard-exporter: serves gpuguardd's Prometheus metrics on /metrics, unprivileged.
-
-The root daemon keeps PrivateNetwork=yes; this small program runs as a DynamicUser= under
-gpuguard-exporter.socket (systemd passes the listening socket, so allow-lists go on the
-.socket unit), asks the daemon for GetMetrics over the system bus on each scrape, and exits
-after a while without requests (the socket starts it again).
-
-What comes over the bus is parsed and rendered again with prometheus_client rather than
-relayed as bytes: a scraper only ever gets well-formed exposition, in the format it asked
-for (Prometheus text or OpenMetrics). Connections are served concurrently and bounded (see
-"serving" below), so no local user can keep a scrape from being answered.
+"""gpuguard-exporter: gpuguardd's GetMetrics on /metrics, as a DynamicUser= under its .socket
+unit (allow-lists go there), so the root daemon keeps PrivateNetwork=yes. The metrics are parsed
+and rendered again, never relayed as bytes: a scraper only gets well-formed exposition.
 """
 
 from __future__ import annotations
@@ -76,20 +68,14 @@ class _Parsed:
 
 
 def render(text: str, accept: str | None) -> tuple[bytes, str]:
-    """The daemon's exposition, validated and in the format the scraper accepts."""
-    families = _Parsed(list(text_string_to_metric_families(text)))
     encoder, content_type = choose_encoder(accept or "")
-    return encoder(families), content_type
+    return encoder(_Parsed(list(text_string_to_metric_families(text)))), content_type
 
 
-# -- serving -----------------------------------------------------------------------------------
-# One event loop serves every connection: an idle or trickling client costs a coroutine, never
-# the one thread a scrape needs. Bounds: the whole request (line and headers) within
-# REQUEST_DEADLINE_SEC, not per read (a byte every 3 s is no longer patience forever); its size;
-# MAX_CONNECTIONS in all and MAX_PER_PEER from one address. A new connection is always taken:
-# when a bound is reached, the oldest connection still sending its request is closed instead,
-# so an attacker's idle connections make room for the scraper, never the reverse (a scraper
-# on this host shares 127.0.0.1 with any local user).
+# One event loop serves every connection: an idle or trickling client costs a coroutine, not the
+# scrape's thread. The whole request must come within REQUEST_DEADLINE_SEC (not per read). Past
+# MAX_CONNECTIONS or MAX_PER_PEER, the oldest connection still sending its request is closed for a
+# new one: idle connections make room for the scraper, never the reverse (127.0.0.1 is everyone's).
 REQUEST_DEADLINE_SEC = 5.0
 WRITE_DEADLINE_SEC = 10.0
 MAX_REQUEST_BYTES = 8192
@@ -106,8 +92,6 @@ class _Connection:
 
 
 class Exporter:
-    """The HTTP side: connections, their bounds, and scrapes sharing one GetMetrics call."""
-
     def __init__(self, bus_address: str | None) -> None:
         self.bus_address = bus_address
         self.connections: list[_Connection] = []  # oldest first
@@ -148,40 +132,32 @@ class Exporter:
                 return  # closed before a whole request
             connection.pending = False
             self.last_request = time.monotonic()
-            await self._answer(writer, head)
+            request = _parse_request(head)
+            head_only = request is not None and request[0] == "HEAD"
+            await self._reply(writer, *await self._answer(request), head_only)
         except (ConnectionError, asyncio.TimeoutError, TimeoutError) as exc:
             log.debug("%s: %s", peer, exc)
         finally:
             self._drop(connection)
 
-    async def _answer(self, writer: asyncio.StreamWriter, head: bytes) -> None:
-        request = _parse_request(head)
+    async def _answer(self, request: tuple[str, str, str] | None) -> tuple[int, bytes, str]:
         if request is None:
-            await self._reply(writer, 400, b"bad request\n", _TEXT)
-            return
+            return 400, b"bad request\n", _TEXT
         method, path, accept = request
         if method not in ("GET", "HEAD"):
-            await self._reply(writer, 405, b"only GET\n", _TEXT)
-            return
-        head_only = method == "HEAD"
+            return 405, b"only GET\n", _TEXT
         if path == "/":
-            await self._reply(writer, 200, b"gpuguard-exporter: metrics at /metrics\n", _TEXT, head_only)
-            return
+            return 200, b"gpuguard-exporter: metrics at /metrics\n", _TEXT
         if path != "/metrics":
-            await self._reply(writer, 404, b"not found: try /metrics\n", _TEXT, head_only)
-            return
+            return 404, b"not found: try /metrics\n", _TEXT
         try:
-            body, content_type = render(await self.metrics(), accept)
+            return (200, *render(await self.metrics(), accept))
         except DaemonError as exc:
             log.warning("scrape failed: gpuguardd: %s", exc)
-            await self._reply(writer, 503, f"gpuguardd unavailable: {exc}\n".encode(errors="replace"),
-                              _TEXT, head_only)
-            return
+            return 503, f"gpuguardd unavailable: {exc}\n".encode(errors="replace"), _TEXT
         except ValueError as exc:
             log.error("scrape failed: unreadable metrics from gpuguardd: %s", exc)
-            await self._reply(writer, 502, b"unreadable metrics from gpuguardd\n", _TEXT, head_only)
-            return
-        await self._reply(writer, 200, body, content_type, head_only)
+            return 502, b"unreadable metrics from gpuguardd\n", _TEXT
 
     async def metrics(self) -> str:
         """GetMetrics, one call at a time: scrapes that come while one is in flight share its
@@ -241,8 +217,7 @@ def listening_socket(listen: str) -> tuple[socket.socket, bool]:
         return socket.socket(fileno=SD_LISTEN_FDS_START), True
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, parse_uint(port, "port", 65535)))
     sock.listen(128)
@@ -250,8 +225,7 @@ def listening_socket(listen: str) -> tuple[socket.socket, bool]:
 
 
 async def _serve(sock: socket.socket, exporter: Exporter, idle_exit: float) -> None:
-    server = await asyncio.start_server(exporter.handle, sock=sock, limit=MAX_REQUEST_BYTES)
-    async with server:
+    async with await asyncio.start_server(exporter.handle, sock=sock, limit=MAX_REQUEST_BYTES):
         while True:
             await asyncio.sleep(min(1.0, idle_exit) if idle_exit else 1.0)
             busy = any(not c.pending for c in exporter.connections)

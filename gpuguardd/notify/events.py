@@ -1,14 +1,8 @@
-"""Which of gpuguardd's signals become a notification, and their text (the extension's rules:
-gnome-shell-extension/src/state.js, extension.js): a leak, a sweep that left something
-behind, a sweep that ended this user's processes.
-
-A report names each ended process's uid where the sweep's scan could read it. From a
-gpuguardd that does not, a process is this user's if, when the sweep started, a process of
-this uid had that pid and command (from /proc: the notifier runs as the user); a sweep may
-end a process before SweepStarted arrives, so this is the fallback only.
-
-Every text from the bus was chosen by whoever started a process: it is escaped by the CLI's
-rule (escaping.py), then, where the server renders the body as markup, as markup too.
+"""Which of gpuguardd's signals become a notification, and their text, by the GNOME Shell
+extension's rules (gnome-shell-extension/src/state.js): a leak, a sweep that left something
+behind, a sweep that ended this user's processes. An ended process the report gives no uid for
+is this user's if one of this uid had its pid and command when the sweep started. Texts from
+the bus are anyone's: escaped (escaping.py), and as markup too where the server renders it.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ class Notice:
     urgency: int = NORMAL
 
     def for_server(self, markup: bool) -> tuple[str, str]:
-        """(summary, body) for a server that renders the body as markup or not (the summary
-        is plain text by the spec)."""
+        """The summary is plain text by the spec; the body is markup where the server says so."""
         return self.summary, markup_escape(self.body) if markup else self.body
 
 
@@ -52,9 +45,7 @@ def own_processes(uid: int, proc: str = "/proc") -> dict[int, str]:
         names = os.listdir(proc)
     except OSError:
         return found
-    for name in names:
-        if not is_digits(name):
-            continue
+    for name in filter(is_digits, names):
         try:
             if os.stat(f"{proc}/{name}").st_uid != uid:
                 continue
@@ -66,15 +57,12 @@ def own_processes(uid: int, proc: str = "/proc") -> dict[int, str]:
 
 
 class Events:
-    """Signals in (member, fields by the contract's argument names), notices out."""
-
     def __init__(self, uid: int, proc: str = "/proc") -> None:
         self.uid = uid
         self.proc = proc
         # sweep id -> this user's {pid: comm} when it started
         self._mine_at_start: dict[str, dict[int, str]] = {}
-        # GPU index -> "vendor product name" (cli.output.gpu_title, unescaped), from the
-        # daemon's Gpu objects (main.py reads them as it subscribes); empty until then.
+        # GPU index -> gpu_title, unescaped: main.py reads them from the daemon as it subscribes.
         self.titles: dict[int, str] = {}
 
     def signal(self, member: str, fields: dict[str, Any]) -> list[Notice]:
@@ -87,9 +75,8 @@ class Events:
         if member == "LeakSuspected":
             title = self.titles.get(int(fields["gpu"]), "")
             which = f" ({escape_text(title)})" if title else ""
-            return [Notice(f"GPU {int(fields['gpu'])}: memory leaked",
-                           f"{human_bytes(int(fields['bytes']))} in use with no process holding "
-                           f"the GPU{which}.", CRITICAL)]
+            return [Notice(f"GPU {int(fields['gpu'])}: memory leaked", f"{human_bytes(int(fields['bytes']))} in use "
+                           f"with no process holding the GPU{which}.", CRITICAL)]
         if member == "SweepFinished":
             return self._finished(str(fields["id"]), fields["report"])
         return []
@@ -105,13 +92,11 @@ class Events:
                                   f"Still running: {_names(report.get('survived', []))}", CRITICAL))
         elif outcome == "memory-not-released":
             notices.append(Notice("A GPU sweep left something behind",
-                                  "The processes are gone, but the GPU memory was not released.",
-                                  CRITICAL))
+                                  "The processes are gone, but the GPU memory was not released.", CRITICAL))
         ended = [t for t in report.get("terminated", [])
                  if (t["uid"] == self.uid if "uid" in t
                      else mine.get(int(t.get("pid", 0))) == t.get("comm"))]
         if ended:
             asker = escape_text(report.get("requested_by", "") or "unknown")
-            notices.append(Notice("Your GPU processes were ended",
-                                  f"{_names(ended)}, by a sweep asked by {asker}"))
+            notices.append(Notice("Your GPU processes were ended", f"{_names(ended)}, by a sweep asked by {asker}"))
         return notices

@@ -33,8 +33,6 @@ _SERVER_PATH = "/org/freedesktop/Notifications"
 
 
 class Notifier:
-    """Sends notices on the session bus at `address` (None: $DBUS_SESSION_BUS_ADDRESS)."""
-
     def __init__(self, address: str | None) -> None:
         self.address = address or os.environ.get("DBUS_SESSION_BUS_ADDRESS", "")
         self._bus: MessageBus | None = None
@@ -47,23 +45,18 @@ class Notifier:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self) -> MessageBus:
-        if self._bus is None or not self._bus.connected:
-            if not self.address:
-                raise ConnectionError("no session bus: DBUS_SESSION_BUS_ADDRESS is not set")
-            self._bus = await MessageBus(bus_address=self.address).connect()
-            reply = await self._bus.call(Message(destination=_SERVER, path=_SERVER_PATH,
-                                                 interface=_SERVER, member="GetCapabilities"))
-            # Servers that render markup in the body need it escaped as markup too.
-            self._markup = bool(reply and reply.message_type == MessageType.METHOD_RETURN
-                                and "body-markup" in reply.body[0])
-        return self._bus
-
     async def _send(self, notice: Notice) -> None:
         try:
-            bus = await self._connect()
+            if self._bus is None or not self._bus.connected:
+                if not self.address:
+                    raise ConnectionError("no session bus: DBUS_SESSION_BUS_ADDRESS is not set")
+                self._bus = await MessageBus(bus_address=self.address).connect()
+                reply = await self._bus.call(Message(destination=_SERVER, path=_SERVER_PATH,
+                                                     interface=_SERVER, member="GetCapabilities"))
+                self._markup = bool(reply and reply.message_type == MessageType.METHOD_RETURN
+                                    and "body-markup" in reply.body[0])
             summary, body = notice.for_server(self._markup)
-            reply = await bus.call(Message(
+            reply = await self._bus.call(Message(
                 destination=_SERVER, path=_SERVER_PATH, interface=_SERVER, member="Notify",
                 signature="susssasa{sv}i",
                 body=[APP_NAME, 0, ICON, summary, body, [], {"urgency": Variant("y", notice.urgency)}, -1]))
@@ -71,10 +64,8 @@ class Notifier:
             log.warning("notification %r not sent: %s", notice.summary, exc)
             self._bus = None
             return
-        if reply is None or reply.message_type == MessageType.ERROR:
-            why = reply.body if reply is not None else "no reply"
-            log.warning("notification %r refused: %s %s", notice.summary,
-                        reply.error_name if reply is not None else "", why)
+        if reply is not None and reply.message_type == MessageType.ERROR:  # None only without a reply asked for
+            log.warning("notification %r refused: %s %s", notice.summary, reply.error_name, reply.body)
 
 
 def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
@@ -96,8 +87,7 @@ def listen(bus_address: str | None, notifier: Notifier, events: Events) -> None:
             threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
     def read_titles() -> None:
-        # The GPUs' vendor and product name for the texts that name a GPU, on a connection
-        # of its own beside the subscription; without them a GPU is named by its index.
+        # On a connection of its own beside the subscription; without them a GPU is named by its index.
         try:
             gpus = DBusBackend(bus_address, interactive=False).gpus()
         except Exception as exc:  # names are a nicety

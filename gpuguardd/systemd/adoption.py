@@ -1,24 +1,19 @@
-"""The escaped-leftover (adoption) rule, pure: what each host unit held, and which holders
-outside a unit were its own, and `leftovers`, the rule applied to a scan with systemd's answers
-(for gpuguardd and `gpuguardctl sweep --local` alike). No D-Bus, no I/O: systemd is a
-`SystemdView` (client.Systemd), and nothing is swept here. `UnitGpuRecords` is fed every scan
-while the units run, so a unit sweep still knows the unit's GPUs after its processes left.
+"""The escaped-leftover (adoption) rule, for gpuguardd and `gpuguardctl sweep --local` alike; no
+D-Bus or I/O (systemd is a `SystemdView`). `UnitGpuRecords` is fed every scan while the units
+run, so a unit sweep still knows the unit's GPUs after its processes left.
 
-The escaped-leftover rule. A sweep of unit U also ends a holder H outside U's cgroup when all
-of these hold:
+A sweep of unit U also ends a holder H outside U's cgroup when all of these hold:
 
 1. H runs on the host: a container's processes are never a host unit's leftovers;
 2. H is a compute holder (a CUDA context) and not protected (the engine checks both again);
-3. H was U's (U may be a container's host scope, docker-<id>.scope, whose processes were the
-   container's): either the same process (PID and start time) was seen in U's cgroup by an
-   earlier scan, or H holds one of U's GPUs (held by U's processes while U ran or now, or
-   named by U's CUDA_VISIBLE_DEVICES);
-4. no running unit owns H now: its cgroup belongs to no unit (a slice, the root, a cgroup made
-   by hand), or to a unit that systemd reports inactive or failed (or no longer knows).
+3. H was U's (U may be a container's host scope, docker-<id>.scope): an earlier scan saw the
+   same process (PID and start time) in U's cgroup, or H holds one of U's GPUs (held by U's
+   processes, or named by U's CUDA_VISIBLE_DEVICES);
+4. no running unit owns H now: its cgroup belongs to no unit (a slice, the root, one made by
+   hand), or to one systemd reports inactive or failed (or no longer knows).
 
 So a process that moved itself into a session, a `systemd-run --scope`, another service or a
-container is left alone: someone running adopted it. And without systemd nothing is adopted,
-because there every process looks like it belongs to no unit.
+container is left alone: someone running adopted it.
 """
 
 from __future__ import annotations
@@ -43,17 +38,10 @@ MAX_PROCESSES_PER_UNIT = 4096
 
 
 def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int]:
-    """NVML indices named by CUDA_VISIBLE_DEVICES in a unit's Environment (a hint only).
-
-    UUIDs (GPU-..., also abbreviated as CUDA allows) are exact. Plain numbers are CUDA
-    ordinals, which equal NVML indices when CUDA_DEVICE_ORDER=PCI_BUS_ID and on the usual
-    machines with identical GPUs; they only widen where escaped leftovers are looked for.
-    """
-    value = None
-    for item in environment:
-        key, _, text = item.partition("=")
-        if key == "CUDA_VISIBLE_DEVICES":
-            value = text
+    """NVML indices named by CUDA_VISIBLE_DEVICES in a unit's Environment (a hint only). UUIDs,
+    abbreviated as CUDA allows, are exact; ordinals equal NVML indices under CUDA_DEVICE_ORDER=PCI_BUS_ID
+    or with identical GPUs, and only widen where escaped leftovers are looked for."""
+    value = dict(item.partition("=")[::2] for item in environment).get("CUDA_VISIBLE_DEVICES")
     if not value:
         return set()
     gpus: set[int] = set()
@@ -70,8 +58,7 @@ def cuda_visible_gpus(environment: Sequence[str], nvml: NvmlSnapshot) -> set[int
             continue
         if token.startswith("-"):
             break  # CUDA stops at the first invalid ordinal ("-1" hides everything after)
-        wanted = token.lower()
-        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(wanted)]
+        found = [g.index for g in nvml.gpus if g.uuid and g.uuid.lower().startswith(token.lower())]
         if len(found) == 1:
             gpus.add(found[0])
     return gpus
@@ -105,10 +92,8 @@ class UnitGpuRecords:
         return record
 
     def observe(self, holders: Iterable[Holder]) -> None:
-        """Note every host unit's GPU holders from a scan (cheap: holders only)."""
         for holder in holders:
-            # A container's processes belong to no host unit, except the container's own
-            # host scope (docker-<id>.scope: attribution.container_scope_label).
+            # A container's processes belong to no host unit but the container's scope (docker-<id>.scope).
             host_unit = not holder.container or container_scope_label(holder.unit) == holder.container
             if not holder.unit or not host_unit or not holder.gpus:
                 continue
@@ -117,10 +102,10 @@ class UnitGpuRecords:
             if len(record.processes) < MAX_PROCESSES_PER_UNIT:
                 record.processes[(holder.pid, holder.start_time)] = holder.comm
 
-    def hint(self, unit: str, gpus: Iterable[int]) -> None:
-        wanted = set(gpus)
-        if wanted:
-            self._record(unit).hinted = wanted
+    def hint(self, unit: str, gpus: Iterable[int]) -> UnitGpuRecord:
+        record = self._record(unit)
+        record.hinted = set(gpus)
+        return record
 
     def get(self, unit: str) -> UnitGpuRecord | None:
         return self._records.get(unit)
@@ -156,8 +141,7 @@ class UnitGpuRecords:
             record.hinted.update(hinted)
             pairs = [p for p in processes if isinstance(p, list) and len(p) == 3 and count(p[0])
                      and count(p[1]) and isinstance(p[2], str)]
-            record.processes.update(((pid, start), comm)
-                                    for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT])
+            record.processes.update(((pid, start), comm) for pid, start, comm in pairs[:MAX_PROCESSES_PER_UNIT])
             restored += 1
         return restored
 
@@ -165,9 +149,7 @@ class UnitGpuRecords:
 def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterable[Holder],
                         include_management: bool = False) -> list[tuple[Holder, str]]:
     """Rules 1-3 of the module docstring: holders outside `unit` that were its own, with why.
-
-    Rule 4 (no running unit owns them) needs systemd and is checked by the caller.
-    """
+    Rule 4 needs systemd: the caller checks it."""
     if record is None:
         return []
     gpus = record.all_gpus
@@ -188,8 +170,6 @@ def adoption_candidates(unit: str, record: UnitGpuRecord | None, holders: Iterab
 
 
 class SystemdView(Protocol):
-    """What a unit sweep asks systemd (client.Systemd)."""
-
     available: bool
 
     async def state(self, unit: str) -> UnitState | None: ...
@@ -201,12 +181,9 @@ class SystemdView(Protocol):
 
 async def leftovers(systemd: SystemdView, records: UnitGpuRecords, unit: str, result: ScanResult,
                     include_management: bool = False) -> list[tuple[int, int]]:
-    """(pid, start time) of the holders in `result` that are `unit`'s escaped leftovers.
-
-    What the unit holds in `result` counts too: all a one-shot `gpuguardctl sweep --local` has
-    seen of it, and the daemon's record of a unit that started before it did. Without systemd,
-    nothing: there every process looks like it belongs to no unit.
-    """
+    """(pid, start time) of `unit`'s escaped leftovers in `result`. What the unit holds there
+    counts too: all `gpuguardctl sweep --local` sees of it, and all of a unit that started before
+    the daemon. Without systemd, nothing: there every process looks like it belongs to no unit."""
     if not systemd.available:
         return []
     records.observe(result.holders)
@@ -214,8 +191,7 @@ async def leftovers(systemd: SystemdView, records: UnitGpuRecords, unit: str, re
     if record is None or not record.hinted:
         gpus = cuda_visible_gpus(await systemd.environment(unit), result.nvml)
         if gpus:
-            records.hint(unit, gpus)
-            record = records.get(unit)
+            record = records.hint(unit, gpus)
     adopted: list[tuple[int, int]] = []
     states: dict[str, UnitState | None] = {}
     for holder, why in adoption_candidates(unit, record, result.holders, include_management):

@@ -1,9 +1,6 @@
-"""systemd's manager on the bus (org.freedesktop.systemd1): `Systemd`, the few calls the unit
-watch and unit sweeps make (adoption.SystemdView), and `UnitWatcher`, which follows its signals
-(`Subscribe`, then `JobRemoved` and the units' `PropertiesChanged`) and reports, on `events`,
-each stop of a unit matching `[Watch] Units` (also one without an ExecStopPost drop-in) and each
-service that starts. What counts as a stop is rules.py's.
-"""
+"""systemd's manager on the bus: `Systemd`, the few calls unit sweeps make, and `UnitWatcher`,
+which follows its signals and reports each stop of a unit matching `[Watch] Units` (drop-in or
+not) and each service that starts. What counts as a stop is rules.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from dbus_fast import BusType, Message, MessageFlag, MessageType
@@ -19,7 +17,7 @@ from dbus_fast.aio import MessageBus
 from gpuguardd.bus.connection import BUS_DAEMON, bus_daemon_call, name_owner, name_owner_change
 from gpuguardd.bus.names import PROPERTIES_INTERFACE
 from gpuguardd.systemd.adoption import MAX_UNITS
-from gpuguardd.systemd.rules import UnitState, became_active, is_stop_to_sweep, matches, unit_name_from_path
+from gpuguardd.systemd.rules import UnitState, is_stop_to_sweep, matches, unit_name_from_path
 
 log = logging.getLogger("gpuguard.unitwatch")
 
@@ -33,48 +31,37 @@ CALL_TIMEOUT_SEC = 5.0
 
 
 class Systemd:
-    """Without a bus (`bus` None) there is no systemd to ask: nothing is adopted, automatic
-    sweeps dedupe by time."""
+    """Without a bus (`bus` None) there is no systemd to ask: nothing is adopted, automatic sweeps dedupe by time."""
 
     def __init__(self, bus: MessageBus | None) -> None:
         self.bus = bus
         self.available = False
-        # The last state read of each unit. systemd unloads an inactive unit nobody references
-        # right after it stops, and with it its InvocationID and Result: the watcher, asking a
-        # moment later, gets those from here (the hook's sweep read them while it stopped).
+        # systemd unloads an unreferenced unit right after it stops, with its InvocationID and Result:
+        # the watcher, asking a moment later, gets them from the last read (the hook sweep's, as it stopped).
         self._known: collections.OrderedDict[str, UnitState] = collections.OrderedDict()
 
-    async def _call(self, path: str, interface: str, member: str, signature: str = "",
-                    body: Sequence[Any] = ()) -> Message | None:
+    async def call(self, path: str, interface: str, member: str, signature: str = "",
+                   body: Sequence[Any] = ()) -> Message | None:
         if self.bus is None:
             return None
-        message = Message(destination=SYSTEMD, path=path, interface=interface, member=member,
-                          signature=signature, body=list(body),
-                          # systemd is never bus-activated; a bus without it answers at once.
-                          flags=MessageFlag.NO_AUTOSTART)
+        # systemd is never bus-activated: with NO_AUTOSTART a bus without it answers at once.
+        message = Message(destination=SYSTEMD, path=path, interface=interface, member=member, signature=signature,
+                          body=list(body), flags=MessageFlag.NO_AUTOSTART)
         try:
             return await asyncio.wait_for(self.bus.call(message), CALL_TIMEOUT_SEC)
         except (asyncio.TimeoutError, OSError, EOFError) as exc:
             log.debug("systemd %s: %s", member, exc)
             return None
 
-    async def subscribe(self) -> bool:
-        reply = await self._call(SYSTEMD_PATH, MANAGER_IFACE, "Subscribe")
-        self.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
-        if reply is not None and not self.available:
-            log.info("unit watch off: systemd is not on this bus (%s)", reply.error_name)
-        return self.available
-
     async def unit_path(self, unit: str) -> str | None:
-        reply = await self._call(SYSTEMD_PATH, MANAGER_IFACE, "GetUnit", "s", [unit])
+        reply = await self.call(SYSTEMD_PATH, MANAGER_IFACE, "GetUnit", "s", [unit])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             return None  # NoSuchUnit: not loaded, so not running either
         return str(reply.body[0])
 
     async def get(self, path: str | None, interface: str, name: str) -> Any | None:
         # One property at a time: GetAll of a service is a few hundred properties.
-        reply = None if path is None else await self._call(
-            path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
+        reply = None if path is None else await self.call(path, PROPERTIES_INTERFACE, "Get", "ss", [interface, name])
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             return None
         return reply.body[0].value
@@ -86,12 +73,10 @@ class Systemd:
         path = await self.unit_path(unit)
         if path is None:
             known = self._known.get(unit)
-            return UnitState(unit, "", known.invocation_id if known else "",
-                             known.result if known else "")
+            return replace(known, active_state="") if known else UnitState(unit, "")
         active, invocation, result = await asyncio.gather(
             self.get(path, UNIT_IFACE, "ActiveState"), self.get(path, UNIT_IFACE, "InvocationID"),
-            self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service")
-            else asyncio.sleep(0))
+            self.get(path, SERVICE_IFACE, "Result") if unit.endswith(".service") else asyncio.sleep(0))
         if active is None:
             return None
         state = UnitState(unit, str(active),
@@ -111,25 +96,21 @@ class Systemd:
         return [str(item) for item in value or []]
 
     async def dropins(self, unit: str) -> list[str]:
-        """The unit's drop-in files (DropInPaths): whether gpuguard's hook applies to it."""
         value = await self.get(await self.unit_path(unit), UNIT_IFACE, "DropInPaths")
         return [str(item) for item in value or []] if isinstance(value, list) else []
 
 
 async def local_systemd(address: str | None) -> tuple[Systemd, MessageBus | None]:
-    """systemd's manager on the system bus (or `address`), for a unit sweep outside the
-    daemon (`gpuguardctl sweep --local`), and the connection to close afterwards; one with no
-    bus where there is no bus or no systemd on it (then nothing is adopted, as in the daemon)."""
+    """systemd for `gpuguardctl sweep --local`, and the connection to close afterwards; without a
+    bus or systemd on it, one not available: nothing is adopted, as in the daemon."""
     try:
         bus = MessageBus(bus_address=address) if address else MessageBus(bus_type=BusType.SYSTEM)
         await asyncio.wait_for(bus.connect(), CALL_TIMEOUT_SEC)
     except Exception as exc:  # OSError, AuthError, a wedged bus...
-        log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not "
-                 "looked for", exc)
+        log.info("no bus to ask systemd about the unit (%s): its escaped leftovers are not looked for", exc)
         return Systemd(None), None
-    owner = await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC)
     systemd = Systemd(bus)
-    systemd.available = bool(owner)
+    systemd.available = bool(await asyncio.wait_for(name_owner(bus, SYSTEMD), CALL_TIMEOUT_SEC))
     if not systemd.available:
         log.info("no systemd on the bus: the unit's escaped leftovers are not looked for")
     return systemd, bus
@@ -175,21 +156,22 @@ class UnitWatcher:
             self.systemd.available = False
             log.info("unit watch off: no systemd on this bus")
             return False
-        ok = await self.systemd.subscribe()
-        if ok:
+        reply = await self.systemd.call(SYSTEMD_PATH, MANAGER_IFACE, "Subscribe")
+        self.systemd.available = reply is not None and reply.message_type == MessageType.METHOD_RETURN
+        if self.systemd.available:
             log.info("watching systemd units%s", f" matching {' '.join(self.patterns)}"
                      if self.patterns else " (no [Watch] Units: recording GPUs only)")
-        return ok
+        elif reply is not None:
+            log.info("unit watch off: systemd is not on this bus (%s)", reply.error_name)
+        return self.systemd.available
 
     def _on_message(self, msg: Message) -> bool | None:
         if msg.message_type != MessageType.SIGNAL:
             return None
-        # Every signal is checked for its sender: the bus daemon's own, or systemd's current
-        # unique name. Anyone may send any signal straight to our connection (bus/connection.py).
+        # Anyone may send any signal straight to our connection: only the bus daemon's and systemd's count.
         new_owner = name_owner_change(msg, SYSTEMD)
         if new_owner is not None:
-            # systemd re-executed (daemon-reexec) or came back: subscriptions are per
-            # connection, so subscribe again on its new one.
+            # systemd re-executed or came back: subscriptions are per connection, so anew.
             if new_owner:
                 task = asyncio.ensure_future(self._resubscribe())
                 self._tasks.add(task)
@@ -211,8 +193,7 @@ class UnitWatcher:
             if matches(unit, self.patterns):
                 self._consider(unit, job_done=False)
             elif unit.endswith(".service"):
-                # Other services matter only as they start (CUDA_VISIBLE_DEVICES hint): no
-                # lookups for the many state changes of every other unit on the host.
+                # Other services matter only as they start (CUDA_VISIBLE_DEVICES): no lookup per change.
                 changed = msg.body[1].get("ActiveState")
                 if changed is not None and changed.value == "active":
                     self._consider(unit, job_done=False)
@@ -225,10 +206,9 @@ class UnitWatcher:
             log.warning("re-subscribing to systemd failed: %s", exc)
 
     def _consider(self, unit: str, job_done: bool) -> None:
-        """Coalesce bursts of signals for one unit into one look at its state. A signal that
-        arrives while the look is reading the state may mean a state the look did not see (the
-        stop's JobRemoved while it read "deactivating"; the unit then unloaded, and no signal
-        comes again): the unit is looked at once more when that look is done."""
+        """One look at the unit's state per burst of signals; one more after a look that a signal
+        arrived during (the stop's JobRemoved while it read "deactivating"; the unit then
+        unloaded and no signal comes again)."""
         if job_done:
             self._again.add(unit)
         if unit in self._pending:
@@ -259,7 +239,7 @@ class UnitWatcher:
         self._last[unit] = state.active_state
         if len(self._last) > 4 * MAX_UNITS:
             self._last.pop(next(iter(self._last)))
-        if became_active(previous, state):
+        if state.active_state == "active" and previous != "active":  # it started: read its CUDA_VISIBLE_DEVICES
             self.events.put_nowait(UnitEvent(state, stopped=False))
         if not matches(unit, self.patterns) or not is_stop_to_sweep(previous, state, job_done):
             return

@@ -1,21 +1,13 @@
-"""The drop-ins gpuguard writes into systemd units: the ExecStopPost hook, and with start=True
-the start gate's ExecStartPre drop-in (`gpuguardctl hook`, cli/hook.py, is their verb).
-
-A drop-in `<name>.service.d/gpuguard.conf` makes systemd run `gpuguardctl sweep --unit %n`
-after every stop of the unit. systemd (239+) also applies `foo-.service.d/` to every unit
-whose name starts with `foo-` (the name is cut at each dash), so one drop-in covers a whole
-family such as `sglang-qwen.service`, `sglang-llama.service`.
-
-`hook install --start PATTERN` writes `<name>.service.d/gpuguard-start.conf`, a separate file
-(either can be installed or removed alone): `gpuguardctl wait` before every start, gating the
-unit on its own GPUs (its CUDA_VISIBLE_DEVICES: ExecStartPre= runs with the unit's environment).
-
-Our files carry HEADER as their first line; that is how `list` tells ours from an admin's and
-why `install` refuses to overwrite a file that lacks it.
+"""The drop-ins `gpuguardctl hook` writes: `<name>.service.d/gpuguard.conf` runs `gpuguardctl
+sweep --unit %n` after every stop of the unit; `gpuguard-start.conf` (--start), installed and
+removed on its own, runs `gpuguardctl wait` before every start. systemd (239+) also applies
+`foo-.service.d/` to every unit whose name starts with `foo-`, so one drop-in covers a family.
+Ours start with HEADER: `list` tells ours from an admin's by it; `install` overwrites no other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -28,9 +20,8 @@ from gpuguardd.systemd.rules import HOOK_PREFIX
 
 DROPIN_FILE = "gpuguard.conf"
 START_DROPIN_FILE = "gpuguard-start.conf"
-# The start gate's own deadline: a model server's unit usually sets TimeoutStartSec= to minutes
-# or infinity for loading; one that keeps systemd's 90 s default cuts a longer gate short.
-# Units override it (and --stable, --free-below) with Environment=GPUGUARD_WAIT_OPTIONS=...
+# The start gate's own deadline (a unit changes it in GPUGUARD_WAIT_OPTIONS): a model server's
+# unit sets TimeoutStartSec= to minutes for loading; systemd's 90 s default cuts a longer gate short.
 GATE_TIMEOUT = "60s"
 HEADER = "# Managed by gpuguard (gpuguardctl hook). Local edits are lost on reinstall."
 ETC_UNIT_DIR = "/etc/systemd/system"
@@ -39,9 +30,8 @@ UNIT_SEARCH_PATH = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/li
                     "/usr/lib/systemd/system", "/lib/systemd/system")
 GPUGUARDCTL = "/usr/bin/gpuguardctl"
 # The sweep may take GraceSec (10 s) + KillTimeoutSec (5 s) + VerifyTimeoutSec (45 s) plus the
-# scans: 80 s fits under systemd's default TimeoutStopSec=90s, which also bounds ExecStopPost
-# (docs/real-hosts.md reviews these against real workloads' exit times).
-# A unit with a shorter TimeoutStopSec cuts the hook short; the daemon finishes the sweep anyway.
+# scans: 80 s fits under the default TimeoutStopSec=90s, which also bounds ExecStopPost (see
+# docs/real-hosts.md). A shorter TimeoutStopSec cuts the hook short; the daemon finishes the sweep.
 HOOK_TIMEOUT = "80s"
 HOOK_KILL_AFTER = "5s"
 
@@ -61,8 +51,6 @@ class HookError(ValueError):
 
 @dataclass(frozen=True)
 class HookTarget:
-    """What a pattern resolves to: the drop-in directory's unit name and what it matches."""
-
     name: str  # e.g. "sglang-.service", "vllm-qwen.service", "foo@.service"
     kind: str  # "prefix", "unit", "template"
 
@@ -71,25 +59,20 @@ class HookTarget:
                             START_DROPIN_FILE if start else DROPIN_FILE)
 
     def applies_to(self, unit: str) -> bool:
-        """Would systemd apply this drop-in to `unit` (a full unit name)?"""
         stem = self.name.removesuffix(".service")
         if self.kind == "prefix":
             # systemd tries every dash-truncation of the unit name: "a-b-c.service" gets
             # "a-b-.service.d" and "a-.service.d"; "a-.service" itself gets neither.
             unit_stem = unit.removesuffix(".service")
-            return (unit.endswith(".service") and unit_stem.startswith(stem)
-                    and len(unit_stem) > len(stem))
+            return unit.endswith(".service") and unit_stem.startswith(stem) and len(unit_stem) > len(stem)
         if self.kind == "template":
             return unit.endswith(".service") and unit.startswith(stem) and unit != self.name
         return unit == self.name
 
 
 def parse_pattern(pattern: str) -> HookTarget:
-    """A HookTarget for what an admin typed, or HookError saying what is wrong with it.
-
-    Accepted: `sglang-` or `sglang-.service` (prefix), `vllm-qwen` or `vllm-qwen.service`,
-    `foo@.service` (every instance of a template), `foo@bar.service` (one instance).
-    """
+    """Accepted: `sglang-` or `sglang-.service` (prefix), `vllm-qwen` or `vllm-qwen.service`,
+    `foo@.service` (every instance of a template), `foo@bar.service` (one instance)."""
     text = pattern.strip()
     if not text:
         raise HookError("empty pattern: give a unit name or a prefix ending in '-'")
@@ -101,8 +84,7 @@ def parse_pattern(pattern: str) -> HookTarget:
         raise HookError(f"invalid pattern {pattern!r}: globs are not unit names; "
                         "use a prefix ending in '-' (e.g. sglang-) to cover a family of units")
     if "." in text and not text.endswith(".service"):
-        raise HookError(f"invalid pattern {pattern!r}: ExecStopPost= hooks only apply to "
-                        ".service units")
+        raise HookError(f"invalid pattern {pattern!r}: ExecStopPost= hooks only apply to .service units")
     name = text if text.endswith(".service") else text + ".service"
     stem = name.removesuffix(".service")
     if len(name) > _MAX_NAME:
@@ -116,8 +98,7 @@ def parse_pattern(pattern: str) -> HookTarget:
             raise HookError(f"invalid pattern {pattern!r}: not a valid template or instance name")
         return HookTarget(name, "unit" if instance else "template")
     if not _NAME_CHARS.fullmatch(stem):
-        raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits "
-                        "and :_.\\-")
+        raise HookError(f"invalid pattern {pattern!r}: unit names use only letters, digits and :_.\\-")
     return HookTarget(name, "prefix" if stem.endswith("-") else "unit")
 
 
@@ -149,8 +130,6 @@ def render_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
 
 
 def render_start_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
-    """The start gate's drop-in text (`hook install --start`): render_dropin's header, then
-    its own explanation and ExecStartPre= line."""
     stop_hook = render_dropin(target, ctl).split("\n")
     return "\n".join((
         stop_hook[0],
@@ -173,14 +152,10 @@ def render_start_dropin(target: HookTarget, ctl: str = GPUGUARDCTL) -> str:
 
 
 def requested_by_for_reason(reason: str) -> str:
-    """`hook:<unit>` for a reason the drop-in wrote ("hook:x.service result=..."), else "".
-
-    Shared by `gpuguardctl --local` and the daemon so both record the hook the same way.
-    """
+    """`hook:<unit>` for a reason the drop-in wrote ("hook:x.service result=..."), else ""."""
     if not reason.startswith(HOOK_PREFIX):
         return ""
-    rest = reason[len(HOOK_PREFIX):]
-    unit = rest.split(None, 1)[0] if rest.strip() else ""
+    unit = (reason[len(HOOK_PREFIX):].split(None, 1) or [""])[0]
     try:
         parse_pattern(unit)
     except HookError:
@@ -198,17 +173,11 @@ def _read(path: str) -> str | None:
 
 @dataclass
 class Result:
-    """What a hook command did, for text or --json output."""
-
     action: str  # installed, updated, unchanged, removed, absent
     target: str
     path: str
-    reload: str = ""  # what happened about daemon-reload
+    daemon_reload: str = ""  # what happened about daemon-reload
     messages: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, object]:
-        return {"action": self.action, "target": self.target, "path": self.path,
-                "daemon_reload": self.reload, "messages": list(self.messages)}
 
 
 def systemd_running(root: str = "/") -> bool:
@@ -223,32 +192,23 @@ def daemon_reload(root: str) -> str:
         return "skipped (systemd is not PID 1 here)"
     import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
 
-    done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(["systemctl", "daemon-reload"], check=False, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        raise HookError(f"systemctl daemon-reload failed: {done.stderr.strip() or done.returncode}",
-                        usage=False)
+        raise HookError(f"systemctl daemon-reload failed: {done.stderr.strip() or done.returncode}", usage=False)
     return "done"
-
-
-def running_gpuguardctl() -> str:
-    """The gpuguardctl the hook should run: this one, when it was started as an installed
-    program (make install PREFIX=/usr/local puts it in /usr/local/bin), else the packaged path."""
-    program = sys.argv[0] if sys.argv else ""
-    if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl":
-        return program
-    return GPUGUARDCTL
 
 
 def install(pattern: str, root: str = "/", reload: bool = True, start: bool = False) -> Result:
     target = parse_pattern(pattern)
     path = target.dropin_path(root, start)
-    render = render_start_dropin if start else render_dropin
-    wanted = render(target, running_gpuguardctl())
+    # The hook runs this gpuguardctl if it was started as an installed program (make install
+    # PREFIX=/usr/local puts it in /usr/local/bin), else the packaged one.
+    program = sys.argv[0] if sys.argv else ""
+    ctl = program if os.path.isabs(program) and os.path.basename(program) == "gpuguardctl" else GPUGUARDCTL
+    wanted = (render_start_dropin if start else render_dropin)(target, ctl)
     current = _read(path)
     if current is not None and not current.startswith(HEADER):
-        raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it",
-                        usage=False)
+        raise HookError(f"{path} exists and was not written by gpuguard; not overwriting it", usage=False)
     if current == wanted:
         return Result("unchanged", target.name, path, "not needed (nothing changed)")
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
@@ -268,10 +228,8 @@ def remove(pattern: str, root: str = "/", reload: bool = True, start: bool = Fal
     if not current.startswith(HEADER):
         raise HookError(f"{path} was not written by gpuguard; not removing it", usage=False)
     os.unlink(path)
-    try:
+    with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(path))  # only if we left it empty; an admin's files stay
-    except OSError:
-        pass
     return _changed("removed", target, path, root, reload)
 
 
@@ -305,9 +263,7 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
         except OSError:
             continue
         units.update(name for name in names if name.endswith(".service"))
-        for name in names:
-            if not name.endswith(".service.d"):
-                continue
+        for name in [n for n in names if n.endswith(".service.d")]:
             try:
                 files = sorted(f for f in os.listdir(os.path.join(directory, name)) if f.endswith(".conf"))
             except OSError:
@@ -320,13 +276,10 @@ def list_hooks(pattern: str = "", root: str = "/") -> list[InstalledHook]:
     if systemd_running(root):
         import subprocess  # only where systemctl runs (start-up of every gpuguardctl verb)
 
-        done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain",
-                               "--no-legend", "--no-pager"], check=False, capture_output=True,
-                              text=True, timeout=60)
-        for line in done.stdout.splitlines():
-            fields = line.split()
-            if fields and fields[0].endswith(".service"):
-                units.add(fields[0])
+        done = subprocess.run(["systemctl", "list-units", "--all", "--type=service", "--plain", "--no-legend",
+                               "--no-pager"], check=False, capture_output=True, text=True, timeout=60)
+        units.update(fields[0] for fields in map(str.split, done.stdout.splitlines())
+                     if fields and fields[0].endswith(".service"))
     services = sorted(units)
     hooks: list[InstalledHook] = []
     for name, path, text in found:

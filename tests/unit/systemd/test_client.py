@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gpuguardd.systemd.client import UnitWatcher
 from gpuguardd.systemd.rules import UnitState
 
@@ -81,3 +83,21 @@ def test_watcher_reads_a_burst_of_signals_once() -> None:
     assert systemd.asked == ["inactive"]
     assert [s.unit for s in stops(watcher)] == [unit]
 
+
+
+@pytest.mark.parametrize(("previous", "now", "started"), [
+    ("", "active", True), ("activating", "active", True), ("inactive", "active", True),
+    ("active", "active", False), ("active", "reloading", False), ("", "activating", False),
+])
+def test_watcher_reports_a_service_that_became_active(previous: str, now: str, started: bool) -> None:
+    unit = "other.service"  # not watched: only its start is reported
+    systemd = SlowSystemd(UnitState(unit, now, invocation_id="i1"))
+    systemd.answer.set()
+    watcher = UnitWatcher(None, systemd, ["docker-*.scope"])  # type: ignore[arg-type]
+    if previous:
+        watcher._last[unit] = previous
+    asyncio.run(watcher._look(unit))
+    reported = []
+    while not watcher.events.empty():
+        reported.append(watcher.events.get_nowait())
+    assert [(e.state.unit, e.stopped) for e in reported] == ([(unit, False)] if started else [])

@@ -8,7 +8,6 @@ import pytest
 
 from gpuguardd.records.enums import RequesterKind
 from gpuguardd.systemd.rules import (
-    became_active,
     is_stop_to_sweep,
     legacy_requester_kind,
     matches,
@@ -33,14 +32,6 @@ from tests.unit.helpers import state
 ])
 def test_stop_to_sweep(previous: str, now: str, job_done: bool, sweep: bool) -> None:
     assert is_stop_to_sweep(previous, state(now), job_done) is sweep
-
-
-@pytest.mark.parametrize(("previous", "now", "started"), [
-    ("", "active", True), ("activating", "active", True), ("inactive", "active", True),
-    ("active", "active", False), ("active", "reloading", False), ("", "activating", False),
-])
-def test_became_active(previous: str, now: str, started: bool) -> None:
-    assert became_active(previous, state(now)) is started
 
 
 @pytest.mark.parametrize(("requested_by", "kind"), [
