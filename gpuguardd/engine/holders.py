@@ -1,9 +1,8 @@
 """Discovery: every process that holds a watched device, by fd, by mmap, or in NVML's lists.
 
-Device fds are found from /proc/<pid>/fd, one stat() per fd: the node's identity, not its
-name, decides. Maps are read as bytes, and only lines holding one of DeviceMap.maps_prefilter's
-substrings are parsed. Each process is pinned by a pidfd before it is read, so its details
-need no second look. bench/bench_scan.py measures this against fuser and lsof.
+A device fd is known by one stat() of its /proc/<pid>/fd link (the node's identity, not its
+name); maps are searched as bytes for DeviceMap.maps_prefilter. Each process is pinned by a pidfd
+before it is read. bench/bench_scan.py measures this against fuser and lsof.
 """
 
 from __future__ import annotations
@@ -125,8 +124,7 @@ def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bo
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
-    """exe, cmdline and user, each of which may be denied or vanish; a process chooses these
-    bytes, so they are made valid UTF-8 and bounded (safetext)."""
+    """exe, cmdline and user, each of which may be denied or vanish (bytes the process chose: safetext)."""
     exe = procfs.read_exe(holder.pid)
     if exe is not None:
         # A binary replaced on disk while running reads "path (deleted)"; the path decides.
@@ -167,9 +165,8 @@ def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
 
 
 def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
-    """AMD GPU index -> VRAM bytes this process's DRM clients (its `fds` on render and card
-    nodes) hold there, from fdinfo: memory of a client KFD does not list (Vulkan, OpenCL
-    through Mesa, a compositor)."""
+    """AMD GPU index -> VRAM its DRM clients (`fds`) hold there, by fdinfo: clients KFD does not
+    list (Vulkan, Mesa's OpenCL, a compositor)."""
     if not fds:
         return {}
     by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
@@ -193,13 +190,10 @@ def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
     return gpus, sorted(migs)
 
 
-def describe(pid: int, nvml: NvmlSnapshot,
-             device_map: DeviceMap, user_cache: dict[int, str],
-             use_pidfd: bool = True, raw: RawHolding | None = None
-             ) -> tuple[Holder, ProcessHandle] | None:
-    """Read a holder's details, race-free: pinned (pidfd, or start time) before its holdings are
-    read and alive after, so nothing read belongs to a recycled PID. A `raw` read after pinning
-    is taken over, pidfd included; otherwise the holdings are read again here."""
+def describe(pid: int, nvml: NvmlSnapshot, device_map: DeviceMap, user_cache: dict[int, str], use_pidfd: bool = True,
+             raw: RawHolding | None = None) -> tuple[Holder, ProcessHandle] | None:
+    """A holder's details, pinned (pidfd, or start time) before its holdings are read and alive
+    after: nothing read is a recycled PID's. A pinned `raw` is taken over; else they are read again."""
     if raw is not None and raw.pidfd is not None:
         stat = procfs.read_stat(pid)
         if stat is None:
@@ -269,7 +263,7 @@ def describe(pid: int, nvml: NvmlSnapshot,
 
 
 def clock_ticks() -> int:
-    """Now, in the unit of a process's start time (/proc/<pid>/stat): clock ticks since boot."""
+    """Now, in clock ticks since boot: the unit of a process's start time."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
@@ -281,8 +275,7 @@ def started_since(ticks: int) -> list[int]:
 
 
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
-                 pids: list[int] | None = None
-                 ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
+                 pids: list[int] | None = None) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
     """All holders with open handles (the caller closes them), and unreadable pids. `pids`: look
     only at these and those NVML lists."""
     raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd)
