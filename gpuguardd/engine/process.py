@@ -37,7 +37,6 @@ class ProcessHandle:
 
     @classmethod
     def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
-        """A handle on the process now running as `pid`, or None."""
         pidfd: int | None = None
         if use_pidfd:
             try:
@@ -56,8 +55,7 @@ class ProcessHandle:
         return handle
 
     def dup(self) -> ProcessHandle:
-        return ProcessHandle(self.pid, self.start_time,
-                             None if self.pidfd is None else os.dup(self.pidfd))
+        return ProcessHandle(self.pid, self.start_time, None if self.pidfd is None else os.dup(self.pidfd))
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -96,10 +94,8 @@ class ProcessHandle:
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
 
-def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
-                  on_exit: Callable[[int, float], None]) -> None:
-    """Wait until every handle's process has exited or `timeout` passes, calling
-    `on_exit(pid, seen_at)` as each is seen. Without a pidfd, /proc is polled."""
+def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float, on_exit: Callable[[int, float], None]) -> None:
+    """Until every process has exited or `timeout` passes, `on_exit(pid, seen_at)` as each is seen."""
     pending = {h.pid: h for h in handles}
     done: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -143,25 +139,24 @@ def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:
         where = f" in {wchan}" if wchan and wchan != "0" else ""
         return (stat.state, SurvivorReason.UNINTERRUPTIBLE,
                 f"uninterruptible (D state){where}: SIGKILL is pending until it wakes")
-    return (stat.state, SurvivorReason.STILL_RUNNING,
-            f"still running after SIGKILL (state {stat.state})")
+    return stat.state, SurvivorReason.STILL_RUNNING, f"still running after SIGKILL (state {stat.state})"
 
 
 def ignores_sigterm(pid: int) -> bool:
     """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
     handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
-    signals = procfs.read_signals(pid)
-    if signals is None:
+    status = procfs.read_status(pid)
+    try:
+        ignored, caught = (int(status.get(key, b"0").strip(), 16) for key in (b"SigIgn", b"SigCgt"))
+        nspids = [int(p) for p in status.get(b"NSpid", b"").split()]  # from the outermost namespace
+    except ValueError:
         return False
     bit = 1 << (signal.SIGTERM - 1)
-    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
-                                           and not signals.caught & bit)
+    return bool(ignored & bit) or (len(nspids) > 1 and nspids[-1] == 1 and not caught & bit)
 
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How an exited process ended: the signal that killed it, or its exit status."""
-
     killed_by: str = ""  # the signal's name ("SIGKILL", or "signal 42"); "" for an exit
     status: int = 0  # the exit status, when it exited
 

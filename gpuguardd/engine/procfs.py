@@ -168,37 +168,16 @@ def read_exe(pid: int) -> str | None:
 STATUS_HEAD_MAX = 4096
 
 
-def _status(pid: int, limit: int) -> dict[bytes, bytes] | None:
+def read_status(pid: int, limit: int = 4 * STATUS_HEAD_MAX) -> dict[bytes, bytes]:
+    """The status file's fields, {} when it cannot be read."""
     read = _read_bounded(f"{PROC}/{pid}/status", limit)
-    return None if read is None else dict(line.split(b":", 1) for line in read[0].splitlines() if b":" in line)
+    return {} if read is None else dict(line.split(b":", 1) for line in read[0].splitlines() if b":" in line)
 
 
 def read_uid(pid: int) -> int | None:
-    fields = _status(pid, STATUS_HEAD_MAX)
     try:
-        return None if fields is None else int(fields[b"Uid"].split()[0])
+        return int(read_status(pid, STATUS_HEAD_MAX)[b"Uid"].split()[0])
     except (KeyError, IndexError, ValueError):
-        return None
-
-
-@dataclass(frozen=True)
-class Signals:
-    """SigIgn, SigCgt and NSpid (its PIDs from the outermost namespace) of a process's status."""
-
-    ignored: int
-    caught: int
-    nspids: tuple[int, ...]
-
-
-def read_signals(pid: int) -> Signals | None:
-    fields = _status(pid, 4 * STATUS_HEAD_MAX)
-    if fields is None:
-        return None
-    try:
-        return Signals(ignored=int(fields.get(b"SigIgn", b"0").strip(), 16),
-                       caught=int(fields.get(b"SigCgt", b"0").strip(), 16),
-                       nspids=tuple(int(p) for p in fields.get(b"NSpid", b"").split()))
-    except ValueError:
         return None
 
 
