@@ -31,9 +31,8 @@ class GpuLocks:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
         except OSError as exc:
             return f"cannot create lock directory {self.directory}: {exc.strerror}; sweeps are not serialized"
-        names = sorted({str(g) for g in gpus})
         self.waited = self.busy = False
-        for name in names:
+        for name in sorted({str(g) for g in gpus}):
             path = os.path.join(self.directory, f"gpu-{name}.lock")
             try:
                 # Never through a symbolic link: as root that would create or lock any file.

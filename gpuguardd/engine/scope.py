@@ -10,9 +10,8 @@ from gpuguardd.records.models import Holder, Scope
 
 
 def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
-    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
-    why. NVML's lists say where a process computes; one NVML does not list has only its nodes,
-    and a CUDA process holds every GPU's node: it is on `gpus` only if all its nodes are."""
+    """Whether `holder` is on `gpus`, and why not if it holds some of their nodes. Off NVML's lists
+    it has only its nodes (a CUDA process holds every GPU's): on `gpus` only if all of them are."""
     wanted = set(gpus)
     if holder.nvml_gpus:
         return bool(wanted & set(holder.nvml_gpus)), ""
@@ -26,8 +25,7 @@ def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
 
 
 def holds_no_device_here(holder: Holder) -> bool:
-    """NVML lists it, but it holds no device here: another namespace's pid, or one reused since.
-    Not a zombie, which holds nothing any more (the sweep reports it with its parent)."""
+    """Listed, but holds no device here (another namespace's pid, or reused); a zombie holds nothing."""
     return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
 
 

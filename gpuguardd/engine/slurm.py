@@ -1,15 +1,10 @@
 """Slurm: the epilog's sweep of one finished job, and nothing of any other job.
 
-The epilog runs as root after Slurm signalled the job and waited KillWait. What can still
-hold the job's GPUs:
-
-1. processes still in the job's cgroup (_JOB_CGROUP, in any controller's hierarchy);
-2. processes that escaped it (a launcher's daemonised workers): the job user's, on one of the
-   job's GPUs, and in no job's cgroup; never for a job of root, whose "escaped" processes
-   could be any system service.
-
-A process in another job's cgroup is never in scope. The job's GPUs (SLURM_JOB_GPUS, or
-CUDA_VISIBLE_DEVICES) are device minors, not NVML indices: gpu_selectors() maps them.
+The epilog runs as root after Slurm signalled the job and waited KillWait. In scope: 1. the
+processes in the job's cgroup (any controller's hierarchy); 2. those that escaped it (a
+launcher's daemonised workers): the job user's, on the job's GPUs, in no job's cgroup; never for
+a job of root, whose "escaped" processes could be any system service. The job's GPUs
+(SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES) are device minors, not NVML indices.
 """
 
 from __future__ import annotations
@@ -80,8 +75,7 @@ ROOT_UID = 0
 
 
 def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> EpilogJob:
-    """The job as slurmd's epilog (or, for `wait --slurm-prolog`, prolog: the same variables)
-    environment describes it; InvalidArgument names a missing or bad variable."""
+    """The job as the epilog's (or prolog's: the same variables) environment describes it."""
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
         script = "Prolog=" if "prolog" in flag else "Epilog="
@@ -102,8 +96,7 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
 
 
 def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
-    """The sweep's `gpus` strings for device minors (a PCI bus id as it is), and warnings.
-    Without a GPU list, minor N is taken to be GPU N, as it is on almost every host."""
+    """The sweep's `gpus` strings for device minors (a PCI bus id as it is), and warnings."""
     by_minor = {-1 if "minor" in g.unread else g.minor: str(g.index) for g in gpus}
     selectors: list[str] = []
     warnings: list[str] = []
@@ -113,7 +106,7 @@ def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[
         elif minor in by_minor:
             selectors.append(by_minor[minor])
         elif not gpus:
-            selectors.append(str(minor))
+            selectors.append(str(minor))  # as it is on almost every host
             warnings.append(f"no GPU list (NVML unavailable?): device minor {minor} taken to be GPU {minor}")
         else:
             raise InvalidArgument(f"no GPU has device minor {minor} (/dev/nvidia{minor}, "
