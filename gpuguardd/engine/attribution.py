@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap", ".slice", ".target",
                  ".timer", ".path", ".device", ".automount")
-# systemd's unit name alphabet (unit-name.c: VALID_CHARS), as the body of a regular
-# expression's character class; '@' separates a template's prefix from its instance.
+# systemd's unit name alphabet (unit-name.c: VALID_CHARS) as a character class's body; '@' is a template's.
 UNIT_NAME_CHARS = r"A-Za-z0-9:_.\\-"
 _UNIT_NAME = re.compile(rf"[@{UNIT_NAME_CHARS}]+")  # fullmatch: "$" would let a final "\n" in
 _CONTAINER_LABEL = re.compile(r"[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+")

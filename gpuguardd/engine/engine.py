@@ -86,8 +86,7 @@ class Engine:
         amd_gpus = amd.read_gpus(config.sysfs_path, self._first_amd_index(snap), with_processes=with_processes)
         for gpu in amd_gpus:
             gpu.released_below = config.amd_released_below_mib * 1024 * 1024
-            # ROCm gives a process an entry on every GPU KFD knows, whichever it computes on:
-            # only VRAM held there (or a figure that cannot be read) puts it on that GPU.
+            # KFD lists a process on every GPU it knows: only VRAM there (or an unreadable figure) counts.
             gpu.processes = {pid: vram for pid, vram in gpu.processes.items() if vram != 0}
         snap.gpus.extend(amd_gpus)
         if snap.gpus_known and not nvmlprocs.pids_are_local():
@@ -140,7 +139,6 @@ class Engine:
 
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:
-        """NVML indices for what the caller named (index or UUID); InvalidArgument otherwise."""
         items = list(wanted)
         if not items:
             return (), []
@@ -225,8 +223,7 @@ class Engine:
         return names
 
     def prepare(self, request: SweepRequest) -> Prepared:
-        """`request` resolved on a fresh reading, never the inventory's last poll: a GPU named by
-        UUID or PCI bus id is found where it is now."""
+        """Resolved on a fresh reading, never the inventory's last poll: a GPU is found where it is now."""
         since = clock_ticks()
         nvml = self.snapshot()  # one reading for the request's GPUs and the scan
         scope, warnings = self.resolve_request(request, nvml)
@@ -234,8 +231,7 @@ class Engine:
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
-        """Sweep `request` from `prepared` (its check) when given. What may change since comes
-        from the request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
+        """From `prepared` (its check) when given; the adopted processes and the settings are read now."""
         prepared = prepared or self.prepare(request)
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         config = self.config
@@ -245,8 +241,7 @@ class Engine:
         try:
             first = self._scan_pinned(prepared.nvml)
             if not dry_run:
-                # Which GPUs the sweep touches is only known from a scan; lock those. If we had
-                # to wait for another sweep, look again, and widen the lock if it reaches further.
+                # Lock the GPUs the scan found; after a wait for another sweep, look again and widen.
                 held: set[str] = set()
                 wanted = self._lock_names(scope, first[0], first[1])
                 while not wanted <= held:
@@ -259,9 +254,8 @@ class Engine:
                     first = self._scan_pinned()
                     wanted = self._lock_names(scope, first[0], first[1])
 
-            # After the scan that decided the locks, a process becomes a holder by starting (a
-            # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
-            # context (NVML's lists show it): those are what a later round looks at.
+            # Later, a process becomes a holder by starting (a dying worker's child, a respawn: start
+            # times show it) or by creating a CUDA context (NVML lists it): what a later round reads.
             sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(prepared.since)),
                           self.snapshot, request, observer)
             sweep.report.warnings.extend(prepared.warnings)

@@ -23,7 +23,6 @@ from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.records.selectors import pci_key
 
-PROC = procfs.PROC
 log = logging.getLogger("gpuguard.engine")
 
 
@@ -74,8 +73,7 @@ def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 
 
 def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:
-    """What `pid` holds (a RawHolding, its pidfd open when use_pidfd), -pid when its fds
-    could not be read, or None (it holds nothing, or exited)."""
+    """What `pid` holds (pinned when use_pidfd), -pid when its fds are unreadable, or None."""
     raw = RawHolding(pid)
     if use_pidfd:
         try:
@@ -102,8 +100,7 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
 
 def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
              ) -> tuple[dict[int, RawHolding], list[int]]:
-    """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
-    With use_pidfd a holder keeps the pidfd it was pinned by for describe() (or close())."""
+    """The fast pass over /proc, and the unreadable pids; use_pidfd: each keeps its pin for describe()."""
     found: dict[int, RawHolding] = {}
     unreadable: set[int] = set()
     try:
@@ -140,8 +137,7 @@ def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
 
 
 def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
-    """The GPUs whose nodes these are. A holder of /dev/kfd alone may compute on any AMD GPU
-    (ROCm opens the render nodes of the GPUs it uses, and KFD's lists did not name it)."""
+    """A holder of /dev/kfd alone may be on any AMD GPU (ROCm opens its GPUs' render nodes)."""
     gpus: set[int] = set()
     amd = [g.index for g in nvml.gpus if g.vendor == Vendor.AMD]
     for node in nodes:
@@ -180,8 +176,7 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
 
 def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
              device_map: DeviceMap) -> tuple[set[int], list[str]]:
-    """The MIG instances a holder runs in, by NVML's per-instance lists, else by the caps nodes
-    it holds (then with those nodes' GPUs)."""
+    """By NVML's per-instance lists, else by the caps nodes it holds (then with their GPUs)."""
     listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
               for i in gpu.mig if pid in i.processes}
     if listed:
@@ -228,8 +223,7 @@ def describe(pid: int, nvml: NvmlSnapshot, device_map: DeviceMap, user_cache: di
     how = set(raw.how)
     memory = 0
     nvml_gpus: set[int] = set()
-    # The driver's pids (NVML's, KFD's) name local processes only where they are this
-    # /proc's (nvmlprocs). A GPU's list counts a process once, however it was found.
+    # Driver pids name local processes only where they are this /proc's (nvmlprocs); counted once a GPU.
     for gpu in nvml.gpus if nvml.pids_local else ():
         if pid in gpu.processes:
             how.add("kfd" if gpu.vendor == Vendor.AMD else "nvml")
@@ -252,8 +246,7 @@ def describe(pid: int, nvml: NvmlSnapshot, device_map: DeviceMap, user_cache: di
     elif holder.node_gpus:
         holder.gpus, holder.gpus_from = list(holder.node_gpus), GpusFrom.NODES
     holder.gpu_memory = memory
-    # A context: CUDA's (nvidia-uvm, or NVML lists it), ROCm's (/dev/kfd, or KFD lists it), or
-    # a DRM client with VRAM of its own.
+    # A context: CUDA's (nvidia-uvm, or NVML lists it), ROCm's (/dev/kfd, or KFD's), or a DRM client's VRAM.
     compute = {"uvm", "kfd"} & set(holder.roles) or {"nvml", "kfd", "fdinfo"} & how
     holder.kind = HolderKind.COMPUTE if compute else HolderKind.MANAGEMENT
     if not holder.how or not handle.alive():
@@ -268,16 +261,14 @@ def clock_ticks() -> int:
 
 
 def started_since(ticks: int) -> list[int]:
-    """The processes started at `ticks` or later (a recycled PID counts as new), and those whose
-    start cannot be read."""
+    """Those started at `ticks` or later (a recycled PID is new), and those whose start is unreadable."""
     return [pid for pid in procfs.list_pids()
             if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
 
 
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
                  pids: list[int] | None = None) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
-    """All holders with open handles (the caller closes them), and unreadable pids. `pids`: look
-    only at these and those NVML lists."""
+    """Holders with open handles (the caller closes them); `pids`: only these and those NVML lists."""
     raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd)
     candidates = set(raw)
     if nvml.pids_local:

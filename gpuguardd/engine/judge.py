@@ -17,12 +17,10 @@ from gpuguardd.engine import procfs
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
 
-# A pid a summary's verdict implies without naming it (facts_of_record).
-UNNAMED = 0
+UNNAMED = 0  # a pid a summary's verdict implies without naming it (facts_of_record)
 # Reasons that say the figures prove nothing: the gate lets them pass with allow_unverified.
 UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})
-# Reasons that leave it free.
-HARMLESS = frozenset({Why.SUSPENDED})
+HARMLESS = frozenset({Why.SUSPENDED})  # reasons that leave it free
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,7 @@ class Judgement:
 
 
 def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
-    """May compute holder `holder` be on GPU `index` (None: any), or on its MIG instance
-    `mig_uuid`? An unknown GPU or instance counts as this one."""
+    """On GPU `index` (None: any) or its MIG instance `mig_uuid`? An unknown one counts as this one."""
     if holder.kind != HolderKind.COMPUTE:
         return False
     if index is not None and holder.gpus and index not in holder.gpus:
@@ -133,7 +130,6 @@ def released_line(gpu: GpuInfo, configured: int) -> int:
 def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
              released_below: int, pids_local: bool, *,
              ending: Collection[int] = (), stuck: Collection[int] = ()) -> Facts:
-    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read them."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance
     listed = memory.processes
     live = [pid for pid in listed if procfs.pid_exists(pid)] if pids_local else []
@@ -153,8 +149,7 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
 def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
                     holders: Sequence[Holder], backend_error: str | None,
                     sweeping: bool = False) -> Facts:
-    """The facts a published summary carries (the daemon's judgement of what it read), with the
-    holders and sweeps known now. `index` None: any GPU."""
+    """A published summary's facts (the daemon's judgement), with the holders and sweeps known now."""
     on = tuple(h for h in holders if may_be_on(h, index, mig_uuid))
     if backend_error is not None:
         return Facts(backend_error=backend_error, holders=on, sweeping=sweeping)

@@ -44,12 +44,8 @@ class ProcessHandle:
             except OSError:
                 return None
         stat = procfs.read_stat(pid)
-        if stat is None:
-            if pidfd is not None:
-                os.close(pidfd)
-            return None
-        handle = cls(pid, stat.start_time, pidfd)
-        if not handle.alive():
+        handle = cls(pid, -1 if stat is None else stat.start_time, pidfd)
+        if stat is None or not handle.alive():
             handle.close()
             return None
         return handle
@@ -143,8 +139,7 @@ def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:
 
 
 def ignores_sigterm(pid: int) -> bool:
-    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
-    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
+    """Ignored, or a PID namespace's init with no handler (which drops an outer namespace's SIGTERM)."""
     status = procfs.read_status(pid)
     try:
         ignored, caught = (int(status.get(key, b"0").strip(), 16) for key in (b"SigIgn", b"SigCgt"))
@@ -178,13 +173,11 @@ def exit_status(stat: procfs.ProcStat | None) -> ExitStatus | None:
 
 
 def ended_by(last_sent: str, status: ExitStatus | None, sigterm_ignored: bool) -> str:
-    """The signal of ours that ended a process, as far as is known ("" for none); `last_sent`:
-    the last one sent before its exit was seen."""
+    """The signal of ours that ended it, as far as is known; `last_sent`: the last before it was seen gone."""
     sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
     if status is not None and status.killed_by:
         return status.killed_by if status.killed_by in sent else ""
     if status is not None:
-        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
-        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        # A normal exit answers a caught SIGTERM; after SIGKILL or an ignored SIGTERM it was its own.
         return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
     return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent

@@ -28,15 +28,12 @@ from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, Repo
 
 log = logging.getLogger("gpuguard.reset")
 
-# Holders a reset goes past: turning persistence mode off makes nvidia-persistenced let go.
-PAUSABLE = frozenset({"nvidia-persistenced"})
+PAUSABLE = frozenset({"nvidia-persistenced"})  # lets go when persistence mode is turned off
 # DCGM's host engine keeps its handles until it is stopped (DCGM documents no per-GPU release).
 HOSTENGINE = frozenset({"nv-hostengine"})
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
 _OUTPUT_MAX = 300  # bytes of the command's output kept in a step (escaped where shown)
-PAUSED = "NVML closed for a GPU reset"
-# What the NVIDIA driver asks of a caller that changes a GPU (its privileged check is
-# capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
+# The NVIDIA driver's check for changing a GPU is capable(CAP_SYS_ADMIN).
 NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
 KFD_NODE = "/dev/kfd"
 POLL_SEC = 0.1  # between readings while verifying
@@ -48,11 +45,9 @@ def _name(holder: Holder) -> str:
 
 def _touches(holder: Holder, gpu: GpuInfo) -> bool:
     """Whether `holder` has GPU `gpu` open, or computes somewhere nobody can name."""
-    if gpu.index in holder.gpus or gpu.index in holder.node_gpus or gpu.index in holder.nvml_gpus:
-        return True
-    if set(holder.mig) & {m.uuid for m in gpu.mig}:
-        return True
-    return holder.kind == HolderKind.COMPUTE and not holder.gpus
+    return (gpu.index in {*holder.gpus, *holder.node_gpus, *holder.nvml_gpus}
+            or bool(set(holder.mig) & {m.uuid for m in gpu.mig})
+            or (holder.kind == HolderKind.COMPUTE and not holder.gpus))
 
 
 def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int]) -> str:
@@ -202,7 +197,7 @@ class GpuReset:
                       "recreate them as the site does (nvidia-mig-parted)", logging.WARNING)
         restore = self._persistence_off()
         try:
-            self.nvml.pause(PAUSED)
+            self.nvml.pause("NVML closed for a GPU reset")
             self.step("closed gpuguardd's NVML session")
             ok = self._command(gpu.pci_bus_id, self.config.reset_command)
         finally:

@@ -38,8 +38,7 @@ def mig_scope_why(holder: Holder, scope: Scope) -> str:
 
 
 def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
-    """On the scope's whole GPUs (gpu_scope's rule), or in its MIG instances only: a tenant of
-    another instance too, or of an unknown one, is never touched."""
+    """On the scope's GPUs (gpu_scope's rule), or in its MIG instances only (never also in others)."""
     on_mig = bool(holder.mig) and set(holder.mig) <= set(scope.mig)
     return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or on_mig
 

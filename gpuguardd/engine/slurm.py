@@ -22,24 +22,20 @@ from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.records.selectors import PCI, selector
 
-# v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
-# (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:
-# /system.slice/slurmstepd.scope/job_42/step_0/user/task_0.
+# v1: /slurm/uid_1000/job_42/step_0/task_0, or /slurm_<node>/uid_... (CgroupPrepend "/slurm_%n" of
+# --enable-multiple-slurmd builds, as Debian's); v2: /system.slice/slurmstepd.scope/job_42/step_0/...
 # [0-9], never \d: \d takes any Unicode digit, and a cgroup name is text anyone may choose.
 _JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_[0-9]+|slurmstepd\.scope)/job_([0-9]+)(?=/|$)")
 REASON_PREFIX = "slurm:"
-# A node's drain reason is shown in sinfo's table: one short line.
-MAX_REASON = 240
+MAX_REASON = 240  # sinfo shows a node's drain reason in its table: one short line
 # A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
 EPILOG_GRACE_MS = 2000
 # The whole epilog stays well under PrologEpilogTimeout (docs/fleet.md suggests 120 s).
 EPILOG_DEADLINE_MS = 60_000
-# What SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES hold for a job without GPUs.
-_NO_GPUS = {"", "NoDevFiles"}
+_NO_GPUS = {"", "NoDevFiles"}  # SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES of a job without GPUs
 
 
 def job_of_cgroups(cgroup_file: str) -> str:
-    """The Slurm job whose cgroup a /proc/<pid>/cgroup text shows, or ""."""
     for line in cgroup_file.splitlines():
         match = _JOB_CGROUP.search(line.split(":", 2)[-1])
         if match:
@@ -68,8 +64,7 @@ class EpilogJob:
         return f"{REASON_PREFIX}{self.job_id}"
 
 
-# A device minor (/dev/nvidia<minor>): the kernel's minors are 20 bits (MINORBITS); which
-# minors are GPUs is gpu_selectors()' question.
+# A device minor: the kernel's minors are 20 bits (MINORBITS); gpu_selectors() says which are GPUs.
 MAX_MINOR = 2**20 - 1
 ROOT_UID = 0
 

@@ -27,9 +27,8 @@ from gpuguardd.records.report import GpuResult, Leak, Report, ReportScope, Spare
 log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
-# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed pid may be the
-# sweep's or another tenant's: such lists count as settled (unverified, never freed) this long
-# after their last change.
+# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed pid may be the sweep's
+# or another tenant's: such lists count as settled (unverified, never freed) this long after a change.
 FOREIGN_SETTLE_SEC = 2.0
 # NVML has no "memory released" event: poll fast first (release is usually quick), then back off.
 POLL_START_SEC = 0.005
@@ -47,8 +46,7 @@ Pinned = list[tuple[Holder, ProcessHandle]]
 MemoryKey = Union[int, str]
 # A GPU, and the instance of it the key names (None: the whole GPU).
 MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
-# The holders (protection already decided) with their handles, the NVML snapshot they were
-# described with, the PIDs whose fds could not be read, and the scan's warnings.
+# (holder, handle) pairs with protection decided, their NVML snapshot, unreadable PIDs, warnings.
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
@@ -291,8 +289,7 @@ class Sweep:
         return ""
 
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
-        """Poll NVML until the memory is back and no target is still exiting, or until
-        VerifyTimeoutSec (foreign pids' lists: until they settle); the last readings."""
+        """Poll until the memory is back (foreign lists: settled) and nothing exits, or VerifyTimeoutSec."""
         deadline = time.monotonic() + self.config.verify_timeout_sec
         if not gpus or not nvml_available:
             if self._exiting:  # nothing to read: wait for the processes alone, not the clock
