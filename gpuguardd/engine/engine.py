@@ -130,8 +130,7 @@ class Engine:
     def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
         pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
         close_all(pinned)
-        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
-                          warnings=warnings)
+        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
 
     def list_holders(self, scope: Scope, include_protected: bool = True) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
@@ -214,9 +213,7 @@ class Engine:
                      if (found := nvml.mig_instance(uuid)) is not None)
         for holder, _ in pinned:
             if is_target(holder, scope):
-                names.update(str(g) for g in holder.gpus)
-                if not holder.gpus:
-                    names.add(UNKNOWN_GPU)
+                names.update([str(g) for g in holder.gpus] or [UNKNOWN_GPU])
         if scope.whole_host:
             names.update(str(g.index) for g in nvml.gpus)
             names.add(UNKNOWN_GPU)

@@ -177,8 +177,7 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
 def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
              device_map: DeviceMap) -> tuple[set[int], list[str]]:
     """By NVML's per-instance lists, else by the caps nodes it holds (then with their GPUs)."""
-    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
-              for i in gpu.mig if pid in i.processes}
+    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local for i in gpu.mig if pid in i.processes}
     if listed:
         return set(), sorted(listed)
     gpus, migs = instances_for_caps(nodes, device_map.mig_caps, nvml)
@@ -262,8 +261,7 @@ def clock_ticks() -> int:
 
 def started_since(ticks: int) -> list[int]:
     """Those started at `ticks` or later (a recycled PID is new), and those whose start is unreadable."""
-    return [pid for pid in procfs.list_pids()
-            if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
+    return [pid for pid in procfs.list_pids() if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
 
 
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,

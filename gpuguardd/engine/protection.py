@@ -58,8 +58,7 @@ class ProtectedFiles:
             return None
         original = link.removesuffix(_DELETED)
         for pattern in self.patterns:
-            if fnmatch.fnmatchcase(original, pattern) or fnmatch.fnmatchcase(
-                    original, os.path.realpath(pattern)):
+            if fnmatch.fnmatchcase(original, pattern) or fnmatch.fnmatchcase(original, os.path.realpath(pattern)):
                 return f"{pattern}, replaced on disk since the process started"
         return None
 

@@ -32,9 +32,7 @@ def holds_no_device_here(holder: Holder) -> bool:
 def mig_scope_why(holder: Holder, scope: Scope) -> str:
     """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
     others = sorted(set(holder.mig) - set(scope.mig))
-    if others and set(holder.mig) & set(scope.mig):
-        return f"also in MIG instance {', '.join(others)}"
-    return ""
+    return f"also in MIG instance {', '.join(others)}" if others and set(holder.mig) & set(scope.mig) else ""
 
 
 def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:

@@ -306,8 +306,7 @@ class Sweep:
             if self._exiting or lists != foreign:
                 foreign, quiet_since = lists, time.monotonic()
             # Having ended nothing, the sweep has nothing of its own in those lists to wait for.
-            settled = not self._terminated_pids \
-                or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
+            settled = not self._terminated_pids or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
             if not self._exiting and snap.gpus_known \
                     and all(k in current and (self._judge(current[k]).released or (k in lists and settled))
                             for k in gpus):
@@ -320,10 +319,8 @@ class Sweep:
     def _gpu_entry(self, before: MemoryView | None, key: MemoryKey, after: MemoryView | None) -> GpuResult:
         was = _memory_of(before) if before else None
         entry = GpuResult(index=before[0].index if before else key if isinstance(key, int) else 0,
-                          uuid=before[0].uuid if before else "",
-                          memory_used_before=was.memory_used if was else 0,
-                          memory_total=was.memory_total if was else 0,
-                          mig_uuid=key if isinstance(key, str) else "")
+                          uuid=before[0].uuid if before else "", mig_uuid=key if isinstance(key, str) else "",
+                          memory_used_before=was.memory_used if was else 0, memory_total=was.memory_total if was else 0)
         if after is not None:
             entry.memory_used_after = _memory_of(after).memory_used
             entry.released = self._judge(after).released
@@ -353,10 +350,8 @@ class Sweep:
                 not_released.append(key)
                 kind = self._judge(view, (s.pid for s in report.survived if s.state == "D")).leak
                 if kind is not None:
-                    report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
-                                             bytes=_memory_of(view).memory_used,
-                                             mig_uuid=view[1].uuid if view[1] is not None else "",
-                                             kind=kind.value))
+                    report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid, bytes=_memory_of(view).memory_used,
+                                             mig_uuid=view[1].uuid if view[1] is not None else "", kind=kind.value))
         report.verified = verified and not not_released
         if report.survived:
             report.outcome = Outcome.SURVIVORS
