@@ -18,8 +18,7 @@ from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
 
 UNNAMED = 0  # a pid a summary's verdict implies without naming it (facts_of_record)
-# Reasons that say the figures prove nothing: the gate lets them pass with allow_unverified.
-UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})
+UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})  # figures that prove nothing: allow_unverified passes
 HARMLESS = frozenset({Why.SUSPENDED})  # reasons that leave it free
 
 

@@ -29,12 +29,10 @@ from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, Repo
 log = logging.getLogger("gpuguard.reset")
 
 PAUSABLE = frozenset({"nvidia-persistenced"})  # lets go when persistence mode is turned off
-# DCGM's host engine keeps its handles until it is stopped (DCGM documents no per-GPU release).
-HOSTENGINE = frozenset({"nv-hostengine"})
+HOSTENGINE = frozenset({"nv-hostengine"})  # DCGM's: keeps its handles until stopped (no per-GPU release)
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
 _OUTPUT_MAX = 300  # bytes of the command's output kept in a step (escaped where shown)
-# The NVIDIA driver's check for changing a GPU is capable(CAP_SYS_ADMIN).
-NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
+NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"  # the NVIDIA driver checks capable(CAP_SYS_ADMIN)
 KFD_NODE = "/dev/kfd"
 POLL_SEC = 0.1  # between readings while verifying
 

@@ -28,10 +28,8 @@ from gpuguardd.records.selectors import PCI, selector
 _JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_[0-9]+|slurmstepd\.scope)/job_([0-9]+)(?=/|$)")
 REASON_PREFIX = "slurm:"
 MAX_REASON = 240  # sinfo shows a node's drain reason in its table: one short line
-# A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
-EPILOG_GRACE_MS = 2000
-# The whole epilog stays well under PrologEpilogTimeout (docs/fleet.md suggests 120 s).
-EPILOG_DEADLINE_MS = 60_000
+EPILOG_GRACE_MS = 2000  # short: Slurm already sent SIGTERM and waited KillWait before the epilog
+EPILOG_DEADLINE_MS = 60_000  # well under PrologEpilogTimeout (docs/fleet.md suggests 120 s)
 _NO_GPUS = {"", "NoDevFiles"}  # SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES of a job without GPUs
 
 

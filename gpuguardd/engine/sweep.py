@@ -42,10 +42,8 @@ class SweepObserver(Protocol):
 
 
 Pinned = list[tuple[Holder, ProcessHandle]]
-# What a sweep verifies: a whole GPU (NVML index) or one MIG instance (its MIG UUID).
-MemoryKey = Union[int, str]
-# A GPU, and the instance of it the key names (None: the whole GPU).
-MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
+MemoryKey = Union[int, str]  # what a sweep verifies: a whole GPU (NVML index) or a MIG instance (UUID)
+MemoryView = tuple[GpuInfo, Union[MigInstance, None]]  # a GPU, and the key's instance of it (None: whole)
 # (holder, handle) pairs with protection decided, their NVML snapshot, unreadable PIDs, warnings.
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
