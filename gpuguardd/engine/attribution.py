@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 UNIT_SUFFIXES = (".service", ".scope", ".socket", ".mount", ".swap", ".slice", ".target",
                  ".timer", ".path", ".device", ".automount")
-# systemd's unit name alphabet (unit-name.c: VALID_CHARS), as the body of a regular
-# expression's character class; '@' separates a template's prefix from its instance.
+# systemd's unit name alphabet (unit-name.c: VALID_CHARS) as a character class's body; '@' is a template's.
 UNIT_NAME_CHARS = r"A-Za-z0-9:_.\\-"
 _UNIT_NAME = re.compile(rf"[@{UNIT_NAME_CHARS}]+")  # fullmatch: "$" would let a final "\n" in
 _CONTAINER_LABEL = re.compile(r"[a-z][a-z0-9-]*/[A-Za-z0-9_.:@+-]+")
@@ -61,10 +60,8 @@ def container_of(path: str) -> tuple[str, str]:
     for pattern, kind in _CONTAINER_PATTERNS:
         match = pattern.search(path)
         if match:
-            name = match.group(1)
-            if kind == "machine":
-                # systemd escapes '-' in machine scope names as \x2d
-                name = name.replace("\\x2d", "-")
+            # systemd escapes '-' in machine scope names as \x2d
+            name = match.group(1).replace("\\x2d", "-") if kind == "machine" else match.group(1)
             return f"{kind}/{name}", path[match.end():] or "/"
     return "", path
 
@@ -75,10 +72,8 @@ def unit_of(path: str) -> str:
     return first if first.endswith(UNIT_SUFFIXES) else ""
 
 
-_CONTAINER_SCOPE = re.compile(
-    r"^(docker|libpod|cri-containerd|crio)-(?:conmon-)?([0-9a-f]{12,})\.scope$")
-_SCOPE_KINDS = {"docker": "docker", "libpod": "podman", "cri-containerd": "containerd",
-                "crio": "crio"}
+_CONTAINER_SCOPE = re.compile(r"^(docker|libpod|cri-containerd|crio)-(?:conmon-)?([0-9a-f]{12,})\.scope$")
+_SCOPE_KINDS = {"docker": "docker", "libpod": "podman", "cri-containerd": "containerd", "crio": "crio"}
 
 
 def container_scope_label(unit: str) -> str:
@@ -108,8 +103,7 @@ def normalize_unit_name(name: str) -> str:
         raise ValueError("empty unit name")
     if len(name) > 255:
         raise ValueError(f"unit name too long ({len(name)} characters): {name[:40]!r}...")
-    if not name.endswith(UNIT_SUFFIXES):
-        name = name + ".service"
+    name = name if name.endswith(UNIT_SUFFIXES) else name + ".service"
     stem = name.rsplit(".", 1)[0]
     if not stem or not _UNIT_NAME.fullmatch(name) or name.startswith(".") or "/" in name:
         raise ValueError(f"invalid unit name {name!r}")

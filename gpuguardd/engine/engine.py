@@ -10,11 +10,7 @@ from dataclasses import dataclass, replace
 
 from gpuguardd.config import Config
 from gpuguardd.engine import amd, nvmlprocs, procfs, slurm
-from gpuguardd.engine.attribution import (
-    container_scope_label,
-    normalize_unit_name,
-    validate_container_label,
-)
+from gpuguardd.engine.attribution import container_scope_label, normalize_unit_name, validate_container_label
 from gpuguardd.engine.devices import DeviceMap, annotate_device_paths, build_device_map
 from gpuguardd.engine.gpustate import node_gpus
 from gpuguardd.engine.holders import clock_ticks, find_holders, started_since
@@ -27,14 +23,7 @@ from gpuguardd.engine.scope import holds_no_device_here, in_scope, is_target
 from gpuguardd.engine.sweep import Pinned, Scan, Sweep, SweepObserver, close_all
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import HolderKind, Outcome, Vendor, WarningCode
-from gpuguardd.records.models import (
-    Holder,
-    NvmlSnapshot,
-    ScanResult,
-    Scope,
-    SweepRequest,
-    describe_scope,
-)
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult, Scope, SweepRequest, describe_scope
 from gpuguardd.records.report import Report
 from gpuguardd.records.selectors import INDEX, MIG_UUID, PCI, KnownGpu, selector
 
@@ -52,15 +41,12 @@ def filter_holders(holders: Iterable[Holder], scope: Scope, include_protected: b
 
 
 def may_be_on(holder: Holder, on: Scope) -> bool:
-    """Whether `holder` may compute on `on`'s GPUs or MIG instances, for a listing and so for
-    `gpuguardctl check`. The sweep (scope.gpu_scope) leaves out a holder it cannot place; a
-    check must not call a GPU free on that doubt: such a holder counts on every GPU whose node
-    it holds, and on all when its GPU is unknown altogether."""
+    """Whether `holder` may compute on `on`'s GPUs, for a listing and so `gpuguardctl check`. A
+    holder the sweep cannot place counts on every GPU whose node it holds (all, if none is known)."""
     if not on.gpus and not on.mig:
         return True
     if holder.nvml_gpus or holder.mig or holder.kind != HolderKind.COMPUTE:
-        # NVML (or a MIG caps node) places it; a management client (nvidia-smi) holds every
-        # GPU's node: shown where the sweep places it.
+        # Placed by NVML or a MIG caps node; a management client (every GPU's node) where the sweep puts it.
         return in_scope(holder, on)
     if not holder.node_gpus:
         return True
@@ -74,18 +60,16 @@ def known_gpus(nvml: NvmlSnapshot) -> list[KnownGpu]:
 
 @dataclass
 class Prepared:
-    """A request resolved on one reading of the GPUs, shared by its check and its sweep.
-    `since`: clock ticks before that read (a later round looks at holders started after it)."""
+    """A request resolved on one reading of the GPUs, shared by its check and its sweep."""
 
-    since: int
+    since: int  # clock ticks before that read: a later round looks at holders started after it
     nvml: NvmlSnapshot
     scope: Scope
     warnings: list[str]
 
 
 class Engine:
-    def __init__(self, config: Config, nvml: Nvml | None = None,
-                 use_pidfd: bool | None = None) -> None:
+    def __init__(self, config: Config, nvml: Nvml | None = None, use_pidfd: bool | None = None) -> None:
         self.config = config  # replaced whole on a reload: a reader sees the old or the new one
         # Read per snapshot, so a reload's NvmlTimeoutSec applies to the next NVML query.
         self.nvml = nvml or Nvml(timeout=lambda: self.config.nvml_timeout_sec,
@@ -96,15 +80,13 @@ class Engine:
                         "checks before each signal")
 
     def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
-        """One reading of every GPU: NVML's, then the AMD GPUs amdgpu's sysfs files name
-        (engine/amd.py), numbered after NVIDIA's so that NVIDIA's indices stay NVML's."""
+        """NVML's GPUs, then amdgpu's (engine/amd.py), numbered after them: NVIDIA's indices stay NVML's."""
         config = self.config
         snap = self.nvml.snapshot(with_processes=with_processes)
         amd_gpus = amd.read_gpus(config.sysfs_path, self._first_amd_index(snap), with_processes=with_processes)
         for gpu in amd_gpus:
             gpu.released_below = config.amd_released_below_mib * 1024 * 1024
-            # ROCm gives a process an entry on every GPU KFD knows, whichever it computes on:
-            # only VRAM held there (or a figure that cannot be read) puts it on that GPU.
+            # KFD lists a process on every GPU it knows: only VRAM there (or an unreadable figure) counts.
             gpu.processes = {pid: vram for pid, vram in gpu.processes.items() if vram != 0}
         snap.gpus.extend(amd_gpus)
         if snap.gpus_known and not nvmlprocs.pids_are_local():
@@ -146,11 +128,9 @@ class Engine:
         return pinned, snap, unreadable, warnings
 
     def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
-        """Every holder, on `nvml` (a reading taken already) or a fresh one."""
         pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
         close_all(pinned)
-        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable,
-                          warnings=warnings)
+        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
 
     def list_holders(self, scope: Scope, include_protected: bool = True) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
@@ -158,7 +138,6 @@ class Engine:
 
     def resolve_gpus(self, wanted: Iterable[object], nvml: NvmlSnapshot | None = None
                      ) -> tuple[tuple[int, ...], list[str]]:
-        """NVML indices for what the caller named (index or UUID); InvalidArgument otherwise."""
         items = list(wanted)
         if not items:
             return (), []
@@ -193,8 +172,7 @@ class Engine:
 
     @staticmethod
     def resolve_mig(wanted: Iterable[object], nvml: NvmlSnapshot) -> tuple[tuple[str, ...], list[object]]:
-        """The MIG UUIDs among what the caller named (as NVML spells them; never widened to their
-        GPU), and the rest."""
+        """The MIG UUIDs named (as NVML spells them; never widened to their GPU), and the rest."""
         found: list[str] = []
         rest: list[object] = []
         for item in wanted:
@@ -210,8 +188,7 @@ class Engine:
             found.append(match[0].mig)
         return tuple(sorted(set(found))), rest
 
-    def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None
-                        ) -> tuple[Scope, list[str]]:
+    def resolve_request(self, request: SweepRequest, nvml: NvmlSnapshot | None = None) -> tuple[Scope, list[str]]:
         nvml = nvml or self.snapshot(with_processes=False)
         mig, others = self.resolve_mig(request.gpus, nvml)
         gpus, warnings = self.resolve_gpus(others, nvml)
@@ -236,17 +213,14 @@ class Engine:
                      if (found := nvml.mig_instance(uuid)) is not None)
         for holder, _ in pinned:
             if is_target(holder, scope):
-                names.update(str(g) for g in holder.gpus)
-                if not holder.gpus:
-                    names.add(UNKNOWN_GPU)
+                names.update([str(g) for g in holder.gpus] or [UNKNOWN_GPU])
         if scope.whole_host:
             names.update(str(g.index) for g in nvml.gpus)
             names.add(UNKNOWN_GPU)
         return names
 
     def prepare(self, request: SweepRequest) -> Prepared:
-        """`request` resolved on a fresh reading (InvalidArgument for a bad one), never the
-        inventory's last poll: a GPU named by UUID or PCI bus id is found where it is now."""
+        """Resolved on a fresh reading, never the inventory's last poll: a GPU is found where it is now."""
         since = clock_ticks()
         nvml = self.snapshot()  # one reading for the request's GPUs and the scan
         scope, warnings = self.resolve_request(request, nvml)
@@ -254,21 +228,17 @@ class Engine:
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
-        """Sweep `request` from `prepared` (its check) when given. What may change since comes
-        from the request: the processes adopted (a unit's leftovers) and the settings (a reload)."""
-        if prepared is None:
-            prepared = self.prepare(request)
-        since, nvml = prepared.since, prepared.nvml
+        """From `prepared` (its check) when given; the adopted processes and the settings are read now."""
+        prepared = prepared or self.prepare(request)
         scope = replace(prepared.scope, adopted=tuple((int(p), int(s)) for p, s in request.adopted))
         config = self.config
         dry_run = request.is_dry_run(config.dry_run)
         lock_problem = ""
         locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
-            first = self._scan_pinned(nvml)
+            first = self._scan_pinned(prepared.nvml)
             if not dry_run:
-                # Which GPUs the sweep touches is only known from a scan; lock those. If we had
-                # to wait for another sweep, look again, and widen the lock if it reaches further.
+                # Lock the GPUs the scan found; after a wait for another sweep, look again and widen.
                 held: set[str] = set()
                 wanted = self._lock_names(scope, first[0], first[1])
                 while not wanted <= held:
@@ -281,17 +251,15 @@ class Engine:
                     first = self._scan_pinned()
                     wanted = self._lock_names(scope, first[0], first[1])
 
-            # After the scan that decided the locks, a process becomes a holder by starting (a
-            # child a dying worker forks, a respawn: start times show it) or by creating a CUDA
-            # context (NVML's lists show it): those are what a later round looks at.
-            sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(since)),
+            # Later, a process becomes a holder by starting (a dying worker's child, a respawn: start
+            # times show it) or by creating a CUDA context (NVML lists it): what a later round reads.
+            sweep = Sweep(scope, config, first, lambda: self._scan_pinned(pids=started_since(prepared.since)),
                           self.snapshot, request, observer)
             sweep.report.warnings.extend(prepared.warnings)
             if lock_problem:
                 sweep.report.warn(lock_problem, WarningCode.LOCKS_UNAVAILABLE)
             if not self.use_pidfd:
-                sweep.report.warnings.append(
-                    "pidfds unavailable: PIDs were checked by start time before each signal")
+                sweep.report.warnings.append("pidfds unavailable: PIDs were checked by start time before each signal")
             log.info("sweep %s started by %s: %s%s", sweep.report.id[:8],
                      request.requested_by or "unknown", describe_scope(scope),
                      f" (reason: {request.reason})" if request.reason else "")
@@ -310,7 +278,7 @@ class Engine:
 
 
 def log_device_refusals(config: Config) -> None:
-    """Log the refused [Devices] Paths entries once per configuration (scans' warnings reach only reports)."""
+    """Log the refused [Devices] Paths entries once per configuration: a scan's warnings reach only reports."""
     for warning in _device_map(config).warnings:
         log.warning("%s", warning)
 

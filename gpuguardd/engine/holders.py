@@ -1,9 +1,8 @@
 """Discovery: every process that holds a watched device, by fd, by mmap, or in NVML's lists.
 
-Device fds are found from /proc/<pid>/fd, one stat() per fd: the node's identity, not its
-name, decides. Maps are read as bytes, and only lines holding one of DeviceMap.maps_prefilter's
-substrings are parsed. Each process is pinned by a pidfd before it is read, so its details
-need no second look. bench/bench_scan.py measures this against fuser and lsof.
+A device fd is known by one stat() of its /proc/<pid>/fd link (the node's identity, not its
+name); maps are searched as bytes for DeviceMap.maps_prefilter. Each process is pinned by a pidfd
+before it is read. bench/bench_scan.py measures this against fuser and lsof.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from gpuguardd.records.enums import GpusFrom, HolderKind, Vendor
 from gpuguardd.records.models import DeviceNode, Holder, NvmlSnapshot
 from gpuguardd.records.selectors import pci_key
 
-PROC = procfs.PROC
 log = logging.getLogger("gpuguard.engine")
 
 
@@ -75,8 +73,7 @@ def _scan_maps(pid: int, device_map: DeviceMap, raw: RawHolding) -> None:
 
 
 def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | int | None:
-    """What `pid` holds (a RawHolding, its pidfd open when use_pidfd), -pid when its fds
-    could not be read, or None (it holds nothing, or exited)."""
+    """What `pid` holds (pinned when use_pidfd), -pid when its fds are unreadable, or None."""
     raw = RawHolding(pid)
     if use_pidfd:
         try:
@@ -103,8 +100,7 @@ def _scan_one(pid: int, device_map: DeviceMap, use_pidfd: bool) -> RawHolding | 
 
 def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bool = False
              ) -> tuple[dict[int, RawHolding], list[int]]:
-    """The fast pass over /proc: {pid: what it holds} and the pids whose fds we could not read.
-    With use_pidfd a holder keeps the pidfd it was pinned by for describe() (or close())."""
+    """The fast pass over /proc, and the unreadable pids; use_pidfd: each keeps its pin for describe()."""
     found: dict[int, RawHolding] = {}
     unreadable: set[int] = set()
     try:
@@ -125,8 +121,7 @@ def scan_raw(device_map: DeviceMap, pids: list[int] | None = None, use_pidfd: bo
 
 
 def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
-    """exe, cmdline and user, each of which may be denied or vanish; a process chooses these
-    bytes, so they are made valid UTF-8 and bounded (safetext)."""
+    """exe, cmdline and user, each of which may be denied or vanish (bytes the process chose: safetext)."""
     exe = procfs.read_exe(holder.pid)
     if exe is not None:
         # A binary replaced on disk while running reads "path (deleted)"; the path decides.
@@ -142,8 +137,7 @@ def _fill_details(holder: Holder, user_cache: dict[int, str]) -> None:
 
 
 def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
-    """The GPUs whose nodes these are. A holder of /dev/kfd alone may compute on any AMD GPU
-    (ROCm opens the render nodes of the GPUs it uses, and KFD's lists did not name it)."""
+    """A holder of /dev/kfd alone may be on any AMD GPU (ROCm opens its GPUs' render nodes)."""
     gpus: set[int] = set()
     amd = [g.index for g in nvml.gpus if g.vendor == Vendor.AMD]
     for node in nodes:
@@ -167,9 +161,8 @@ def _gpus_for(nodes: list[DeviceNode], nvml: NvmlSnapshot) -> list[int]:
 
 
 def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
-    """AMD GPU index -> VRAM bytes this process's DRM clients (its `fds` on render and card
-    nodes) hold there, from fdinfo: memory of a client KFD does not list (Vulkan, OpenCL
-    through Mesa, a compositor)."""
+    """AMD GPU index -> VRAM its DRM clients (`fds`) hold there, by fdinfo: clients KFD does not
+    list (Vulkan, Mesa's OpenCL, a compositor)."""
     if not fds:
         return {}
     by_pci = {pci_key(g.pci_bus_id): g.index for g in nvml.gpus if g.vendor == Vendor.AMD and g.pci_bus_id}
@@ -183,23 +176,18 @@ def _drm_listed(pid: int, fds: list[str], nvml: NvmlSnapshot) -> dict[int, int]:
 
 def _mig_for(pid: int, nodes: list[DeviceNode], nvml: NvmlSnapshot,
              device_map: DeviceMap) -> tuple[set[int], list[str]]:
-    """The MIG instances a holder runs in, by NVML's per-instance lists, else by the caps nodes
-    it holds (then with those nodes' GPUs)."""
-    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local
-              for i in gpu.mig if pid in i.processes}
+    """By NVML's per-instance lists, else by the caps nodes it holds (then with their GPUs)."""
+    listed = {i.uuid for gpu in nvml.gpus if nvml.pids_local for i in gpu.mig if pid in i.processes}
     if listed:
         return set(), sorted(listed)
     gpus, migs = instances_for_caps(nodes, device_map.mig_caps, nvml)
     return gpus, sorted(migs)
 
 
-def describe(pid: int, nvml: NvmlSnapshot,
-             device_map: DeviceMap, user_cache: dict[int, str],
-             use_pidfd: bool = True, raw: RawHolding | None = None
-             ) -> tuple[Holder, ProcessHandle] | None:
-    """Read a holder's details, race-free: pinned (pidfd, or start time) before its holdings are
-    read and alive after, so nothing read belongs to a recycled PID. A `raw` read after pinning
-    is taken over, pidfd included; otherwise the holdings are read again here."""
+def describe(pid: int, nvml: NvmlSnapshot, device_map: DeviceMap, user_cache: dict[int, str], use_pidfd: bool = True,
+             raw: RawHolding | None = None) -> tuple[Holder, ProcessHandle] | None:
+    """A holder's details, pinned (pidfd, or start time) before its holdings are read and alive
+    after: nothing read is a recycled PID's. A pinned `raw` is taken over; else they are read again."""
     if raw is not None and raw.pidfd is not None:
         stat = procfs.read_stat(pid)
         if stat is None:
@@ -234,8 +222,7 @@ def describe(pid: int, nvml: NvmlSnapshot,
     how = set(raw.how)
     memory = 0
     nvml_gpus: set[int] = set()
-    # The driver's pids (NVML's, KFD's) name local processes only where they are this
-    # /proc's (nvmlprocs). A GPU's list counts a process once, however it was found.
+    # Driver pids name local processes only where they are this /proc's (nvmlprocs); counted once a GPU.
     for gpu in nvml.gpus if nvml.pids_local else ():
         if pid in gpu.processes:
             how.add("kfd" if gpu.vendor == Vendor.AMD else "nvml")
@@ -258,8 +245,7 @@ def describe(pid: int, nvml: NvmlSnapshot,
     elif holder.node_gpus:
         holder.gpus, holder.gpus_from = list(holder.node_gpus), GpusFrom.NODES
     holder.gpu_memory = memory
-    # A context: CUDA's (nvidia-uvm, or NVML lists it), ROCm's (/dev/kfd, or KFD lists it), or
-    # a DRM client with VRAM of its own.
+    # A context: CUDA's (nvidia-uvm, or NVML lists it), ROCm's (/dev/kfd, or KFD's), or a DRM client's VRAM.
     compute = {"uvm", "kfd"} & set(holder.roles) or {"nvml", "kfd", "fdinfo"} & how
     holder.kind = HolderKind.COMPUTE if compute else HolderKind.MANAGEMENT
     if not holder.how or not handle.alive():
@@ -269,22 +255,18 @@ def describe(pid: int, nvml: NvmlSnapshot,
 
 
 def clock_ticks() -> int:
-    """Now, in the unit of a process's start time (/proc/<pid>/stat): clock ticks since boot."""
+    """Now, in clock ticks since boot: the unit of a process's start time."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def started_since(ticks: int) -> list[int]:
-    """The processes started at `ticks` or later (a recycled PID counts as new), and those whose
-    start cannot be read."""
-    return [pid for pid in procfs.list_pids()
-            if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
+    """Those started at `ticks` or later (a recycled PID is new), and those whose start is unreadable."""
+    return [pid for pid in procfs.list_pids() if (stat := procfs.read_stat(pid)) is None or stat.start_time >= ticks]
 
 
 def find_holders(device_map: DeviceMap, nvml: NvmlSnapshot, use_pidfd: bool = True,
-                 pids: list[int] | None = None
-                 ) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
-    """All holders with open handles (the caller closes them), and unreadable pids. `pids`: look
-    only at these and those NVML lists."""
+                 pids: list[int] | None = None) -> tuple[list[tuple[Holder, ProcessHandle]], list[int]]:
+    """Holders with open handles (the caller closes them); `pids`: only these and those NVML lists."""
     raw, unreadable = scan_raw(device_map, pids=pids, use_pidfd=use_pidfd)
     candidates = set(raw)
     if nvml.pids_local:

@@ -1,27 +1,11 @@
-"""The one judge of "is this GPU free?": from what is known of a GPU (or MIG instance) and its
-holders, whichever the vendor, a verdict and its reasons.
-
-Every surface asks it and words the answer its own way (Gpu State and LeakKind, the start
-gate, `gpuguardctl check`, a sweep's verification and so the Slurm epilog, AutoReset): nothing
+"""The one judge of "is this GPU (or MIG instance) free?", for every vendor and every surface
+(Gpu State, the start gate, `gpuguardctl check`, a sweep's verification, AutoReset): nothing
 else decides, so no two of them can disagree on the same facts.
 
-The rule, safe side first:
-  * a compute holder that may be on it (protected or not; one whose GPU, or MIG instance,
-    cannot be told may be on any) makes it in use: it is never free;
-  * so do live processes NVML lists on it, and pids NVML lists from another PID namespace
-    (alive elsewhere, maybe); a running sweep of its GPU keeps it from being free;
-  * figures that are not current or were not read are never free: no NVML, a GPU NVML does
-    not list, lost or unreadable (unless the caller allows unverified GPUs: the gate's
-    --allow-unverified); a runtime-suspended GPU's last figures are judged, but never called
-    released by a sweep;
-  * memory above the released line (the GPU's own threshold where its backend sets one, else
-    [Sweep] ReleasedBelowMiB) with nobody holding it is leaked; the gate's own line ([Gate]
-    FreeBelowMiB, or a waiter's) replaces it for "free".
-
-A leak is of a kind, as an operator acts on each differently (docs/recovery.md): no-process
-(nothing listed; rocm-systems 8263: 46 GB stranded), dead-pids (listed pids that do not exist;
-vllm-dashboard 182; said only where NVML's pids are this /proc's, else the GPU stays in use),
-stuck-in-driver (a sweep's survivors asleep in the driver, D state; vllm 25127: reports only).
+Safe side first: a compute holder that may be on it, a live or foreign listed pid, or a running
+sweep makes it in use; figures not read or not current (no NVML, unlisted, lost, unreadable) are
+never free. Leak kinds (docs/recovery.md): no-process (rocm-systems 8263), dead-pids
+(vllm-dashboard 182; only where NVML's pids are this /proc's), stuck-in-driver (vllm 25127).
 """
 
 from __future__ import annotations
@@ -33,12 +17,9 @@ from gpuguardd.engine import procfs
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Why
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, MigInstance, MigSummary
 
-# A pid a summary's verdict implies without naming it (facts_of_record).
-UNNAMED = 0
-# Reasons that say the figures prove nothing: the gate lets them pass with allow_unverified.
-UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})
-# Reasons that leave it free.
-HARMLESS = frozenset({Why.SUSPENDED})
+UNNAMED = 0  # a pid a summary's verdict implies without naming it (facts_of_record)
+UNVERIFIED = frozenset({Why.NO_BACKEND, Why.UNREADABLE})  # figures that prove nothing: allow_unverified passes
+HARMLESS = frozenset({Why.SUSPENDED})  # reasons that leave it free
 
 
 @dataclass(frozen=True)
@@ -76,7 +57,6 @@ class Judgement:
     released: bool = False  # its memory is back: at or below the line plus what live pids hold
 
     def blocking(self, allow_unverified: bool = False) -> list[Reason]:
-        """The reasons it is not free for the next job."""
         return [r for r in self.reasons if r.why not in HARMLESS
                 and not (allow_unverified and r.why in UNVERIFIED)]
 
@@ -85,8 +65,7 @@ class Judgement:
 
 
 def may_be_on(holder: Holder, index: int | None, mig_uuid: str = "") -> bool:
-    """May compute holder `holder` be on GPU `index` (None: any), or on its MIG instance
-    `mig_uuid`? An unknown GPU or instance counts as this one."""
+    """On GPU `index` (None: any) or its MIG instance `mig_uuid`? An unknown one counts as this one."""
     if holder.kind != HolderKind.COMPUTE:
         return False
     if index is not None and holder.gpus and index not in holder.gpus:
@@ -150,14 +129,10 @@ def released_line(gpu: GpuInfo, configured: int) -> int:
 def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holder],
              released_below: int, pids_local: bool, *,
              ending: Collection[int] = (), stuck: Collection[int] = ()) -> Facts:
-    """The facts of a GPU (instance None) or one of its MIG instances, as the backend read them."""
     memory: GpuInfo | MigInstance = gpu if instance is None else instance
     listed = memory.processes
-    live: list[int] = []
-    dead: list[int] = []
-    if pids_local:
-        for pid in listed:
-            (live if procfs.pid_exists(pid) else dead).append(pid)
+    live = [pid for pid in listed if procfs.pid_exists(pid)] if pids_local else []
+    dead = [pid for pid in listed if pid not in live] if pids_local else []
     return Facts(
         suspended=gpu.suspended, lost=gpu.lost,
         unreadable=gpu.unknown or bool(memory.error and not memory.memory_total),
@@ -173,8 +148,7 @@ def facts_of(gpu: GpuInfo, instance: MigInstance | None, holders: Sequence[Holde
 def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSummary | None,
                     holders: Sequence[Holder], backend_error: str | None,
                     sweeping: bool = False) -> Facts:
-    """The facts a published summary carries (the daemon's judgement of what it read), with the
-    holders and sweeps known now. `index` None: any GPU."""
+    """A published summary's facts (the daemon's judgement), with the holders and sweeps known now."""
     on = tuple(h for h in holders if may_be_on(h, index, mig_uuid))
     if backend_error is not None:
         return Facts(backend_error=backend_error, holders=on, sweeping=sweeping)
@@ -182,10 +156,9 @@ def facts_of_record(index: int | None, mig_uuid: str, record: GpuSummary | MigSu
         return Facts(listed=False, holders=on, sweeping=sweeping)
     state = record.state if "state" not in record.unread else GpuState.UNKNOWN
     used = record.memory_used
-    error = getattr(record, "error", "")
     return Facts(
         suspended=state == GpuState.SUSPENDED, lost=state == GpuState.LOST,
-        unreadable=state == GpuState.UNKNOWN, error=error, used=used,
+        unreadable=state == GpuState.UNKNOWN, error=getattr(record, "error", ""), used=used,
         # The daemon judged the line: leaked is above it, anything else not.
         released_below=used - 1 if state == GpuState.LEAKED else used,
         live=(UNNAMED,) if state == GpuState.IN_USE else (),

@@ -13,8 +13,7 @@ from collections.abc import Iterable
 
 from gpuguardd.safefiles import open_nofollow
 
-# Holders whose GPU nobody can name (control devices only, no NVML) share this lock.
-UNKNOWN_GPU = "unknown"
+UNKNOWN_GPU = "unknown"  # the lock of holders whose GPU nobody can name (control devices only, no NVML)
 
 
 class GpuLocks:
@@ -25,15 +24,13 @@ class GpuLocks:
         self.busy = False  # the last acquire(wait=False) found a GPU locked
 
     def acquire(self, gpus: Iterable[object], wait: bool = True) -> str | None:
-        """Lock the GPUs in a fixed order (no deadlock); a warning if locking is off. wait=False
-        (a reset): hold nothing and set `busy` when another holds one of them."""
+        """In a fixed order (no deadlock); a warning if locking is off. wait=False: `busy`, not a wait."""
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
         except OSError as exc:
             return f"cannot create lock directory {self.directory}: {exc.strerror}; sweeps are not serialized"
-        names = sorted({str(g) for g in gpus})
         self.waited = self.busy = False
-        for name in names:
+        for name in sorted({str(g) for g in gpus}):
             path = os.path.join(self.directory, f"gpu-{name}.lock")
             try:
                 # Never through a symbolic link: as root that would create or lock any file.

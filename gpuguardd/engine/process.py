@@ -37,7 +37,6 @@ class ProcessHandle:
 
     @classmethod
     def open(cls, pid: int, use_pidfd: bool = True) -> ProcessHandle | None:
-        """A handle on the process now running as `pid`, or None."""
         pidfd: int | None = None
         if use_pidfd:
             try:
@@ -45,19 +44,14 @@ class ProcessHandle:
             except OSError:
                 return None
         stat = procfs.read_stat(pid)
-        if stat is None:
-            if pidfd is not None:
-                os.close(pidfd)
-            return None
-        handle = cls(pid, stat.start_time, pidfd)
-        if not handle.alive():
+        handle = cls(pid, -1 if stat is None else stat.start_time, pidfd)
+        if stat is None or not handle.alive():
             handle.close()
             return None
         return handle
 
     def dup(self) -> ProcessHandle:
-        return ProcessHandle(self.pid, self.start_time,
-                             None if self.pidfd is None else os.dup(self.pidfd))
+        return ProcessHandle(self.pid, self.start_time, None if self.pidfd is None else os.dup(self.pidfd))
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -96,10 +90,8 @@ class ProcessHandle:
         return stat is None or stat.start_time != self.start_time or stat.state in ("Z", "X")
 
 
-def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float,
-                  on_exit: Callable[[int, float], None]) -> None:
-    """Wait until every handle's process has exited or `timeout` passes, calling
-    `on_exit(pid, seen_at)` as each is seen. Without a pidfd, /proc is polled."""
+def wait_for_exit(handles: Iterable[ProcessHandle], timeout: float, on_exit: Callable[[int, float], None]) -> None:
+    """Until every process has exited or `timeout` passes, `on_exit(pid, seen_at)` as each is seen."""
     pending = {h.pid: h for h in handles}
     done: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -143,25 +135,23 @@ def survivor_reason(pid: int) -> tuple[str, SurvivorReason, str]:
         where = f" in {wchan}" if wchan and wchan != "0" else ""
         return (stat.state, SurvivorReason.UNINTERRUPTIBLE,
                 f"uninterruptible (D state){where}: SIGKILL is pending until it wakes")
-    return (stat.state, SurvivorReason.STILL_RUNNING,
-            f"still running after SIGKILL (state {stat.state})")
+    return stat.state, SurvivorReason.STILL_RUNNING, f"still running after SIGKILL (state {stat.state})"
 
 
 def ignores_sigterm(pid: int) -> bool:
-    """Whether SIGTERM cannot end `pid` now: ignored, or a PID namespace's init without a
-    handler (signals from an ancestor namespace other than SIGKILL are then dropped)."""
-    signals = procfs.read_signals(pid)
-    if signals is None:
+    """Ignored, or a PID namespace's init with no handler (which drops an outer namespace's SIGTERM)."""
+    status = procfs.read_status(pid)
+    try:
+        ignored, caught = (int(status.get(key, b"0").strip(), 16) for key in (b"SigIgn", b"SigCgt"))
+        nspids = [int(p) for p in status.get(b"NSpid", b"").split()]  # from the outermost namespace
+    except ValueError:
         return False
     bit = 1 << (signal.SIGTERM - 1)
-    return bool(signals.ignored & bit) or (len(signals.nspids) > 1 and signals.nspids[-1] == 1
-                                           and not signals.caught & bit)
+    return bool(ignored & bit) or (len(nspids) > 1 and nspids[-1] == 1 and not caught & bit)
 
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How an exited process ended: the signal that killed it, or its exit status."""
-
     killed_by: str = ""  # the signal's name ("SIGKILL", or "signal 42"); "" for an exit
     status: int = 0  # the exit status, when it exited
 
@@ -183,13 +173,11 @@ def exit_status(stat: procfs.ProcStat | None) -> ExitStatus | None:
 
 
 def ended_by(last_sent: str, status: ExitStatus | None, sigterm_ignored: bool) -> str:
-    """The signal of ours that ended a process, as far as is known ("" for none); `last_sent`:
-    the last one sent before its exit was seen."""
+    """The signal of ours that ended it, as far as is known; `last_sent`: the last before it was seen gone."""
     sent = {"": set(), "SIGTERM": {"SIGTERM"}, "SIGKILL": {"SIGTERM", "SIGKILL"}}.get(last_sent, set())
     if status is not None and status.killed_by:
         return status.killed_by if status.killed_by in sent else ""
     if status is not None:
-        # A normal exit: after a caught SIGTERM that is its answer to ours; otherwise (SIGKILL
-        # cannot be caught, an ignored SIGTERM changes nothing) it exited on its own.
+        # A normal exit answers a caught SIGTERM; after SIGKILL or an ignored SIGTERM it was its own.
         return last_sent if last_sent == "SIGTERM" and not sigterm_ignored else ""
     return "" if last_sent == "SIGTERM" and sigterm_ignored else last_sent

@@ -62,8 +62,7 @@ def read_stat(pid: int) -> ProcStat | None:
         return None
 
 
-# Far more than any real file (a PATH_MAX line per hierarchy); a hostile one costs no memory.
-CGROUP_READ_MAX = 64 * 1024
+CGROUP_READ_MAX = 64 * 1024  # far above a real file (a PATH_MAX line per hierarchy); bounds a hostile one
 
 
 def _read_bounded(path: str, limit: int) -> tuple[bytes, bool] | None:
@@ -95,8 +94,7 @@ def read_cmdline(pid: int) -> str | None:
 
 
 def char_device_fds(pid: int) -> list[tuple[int, int, int, str]]:
-    """(st_dev, st_ino, st_rdev, fd) of each open fd of `pid` on a character device, by stat()
-    through the fd link. OSError when the fd directory cannot be opened."""
+    """(st_dev, st_ino, st_rdev, fd) of `pid`'s character device fds; OSError if it cannot be read."""
     dir_fd = os.open(f"{PROC}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     found: list[tuple[int, int, int, str]] = []
     try:
@@ -134,8 +132,7 @@ def _read_whole(path: str) -> bytes | None:
 
 
 def maps_lines(pid: int, tokens: Sequence[bytes]) -> list[bytes]:
-    """The lines of /proc/<pid>/maps that hold one of `tokens`, each once ([] when unreadable):
-    searched as bytes, never parsed whole."""
+    """The lines of /proc/<pid>/maps holding one of `tokens`, each once: searched, never parsed whole."""
     data = _read_whole(f"{PROC}/{pid}/maps")
     if data is None:
         return []
@@ -156,49 +153,25 @@ def maps_lines(pid: int, tokens: Sequence[bytes]) -> list[bytes]:
 
 
 def read_exe(pid: int) -> str | None:
-    """The executable's path as the kernel prints it (a replaced binary ends in " (deleted)");
-    None for a kernel thread, a zombie, or one gone or not ours to read."""
+    """As the kernel prints it (a replaced binary's ends in " (deleted)"); None for a kernel thread or zombie."""
     try:
         return os.readlink(f"{PROC}/{pid}/exe")
     except OSError:
         return None
 
 
-# The status file's Uid: line comes early; the signal masks and NSpid within four times that.
-STATUS_HEAD_MAX = 4096
+STATUS_HEAD_MAX = 4096  # holds the Uid: line; four times it, the signal masks and NSpid
 
 
-def _status(pid: int, limit: int) -> dict[bytes, bytes] | None:
+def read_status(pid: int, limit: int = 4 * STATUS_HEAD_MAX) -> dict[bytes, bytes]:
     read = _read_bounded(f"{PROC}/{pid}/status", limit)
-    return None if read is None else dict(line.split(b":", 1) for line in read[0].splitlines() if b":" in line)
+    return {} if read is None else dict(line.split(b":", 1) for line in read[0].splitlines() if b":" in line)
 
 
 def read_uid(pid: int) -> int | None:
-    fields = _status(pid, STATUS_HEAD_MAX)
     try:
-        return None if fields is None else int(fields[b"Uid"].split()[0])
+        return int(read_status(pid, STATUS_HEAD_MAX)[b"Uid"].split()[0])
     except (KeyError, IndexError, ValueError):
-        return None
-
-
-@dataclass(frozen=True)
-class Signals:
-    """SigIgn, SigCgt and NSpid (its PIDs from the outermost namespace) of a process's status."""
-
-    ignored: int
-    caught: int
-    nspids: tuple[int, ...]
-
-
-def read_signals(pid: int) -> Signals | None:
-    fields = _status(pid, 4 * STATUS_HEAD_MAX)
-    if fields is None:
-        return None
-    try:
-        return Signals(ignored=int(fields.get(b"SigIgn", b"0").strip(), 16),
-                       caught=int(fields.get(b"SigCgt", b"0").strip(), 16),
-                       nspids=tuple(int(p) for p in fields.get(b"NSpid", b"").split()))
-    except ValueError:
         return None
 
 
@@ -208,7 +181,6 @@ def read_wchan(pid: int) -> str | None:
 
 
 def ancestors(pid: int) -> list[int]:
-    """pid and its parents up to PID 1."""
     chain: list[int] = []
     current = pid
     while current > 0 and current not in chain:

@@ -1,9 +1,8 @@
-"""Who a sweep must never signal, and why. The answer is on the holder before any signal.
+"""Who a sweep must never signal, and why, decided on the holder before any signal.
 
-A protected executable is recognised by file identity, never by path text: /proc/PID/exe
-reads the path in the process's own mount namespace, which any user can make say
-/usr/bin/nvidia-persistenced (`unshare -Urm`). stat() through the magic link reaches the file
-it really runs, compared by (st_dev, st_ino) with the ProtectedExecutables in our namespace.
+A protected executable is known by file identity: /proc/PID/exe's text is a path in the
+process's own mount namespace (`unshare -Urm` makes it say anything); stat() through the link
+reaches the file it runs, compared by (st_dev, st_ino) with ProtectedExecutables in ours.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ class ProtectedFiles:
         try:
             st = os.stat(f"/proc/{pid}/exe")
         except OSError:
-            # Gone, or on a filesystem that refuses us (a user's FUSE mount): not one of ours.
-            # Sparing it would let any user shield a holder by running it from a FUSE mount.
+            # Gone, or on a filesystem that refuses us: sparing it would let a FUSE mount shield any holder.
             return None
         return self.by_id.get((st.st_dev, st.st_ino)) or self._replaced_in_our_namespace(pid)
 
@@ -60,8 +58,7 @@ class ProtectedFiles:
             return None
         original = link.removesuffix(_DELETED)
         for pattern in self.patterns:
-            if fnmatch.fnmatchcase(original, pattern) or fnmatch.fnmatchcase(
-                    original, os.path.realpath(pattern)):
+            if fnmatch.fnmatchcase(original, pattern) or fnmatch.fnmatchcase(original, os.path.realpath(pattern)):
                 return f"{pattern}, replaced on disk since the process started"
         return None
 
@@ -77,7 +74,6 @@ def _same_namespace_and_root(pid: int) -> bool:
 
 def protection(holder: Holder, config: Config, own_chain: Iterable[int],
                protected: ProtectedFiles | None = None) -> tuple[SpareReason, str] | None:
-    """Why `holder` must never be signalled: its code and the words for it; None if it may be."""
     if holder.pid == 1:
         return SpareReason.INIT, "PID 1 (init)"
     # The kernel-thread flag, not PID 2: in a PID namespace PID 2 is an ordinary process.

@@ -1,15 +1,9 @@
 """Resetting one GPU that nothing holds, through the driver's supported path, and proving it.
 
 NVML cannot reset a GPU; `nvidia-smi -r` can, if no process uses it, persistence mode is off
-and NVLink peers are reset together (its manual). So a reset refuses unless nothing holds the
-GPU, turns persistence mode off (nvidia-persistenced lets go), closes gpuguardd's own NVML
-session, runs [Recovery] ResetCommand with the PCI bus id, restores persistence mode and polls
-until the GPU answers with its memory back. Every step is kept in the report.
-
-An AMD GPU takes the same path without NVML, through [Recovery] AmdResetCommand. Per AMD's
-amd-smi guide a reset ends every process with /dev/kfd open and resets the whole XGMI hive: so
-it is refused while anyone holds /dev/kfd, for a GPU in a hive or a partition of one, and for
-the boot display GPU.
+and NVLink peers are reset together (its manual): so gpuguardd's own NVML session is closed and
+persistence mode turned off around [Recovery] ResetCommand. Per AMD's amd-smi guide a reset
+(AmdResetCommand) ends every process with /dev/kfd open and resets the whole XGMI hive.
 """
 
 from __future__ import annotations
@@ -34,16 +28,11 @@ from gpuguardd.records.report import REPORT_RESET, GpuResult, Leak, Report, Repo
 
 log = logging.getLogger("gpuguard.reset")
 
-# Holders a reset goes past: turning persistence mode off makes nvidia-persistenced let go.
-PAUSABLE = frozenset({"nvidia-persistenced"})
-# DCGM's host engine keeps its handles until it is stopped (DCGM documents no per-GPU release).
-HOSTENGINE = frozenset({"nv-hostengine"})
+PAUSABLE = frozenset({"nvidia-persistenced"})  # lets go when persistence mode is turned off
+HOSTENGINE = frozenset({"nv-hostengine"})  # DCGM's: keeps its handles until stopped (no per-GPU release)
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS
 _OUTPUT_MAX = 300  # bytes of the command's output kept in a step (escaped where shown)
-PAUSED = "NVML closed for a GPU reset"
-# What the NVIDIA driver asks of a caller that changes a GPU (its privileged check is
-# capable(CAP_SYS_ADMIN)); docs/recovery.md has the drop-in that grants it.
-NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"
+NEEDS = "CAP_SYS_ADMIN (docs/recovery.md: the reset drop-in)"  # the NVIDIA driver checks capable(CAP_SYS_ADMIN)
 KFD_NODE = "/dev/kfd"
 POLL_SEC = 0.1  # between readings while verifying
 
@@ -54,16 +43,13 @@ def _name(holder: Holder) -> str:
 
 def _touches(holder: Holder, gpu: GpuInfo) -> bool:
     """Whether `holder` has GPU `gpu` open, or computes somewhere nobody can name."""
-    if gpu.index in holder.gpus or gpu.index in holder.node_gpus or gpu.index in holder.nvml_gpus:
-        return True
-    if set(holder.mig) & {m.uuid for m in gpu.mig}:
-        return True
-    return holder.kind == HolderKind.COMPUTE and not holder.gpus
+    return (gpu.index in {*holder.gpus, *holder.node_gpus, *holder.nvml_gpus}
+            or bool(set(holder.mig) & {m.uuid for m in gpu.mig})
+            or (holder.kind == HolderKind.COMPUTE and not holder.gpus))
 
 
 def refusal(gpu: GpuInfo, snap: NvmlSnapshot, holders: Sequence[Holder], own: frozenset[int]) -> str:
-    """Why GPU `gpu` must not be reset now ("" when it may): a holder other than gpuguardd and
-    PAUSABLE daemons, or a process NVML (or KFD) lists that may be alive."""
+    """Why `gpu` must not be reset now ("" when it may): a holder, or a listed process that may be alive."""
     lister = "KFD" if gpu.vendor == Vendor.AMD else "NVML"
     if snap.pids_local:
         alive = sorted(pid for pid in gpu.processes if procfs.pid_exists(pid))
@@ -109,15 +95,13 @@ def _kfd_hive(sysfs: str, gpu_id: int) -> int:
 
 
 def amd_refusal(gpu: GpuInfo, scan: ScanResult, own: frozenset[int], sysfs: str = "/sys") -> str:
-    """What else an AMD GPU's reset would take down ("" when nothing): /dev/kfd holders, its
-    XGMI hive, its sibling partitions (MI300 CPX and kin), the console."""
+    """What else an AMD GPU's reset would take down ("" when nothing)."""
     for holder in scan.holders:
-        if holder.pid in own or not (KFD_NODE in holder.devices or "kfd" in holder.roles):
-            continue
-        return (f"pid {holder.pid} ({holder.comm}) holds {KFD_NODE}"
-                + (f" in unit {holder.unit}" if holder.unit else "")
-                + ": the amdgpu driver ends every process with /dev/kfd open when any GPU is "
-                "reset, whichever GPU it uses (end the ROCm processes first)")
+        if holder.pid not in own and (KFD_NODE in holder.devices or "kfd" in holder.roles):
+            return (f"pid {holder.pid} ({holder.comm}) holds {KFD_NODE}"
+                    + (f" in unit {holder.unit}" if holder.unit else "")
+                    + ": the amdgpu driver ends every process with /dev/kfd open when any GPU is "
+                    "reset, whichever GPU it uses (end the ROCm processes first)")
     siblings = sorted(other.index for other in scan.nvml.gpus if other.index != gpu.index
                       and other.vendor == Vendor.AMD and gpu.pci_bus_id
                       and other.pci_bus_id.lower() == gpu.pci_bus_id.lower())
@@ -211,7 +195,7 @@ class GpuReset:
                       "recreate them as the site does (nvidia-mig-parted)", logging.WARNING)
         restore = self._persistence_off()
         try:
-            self.nvml.pause(PAUSED)
+            self.nvml.pause("NVML closed for a GPU reset")
             self.step("closed gpuguardd's NVML session")
             ok = self._command(gpu.pci_bus_id, self.config.reset_command)
         finally:
@@ -229,11 +213,9 @@ class GpuReset:
                            memory_total=gpu.memory_total)
         self.report.gpus = [before]
         kind = self._judge(gpu, pids_local).leak
-        shown = ""
         if kind is not None:
-            self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used,
-                                      kind=kind.value)]
-            shown = f" ({kind.value})"
+            self.report.leaks = [Leak(gpu=gpu.index, uuid=gpu.uuid, bytes=gpu.memory_used, kind=kind.value)]
+        shown = f" ({kind.value})" if kind is not None else ""
         self.step(f"nothing holds it; {gpu.memory_used // (1024 * 1024)} MiB in use{shown}")
         return before
 
@@ -269,7 +251,7 @@ class GpuReset:
                               "nvmlDeviceSetPersistenceMode")
 
     def _persistence_off(self) -> bool:
-        """Turn persistence mode off if it is on; whether it has to be restored."""
+        """Whether it turned persistence mode off (to be restored)."""
         import pynvml
 
         try:
@@ -317,8 +299,7 @@ class GpuReset:
         return True
 
     def _verify(self, before: GpuResult, read: Callable[[], NvmlSnapshot]) -> None:
-        """Poll `read` (NVML, or an AMD GPU's scan) until the judge finds the GPU's memory
-        released, or VerifyTimeoutSec passes."""
+        """Poll `read` (NVML, or an AMD GPU's scan) until the memory is released or VerifyTimeoutSec passes."""
         deadline = time.monotonic() + self.config.verify_timeout_sec
         while True:
             snap = read()

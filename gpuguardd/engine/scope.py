@@ -10,9 +10,8 @@ from gpuguardd.records.models import Holder, Scope
 
 
 def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
-    """Whether `holder` is on one of `gpus`; for one left out that holds some of their nodes,
-    why. NVML's lists say where a process computes; one NVML does not list has only its nodes,
-    and a CUDA process holds every GPU's node: it is on `gpus` only if all its nodes are."""
+    """Whether `holder` is on `gpus`, and why not if it holds some of their nodes. Off NVML's lists
+    it has only its nodes (a CUDA process holds every GPU's): on `gpus` only if all of them are."""
     wanted = set(gpus)
     if holder.nvml_gpus:
         return bool(wanted & set(holder.nvml_gpus)), ""
@@ -26,22 +25,18 @@ def gpu_scope(holder: Holder, gpus: tuple[int, ...]) -> tuple[bool, str]:
 
 
 def holds_no_device_here(holder: Holder) -> bool:
-    """NVML lists it, but it holds no device here: another namespace's pid, or one reused since.
-    Not a zombie, which holds nothing any more (the sweep reports it with its parent)."""
+    """Listed, but holds no device here (another namespace's pid, or reused); a zombie holds nothing."""
     return not {"fd", "mmap"} & set(holder.how) and holder.state != "Z"
 
 
 def mig_scope_why(holder: Holder, scope: Scope) -> str:
     """Why a tenant of one of the scope's MIG instances is left out: it is in others too."""
     others = sorted(set(holder.mig) - set(scope.mig))
-    if others and set(holder.mig) & set(scope.mig):
-        return f"also in MIG instance {', '.join(others)}"
-    return ""
+    return f"also in MIG instance {', '.join(others)}" if others and set(holder.mig) & set(scope.mig) else ""
 
 
 def _on_scope_gpus(holder: Holder, scope: Scope) -> bool:
-    """On the scope's whole GPUs (gpu_scope's rule), or in its MIG instances only: a tenant of
-    another instance too, or of an unknown one, is never touched."""
+    """On the scope's GPUs (gpu_scope's rule), or in its MIG instances only (never also in others)."""
     on_mig = bool(holder.mig) and set(holder.mig) <= set(scope.mig)
     return (bool(scope.gpus) and gpu_scope(holder, scope.gpus)[0]) or on_mig
 

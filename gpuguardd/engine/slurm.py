@@ -1,15 +1,10 @@
 """Slurm: the epilog's sweep of one finished job, and nothing of any other job.
 
-The epilog runs as root after Slurm signalled the job and waited KillWait. What can still
-hold the job's GPUs:
-
-1. processes still in the job's cgroup (_JOB_CGROUP, in any controller's hierarchy);
-2. processes that escaped it (a launcher's daemonised workers): the job user's, on one of the
-   job's GPUs, and in no job's cgroup; never for a job of root, whose "escaped" processes
-   could be any system service.
-
-A process in another job's cgroup is never in scope. The job's GPUs (SLURM_JOB_GPUS, or
-CUDA_VISIBLE_DEVICES) are device minors, not NVML indices: gpu_selectors() maps them.
+The epilog runs as root after Slurm signalled the job and waited KillWait. In scope: 1. the
+processes in the job's cgroup (any controller's hierarchy); 2. those that escaped it (a
+launcher's daemonised workers): the job user's, on the job's GPUs, in no job's cgroup; never for
+a job of root, whose "escaped" processes could be any system service. The job's GPUs
+(SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES) are device minors, not NVML indices.
 """
 
 from __future__ import annotations
@@ -27,24 +22,18 @@ from gpuguardd.records.models import GpuSummary, Holder, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.records.selectors import PCI, selector
 
-# v1: /slurm/uid_1000/job_42/step_0/task_0 (each controller's line), or /slurm_<node>/uid_...
-# (Slurm's CgroupPrepend "/slurm_%n" when built --enable-multiple-slurmd, as Debian's is); v2:
-# /system.slice/slurmstepd.scope/job_42/step_0/user/task_0.
+# v1: /slurm/uid_1000/job_42/step_0/task_0, or /slurm_<node>/uid_... (CgroupPrepend "/slurm_%n" of
+# --enable-multiple-slurmd builds, as Debian's); v2: /system.slice/slurmstepd.scope/job_42/step_0/...
 # [0-9], never \d: \d takes any Unicode digit, and a cgroup name is text anyone may choose.
 _JOB_CGROUP = re.compile(r"/(?:slurm(?:_[^/]+)?/uid_[0-9]+|slurmstepd\.scope)/job_([0-9]+)(?=/|$)")
 REASON_PREFIX = "slurm:"
-# A node's drain reason is shown in sinfo's table: one short line.
-MAX_REASON = 240
-# A short grace by default: Slurm already sent SIGTERM and waited KillWait before the epilog.
-EPILOG_GRACE_MS = 2000
-# The whole epilog stays well under PrologEpilogTimeout (docs/fleet.md suggests 120 s).
-EPILOG_DEADLINE_MS = 60_000
-# What SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES hold for a job without GPUs.
-_NO_GPUS = {"", "NoDevFiles"}
+MAX_REASON = 240  # sinfo shows a node's drain reason in its table: one short line
+EPILOG_GRACE_MS = 2000  # short: Slurm already sent SIGTERM and waited KillWait before the epilog
+EPILOG_DEADLINE_MS = 60_000  # well under PrologEpilogTimeout (docs/fleet.md suggests 120 s)
+_NO_GPUS = {"", "NoDevFiles"}  # SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES of a job without GPUs
 
 
 def job_of_cgroups(cgroup_file: str) -> str:
-    """The Slurm job whose cgroup a /proc/<pid>/cgroup text shows, or ""."""
     for line in cgroup_file.splitlines():
         match = _JOB_CGROUP.search(line.split(":", 2)[-1])
         if match:
@@ -73,15 +62,13 @@ class EpilogJob:
         return f"{REASON_PREFIX}{self.job_id}"
 
 
-# A device minor (/dev/nvidia<minor>): the kernel's minors are 20 bits (MINORBITS); which
-# minors are GPUs is gpu_selectors()' question.
+# A device minor: the kernel's minors are 20 bits (MINORBITS); gpu_selectors() says which are GPUs.
 MAX_MINOR = 2**20 - 1
 ROOT_UID = 0
 
 
 def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> EpilogJob:
-    """The job as slurmd's epilog (or, for `wait --slurm-prolog`, prolog: the same variables)
-    environment describes it; InvalidArgument names a missing or bad variable."""
+    """The job as the epilog's (or prolog's: the same variables) environment describes it."""
     job_id = environ.get("SLURM_JOB_ID", "")
     if not job_id:
         script = "Prolog=" if "prolog" in flag else "Epilog="
@@ -102,8 +89,7 @@ def epilog_job(environ: Mapping[str, str], flag: str = "--slurm-epilog") -> Epil
 
 
 def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[list[str], list[str]]:
-    """The sweep's `gpus` strings for device minors (a PCI bus id as it is), and warnings.
-    Without a GPU list, minor N is taken to be GPU N, as it is on almost every host."""
+    """The sweep's `gpus` strings for device minors (a PCI bus id as it is), and warnings."""
     by_minor = {-1 if "minor" in g.unread else g.minor: str(g.index) for g in gpus}
     selectors: list[str] = []
     warnings: list[str] = []
@@ -113,7 +99,7 @@ def gpu_selectors(minors: Iterable[int | str], gpus: list[GpuSummary]) -> tuple[
         elif minor in by_minor:
             selectors.append(by_minor[minor])
         elif not gpus:
-            selectors.append(str(minor))
+            selectors.append(str(minor))  # as it is on almost every host
             warnings.append(f"no GPU list (NVML unavailable?): device minor {minor} taken to be GPU {minor}")
         else:
             raise InvalidArgument(f"no GPU has device minor {minor} (/dev/nvidia{minor}, "

@@ -1,9 +1,8 @@
 """Ending the holders in a scope: SIGTERM, grace, SIGKILL, then proof through NVML.
 
-A process sent SIGKILL that has not gone after KillTimeoutSec is exiting, not a survivor: a
-large pinned host cache is unpinned in D state for 16-26 s (SGLang). Verification waits for it
-and for the memory together, up to VerifyTimeoutSec; only what is still there then survived.
-The sweep signals only processes its scan pinned by pidfds, and never a protected holder.
+A process sent SIGKILL and not gone after KillTimeoutSec is exiting, not a survivor (SGLang
+unpins a large host cache in D state for 16-26 s): verification waits for it and the memory
+together, up to VerifyTimeoutSec. Only holders the scan pinned, never protected ones, are signalled.
 """
 
 from __future__ import annotations
@@ -21,35 +20,17 @@ from gpuguardd.engine import process, procfs
 from gpuguardd.engine.judge import Judgement, facts_of, judge
 from gpuguardd.engine.process import ProcessHandle, wait_for_exit
 from gpuguardd.engine.scope import gpu_scope, holds_no_device_here, in_scope, is_target, mig_scope_why
-from gpuguardd.records.enums import (
-    HolderKind,
-    Outcome,
-    SpareReason,
-    SurvivorReason,
-    WarningCode,
-    Why,
-)
+from gpuguardd.records.enums import HolderKind, Outcome, SpareReason, SurvivorReason, WarningCode, Why
 from gpuguardd.records.models import GpuInfo, Holder, MigInstance, NvmlSnapshot, Scope, SweepRequest
-from gpuguardd.records.report import (
-    GpuResult,
-    Leak,
-    Report,
-    ReportScope,
-    Spared,
-    Survivor,
-    Target,
-    Terminated,
-)
+from gpuguardd.records.report import GpuResult, Leak, Report, ReportScope, Spared, Survivor, Target, Terminated
 
 log = logging.getLogger("gpuguard.sweep")
 
 MAX_ROUNDS = 3
-# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed process may be
-# the sweep's, not yet released, or another tenant's. Once the sweep's are gone, verification
-# calls such lists settled this long after their last change: unverified, never freed.
+# Where NVML's pids are not this /proc's (gpuguardd in a container), a listed pid may be the sweep's
+# or another tenant's: such lists count as settled (unverified, never freed) this long after a change.
 FOREIGN_SETTLE_SEC = 2.0
-# NVML has no "memory released" event: verification polls fast first (release is usually
-# quick), then backs off to this.
+# NVML has no "memory released" event: poll fast first (release is usually quick), then back off.
 POLL_START_SEC = 0.005
 POLL_MAX_SEC = 0.1
 
@@ -57,17 +38,13 @@ POLL_MAX_SEC = 0.1
 class SweepObserver(Protocol):
     def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
 
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None: ...
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None: ...
 
 
 Pinned = list[tuple[Holder, ProcessHandle]]
-# What a sweep verifies: a whole GPU (NVML index) or one MIG instance (its MIG UUID).
-MemoryKey = Union[int, str]
-# A GPU, and the instance of it the key names (None: the whole GPU).
-MemoryView = tuple[GpuInfo, Union[MigInstance, None]]
-# The holders (protection already decided) with their handles, the NVML snapshot they were
-# described with, the PIDs whose fds could not be read, and the scan's warnings.
+MemoryKey = Union[int, str]  # what a sweep verifies: a whole GPU (NVML index) or a MIG instance (UUID)
+MemoryView = tuple[GpuInfo, Union[MigInstance, None]]  # a GPU, and the key's instance of it (None: whole)
+# (holder, handle) pairs with protection decided, their NVML snapshot, unreadable PIDs, warnings.
 Scan = tuple[Pinned, NvmlSnapshot, list[int], list[str]]
 
 
@@ -106,8 +83,7 @@ class Sweep:
         self._terminated_pids: set[int] = set()
         # Sent SIGKILL, not gone after KillTimeoutSec: pid -> (holder, own handle, first signal's time).
         self._exiting: dict[int, tuple[Holder, ProcessHandle, float]] = {}
-        # PIDs that could not be ended by the SIGTERM they were sent: if they exit before the
-        # SIGKILL, they did so on their own, and the report must not credit SIGTERM.
+        # PIDs SIGTERM cannot end: if they exit before the SIGKILL, SIGTERM is not credited.
         self._sigterm_ignored: set[int] = set()
         # Whether NVML's pids are this /proc's (NvmlSnapshot.pids_local), as last read.
         self._pids_local = True
@@ -183,8 +159,7 @@ class Sweep:
         return targets
 
     def _gpus_in_scope(self, targets: Pinned, nvml: NvmlSnapshot) -> list[MemoryKey]:
-        """What to verify: whole GPUs by index, MIG instances by UUID where the scope (or, for a
-        unit or container, its holders) is an instance: the GPU's aggregate holds other tenants'."""
+        """Whole GPUs by index; MIG instances by UUID (the GPU's aggregate holds other tenants')."""
         if self.scope.gpus or self.scope.mig:
             return [*sorted(self.scope.gpus), *sorted(self.scope.mig)]
         if self.scope.whole_host:
@@ -216,9 +191,8 @@ class Sweep:
         for holder, handle in targets:
             self._handled.add((holder.pid, holder.start_time))
             if holder.state == "Z":  # nothing to signal: only its parent can release it
-                report.survived.append(Survivor.of(holder, SurvivorReason.ZOMBIE,
-                                                   f"zombie: parent {holder.ppid} has not reaped it",
-                                                   state="Z"))
+                why = f"zombie: parent {holder.ppid} has not reaped it"
+                report.survived.append(Survivor.of(holder, SurvivorReason.ZOMBIE, why, state="Z"))
                 continue
             live[holder.pid] = (holder, handle)
         sent_at: dict[int, float] = {}
@@ -265,8 +239,7 @@ class Sweep:
         for pid, (holder, handle, _) in sorted(self._exiting.items()):
             state, code, why = process.survivor_reason(pid)
             waited = self.config.kill_timeout_sec + self.config.verify_timeout_sec
-            self.report.survived.append(Survivor.of(holder, code, f"{why} ({waited:g} s after SIGKILL)",
-                                                    state=state))
+            self.report.survived.append(Survivor.of(holder, code, f"{why} ({waited:g} s after SIGKILL)", state=state))
             handle.close()
         self._exiting.clear()
 
@@ -278,21 +251,15 @@ class Sweep:
             stat = None  # reaped, and its PID is another process's now
         status = process.exit_status(stat)
         signal_name = process.ended_by(signal_name, status, holder.pid in self._sigterm_ignored)
-        entry = Terminated(pid=holder.pid, comm=holder.comm, unit=holder.unit,
-                           uid=holder.uid if holder.uid >= 0 else None, signal=signal_name,
-                           exited_after_ms=max(0, int((seen - sent_at) * 1000)),
-                           exit_status="" if status is None else str(status))
-        if stat is not None:
-            # Exited, not reaped: name the parent that should reap it.
-            entry.zombie_parent = stat.ppid
-        self.report.terminated.append(entry)
+        self.report.terminated.append(Terminated(
+            pid=holder.pid, comm=holder.comm, unit=holder.unit, uid=holder.uid if holder.uid >= 0 else None,
+            signal=signal_name, exited_after_ms=max(0, int((seen - sent_at) * 1000)),
+            exit_status="" if status is None else str(status), zombie_parent=None if stat is None else stat.ppid))
         self._terminated_pids.add(holder.pid)
         if self.observer is not None:
-            self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit,
-                                             signal_name)
+            self.observer.process_terminated(self.report.id, holder.pid, holder.comm, holder.unit, signal_name)
 
     def _judge(self, view: MemoryView, stuck: Iterable[int] = ()) -> Judgement:
-        """The judge's verdict on a view's memory, with what the sweep ended as ending."""
         gpu, instance = view
         return judge(facts_of(gpu, instance, (), self.config.released_below_mib * 1024 * 1024,
                               self._pids_local, ending={*self._terminated_pids, *self._exiting},
@@ -320,8 +287,7 @@ class Sweep:
         return ""
 
     def _verify(self, gpus: list[MemoryKey], nvml_available: bool) -> dict[MemoryKey, MemoryView]:
-        """Poll NVML until the memory is back and no target is still exiting, or until
-        VerifyTimeoutSec (foreign pids' lists: until they settle); the last readings."""
+        """Poll until the memory is back (foreign lists: settled) and nothing exits, or VerifyTimeoutSec."""
         deadline = time.monotonic() + self.config.verify_timeout_sec
         if not gpus or not nvml_available:
             if self._exiting:  # nothing to read: wait for the processes alone, not the clock
@@ -338,8 +304,7 @@ class Sweep:
             if self._exiting or lists != foreign:
                 foreign, quiet_since = lists, time.monotonic()
             # Having ended nothing, the sweep has nothing of its own in those lists to wait for.
-            settled = not self._terminated_pids \
-                or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
+            settled = not self._terminated_pids or time.monotonic() - quiet_since >= FOREIGN_SETTLE_SEC
             if not self._exiting and snap.gpus_known \
                     and all(k in current and (self._judge(current[k]).released or (k in lists and settled))
                             for k in gpus):
@@ -349,14 +314,11 @@ class Sweep:
             self._wait_exiting(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, POLL_MAX_SEC)
 
-    def _gpu_entry(self, before: MemoryView | None, key: MemoryKey,
-                   after: MemoryView | None) -> GpuResult:
+    def _gpu_entry(self, before: MemoryView | None, key: MemoryKey, after: MemoryView | None) -> GpuResult:
         was = _memory_of(before) if before else None
         entry = GpuResult(index=before[0].index if before else key if isinstance(key, int) else 0,
-                          uuid=before[0].uuid if before else "",
-                          memory_used_before=was.memory_used if was else 0,
-                          memory_total=was.memory_total if was else 0,
-                          mig_uuid=key if isinstance(key, str) else "")
+                          uuid=before[0].uuid if before else "", mig_uuid=key if isinstance(key, str) else "",
+                          memory_used_before=was.memory_used if was else 0, memory_total=was.memory_total if was else 0)
         if after is not None:
             entry.memory_used_after = _memory_of(after).memory_used
             entry.released = self._judge(after).released
@@ -386,10 +348,8 @@ class Sweep:
                 not_released.append(key)
                 kind = self._judge(view, (s.pid for s in report.survived if s.state == "D")).leak
                 if kind is not None:
-                    report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid,
-                                             bytes=_memory_of(view).memory_used,
-                                             mig_uuid=view[1].uuid if view[1] is not None else "",
-                                             kind=kind.value))
+                    report.leaks.append(Leak(gpu=view[0].index, uuid=view[0].uuid, bytes=_memory_of(view).memory_used,
+                                             mig_uuid=view[1].uuid if view[1] is not None else "", kind=kind.value))
         report.verified = verified and not not_released
         if report.survived:
             report.outcome = Outcome.SURVIVORS
