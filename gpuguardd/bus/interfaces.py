@@ -357,7 +357,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self.backend.get_metrics()
 
     async def Wait(self, options: Options) -> VarDict:
-        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.schema("WaitResult"))
+        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.dictionaries["WaitResult"])
 
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())

@@ -16,7 +16,7 @@ from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import names
-from gpuguardd.bus.contract import Nested, Property, Schema, contract
+from gpuguardd.bus.contract import Dictionary, Property, contract
 from gpuguardd.errors import InvalidArgument
 
 log = logging.getLogger("gpuguard.marshal")
@@ -26,9 +26,8 @@ VarDict = dict[str, Variant]
 # The dictionaries of the contract that the daemon types or checks (names as in the XML).
 FILTER = "Filter"
 SWEEP = "SweepOptions"
-HOLDER: Schema = contract().schema("Holder")
-REPORT: Schema = contract().schema("Report")
-SCOPE: Schema = contract().schema("Scope")
+HOLDER = contract().dictionaries["Holder"]
+REPORT = contract().dictionaries["Report"]
 
 
 def snake_case(name: str) -> str:
@@ -101,18 +100,18 @@ def infer(value: Any) -> Variant | None:
     return Variant("s", _typed(str(value), "s"))
 
 
-def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
+def to_vardict(data: Mapping[str, Any], dictionary: Dictionary) -> VarDict:
     out: VarDict = {}
     for key, value in data.items():
-        field = schema.get(key)
+        field = dictionary.get(key)
         variant: Variant | None
         if field is None or value is None:
             variant = infer(value)
-        elif isinstance(field, Nested):
-            variant = _nested(key, value, field)
+        elif field.dictionary is not None:
+            variant = _nested(key, value, field.signatures[0], field.dictionary)
         else:
             try:
-                variant = Variant(field, _typed(value, field))
+                variant = Variant(field.signatures[0], _typed(value, field.signatures[0]))
             except _Mismatch as exc:
                 # An engine bug must not turn every call into an error: log it, send what we have.
                 log.warning("key %r: %s; sent with an inferred type", key, exc)
@@ -122,13 +121,13 @@ def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
     return out
 
 
-def _nested(key: str, value: Any, field: Nested) -> Variant | None:
-    if field.signature == "a{sv}" and isinstance(value, Mapping):
-        return Variant("a{sv}", to_vardict(value, field.schema))
-    if field.signature == "aa{sv}" and isinstance(value, (list, tuple)) \
+def _nested(key: str, value: Any, signature: str, dictionary: Dictionary) -> Variant | None:
+    if signature == "a{sv}" and isinstance(value, Mapping):
+        return Variant("a{sv}", to_vardict(value, dictionary))
+    if signature == "aa{sv}" and isinstance(value, (list, tuple)) \
             and all(isinstance(item, Mapping) for item in value):
-        return Variant("aa{sv}", [to_vardict(item, field.schema) for item in value])
-    log.warning("key %r: %r is not %s; sent with an inferred type", key, value, field.signature)
+        return Variant("aa{sv}", [to_vardict(item, dictionary) for item in value])
+    log.warning("key %r: %r is not %s; sent with an inferred type", key, value, signature)
     return infer(value)
 
 
@@ -145,7 +144,7 @@ def report(data: Mapping[str, Any]) -> VarDict:
 
 
 def scope(data: Mapping[str, Any]) -> VarDict:
-    return to_vardict(data, SCOPE)
+    return to_vardict(data, contract().dictionaries["Scope"])
 
 
 def unwrap(value: Any) -> Any:
@@ -165,13 +164,13 @@ MAX_TEXT = 1024
 def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]:
     """Validated plain values of an `a{sv}` argument typed as the contract's `dictionary`;
     InvalidArgument names the bad key."""
-    spec = contract().options(dictionary)
+    spec = contract().dictionaries[dictionary]
     what = dictionary.removesuffix("Options").lower()  # "sweep", "filter"
     values: dict[str, Any] = {}
     for key, variant in options.items():
         if key not in spec:
             raise InvalidArgument(f"unknown {what} option {key!r} (known: {', '.join(sorted(spec))})")
-        accepted = spec[key]
+        accepted = spec[key].signatures
         signature = variant.signature if isinstance(variant, Variant) else "?"
         if signature not in accepted:
             raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
@@ -189,7 +188,7 @@ def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]
 def option(dictionary: str, key: str, value: Any, signature: str = "") -> Variant:
     """An option as a caller sends it: of the type the contract gives `key` (or `signature`,
     which must be one it accepts)."""
-    accepted = contract().options(dictionary)[key]
+    accepted = contract().dictionaries[dictionary][key].signatures
     if signature and signature not in accepted:
         raise ValueError(f"{dictionary} option {key} is {' or '.join(accepted)}, not {signature}")
     return Variant(signature or accepted[0], value)
@@ -212,7 +211,7 @@ def property_value(prop: Property, value: Any) -> Any:
     if prop.signature == "b":
         return bool(value)
     if prop.keys and prop.signature == "a{sv}":
-        return to_vardict(value or {}, contract().schema(prop.keys))
+        return to_vardict(value or {}, contract().dictionaries[prop.keys])
     if prop.keys and prop.signature == "aa{sv}":
-        return [to_vardict(v, contract().schema(prop.keys)) for v in value or []]
+        return [to_vardict(v, contract().dictionaries[prop.keys]) for v in value or []]
     return value
