@@ -32,9 +32,9 @@ _NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
               "org.freedesktop.DBus.Error.Spawn.ExecFailed",
               "org.freedesktop.DBus.Error.Spawn.ChildExited"}
 _CACHE_SIZE = 1024
-# How long polkit's answer for one connection and action is reused: any user can call in a
-# loop, and polkitd runs its rules for each check. The subject (a bus name) stays the same
-# process, so the answer only ages (a session going inactive, rules edited).
+# How long polkit's answer for one connection and action is reused: any user can call in a loop,
+# and polkitd runs its rules for each check. A bus name stays one process, so the answer only
+# ages (a session going inactive, rules edited).
 POLKIT_DECISION_SEC = 5.0
 
 
@@ -88,8 +88,7 @@ class Authorizer:
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             why = reply.body[0] if reply is not None and reply.body else "no reply"
             raise NotAuthorized(f"cannot identify the caller {sender}: {why}")
-        credentials = reply.body[0]
-        variant = credentials.get("UnixUserID")
+        variant = reply.body[0].get("UnixUserID")
         if not isinstance(variant, Variant) or not isinstance(variant.value, int):
             raise NotAuthorized(f"the bus did not tell the uid of {sender}")
         uid = int(variant.value)
@@ -141,14 +140,12 @@ class Authorizer:
             return False
         if reply.message_type == MessageType.ERROR:
             if reply.error_name in _NO_POLKIT:
-                self._log_denial(logging.INFO, caller, action,
-                                 "polkit is not running: %s denied to %s (only root may)", action,
-                                 caller.describe())
+                self._log_denial(logging.INFO, caller, action, "polkit is not running: %s denied to %s (only root may)",
+                                 action, caller.describe())
             else:
                 text = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
-                self._log_denial(logging.WARNING, caller, action,
-                                 "polkit refused to check %s for %s: %s %s", action,
-                                 caller.describe(), reply.error_name, text)
+                self._log_denial(logging.WARNING, caller, action, "polkit refused to check %s for %s: %s %s",
+                                 action, caller.describe(), reply.error_name, text)
             return False
         try:
             granted, challenge = bool(reply.body[0][0]), bool(reply.body[0][1])

@@ -56,7 +56,6 @@ class Rule:
     dry_run_public: bool = False
 
     def needs(self, dry_run: bool) -> str:
-        """The polkit action ("" for none)."""
         return "" if self.dry_run_public and dry_run else self.action
 
     @classmethod

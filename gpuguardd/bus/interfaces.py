@@ -1,19 +1,9 @@
-"""The D-Bus face of the daemon: the Manager and Gpu interfaces, built from the contract XML.
+"""The Manager and Gpu interfaces, whose dbus-fast members are built from the contract XML.
 
-ContractInterface turns dbus/org.gpuguard.GpuGuard1.xml (contract.py) into dbus-fast members
-when a subclass is created, and refuses a subclass that does not match it:
-
-* methods: coroutines of the same name, whose parameters are the XML's in-arguments by name
-  (a trailing "_" allowed, as in `id_`). Before the body runs, a method without an
-  org.gpuguard.GpuGuard1.Authorization annotation is refused (NotAuthorized); a{sv}
-  arguments are checked against their Keys (InvalidArgument naming the key) and arrive as
-  plain dicts, strings as checked text; then the declared rule is applied (`_authorize`).
-  Engine exceptions become the contract's errors.
-* signals: typed stubs of the same name; calling one emits the signal.
-* properties: served from one table (`update`), with PropertiesChanged for real changes only.
-* Introspect returns the file's interface element (annotations included) on every version.
-
-What a call means (holders, sweeping, history) is the ManagerBackend's business.
+A subclass of ContractInterface must match the XML (parameters by name, a trailing "_" allowed).
+Before a method's body runs, its arguments are checked and its Authorization rule applied; a
+method without one is refused to everyone. Properties are served from one table. What a call
+means is the ManagerBackend's business.
 """
 
 from __future__ import annotations
@@ -49,8 +39,7 @@ _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguar
 
 
 class Gate(Protocol):
-    """What authorization needs from the daemon: who is calling, a check that raises
-    NotAuthorized unless polkit grants an action (root: always), and [Sweep] DryRun=."""
+    """Who is calling, a check raising NotAuthorized unless polkit grants an action, [Sweep] DryRun=."""
 
     async def caller(self) -> Caller: ...
 
@@ -60,9 +49,8 @@ class Gate(Protocol):
 
 
 def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
-    """Run `check(*arguments)` on a method's parsed arguments before authorization, and call
-    the method with what it returns: malformed arguments are InvalidArgument for everyone,
-    as the a{sv} options are."""
+    """Run `check` on a method's arguments before authorization (malformed arguments are
+    InvalidArgument for everyone, as bad options are), and call the method with what it returns."""
     def apply(fn: _F) -> _F:
         fn.__contract_check__ = check  # type: ignore[attr-defined]
         return fn
@@ -78,7 +66,7 @@ def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signatur
 
 
 class _ServedInterface(intr.Interface):
-    """Introspection data whose XML is the contract file's element, annotations and all."""
+    """Introspection whose XML is the contract file's element, annotations and all."""
 
     def __init__(self, definition: xml.Contract, name: str) -> None:
         parsed = intr.Interface.from_xml(definition.introspection(name))
@@ -94,9 +82,8 @@ _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
 async def cancel_running_calls(timeout: float) -> None:
-    """Answer every method call still running with "gpuguardd is stopping", while the bus is
-    still connected: left to asyncio.run's exit, their tasks would be cancelled after the bus
-    is gone, with nothing to answer on and a traceback in the journal."""
+    """Answer the calls still running while the bus is there: left to asyncio.run's exit, they
+    would be cancelled with nothing to answer on, and a traceback in the journal."""
     running = [task for task in _IN_FLIGHT if not task.done()]
     for task in running:
         task.cancel()
@@ -105,10 +92,8 @@ async def cancel_running_calls(timeout: float) -> None:
 
 
 class ContractInterface(ServiceInterface):
-    """A ServiceInterface whose members are those of one interface of the contract XML.
-
-    Subclass with `class X(ContractInterface, interface="org...")`; `definition` selects
-    another document than the installed one (tests)."""
+    """`class X(ContractInterface, interface="org...")`: the members of one interface of the XML
+    (`definition`: another document than the installed one)."""
 
     DEFINITION: ClassVar[xml.Contract]
     INTERFACE: ClassVar[xml.Interface]
@@ -236,7 +221,6 @@ class ContractInterface(ServiceInterface):
         raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
 
     async def caller(self) -> Caller:
-        """Who sent the call being handled (asked once per call)."""
         known = _CALLER.get()
         if known is None:
             known = await self.gate().caller()
@@ -244,8 +228,8 @@ class ContractInterface(ServiceInterface):
         return known
 
     async def _authorize(self, rule: xml.Rule, options: Options | None) -> None:
-        """Apply the method's rule. A dry run is what the options say, or else the configured
-        default, which is written into them: what was authorized is what runs."""
+        """A dry run is what the options say, else the configured default, written into them:
+        what was authorized is what runs."""
         dry_run = False
         if options is not None:
             if options.get("dry_run") is None:
@@ -257,8 +241,8 @@ class ContractInterface(ServiceInterface):
 
 
 def _arguments(member: xml.Method, args: tuple[Any, ...]) -> list[Any]:
-    """The arguments as the method body takes them: a{sv} options checked against their Keys
-    and made plain; then strings checked as text (options first, as released)."""
+    """a{sv} options checked against their Keys and made plain; then strings checked as text
+    (options first, as released)."""
     values = list(args)
     for i, arg in enumerate(member.in_args):
         if arg.signature == "a{sv}":
@@ -279,23 +263,21 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
 
 
 class ManagerBackend(Gate, Protocol):
-    async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
-        """Typed holders, filtered and redacted for `caller`, bounded (replysize.bound_holders)."""
+    """Called once the caller is authorized: holders come typed, redacted and bounded."""
 
-    async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]:
-        """A sweep the caller is authorized for (options["dry_run"] is set)."""
+    async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]: ...
+
+    async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]: ...
 
     def history(self, count: int) -> list[dict[str, Any]]: ...
 
-    async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]:
-        """A GPU reset the caller is authorized for: its report."""
+    async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]: ...
 
     async def reload(self, caller: Caller) -> None: ...
 
     def get_metrics(self) -> str: ...
 
-    async def wait(self, options: Options) -> dict[str, Any]:
-        """The start gate (daemon/gate.py): a WaitResult as plain values."""
+    async def wait(self, options: Options) -> dict[str, Any]: ...
 
 
 def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
@@ -334,8 +316,6 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
                 self._typed_reports[key] = sized
         return sized
 
-    # -- methods ------------------------------------------------------------------------
-
     async def ListHolders(self, filter: Options) -> list[VarDict]:
         return await self.backend.list_holders(await self.caller(), filter)
 
@@ -362,7 +342,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())
 
-    # -- signals (calling one emits it) --------------------------------------------------
+    # Signals: calling one emits it.
 
     def SweepStarted(self, id_: str, scope: VarDict) -> None: ...
 
@@ -374,7 +354,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
 
 
 def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The Gpu properties from an engine GPU summary (property MemoryTotal: key memory_total)."""
+    """The Gpu properties from an engine GPU summary (MemoryTotal from memory_total)."""
     return {name: marshal.property_value(prop, summary.get(marshal.snake_case(name)))
             for name, prop in xml.interface(GPU_INTERFACE).properties.items()}
 

@@ -1,8 +1,7 @@
 """Plain engine dicts to typed D-Bus variants and back, and the options callers send checked.
 
-The types come from the contract XML's Keys annotations (contract.py), so `gpu_memory` is
-always `t` and a PID always `u` whatever Python type the engine used. A key the contract does
-not list (a later engine's, an old history entry's) gets a type inferred from its value.
+Types come from the contract XML's Keys, whatever Python type the engine used; a key the XML
+does not list (a later engine's, an old history entry's) gets one inferred from its value.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ FILTER = "Filter"
 SWEEP = "SweepOptions"
 HOLDER = contract().dictionaries["Holder"]
 REPORT = contract().dictionaries["Report"]
+MAX_TEXT = 1024  # characters of a string argument
 
 
 def snake_case(name: str) -> str:
@@ -158,12 +158,8 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-MAX_TEXT = 1024
-
-
 def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]:
-    """Validated plain values of an `a{sv}` argument typed as the contract's `dictionary`;
-    InvalidArgument names the bad key."""
+    """The plain values of an a{sv} argument, checked against `dictionary` (InvalidArgument names the key)."""
     spec = contract().dictionaries[dictionary]
     what = dictionary.removesuffix("Options").lower()  # "sweep", "filter"
     values: dict[str, Any] = {}
@@ -186,8 +182,7 @@ def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]
 
 
 def option(dictionary: str, key: str, value: Any, signature: str = "") -> Variant:
-    """An option as a caller sends it: of the type the contract gives `key` (or `signature`,
-    which must be one it accepts)."""
+    """An option as a caller sends it: of its first type in the XML, or `signature` if it takes that."""
     accepted = contract().dictionaries[dictionary][key].signatures
     if signature and signature not in accepted:
         raise ValueError(f"{dictionary} option {key} is {' or '.join(accepted)}, not {signature}")

@@ -1,9 +1,8 @@
 """What one caller can make the daemon do, bounded: fresh holder scans and log lines.
 
 Any local user may call gpuguardd: unbounded, 2,000 ListHolders(fresh=true) calls by `nobody`
-kept a core at 95 % and wrote 6,895 "denied" lines to the journal. `RateLimit` lets a key
-through at most once per interval, counting what it held back, and remembers a bounded number
-of keys (the least recently seen go first).
+kept a core at 95 % and wrote 6,895 "denied" lines to the journal. RateLimit lets a key through
+once per interval, counting what it held back, and forgets the least recently seen keys first.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class RateLimit:
         self._seen: collections.OrderedDict[Hashable, tuple[float, int]] = collections.OrderedDict()
 
     def admit(self, key: Hashable) -> Admission:
-        """Held back (and counted) when `key` was let through less than `interval` ago."""
         now = self.clock()
         last = self._seen.pop(key, None)  # put back below, as the most recently seen
         if last is not None and now - last[0] < self.interval:
@@ -49,5 +47,5 @@ class RateLimit:
 
 
 def held_back(count: int) -> str:
-    """The suffix a rate-limited log line carries: how many like it were not written."""
+    """A rate-limited log line's suffix: how many like it were not written."""
     return f" (and {count} more time(s) since, not logged)" if count else ""

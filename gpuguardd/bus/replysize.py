@@ -1,17 +1,10 @@
 """Every reply and signal stays far below the bus's message limit, whatever the host holds.
 
 dbus-daemon disconnects the sender of a message over its max_message_size (32 MiB on the
-system bus), so one oversized reply would take gpuguardd off the bus. Each field is bounded
-where it is read (safetext); here, how many go into one message:
-
-* a report (Sweep/SweepUnit/ResetGpu reply, SweepFinished, LastSweep, a GetHistory entry) is at
-  most REPORT_BUDGET: past it, its lists are cut and a warning says how many entries were left
-  out (the history file keeps the whole report);
-* a ListHolders or GetHistory reply is at most REPLY_BUDGET: holders are then sent with each
-  text cut to COMPACT_TEXT bytes, and what still does not fit is left out, the last entry sent
-  carrying `omitted_after` (u): how many.
-
-Sizes are upper bounds of the marshalled sizes (alignment included), estimated without marshalling.
+system bus). Each field is bounded where it is read (safetext); here, how many go into one
+message. A report past REPORT_BUDGET has its lists cut, with a warning saying so (the history
+file keeps it whole); a reply past REPLY_BUDGET has its holders' texts cut to COMPACT_TEXT and
+then leaves entries out, the last one sent carrying `omitted_after`: how many.
 """
 
 from __future__ import annotations
@@ -65,7 +58,7 @@ def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def wire_size(value: Any) -> int:
-    """An upper bound of `value`'s marshalled size (with the padding before it)."""
+    """An upper bound of `value`'s marshalled size (with the padding before it), not marshalling it."""
     if isinstance(value, Variant):
         return 8 + len(value.signature) + wire_size(value.value)
     if isinstance(value, str):
@@ -102,7 +95,6 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
 
 def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
                   sizes: list[int] | None = None) -> list[dict[str, Variant]]:
-    """`sizes`: each holder's wire_size() or more, if known already."""
     if sizes is None:
         sizes = [wire_size(h) for h in holders]
     if sum(sizes) + 8 <= budget:
