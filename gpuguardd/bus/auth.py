@@ -26,10 +26,8 @@ log = logging.getLogger("gpuguard.auth")
 
 POLKIT_ALLOW_USER_INTERACTION = 1
 # Errors meaning "no polkit on this bus": then only root is authorized.
-_NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown",
-              "org.freedesktop.DBus.Error.NameHasNoOwner",
-              "org.freedesktop.DBus.Error.Spawn.ServiceNotFound",
-              "org.freedesktop.DBus.Error.Spawn.ExecFailed",
+_NO_POLKIT = {"org.freedesktop.DBus.Error.ServiceUnknown", "org.freedesktop.DBus.Error.NameHasNoOwner",
+              "org.freedesktop.DBus.Error.Spawn.ServiceNotFound", "org.freedesktop.DBus.Error.Spawn.ExecFailed",
               "org.freedesktop.DBus.Error.Spawn.ChildExited"}
 _CACHE_SIZE = 1024
 # How long polkit's answer for one connection and action is reused: any user can call in a loop,

@@ -136,19 +136,15 @@ def machine_id() -> str:
 
 def peer_reply(msg: Message) -> Message | bool | None:
     """For a message handler: our answer to a Peer call (4; True: no reply wanted), None for others."""
-    if msg.interface != PEER_INTERFACE or msg.signature != "":
+    if msg.interface != PEER_INTERFACE or msg.signature != "" or msg.member not in ("Ping", "GetMachineId"):
         return None
-    reply: Message | None = None
-    if msg.member == "Ping":
-        reply = Message.new_method_return(msg)
-    elif msg.member == "GetMachineId":
-        found = machine_id()
-        reply = (Message.new_method_return(msg, "s", [found]) if found else
-                 Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound",
-                                   "this machine has no machine-id"))
-    if reply is not None and msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+    if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
         return True
-    return reply
+    if msg.member == "Ping":
+        return Message.new_method_return(msg)
+    found = machine_id()
+    return (Message.new_method_return(msg, "s", [found]) if found else
+            Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound", "this machine has no machine-id"))
 
 
 CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(

@@ -88,6 +88,5 @@ class GuardBus(CompatBus):
             return None
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True  # handled: dropped, as the caller asked for no reply
-        return Message.new_error(
-            msg, ERROR_PREFIX + "InvalidArgument",
-            f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")
+        return Message.new_error(msg, ERROR_PREFIX + "InvalidArgument",
+                                 f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")

@@ -99,8 +99,7 @@ class ContractInterface(ServiceInterface):
     INTERFACE: ClassVar[xml.Interface]
     _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
 
-    def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None,
-                          **kwargs: Any) -> None:
+    def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if not interface:
             return
@@ -120,8 +119,7 @@ class ContractInterface(ServiceInterface):
         for name, prop in iface.properties.items():
             if name in vars(cls):
                 raise TypeError(f"{where}: property {name} is served from the table, not a getter")
-            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(
-                _property_getter(prop)))
+            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(_property_getter(prop)))
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:

@@ -93,8 +93,7 @@ def infer(value: Any) -> Variant | None:
         items = list(value)
         if items and all(isinstance(i, Mapping) for i in items):
             return Variant("aa{sv}", [to_vardict(i, {}) for i in items])
-        if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64
-                         for i in items):
+        if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64 for i in items):
             return Variant("at", items)
         return Variant("as", [_typed(str(i), "s") for i in items])
     return Variant("s", _typed(str(value), "s"))
@@ -124,8 +123,7 @@ def to_vardict(data: Mapping[str, Any], dictionary: Dictionary) -> VarDict:
 def _nested(key: str, value: Any, signature: str, dictionary: Dictionary) -> Variant | None:
     if signature == "a{sv}" and isinstance(value, Mapping):
         return Variant("a{sv}", to_vardict(value, dictionary))
-    if signature == "aa{sv}" and isinstance(value, (list, tuple)) \
-            and all(isinstance(item, Mapping) for item in value):
+    if signature == "aa{sv}" and isinstance(value, (list, tuple)) and all(isinstance(i, Mapping) for i in value):
         return Variant("aa{sv}", [to_vardict(item, dictionary) for item in value])
     log.warning("key %r: %r is not %s; sent with an inferred type", key, value, signature)
     return infer(value)
@@ -169,8 +167,7 @@ def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]
         accepted = spec[key].signatures
         signature = variant.signature if isinstance(variant, Variant) else "?"
         if signature not in accepted:
-            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
-                                  f"got {signature}")
+            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, got {signature}")
         value = variant.value
         if signature == "s":
             check_text(key, value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # A uid's fresh=true ListHolders scans (sooner: served from the last scan, or joins the next).
 FRESH_SCAN_INTERVAL_SEC = 1.0
@@ -19,15 +19,13 @@ DENIAL_LOG_INTERVAL_SEC = 600.0
 MAX_KEYS = 4096
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(NamedTuple):
     allowed: bool
     held_back: int = 0
 
 
 class RateLimit:
-    def __init__(self, interval: float, max_keys: int = MAX_KEYS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, interval: float, max_keys: int = MAX_KEYS, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.max_keys = max_keys
         self.clock = clock

@@ -42,17 +42,13 @@ OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _empty(value: Any) -> bool:
-    return isinstance(value, (str, list)) and not value
-
-
 def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
     """The report as sent: entries without their empty optional keys (OMITTED_WHEN_EMPTY)."""
     out = dict(data)
     for key, optional in OMITTED_WHEN_EMPTY.items():
         entries = data.get(key)
         if isinstance(entries, list):
-            out[key] = [{k: v for k, v in entry.items() if k not in optional or not _empty(v)}
+            out[key] = [{k: v for k, v in entry.items() if k not in optional or v not in ("", [])}
                         if isinstance(entry, Mapping) else entry for entry in entries]
     return out
 
@@ -79,8 +75,7 @@ def _compact(holder: dict[str, Variant]) -> dict[str, Variant]:
             for key, variant in holder.items()}
 
 
-def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
-         ) -> list[dict[str, Variant]]:
+def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int) -> list[dict[str, Variant]]:
     """The items that fit in `budget`, the last marked with how many were left out."""
     used = 8
     for count, size in enumerate(sizes):
