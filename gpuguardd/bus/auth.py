@@ -74,8 +74,7 @@ class Authorizer:
         if not sender:
             raise NotAuthorized("the call has no sender: cannot tell who is asking")
         uid = await self._uid(sender)
-        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
-        return Caller(sender=sender, uid=uid, user=user_name(uid), interactive=interactive)
+        return Caller(sender, uid, user_name(uid), bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
 
     async def _uid(self, sender: str) -> int:
         cached = self._uids.get(sender)
@@ -105,8 +104,7 @@ class Authorizer:
             return decided[1]
         asking = self._asking.get(key)
         if asking is None:
-            asking = asyncio.ensure_future(self._decide(caller, action, key))
-            self._asking[key] = asking
+            asking = self._asking[key] = asyncio.ensure_future(self._decide(caller, action, key))
             asking.add_done_callback(lambda _: self._asking.pop(key, None))
         # shield: one caller giving up (disconnecting) does not cancel the others' answer.
         return await asyncio.shield(asking)

@@ -80,10 +80,7 @@ class GuardBus(CompatBus):
         peer = peer_reply(msg)
         if peer is not None:
             return peer
-        interfaces = self._signatures.get(msg.path or "")
-        if not interfaces or msg.interface not in interfaces:
-            return None
-        expected = interfaces[msg.interface].get(msg.member or "")
+        expected = self._signatures.get(msg.path or "", {}).get(msg.interface or "", {}).get(msg.member or "")
         if expected is None or expected == msg.signature:
             return None
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:

@@ -89,10 +89,6 @@ class Method:
     def in_signature(self) -> str:
         return "".join(a.signature for a in self.in_args)
 
-    @property
-    def out_signature(self) -> str:
-        return "".join(a.signature for a in self.out_args)
-
 
 @dataclass(frozen=True)
 class Signal:

@@ -165,8 +165,7 @@ class ContractInterface(ServiceInterface):
             except asyncio.CancelledError:
                 # cancel_running_calls: the caller gets an answer while the bus is still there.
                 log.info("%s not answered: gpuguardd is stopping", member.name)
-                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when "
-                                "it is back") from None
+                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when it is back") from None
             except GpuGuardError as exc:
                 if isinstance(exc, NotAuthorized):
                     admission = _REFUSALS.admit((member.name, exc.uid))
@@ -181,7 +180,8 @@ class ContractInterface(ServiceInterface):
                 _IN_FLIGHT.discard(task)
 
         handler.__name__ = handler.__qualname__ = member.name
-        handler.__signature__ = _dbus_signature(member.in_args, member.out_signature)  # type: ignore[attr-defined]
+        returns = "".join(a.signature for a in member.out_args)
+        handler.__signature__ = _dbus_signature(member.in_args, returns)  # type: ignore[attr-defined]
         return handler
 
     @classmethod
@@ -228,12 +228,9 @@ class ContractInterface(ServiceInterface):
     async def _authorize(self, rule: xml.Rule, options: Options | None) -> None:
         """A dry run is what the options say, else the configured default, written into them:
         what was authorized is what runs."""
-        dry_run = False
-        if options is not None:
-            if options.get("dry_run") is None:
-                options["dry_run"] = self.gate().dry_run_default()
-            dry_run = bool(options["dry_run"])
-        action = rule.needs(dry_run)
+        if options is not None and options.get("dry_run") is None:
+            options["dry_run"] = self.gate().dry_run_default()
+        action = rule.needs(options is not None and bool(options["dry_run"]))
         if action:
             await self.gate().require(await self.caller(), action)
 

@@ -27,19 +27,14 @@ REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
 
 # warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
-_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
-                 "warning_codes")
+_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings", "warning_codes")
 
 # Keys of a report's entries that docs/contract.md does not promise, and whose empty value says
 # no more than their absence ("" unit: none), are left out on the wire: GetHistory(10) of
 # 20-target reports, 58.6 -> 47.6 KiB. Every key docs/contract.md lists for an entry stays.
 OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
-    "targets": ("unit", "container", "mig", "exe"),
-    "survived": ("unit",),
-    "spared": ("unit",),
-    "gpus": ("mig_uuid",),
-    "leaks": ("mig_uuid",),
-}
+    "targets": ("unit", "container", "mig", "exe"), "survived": ("unit",), "spared": ("unit",),
+    "gpus": ("mig_uuid",), "leaks": ("mig_uuid",)}
 
 
 def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
