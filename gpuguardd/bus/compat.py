@@ -2,21 +2,18 @@
 internals. Supported: SUPPORTED_MIN (Debian 12's 1.84.2) up to SUPPORTED_BELOW; on 1.84.2 and
 5.2.0, tests/bus/test_dbus_compat.py shows each bug where its gate says and the workaround fixing it.
 
-1. Strings' lengths are written in characters, not bytes (< 2.11.1, dbus-fast#261): one process
-   named "café" corrupts a message and the bus daemon drops the connection, so any local user
-   could cut the daemon off the bus. Strings are sent ASCII.
+1. Strings' lengths are written in characters, not bytes (< 2.11.1, dbus-fast#261): a process
+   named "café" would corrupt a message and get the daemon dropped off the bus. Strings go ASCII.
 2. The writer's queue pops the newest (< 1.91.3, dbus-fast#225): under backpressure, signals
    arrive reversed. The queue pops the oldest.
-3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153), so
-   large replies faster than the bus daemon reads would too. A send that would block sends
-   nothing, and the writer waits for the socket, as after a partial send.
+3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): a send
+   that would block sends nothing, and the writer waits for the socket as after a partial send.
 4. Peer.GetMachineId is forwarded to the bus daemon, which a system bus refuses (before 2.36.0,
    dbus-fast#400, the error and later calls also go unanswered). Peer is answered from /etc/machine-id.
 5. InterfacesAdded/Removed come from the object's own path (every version so far); the D-Bus
    specification (and GDBusObjectManagerClient, cockpit) want the object manager's.
-6. A method gets only its arguments, but authorization needs the sender and the interactive
-   flag. Message handlers run before an async method's task is created: one that sets a
-   context variable gives each task its message.
+6. A method gets only its arguments, not the sender and flags authorization needs. Message
+   handlers run before a method's task is made: one setting a context variable gives it its call.
 7. A message sent after the connection closed (5.x: a traceback; 1.84 drops it) is dropped.
    The daemon answers running calls before it disconnects (interfaces.cancel_running_calls).
 """

@@ -15,9 +15,8 @@ ACTION_VIEW_DETAILS = BUS_NAME + ".view-details"
 # Lets tests and admins point gpuguardctl at a bus other than the system bus.
 ENV_BUS_ADDRESS = "GPUGUARD_BUS_ADDRESS"
 
-# Values of the contract that the CLI prints without needing dbus-fast (cli/output.py):
-# a holder whose uid could not be read is sent as (uid_t)-1, which Linux never gives a process
-# (marshal.holder); the last entry of a cut reply says how many were left out (replysize.py).
+# For the CLI without dbus-fast: an unreadable uid is sent as (uid_t)-1, which Linux never gives a
+# process (marshal.holder); the last entry of a cut reply says how many were left out (replysize).
 UID_UNKNOWN = 2**32 - 1
 OMITTED_KEY = "omitted_after"
 

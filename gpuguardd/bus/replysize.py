@@ -29,9 +29,8 @@ COMPACT_TEXT = 256
 # warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
 _REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings", "warning_codes")
 
-# Keys of a report's entries that docs/contract.md does not promise, and whose empty value says
-# no more than their absence ("" unit: none), are left out on the wire: GetHistory(10) of
-# 20-target reports, 58.6 -> 47.6 KiB. Every key docs/contract.md lists for an entry stays.
+# Keys of report entries that docs/contract.md does not list, left out when empty ("" unit: none),
+# which says no more than their absence: GetHistory(10) of 20-target reports, 58.6 -> 47.6 KiB.
 OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
     "targets": ("unit", "container", "mig", "exe"), "survived": ("unit",), "spared": ("unit",),
     "gpus": ("mig_uuid",), "leaks": ("mig_uuid",)}
@@ -53,8 +52,7 @@ def wire_size(value: Any) -> int:
     if isinstance(value, Variant):
         return 8 + len(value.signature) + wire_size(value.value)
     if isinstance(value, str):
-        length = len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
-        return 8 + length + 1
+        return 9 + (len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass")))
     if isinstance(value, (bool, int, float)):
         return 16
     if isinstance(value, Mapping):
