@@ -1,9 +1,14 @@
-"""Who is calling, and may they: bus credentials for the uid, polkit for everyone but root.
+"""Who is calling, and may they: bus credentials for the uid, polkit for everyone but root; and
+how often one caller may make the daemon scan or log.
 
 The uid comes from the bus daemon (GetConnectionCredentials), which took it from the socket:
 a caller cannot lie about it. The caller's PID is never used to decide anything, because a
 PID can be recycled between the call and the check. Polkit is asked about the bus name
 ("system-bus-name" subject), which polkit resolves the same race-free way.
+
+Any local user may call gpuguardd: unbounded, 2,000 ListHolders(fresh=true) calls by `nobody`
+kept a core at 95 % and wrote 6,895 "denied" lines to the journal. RateLimit lets a key through
+once per interval, counting what it held back, and forgets the least recently seen keys first.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dbus_fast import DBusError, Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from gpuguardd.bus.connection import bus_daemon_call
-from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import NotAuthorized
 from gpuguardd.safetext import user_name
 
@@ -34,6 +40,41 @@ _CACHE_SIZE = 1024
 # and polkitd runs its rules for each check. A bus name stays one process, so the answer only
 # ages (a session going inactive, rules edited).
 POLKIT_DECISION_SEC = 5.0
+# A uid's fresh=true ListHolders scans (sooner: served from the last scan, or joins the next).
+FRESH_SCAN_INTERVAL_SEC = 1.0
+# A uid's refusals of one action: logged at most once per this, with the number held back.
+DENIAL_LOG_INTERVAL_SEC = 600.0
+MAX_KEYS = 4096
+
+
+class Admission(NamedTuple):
+    allowed: bool
+    held_back: int = 0
+
+
+class RateLimit:
+    def __init__(self, interval: float, max_keys: int = MAX_KEYS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.max_keys = max_keys
+        self.clock = clock
+        # key -> (when it was last let through, how many were held back since)
+        self._seen: collections.OrderedDict[Hashable, tuple[float, int]] = collections.OrderedDict()
+
+    def admit(self, key: Hashable) -> Admission:
+        now = self.clock()
+        last = self._seen.pop(key, None)  # put back below, as the most recently seen
+        if last is not None and now - last[0] < self.interval:
+            self._seen[key] = (last[0], last[1] + 1)
+            return Admission(False)
+        self._seen[key] = (now, 0)
+        while len(self._seen) > self.max_keys:
+            self._seen.popitem(last=False)
+        return Admission(True, last[1] if last is not None else 0)
+
+
+def held_back(count: int) -> str:
+    """A rate-limited log line's suffix: how many like it were not written."""
+    return f" (and {count} more time(s) since, not logged)" if count else ""
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
-from gpuguardd.bus.auth import Caller
+from gpuguardd.bus.auth import DENIAL_LOG_INTERVAL_SEC, Caller, RateLimit, held_back
 from gpuguardd.bus.marshal import VarDict
 from gpuguardd.bus.names import ERROR_PREFIX, GPU_INTERFACE, MANAGER_INTERFACE
-from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
