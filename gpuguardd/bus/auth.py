@@ -101,8 +101,7 @@ class Authorizer:
         self._denials = RateLimit(DENIAL_LOG_INTERVAL_SEC)
         # (sender, action, interactive) -> (when polkit answered, granted); calls that come
         # while polkit is being asked wait for that one answer.
-        self._decisions: collections.OrderedDict[tuple[str, str, bool], tuple[float, bool]] = \
-            collections.OrderedDict()
+        self._decisions: collections.OrderedDict[tuple[str, str, bool], tuple[float, bool]] = collections.OrderedDict()
         self._asking: dict[tuple[str, str, bool], asyncio.Future[bool]] = {}
 
     def _log_denial(self, level: int, caller: Caller, action: str, what: str, *args: object) -> None:
@@ -166,9 +165,8 @@ class Authorizer:
         try:
             reply = await self.bus.call(Message(
                 destination="org.freedesktop.PolicyKit1", path="/org/freedesktop/PolicyKit1/Authority",
-                interface="org.freedesktop.PolicyKit1.Authority",
-                member="CheckAuthorization", signature="(sa{sv})sa{ss}us",
-                body=[subject, action, {}, flags, ""]))
+                interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
+                signature="(sa{sv})sa{ss}us", body=[subject, action, {}, flags, ""]))
         except (DBusError, OSError, EOFError) as exc:
             self._log_denial(logging.WARNING, caller, action, "polkit check of %s for %s failed: %s",
                              action, caller.describe(), exc)
@@ -190,8 +188,7 @@ class Authorizer:
             log.warning("polkit answered %s with an unexpected body", action)
             return False
         if not granted and challenge:
-            self._log_denial(logging.INFO, caller, action, "%s needs authentication for %s",
-                             caller.describe(), action)
+            self._log_denial(logging.INFO, caller, action, "%s needs authentication for %s", caller.describe(), action)
         return granted
 
     async def require(self, caller: Caller, action: str) -> None:

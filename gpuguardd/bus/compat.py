@@ -64,9 +64,8 @@ def version_warning(version: tuple[int, ...] = VERSION) -> str:
     """What the daemon logs at start on a dbus-fast outside the supported range ("" inside)."""
     if SUPPORTED_MIN <= version < SUPPORTED_BELOW:
         return ""
-    return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the "
-            f"versions gpuguardd is tested with ({supported_range()}): its workarounds "
-            "(gpuguardd/bus/compat.py) may be wrong for it")
+    return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the versions gpuguardd "
+            f"is tested with ({supported_range()}): its workarounds (gpuguardd/bus/compat.py) may be wrong for it")
 
 
 def ascii_only(value: Any) -> Any:
@@ -144,8 +143,7 @@ def peer_reply(msg: Message) -> Message | bool | None:
             Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound", "this machine has no machine-id"))
 
 
-CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
-    "gpuguard_current_call", default=None)
+CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar("gpuguard_current_call", default=None)
 current_call = CURRENT_CALL.get
 
 

@@ -83,15 +83,13 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int) -> list
 
 def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
                   sizes: list[int] | None = None) -> list[dict[str, Variant]]:
-    if sizes is None:
-        sizes = [wire_size(h) for h in holders]
+    sizes = [wire_size(h) for h in holders] if sizes is None else sizes
     if sum(sizes) + 8 <= budget:
         return holders
     compact = [_compact(h) for h in holders]
     kept = _fit(compact, [wire_size(h) for h in compact], budget)
-    log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to "
-                "%d bytes (reply limit %d bytes)", len(holders), sum(sizes), len(kept),
-                COMPACT_TEXT, budget)
+    log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to %d bytes "
+                "(reply limit %d bytes)", len(holders), sum(sizes), len(kept), COMPACT_TEXT, budget)
     return kept
 
 
@@ -99,8 +97,7 @@ def bound_reports(reports: list[dict[str, Variant]], sizes: list[int]) -> list[d
     """Newest first, as many as fit; the last sent says how many older ones were left out."""
     kept = _fit(reports, sizes, REPLY_BUDGET)
     if len(kept) < len(reports):
-        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
-                 len(reports), REPLY_BUDGET)
+        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept), len(reports), REPLY_BUDGET)
     return kept
 
 
