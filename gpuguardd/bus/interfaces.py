@@ -96,7 +96,6 @@ class ContractInterface(ServiceInterface):
 
     DEFINITION: ClassVar[xml.Contract]
     INTERFACE: ClassVar[xml.Interface]
-    _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
 
     def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,8 +108,6 @@ class ContractInterface(ServiceInterface):
         for name, value in vars(cls).items():
             if name[:1].isupper() and callable(value) and name not in members:
                 raise TypeError(f"{where}: {name} is not a member of the XML")
-        cls._PYTHON_MEMBERS = {**getattr(cls, "_PYTHON_MEMBERS", {}),
-                               **{n: f for n, f in vars(cls).items() if n in members and callable(f)}}
         for name, member in iface.methods.items():
             setattr(cls, name, method(name)(cls._method_handler(member, where)))
         for name, sig in iface.signals.items():
@@ -122,8 +119,7 @@ class ContractInterface(ServiceInterface):
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
-        # Else the base class's (a subclass may be built again from another document).
-        fn = vars(cls).get(name) or getattr(cls, "_PYTHON_MEMBERS", {}).get(name)
+        fn = vars(cls).get(name)
         if not callable(fn):
             raise TypeError(f"{where}: {name} is in the XML but not implemented")
         wanted = [a.name for a in args]
@@ -289,8 +285,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     def __init__(self, backend: ManagerBackend, values: Mapping[str, Any]) -> None:
         super().__init__(values)
         self.backend = backend
-        # Stored reports never change, and typing them is most of GetHistory's cost under
-        # load: each is typed once (by id), with its size.
+        # Stored reports never change, and typing them is most of GetHistory's cost: once, by id.
         self._typed_reports: dict[str, tuple[VarDict, int]] = {}
 
     def gate(self) -> Gate:

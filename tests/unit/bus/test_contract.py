@@ -96,19 +96,19 @@ def test_every_method_of_the_xml_declares_a_rule_naming_a_shipped_polkit_action(
 
 
 def test_a_method_without_a_rule_is_refused_to_everyone_before_anything_runs() -> None:
-    # The real Manager, built from the XML with Reload's rule removed. Its backend is None:
-    # had the call got past the gate, it would fail with Failed, not NotAuthorized.
-    definition = Contract(without_rule(XML, "Reload"))
-    assert definition.interfaces[MANAGER_INTERFACE].methods["Reload"].rule is None
+    assert Contract(without_rule(XML, "Reload")).interfaces[MANAGER_INTERFACE].methods["Reload"].rule is None
+    definition = Contract("""<node><interface name="org.gpuguard.GpuGuard1.Test">
+      <method name="Reload"/>
+    </interface></node>""")
 
-    class Unruled(ManagerInterface, interface=MANAGER_INTERFACE, definition=definition):
-        pass
+    class Unruled(ContractInterface, interface="org.gpuguard.GpuGuard1.Test", definition=definition):
+        async def Reload(self) -> None:
+            raise AssertionError("past the gate")  # would be answered Failed, not NotAuthorized
 
-    manager = Unruled(None, manager_values())  # type: ignore[arg-type]
-    error = call_error(manager, "Reload")
+    error = call_error(Unruled({}), "Reload")
     assert error.type == NOT_AUTHORIZED
     assert "Reload declares no authorization" in str(error.text)
-    # The same class with the installed rules gets past the gate (and then has no backend).
+    # The Manager with the installed rules gets past the gate (and then has no backend).
     error = call_error(ManagerInterface(None, manager_values()), "Reload")  # type: ignore[arg-type]
     assert error.type == ERROR_PREFIX + "Failed"
     # A new interface's method without a rule, called over a bus: tests/bus/test_contract_gate.py.
