@@ -99,8 +99,7 @@ class Authorizer:
         self._uids: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Any user can ask again and again, and the journal is the admin's.
         self._denials = RateLimit(DENIAL_LOG_INTERVAL_SEC)
-        # (sender, action, interactive) -> (when polkit answered, granted); calls that come
-        # while polkit is being asked wait for that one answer.
+        # (sender, action, interactive) -> (when polkit answered, granted); calls during a check share it.
         self._decisions: collections.OrderedDict[tuple[str, str, bool], tuple[float, bool]] = collections.OrderedDict()
         self._asking: dict[tuple[str, str, bool], asyncio.Future[bool]] = {}
 

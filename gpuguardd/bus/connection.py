@@ -1,7 +1,7 @@
 """The daemon's bus connection (GuardBus), and the bus daemon's own calls and signals read safely.
 
-A wrong signature on one of our methods is answered with InvalidArgument naming what was
-expected, instead of dbus-fast's generic "unknown method". The dbus-fast workarounds: compat.py.
+A wrong signature on one of our methods is answered with InvalidArgument naming the expected one,
+not dbus-fast's generic "unknown method".
 """
 
 from __future__ import annotations

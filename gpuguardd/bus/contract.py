@@ -1,6 +1,5 @@
-"""The D-Bus interface as dbus/org.gpuguard.GpuGuard1.xml defines it (annotations described in
-its header comment), read once: members, signatures, Introspect's XML, the keys of every a{sv}
-and each method's authorization rule. No dbus_fast here: gpuguardctl reads it without it.
+"""The D-Bus interface as dbus/org.gpuguard.GpuGuard1.xml defines it (its header comment describes
+the annotations), read once. No dbus_fast here: gpuguardctl reads it without it.
 
 The build installs the file next to this module (setup.py's build_py, `make install`), so the
 daemon serves the definition of the code it runs; a checkout has no copy or link there (tools

@@ -1,9 +1,8 @@
 """The Manager and Gpu interfaces, whose dbus-fast members are built from the contract XML.
 
 A subclass of ContractInterface must match the XML (parameters by name, a trailing "_" allowed).
-Before a method's body runs, its arguments are checked and its Authorization rule applied; a
-method without one is refused to everyone. Properties are served from one table. What a call
-means is the ManagerBackend's business.
+Before a method's body runs, its arguments are checked and its Authorization rule applied (none:
+refused to everyone). Properties are served from one table; what calls mean is ManagerBackend's.
 """
 
 from __future__ import annotations
@@ -81,8 +80,8 @@ _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
 async def cancel_running_calls(timeout: float) -> None:
-    """Answer the calls still running while the bus is there: left to asyncio.run's exit, they
-    would be cancelled with nothing to answer on, and a traceback in the journal."""
+    """Answer the calls still running while the bus is there: asyncio.run's exit would cancel them
+    with nothing to answer on, and a traceback in the journal."""
     running = [task for task in _IN_FLIGHT if not task.done()]
     for task in running:
         task.cancel()
@@ -221,8 +220,7 @@ class ContractInterface(ServiceInterface):
         return known
 
     async def _authorize(self, rule: xml.Rule, options: Options | None) -> None:
-        """A dry run is what the options say, else the configured default, written into them:
-        what was authorized is what runs."""
+        """A dry run is what the options say, else the default, written into them: what was authorized runs."""
         if options is not None and options.get("dry_run") is None:
             options["dry_run"] = self.gate().dry_run_default()
         action = rule.needs(options is not None and bool(options["dry_run"]))
@@ -231,8 +229,7 @@ class ContractInterface(ServiceInterface):
 
 
 def _arguments(member: xml.Method, args: tuple[Any, ...]) -> list[Any]:
-    """a{sv} options checked against their Keys and made plain; then strings checked as text
-    (options first, as released)."""
+    """a{sv} options checked against their Keys and made plain, then strings (options first, as released)."""
     values = list(args)
     for i, arg in enumerate(member.in_args):
         if arg.signature == "a{sv}":
@@ -319,8 +316,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self.typed_report(await self.backend.reset_gpu(await self.caller(), gpu, options))
 
     async def GetHistory(self, count: int) -> list[VarDict]:
-        sized = [self._sized_report(r) for r in self.backend.history(count)]
-        return replysize.bound_reports([r for r, _ in sized], sizes=[n for _, n in sized])
+        return replysize.bound_reports([self._sized_report(r) for r in self.backend.history(count)])
 
     async def GetMetrics(self) -> str:
         return self.backend.get_metrics()

@@ -28,6 +28,5 @@ def gpu_path(index: int) -> str:
 
 
 def default_address(explicit: str | None) -> str | None:
-    """The bus gpuguardctl talks on: `explicit`, else $GPUGUARD_BUS_ADDRESS, else None (the
-    system bus). Here, not in cli/client.py, so that --local needs no dbus-fast to ask."""
+    """`explicit`, else $GPUGUARD_BUS_ADDRESS, else None: the system bus. Here so --local needs no dbus-fast."""
     return explicit or os.environ.get(ENV_BUS_ADDRESS) or None

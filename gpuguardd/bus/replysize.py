@@ -93,11 +93,11 @@ def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
     return kept
 
 
-def bound_reports(reports: list[dict[str, Variant]], sizes: list[int]) -> list[dict[str, Variant]]:
-    """Newest first, as many as fit; the last sent says how many older ones were left out."""
-    kept = _fit(reports, sizes, REPLY_BUDGET)
-    if len(kept) < len(reports):
-        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept), len(reports), REPLY_BUDGET)
+def bound_reports(sized: list[tuple[dict[str, Variant], int]]) -> list[dict[str, Variant]]:
+    """Typed reports with their sizes, newest first: as many as fit, the last saying how many were left out."""
+    kept = _fit([report for report, _ in sized], [size for _, size in sized], REPLY_BUDGET)
+    if len(kept) < len(sized):
+        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept), len(sized), REPLY_BUDGET)
     return kept
 
 
