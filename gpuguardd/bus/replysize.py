@@ -113,9 +113,8 @@ def bound_report(data: Mapping[str, Any]) -> tuple[dict[str, Variant], int]:
     while True:
         keep //= 2
         left = sum(max(0, len(v) - keep) for v in lists.values())
-        note = (f"{left} entries of this report's lists ({', '.join(sorted(lists))}) were left "
-                f"out of this copy to keep it under the bus's message size; gpuguardd's history "
-                f"file keeps the whole report")
+        note = (f"{left} entries of this report's lists ({', '.join(sorted(lists))}) were left out of this copy to "
+                "keep it under the bus's message size; gpuguardd's history file keeps the whole report")
         trimmed = {**data, **{k: v[:keep] for k, v in lists.items()}}
         trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
         result = marshal.report(trimmed)
