@@ -22,8 +22,8 @@ BUS_DAEMON_PATH = "/org/freedesktop/DBus"
 
 def name_owner_change(msg: Message, name: str) -> str | None:
     """The new owner of `name` ("" when it left) if `msg` is the bus daemon's NameOwnerChanged
-    about it, else None. Match rules only filter broadcasts: any peer may send any signal straight
-    to us, but only the bus daemon can have org.freedesktop.DBus as the sender."""
+    about it, else None. Match rules only filter broadcasts: any peer may send us one saying systemd
+    left, but only the bus daemon can have org.freedesktop.DBus as the sender."""
     if (msg.message_type != MessageType.SIGNAL or msg.member != "NameOwnerChanged"
             or msg.sender != BUS_DAEMON or msg.path != BUS_DAEMON_PATH
             or msg.interface != BUS_DAEMON or msg.signature != "sss" or msg.body[0] != name):
@@ -46,7 +46,6 @@ async def name_owner(bus: MessageBus, name: str) -> str:
 
 
 class GuardBus(CompatBus):
-
     object_manager_path = MANAGER_PATH
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
