@@ -1,27 +1,19 @@
-"""Every dbus-fast workaround of gpuguardd, and the only module that touches dbus-fast's
-private internals (the bus's `_writer`, `_disconnected`, `_emit_interface_added/_removed`,
-`ServiceInterface._get_all_property_values`).
+"""Every dbus-fast workaround of gpuguardd; the only module that touches dbus-fast's private
+internals. Supported: SUPPORTED_MIN (Debian 12's 1.84.2) up to SUPPORTED_BELOW; on 1.84.2 and
+5.2.0, tests/bus/test_dbus_compat.py shows each bug where its gate says and the workaround fixing it.
 
-Supported: SUPPORTED_MIN (Debian 12's python3-dbus-fast 1.84.2) up to SUPPORTED_BELOW, as
-setup.cfg and docs/architecture.md say; tests/bus/test_dbus_compat.py shows, on 1.84.2 and
-5.2.0, each bug exactly where its gate says and the workaround fixing it.
-
-1. Strings' lengths written in characters, not bytes (< 2.11.1, dbus-fast#261): one non-ASCII
-   character (a process named "café") corrupts the message and the bus daemon drops the
-   connection, so any local user could cut the daemon off the bus. Strings are sent ASCII.
+1. Strings' lengths are written in characters, not bytes (< 2.11.1, dbus-fast#261): a process
+   named "café" would corrupt a message and get the daemon dropped off the bus. Strings go ASCII.
 2. The writer's queue pops the newest (< 1.91.3, dbus-fast#225): under backpressure, signals
-   (SweepStarted, SweepFinished) arrive reversed. The queue pops the oldest.
-3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): large
-   replies faster than the bus daemon reads would cut gpuguardd off the bus. A send that
-   would block sends nothing, and the writer waits for the socket, as after a partial send.
-4. Peer.GetMachineId is forwarded to the bus daemon, which a system bus refuses (every
-   version; before 2.36.0, dbus-fast#400, an error reply or any later call also goes
-   unanswered). gpuguardd answers Peer itself from /etc/machine-id.
+   arrive reversed. The queue pops the oldest.
+3. EAGAIN from send() drops the connection (every version so far, python-dbus-next#153): a send
+   that would block sends nothing, and the writer waits for the socket as after a partial send.
+4. Peer.GetMachineId is forwarded to the bus daemon, which a system bus refuses (before 2.36.0,
+   dbus-fast#400, the error and later calls also go unanswered). Peer is answered from /etc/machine-id.
 5. InterfacesAdded/Removed come from the object's own path (every version so far); the D-Bus
    specification (and GDBusObjectManagerClient, cockpit) want the object manager's.
-6. A method gets only its arguments (every version), but authorization needs the sender and
-   the interactive-authorization flag. Message handlers run, in order, before an async
-   method's task is created: one that sets a context variable gives each task its message.
+6. A method gets only its arguments, not the sender and flags authorization needs. Message
+   handlers run before a method's task is made: one setting a context variable gives it its call.
 7. A message sent after the connection closed (5.x: a traceback; 1.84 drops it) is dropped.
    The daemon answers running calls before it disconnects (interfaces.cancel_running_calls).
 """
@@ -59,8 +51,7 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 VERSION = parse_version(DBUS_FAST_VERSION_TEXT)
 
-# The gates of 1 and 2: True where the installed dbus-fast needs the workaround (3 to 7 are
-# needed on every version so far).
+# The gates of 1 and 2: True where the installed dbus-fast needs the workaround (3 to 7: all do).
 STRING_LENGTHS_IN_CHARACTERS = VERSION < (2, 11, 1)
 WRITER_TAKES_NEWEST = VERSION < (1, 91, 3)
 
@@ -73,15 +64,12 @@ def version_warning(version: tuple[int, ...] = VERSION) -> str:
     """What the daemon logs at start on a dbus-fast outside the supported range ("" inside)."""
     if SUPPORTED_MIN <= version < SUPPORTED_BELOW:
         return ""
-    return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the "
-            f"versions gpuguardd is tested with ({supported_range()}): its workarounds "
-            "(gpuguardd/bus/compat.py) may be wrong for it")
+    return (f"dbus-fast {'.'.join(map(str, version)) or DBUS_FAST_VERSION_TEXT} is outside the versions gpuguardd "
+            f"is tested with ({supported_range()}): its workarounds (gpuguardd/bus/compat.py) may be wrong for it")
 
-
-# -- 1. strings ------------------------------------------------------------------------------
 
 def ascii_only(value: Any) -> Any:
-    """The value with every string in it made ASCII (backslash escapes), at any depth."""
+    """The value with every string in it made ASCII (backslash escapes), at any depth (1)."""
     if isinstance(value, str):
         return value if value.isascii() else value.encode("ascii", "backslashreplace").decode("ascii")
     if isinstance(value, Variant):
@@ -94,8 +82,6 @@ def ascii_only(value: Any) -> Any:
         return {ascii_only(k): ascii_only(v) for k, v in value.items()}
     return value
 
-
-# -- 2. and 3. the writer ----------------------------------------------------------------------
 
 class SendWithoutEagain:
     """A socket whose send() returns 0 where it would raise BlockingIOError."""
@@ -132,8 +118,6 @@ def repair_writer(bus: MessageBus, eagain: bool = True, order: bool = WRITER_TAK
         writer.messages = FifoQueue(writer.messages)
 
 
-# -- 4. Peer -----------------------------------------------------------------------------------
-
 def machine_id() -> str:
     for path in MACHINE_ID_FILES:
         try:
@@ -147,26 +131,19 @@ def machine_id() -> str:
 
 
 def peer_reply(msg: Message) -> Message | bool | None:
-    """For a message handler: our answer to a Peer call (True: no reply wanted), None for others."""
-    if msg.interface != PEER_INTERFACE or msg.signature != "":
+    """For a message handler: our answer to a Peer call (4; True: no reply wanted), None for others."""
+    if msg.interface != PEER_INTERFACE or msg.signature != "" or msg.member not in ("Ping", "GetMachineId"):
         return None
-    reply: Message | None = None
-    if msg.member == "Ping":
-        reply = Message.new_method_return(msg)
-    elif msg.member == "GetMachineId":
-        found = machine_id()
-        reply = (Message.new_method_return(msg, "s", [found]) if found else
-                 Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound",
-                                   "this machine has no machine-id"))
-    if reply is not None and msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+    if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
         return True
-    return reply
+    if msg.member == "Ping":
+        return Message.new_method_return(msg)
+    found = machine_id()
+    return (Message.new_method_return(msg, "s", [found]) if found else
+            Message.new_error(msg, "org.freedesktop.DBus.Error.FileNotFound", "this machine has no machine-id"))
 
 
-# -- 6. the current call ---------------------------------------------------------------------
-
-CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar(
-    "gpuguard_current_call", default=None)
+CURRENT_CALL: contextvars.ContextVar[Message | None] = contextvars.ContextVar("gpuguard_current_call", default=None)
 current_call = CURRENT_CALL.get
 
 
@@ -176,13 +153,9 @@ def note_call(msg: Message) -> None:
         CURRENT_CALL.set(msg)
 
 
-# -- the bus ---------------------------------------------------------------------------------
-
 class CompatBus(MessageBus):
     """dbus-fast's MessageBus with 1, 5 and 7 built in (2, 3, 4 and 6: connection.GuardBus).
-
-    `object_manager_path`: where InterfacesAdded/Removed come from (5), for objects below it;
-    "" keeps dbus-fast's own signals."""
+    `object_manager_path`: where InterfacesAdded/Removed come from (5); "" keeps dbus-fast's."""
 
     object_manager_path = ""
 

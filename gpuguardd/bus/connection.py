@@ -1,7 +1,7 @@
 """The daemon's bus connection (GuardBus), and the bus daemon's own calls and signals read safely.
 
-A wrong signature on one of our methods is answered with InvalidArgument naming what was
-expected, instead of dbus-fast's generic "unknown method". The dbus-fast workarounds: compat.py.
+A wrong signature on one of our methods is answered with InvalidArgument naming the expected one,
+not dbus-fast's generic "unknown method".
 """
 
 from __future__ import annotations
@@ -22,13 +22,8 @@ BUS_DAEMON_PATH = "/org/freedesktop/DBus"
 
 def name_owner_change(msg: Message, name: str) -> str | None:
     """The new owner of `name` ("" when it left) if `msg` is the bus daemon's NameOwnerChanged
-    about it, else None.
-
-    Match rules only filter broadcasts: any peer may send a signal straight to our unique name,
-    with any path, interface and member it likes, so a NameOwnerChanged("org.freedesktop.
-    systemd1", ..., "") from a user would otherwise read as systemd leaving. The bus daemon
-    sets the sender field itself and never lets a peer claim org.freedesktop.DBus.
-    """
+    about it, else None. Match rules only filter broadcasts: any peer may send us one saying systemd
+    left, but only the bus daemon can have org.freedesktop.DBus as the sender."""
     if (msg.message_type != MessageType.SIGNAL or msg.member != "NameOwnerChanged"
             or msg.sender != BUS_DAEMON or msg.path != BUS_DAEMON_PATH
             or msg.interface != BUS_DAEMON or msg.signature != "sss" or msg.body[0] != name):
@@ -36,19 +31,14 @@ def name_owner_change(msg: Message, name: str) -> str | None:
     return str(msg.body[2])
 
 
-async def bus_daemon_call(bus: MessageBus, member: str, signature: str = "",
-                          body: Sequence[Any] = ()) -> Message:
-    """Call `member` of the bus daemon itself; its reply, which may be an error reply: each
-    caller knows what a refusal means to it. AddMatch is a broadcast filter, never proof of a
-    signal's sender (name_owner_change)."""
-    return await bus.call(Message(destination=BUS_DAEMON, path=BUS_DAEMON_PATH,
-                                  interface=BUS_DAEMON, member=member, signature=signature,
-                                  body=list(body)))
+async def bus_daemon_call(bus: MessageBus, member: str, signature: str = "", body: Sequence[Any] = ()) -> Message:
+    """The bus daemon's reply, maybe an error: each caller knows what a refusal means to it."""
+    return await bus.call(Message(destination=BUS_DAEMON, path=BUS_DAEMON_PATH, interface=BUS_DAEMON,
+                                  member=member, signature=signature, body=list(body)))
 
 
 async def name_owner(bus: MessageBus, name: str) -> str:
-    """The unique name that owns `name` now, "" when none does (or the bus would not say):
-    what a signal claiming to come from `name` must carry as its sender."""
+    """What a signal from `name` must carry as its sender: its owner now ("" for none or unknown)."""
     reply = await bus_daemon_call(bus, "GetNameOwner", "s", [name])
     if reply is None or reply.message_type != MessageType.METHOD_RETURN or not reply.body:
         return ""
@@ -56,13 +46,11 @@ async def name_owner(bus: MessageBus, name: str) -> str:
 
 
 class GuardBus(CompatBus):
-    """The daemon's connection: every workaround of compat.py and our methods' signature check."""
-
     object_manager_path = MANAGER_PATH
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # path -> interface name -> {method name: in signature}, for the signature check
+        # path -> interface name -> {method name: in signature}
         self._signatures: dict[str, dict[str, dict[str, str]]] = {}
         self.add_message_handler(self._note_call)
 
@@ -91,14 +79,10 @@ class GuardBus(CompatBus):
         peer = peer_reply(msg)
         if peer is not None:
             return peer
-        interfaces = self._signatures.get(msg.path or "")
-        if not interfaces or msg.interface not in interfaces:
-            return None
-        expected = interfaces[msg.interface].get(msg.member or "")
+        expected = self._signatures.get(msg.path or "", {}).get(msg.interface or "", {}).get(msg.member or "")
         if expected is None or expected == msg.signature:
             return None
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True  # handled: dropped, as the caller asked for no reply
-        return Message.new_error(
-            msg, ERROR_PREFIX + "InvalidArgument",
-            f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")
+        return Message.new_error(msg, ERROR_PREFIX + "InvalidArgument",
+                                 f"{msg.member} takes arguments of type ({expected}), got ({msg.signature})")

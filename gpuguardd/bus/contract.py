@@ -1,14 +1,9 @@
-"""The D-Bus interface as dbus/org.gpuguard.GpuGuard1.xml defines it, read once.
+"""The D-Bus interface as dbus/org.gpuguard.GpuGuard1.xml defines it (its header comment describes
+the annotations), read once. No dbus_fast here: gpuguardctl reads it without it.
 
-Everything else learns the interface from here: members, their signatures and argument names,
-what Introspect returns, the keys and types of every a{sv} (org.gpuguard.GpuGuard1.Keys
-annotations) and each method's authorization rule (org.gpuguard.GpuGuard1.Authorization).
-The file's header comment describes the annotations.
-
-The build puts the file next to this module as package data (setup.py's build_py; `make
-install` copies it), so the daemon serves the definition of the code it runs. The source tree
-has no copy or link there (a link is lost by tools that copy regular files only): run from a
-checkout, the module reads dbus/ itself. No dbus_fast here: gpuguardctl reads it without it.
+The build installs the file next to this module (setup.py's build_py, `make install`), so the
+daemon serves the definition of the code it runs; a checkout has no copy or link there (tools
+that copy regular files lose links) and reads dbus/ itself.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 XML_NAME = "org.gpuguard.GpuGuard1.xml"
 _INSTALLED = Path(__file__).with_name(XML_NAME)
@@ -41,24 +35,15 @@ class ContractError(ValueError):
 
 
 @dataclass(frozen=True)
-class Nested:
-    """A key whose value is a dict (`a{sv}`) or a list of dicts (`aa{sv}`) with its own schema."""
-
-    signature: str
-    schema: Mapping[str, Field]
-
-
-Field = Union[str, Nested]
-Schema = Mapping[str, Field]
-
-
-@dataclass(frozen=True)
 class KeyType:
-    """One key of a typed dictionary: its signatures (the first is what replies carry; options
-    also take the others) and, for a{sv} or aa{sv}, the dictionary its values are."""
+    """One key of a typed dictionary: its signatures (replies carry the first, options take any)
+    and, for a{sv} or aa{sv}, the dictionary its values are."""
 
     signatures: tuple[str, ...]
-    keys: str = ""
+    dictionary: Dictionary | None = None
+
+
+Dictionary = Mapping[str, KeyType]
 
 
 @dataclass(frozen=True)
@@ -70,7 +55,6 @@ class Rule:
     dry_run_public: bool = False
 
     def needs(self, dry_run: bool) -> str:
-        """The polkit action ("" for none)."""
         return "" if self.dry_run_public and dry_run else self.action
 
     @classmethod
@@ -103,10 +87,6 @@ class Method:
     @property
     def in_signature(self) -> str:
         return "".join(a.signature for a in self.in_args)
-
-    @property
-    def out_signature(self) -> str:
-        return "".join(a.signature for a in self.out_args)
 
 
 @dataclass(frozen=True)
@@ -141,23 +121,22 @@ class Contract:
 
     def __init__(self, xml_text: str) -> None:
         root = ET.fromstring(xml_text)
-        self._schemas: dict[str, Schema] = {}
-        self.dictionaries: dict[str, dict[str, KeyType]] = {}
         elements = [e for e in root.iter("interface") if e.get("name", "").startswith(_PREFIX)]
-        for element in elements:
-            for annotation in element.findall("annotation"):
-                name = annotation.get("name", "")
-                if name.startswith(KEYS_DEFINITION):
-                    self._define(name.removeprefix(KEYS_DEFINITION), annotation.get("value", ""))
+        definitions = [(a.get("name", "").removeprefix(KEYS_DEFINITION), a.get("value", ""))
+                       for e in elements for a in e.findall("annotation")
+                       if a.get("name", "").startswith(KEYS_DEFINITION)]
+        # Every name first: a key's value may be a dictionary defined further down.
+        self.dictionaries: dict[str, dict[str, KeyType]] = {}
+        for name, _ in definitions:
+            if name in self.dictionaries:
+                raise ContractError(f"dictionary {name} defined twice")
+            self.dictionaries[name] = {}
+        for name, text in definitions:
+            self._define(name, text)
         self.interfaces: dict[str, Interface] = {e.get("name", ""): self._interface(e) for e in elements}
-        for dictionary in self.dictionaries.values():
-            for key in dictionary.values():
-                self._known(key.keys)
 
     def _define(self, name: str, text: str) -> None:
-        if name in self.dictionaries:
-            raise ContractError(f"dictionary {name} defined twice")
-        keys: dict[str, KeyType] = {}
+        keys = self.dictionaries[name]
         for word in text.split():
             match = _KEY.match(word)
             if match is None:
@@ -168,8 +147,8 @@ class Contract:
             if (match["keys"] is not None) != (signatures[0] in DICT_SIGNATURES):
                 raise ContractError(f"dictionary {name}: {word!r}: a{{sv}}/aa{{sv}} keys name "
                                     "their dictionary (=Name), other types none")
-            keys[match["key"]] = KeyType(signatures, match["keys"] or "")
-        self.dictionaries[name] = keys
+            nested = self.dictionaries[self._known(match["keys"])] if match["keys"] else None
+            keys[match["key"]] = KeyType(signatures, nested)
 
     def _known(self, keys: str) -> str:
         if keys and keys not in self.dictionaries:
@@ -211,21 +190,6 @@ class Contract:
             self._keys_of(p, p.get("type", ""), f"{iface}.{p.get('name')}"))
             for p in element.findall("property")}
         return Interface(iface, methods, signals, properties, element)
-
-    def schema(self, name: str) -> Schema:
-        """The dictionary `name` as marshalling types it: the first signature of each key,
-        nested dictionaries as Nested."""
-        schema = self._schemas.get(name)
-        if schema is None:
-            schema = self._schemas[name] = {
-                key: Nested(kind.signatures[0], self.schema(kind.keys)) if kind.keys
-                else kind.signatures[0]
-                for key, kind in self.dictionaries[name].items()}
-        return schema
-
-    def options(self, name: str) -> Mapping[str, tuple[str, ...]]:
-        """The dictionary `name` as options: each key and every signature it accepts."""
-        return {key: kind.signatures for key, kind in self.dictionaries[name].items()}
 
     def introspection(self, name: str) -> ET.Element:
         """A copy of interface `name`'s element as Introspect serves it, multi-line annotation

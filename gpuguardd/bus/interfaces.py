@@ -1,19 +1,8 @@
-"""The D-Bus face of the daemon: the Manager and Gpu interfaces, built from the contract XML.
+"""The Manager and Gpu interfaces, whose dbus-fast members are built from the contract XML.
 
-ContractInterface turns dbus/org.gpuguard.GpuGuard1.xml (contract.py) into dbus-fast members
-when a subclass is created, and refuses a subclass that does not match it:
-
-* methods: coroutines of the same name, whose parameters are the XML's in-arguments by name
-  (a trailing "_" allowed, as in `id_`). Before the body runs, a method without an
-  org.gpuguard.GpuGuard1.Authorization annotation is refused (NotAuthorized); a{sv}
-  arguments are checked against their Keys (InvalidArgument naming the key) and arrive as
-  plain dicts, strings as checked text; then the declared rule is applied (`_authorize`).
-  Engine exceptions become the contract's errors.
-* signals: typed stubs of the same name; calling one emits the signal.
-* properties: served from one table (`update`), with PropertiesChanged for real changes only.
-* Introspect returns the file's interface element (annotations included) on every version.
-
-What a call means (holders, sweeping, history) is the ManagerBackend's business.
+A subclass of ContractInterface must match the XML (parameters by name, a trailing "_" allowed).
+Before a method's body runs, its arguments are checked and its Authorization rule applied (none:
+refused to everyone). Properties are served from one table; what calls mean is ManagerBackend's.
 """
 
 from __future__ import annotations
@@ -32,10 +21,9 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from gpuguardd.bus import contract as xml
 from gpuguardd.bus import marshal, replysize
-from gpuguardd.bus.auth import Caller
+from gpuguardd.bus.auth import DENIAL_LOG_INTERVAL_SEC, Caller, RateLimit, held_back
 from gpuguardd.bus.marshal import VarDict
 from gpuguardd.bus.names import ERROR_PREFIX, GPU_INTERFACE, MANAGER_INTERFACE
-from gpuguardd.bus.ratelimit import DENIAL_LOG_INTERVAL_SEC, RateLimit, held_back
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 
 log = logging.getLogger("gpuguard.service")
@@ -49,8 +37,7 @@ _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("gpuguar
 
 
 class Gate(Protocol):
-    """What authorization needs from the daemon: who is calling, a check that raises
-    NotAuthorized unless polkit grants an action (root: always), and [Sweep] DryRun=."""
+    """Who is calling, a check raising NotAuthorized unless polkit grants an action, [Sweep] DryRun=."""
 
     async def caller(self) -> Caller: ...
 
@@ -60,9 +47,8 @@ class Gate(Protocol):
 
 
 def checked_by(check: Callable[..., tuple[Any, ...]]) -> Callable[[_F], _F]:
-    """Run `check(*arguments)` on a method's parsed arguments before authorization, and call
-    the method with what it returns: malformed arguments are InvalidArgument for everyone,
-    as the a{sv} options are."""
+    """Run `check` on a method's arguments before authorization (malformed arguments are
+    InvalidArgument for everyone, as bad options are), and call the method with what it returns."""
     def apply(fn: _F) -> _F:
         fn.__contract_check__ = check  # type: ignore[attr-defined]
         return fn
@@ -78,7 +64,7 @@ def _dbus_signature(args: tuple[xml.Arg, ...], returns: str) -> inspect.Signatur
 
 
 class _ServedInterface(intr.Interface):
-    """Introspection data whose XML is the contract file's element, annotations and all."""
+    """Introspection whose XML is the contract file's element, annotations and all."""
 
     def __init__(self, definition: xml.Contract, name: str) -> None:
         parsed = intr.Interface.from_xml(definition.introspection(name))
@@ -94,9 +80,8 @@ _IN_FLIGHT: set[asyncio.Task[Any]] = set()
 
 
 async def cancel_running_calls(timeout: float) -> None:
-    """Answer every method call still running with "gpuguardd is stopping", while the bus is
-    still connected: left to asyncio.run's exit, their tasks would be cancelled after the bus
-    is gone, with nothing to answer on and a traceback in the journal."""
+    """Answer the calls still running while the bus is there: asyncio.run's exit would cancel them
+    with nothing to answer on, and a traceback in the journal."""
     running = [task for task in _IN_FLIGHT if not task.done()]
     for task in running:
         task.cancel()
@@ -105,17 +90,13 @@ async def cancel_running_calls(timeout: float) -> None:
 
 
 class ContractInterface(ServiceInterface):
-    """A ServiceInterface whose members are those of one interface of the contract XML.
-
-    Subclass with `class X(ContractInterface, interface="org...")`; `definition` selects
-    another document than the installed one (tests)."""
+    """`class X(ContractInterface, interface="org...")`: the members of one interface of the XML
+    (`definition`: another document than the installed one)."""
 
     DEFINITION: ClassVar[xml.Contract]
     INTERFACE: ClassVar[xml.Interface]
-    _PYTHON_MEMBERS: ClassVar[dict[str, Callable[..., Any]]]
 
-    def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None,
-                          **kwargs: Any) -> None:
+    def __init_subclass__(cls, interface: str = "", definition: xml.Contract | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if not interface:
             return
@@ -126,8 +107,6 @@ class ContractInterface(ServiceInterface):
         for name, value in vars(cls).items():
             if name[:1].isupper() and callable(value) and name not in members:
                 raise TypeError(f"{where}: {name} is not a member of the XML")
-        cls._PYTHON_MEMBERS = {**getattr(cls, "_PYTHON_MEMBERS", {}),
-                               **{n: f for n, f in vars(cls).items() if n in members and callable(f)}}
         for name, member in iface.methods.items():
             setattr(cls, name, method(name)(cls._method_handler(member, where)))
         for name, sig in iface.signals.items():
@@ -135,13 +114,11 @@ class ContractInterface(ServiceInterface):
         for name, prop in iface.properties.items():
             if name in vars(cls):
                 raise TypeError(f"{where}: property {name} is served from the table, not a getter")
-            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(
-                _property_getter(prop)))
+            setattr(cls, name, dbus_property(access=PropertyAccess(prop.access), name=name)(_property_getter(prop)))
 
     @classmethod
     def _python_member(cls, name: str, args: tuple[xml.Arg, ...], where: str) -> Callable[..., Any]:
-        # Else the base class's (a subclass may be built again from another document).
-        fn = vars(cls).get(name) or getattr(cls, "_PYTHON_MEMBERS", {}).get(name)
+        fn = vars(cls).get(name)
         if not callable(fn):
             raise TypeError(f"{where}: {name} is in the XML but not implemented")
         wanted = [a.name for a in args]
@@ -182,8 +159,7 @@ class ContractInterface(ServiceInterface):
             except asyncio.CancelledError:
                 # cancel_running_calls: the caller gets an answer while the bus is still there.
                 log.info("%s not answered: gpuguardd is stopping", member.name)
-                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when "
-                                "it is back") from None
+                raise DBusError(ERROR_PREFIX + "Failed", "gpuguardd is stopping; call again when it is back") from None
             except GpuGuardError as exc:
                 if isinstance(exc, NotAuthorized):
                     admission = _REFUSALS.admit((member.name, exc.uid))
@@ -198,7 +174,8 @@ class ContractInterface(ServiceInterface):
                 _IN_FLIGHT.discard(task)
 
         handler.__name__ = handler.__qualname__ = member.name
-        handler.__signature__ = _dbus_signature(member.in_args, member.out_signature)  # type: ignore[attr-defined]
+        returns = "".join(a.signature for a in member.out_args)
+        handler.__signature__ = _dbus_signature(member.in_args, returns)  # type: ignore[attr-defined]
         return handler
 
     @classmethod
@@ -236,7 +213,6 @@ class ContractInterface(ServiceInterface):
         raise NotAuthorized(f"{self.INTERFACE.name} has no way to authorize callers")
 
     async def caller(self) -> Caller:
-        """Who sent the call being handled (asked once per call)."""
         known = _CALLER.get()
         if known is None:
             known = await self.gate().caller()
@@ -244,21 +220,16 @@ class ContractInterface(ServiceInterface):
         return known
 
     async def _authorize(self, rule: xml.Rule, options: Options | None) -> None:
-        """Apply the method's rule. A dry run is what the options say, or else the configured
-        default, which is written into them: what was authorized is what runs."""
-        dry_run = False
-        if options is not None:
-            if options.get("dry_run") is None:
-                options["dry_run"] = self.gate().dry_run_default()
-            dry_run = bool(options["dry_run"])
-        action = rule.needs(dry_run)
+        """A dry run is what the options say, else the default, written into them: what was authorized runs."""
+        if options is not None and options.get("dry_run") is None:
+            options["dry_run"] = self.gate().dry_run_default()
+        action = rule.needs(options is not None and bool(options["dry_run"]))
         if action:
             await self.gate().require(await self.caller(), action)
 
 
 def _arguments(member: xml.Method, args: tuple[Any, ...]) -> list[Any]:
-    """The arguments as the method body takes them: a{sv} options checked against their Keys
-    and made plain; then strings checked as text (options first, as released)."""
+    """a{sv} options checked against their Keys and made plain, then strings (options first, as released)."""
     values = list(args)
     for i, arg in enumerate(member.in_args):
         if arg.signature == "a{sv}":
@@ -279,23 +250,21 @@ def _property_getter(prop: xml.Property) -> Callable[[ContractInterface], Any]:
 
 
 class ManagerBackend(Gate, Protocol):
-    async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]:
-        """Typed holders, filtered and redacted for `caller`, bounded (replysize.bound_holders)."""
+    """Called once the caller is authorized: holders come typed, redacted and bounded."""
 
-    async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]:
-        """A sweep the caller is authorized for (options["dry_run"] is set)."""
+    async def list_holders(self, caller: Caller, options: Options) -> list[VarDict]: ...
+
+    async def sweep(self, caller: Caller, options: Options) -> dict[str, Any]: ...
 
     def history(self, count: int) -> list[dict[str, Any]]: ...
 
-    async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]:
-        """A GPU reset the caller is authorized for: its report."""
+    async def reset_gpu(self, caller: Caller, gpu: int, options: Options) -> dict[str, Any]: ...
 
     async def reload(self, caller: Caller) -> None: ...
 
     def get_metrics(self) -> str: ...
 
-    async def wait(self, options: Options) -> dict[str, Any]:
-        """The start gate (daemon/gate.py): a WaitResult as plain values."""
+    async def wait(self, options: Options) -> dict[str, Any]: ...
 
 
 def _unit_option(unit: str, options: Options) -> tuple[str, Options]:
@@ -313,8 +282,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
     def __init__(self, backend: ManagerBackend, values: Mapping[str, Any]) -> None:
         super().__init__(values)
         self.backend = backend
-        # Stored reports never change, and typing them is most of GetHistory's cost under
-        # load: each is typed once (by id), with its size.
+        # Stored reports never change, and typing them is most of GetHistory's cost: once, by id.
         self._typed_reports: dict[str, tuple[VarDict, int]] = {}
 
     def gate(self) -> Gate:
@@ -334,8 +302,6 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
                 self._typed_reports[key] = sized
         return sized
 
-    # -- methods ------------------------------------------------------------------------
-
     async def ListHolders(self, filter: Options) -> list[VarDict]:
         return await self.backend.list_holders(await self.caller(), filter)
 
@@ -350,19 +316,18 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
         return self.typed_report(await self.backend.reset_gpu(await self.caller(), gpu, options))
 
     async def GetHistory(self, count: int) -> list[VarDict]:
-        sized = [self._sized_report(r) for r in self.backend.history(count)]
-        return replysize.bound_reports([r for r, _ in sized], sizes=[n for _, n in sized])
+        return replysize.bound_reports([self._sized_report(r) for r in self.backend.history(count)])
 
     async def GetMetrics(self) -> str:
         return self.backend.get_metrics()
 
     async def Wait(self, options: Options) -> VarDict:
-        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.schema("WaitResult"))
+        return marshal.to_vardict(await self.backend.wait(options), self.DEFINITION.dictionaries["WaitResult"])
 
     async def Reload(self) -> None:
         await self.backend.reload(await self.caller())
 
-    # -- signals (calling one emits it) --------------------------------------------------
+    # Signals: calling one emits it.
 
     def SweepStarted(self, id_: str, scope: VarDict) -> None: ...
 
@@ -374,7 +339,7 @@ class ManagerInterface(ContractInterface, interface=MANAGER_INTERFACE):
 
 
 def gpu_values(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The Gpu properties from an engine GPU summary (property MemoryTotal: key memory_total)."""
+    """The Gpu properties from an engine GPU summary (MemoryTotal from memory_total)."""
     return {name: marshal.property_value(prop, summary.get(marshal.snake_case(name)))
             for name, prop in xml.interface(GPU_INTERFACE).properties.items()}
 

@@ -1,8 +1,7 @@
 """Plain engine dicts to typed D-Bus variants and back, and the options callers send checked.
 
-The types come from the contract XML's Keys annotations (contract.py), so `gpu_memory` is
-always `t` and a PID always `u` whatever Python type the engine used. A key the contract does
-not list (a later engine's, an old history entry's) gets a type inferred from its value.
+Types come from the contract XML's Keys, whatever Python type the engine used; a key the XML
+does not list (a later engine's, an old history entry's) gets one inferred from its value.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dbus_fast.signature import Variant
 
 from gpuguardd import safetext
 from gpuguardd.bus import names
-from gpuguardd.bus.contract import Nested, Property, Schema, contract
+from gpuguardd.bus.contract import Dictionary, Property, contract
 from gpuguardd.errors import InvalidArgument
 
 log = logging.getLogger("gpuguard.marshal")
@@ -26,9 +25,9 @@ VarDict = dict[str, Variant]
 # The dictionaries of the contract that the daemon types or checks (names as in the XML).
 FILTER = "Filter"
 SWEEP = "SweepOptions"
-HOLDER: Schema = contract().schema("Holder")
-REPORT: Schema = contract().schema("Report")
-SCOPE: Schema = contract().schema("Scope")
+HOLDER = contract().dictionaries["Holder"]
+REPORT = contract().dictionaries["Report"]
+MAX_TEXT = 1024  # characters of a string argument
 
 
 def snake_case(name: str) -> str:
@@ -94,25 +93,24 @@ def infer(value: Any) -> Variant | None:
         items = list(value)
         if items and all(isinstance(i, Mapping) for i in items):
             return Variant("aa{sv}", [to_vardict(i, {}) for i in items])
-        if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64
-                         for i in items):
+        if items and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**64 for i in items):
             return Variant("at", items)
         return Variant("as", [_typed(str(i), "s") for i in items])
     return Variant("s", _typed(str(value), "s"))
 
 
-def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
+def to_vardict(data: Mapping[str, Any], dictionary: Dictionary) -> VarDict:
     out: VarDict = {}
     for key, value in data.items():
-        field = schema.get(key)
+        field = dictionary.get(key)
         variant: Variant | None
         if field is None or value is None:
             variant = infer(value)
-        elif isinstance(field, Nested):
-            variant = _nested(key, value, field)
+        elif field.dictionary is not None:
+            variant = _nested(key, value, field.signatures[0], field.dictionary)
         else:
             try:
-                variant = Variant(field, _typed(value, field))
+                variant = Variant(field.signatures[0], _typed(value, field.signatures[0]))
             except _Mismatch as exc:
                 # An engine bug must not turn every call into an error: log it, send what we have.
                 log.warning("key %r: %s; sent with an inferred type", key, exc)
@@ -122,13 +120,12 @@ def to_vardict(data: Mapping[str, Any], schema: Schema) -> VarDict:
     return out
 
 
-def _nested(key: str, value: Any, field: Nested) -> Variant | None:
-    if field.signature == "a{sv}" and isinstance(value, Mapping):
-        return Variant("a{sv}", to_vardict(value, field.schema))
-    if field.signature == "aa{sv}" and isinstance(value, (list, tuple)) \
-            and all(isinstance(item, Mapping) for item in value):
-        return Variant("aa{sv}", [to_vardict(item, field.schema) for item in value])
-    log.warning("key %r: %r is not %s; sent with an inferred type", key, value, field.signature)
+def _nested(key: str, value: Any, signature: str, dictionary: Dictionary) -> Variant | None:
+    if signature == "a{sv}" and isinstance(value, Mapping):
+        return Variant("a{sv}", to_vardict(value, dictionary))
+    if signature == "aa{sv}" and isinstance(value, (list, tuple)) and all(isinstance(i, Mapping) for i in value):
+        return Variant("aa{sv}", [to_vardict(item, dictionary) for item in value])
+    log.warning("key %r: %r is not %s; sent with an inferred type", key, value, signature)
     return infer(value)
 
 
@@ -145,7 +142,7 @@ def report(data: Mapping[str, Any]) -> VarDict:
 
 
 def scope(data: Mapping[str, Any]) -> VarDict:
-    return to_vardict(data, SCOPE)
+    return to_vardict(data, contract().dictionaries["Scope"])
 
 
 def unwrap(value: Any) -> Any:
@@ -159,23 +156,18 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-MAX_TEXT = 1024
-
-
 def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]:
-    """Validated plain values of an `a{sv}` argument typed as the contract's `dictionary`;
-    InvalidArgument names the bad key."""
-    spec = contract().options(dictionary)
+    """The plain values of an a{sv} argument, checked against `dictionary` (InvalidArgument names the key)."""
+    spec = contract().dictionaries[dictionary]
     what = dictionary.removesuffix("Options").lower()  # "sweep", "filter"
     values: dict[str, Any] = {}
     for key, variant in options.items():
         if key not in spec:
             raise InvalidArgument(f"unknown {what} option {key!r} (known: {', '.join(sorted(spec))})")
-        accepted = spec[key]
+        accepted = spec[key].signatures
         signature = variant.signature if isinstance(variant, Variant) else "?"
         if signature not in accepted:
-            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, "
-                                  f"got {signature}")
+            raise InvalidArgument(f"{what} option {key!r} must be of type {' or '.join(accepted)}, got {signature}")
         value = variant.value
         if signature == "s":
             check_text(key, value)
@@ -187,9 +179,8 @@ def parse_options(options: Mapping[str, Any], dictionary: str) -> dict[str, Any]
 
 
 def option(dictionary: str, key: str, value: Any, signature: str = "") -> Variant:
-    """An option as a caller sends it: of the type the contract gives `key` (or `signature`,
-    which must be one it accepts)."""
-    accepted = contract().options(dictionary)[key]
+    """An option as a caller sends it: of its first type in the XML, or `signature` if it takes that."""
+    accepted = contract().dictionaries[dictionary][key].signatures
     if signature and signature not in accepted:
         raise ValueError(f"{dictionary} option {key} is {' or '.join(accepted)}, not {signature}")
     return Variant(signature or accepted[0], value)
@@ -212,7 +203,7 @@ def property_value(prop: Property, value: Any) -> Any:
     if prop.signature == "b":
         return bool(value)
     if prop.keys and prop.signature == "a{sv}":
-        return to_vardict(value or {}, contract().schema(prop.keys))
+        return to_vardict(value or {}, contract().dictionaries[prop.keys])
     if prop.keys and prop.signature == "aa{sv}":
-        return [to_vardict(v, contract().schema(prop.keys)) for v in value or []]
+        return [to_vardict(v, contract().dictionaries[prop.keys]) for v in value or []]
     return value

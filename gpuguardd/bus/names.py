@@ -15,9 +15,8 @@ ACTION_VIEW_DETAILS = BUS_NAME + ".view-details"
 # Lets tests and admins point gpuguardctl at a bus other than the system bus.
 ENV_BUS_ADDRESS = "GPUGUARD_BUS_ADDRESS"
 
-# Values of the contract that the CLI prints without needing dbus-fast (cli/output.py):
-# a holder whose uid could not be read is sent as (uid_t)-1, which Linux never gives a process
-# (marshal.holder); the last entry of a cut reply says how many were left out (replysize.py).
+# For the CLI without dbus-fast: an unreadable uid is sent as (uid_t)-1, which Linux never gives a
+# process (marshal.holder); the last entry of a cut reply says how many were left out (replysize).
 UID_UNKNOWN = 2**32 - 1
 OMITTED_KEY = "omitted_after"
 
@@ -29,6 +28,5 @@ def gpu_path(index: int) -> str:
 
 
 def default_address(explicit: str | None) -> str | None:
-    """The bus gpuguardctl talks on: `explicit`, else $GPUGUARD_BUS_ADDRESS, else None (the
-    system bus). Here, not in cli/client.py, so that --local needs no dbus-fast to ask."""
+    """`explicit`, else $GPUGUARD_BUS_ADDRESS, else None: the system bus. Here so --local needs no dbus-fast."""
     return explicit or os.environ.get(ENV_BUS_ADDRESS) or None

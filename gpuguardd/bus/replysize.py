@@ -1,17 +1,10 @@
 """Every reply and signal stays far below the bus's message limit, whatever the host holds.
 
 dbus-daemon disconnects the sender of a message over its max_message_size (32 MiB on the
-system bus), so one oversized reply would take gpuguardd off the bus. Each field is bounded
-where it is read (safetext); here, how many go into one message:
-
-* a report (Sweep/SweepUnit/ResetGpu reply, SweepFinished, LastSweep, a GetHistory entry) is at
-  most REPORT_BUDGET: past it, its lists are cut and a warning says how many entries were left
-  out (the history file keeps the whole report);
-* a ListHolders or GetHistory reply is at most REPLY_BUDGET: holders are then sent with each
-  text cut to COMPACT_TEXT bytes, and what still does not fit is left out, the last entry sent
-  carrying `omitted_after` (u): how many.
-
-Sizes are upper bounds of the marshalled sizes (alignment included), estimated without marshalling.
+system bus). Each field is bounded where it is read (safetext); here, how many go into one
+message. A report past REPORT_BUDGET has its lists cut, with a warning saying so (the history
+file keeps it whole); a reply past REPLY_BUDGET has its holders' texts cut to COMPACT_TEXT and
+then leaves entries out, the last one sent carrying `omitted_after`: how many.
 """
 
 from __future__ import annotations
@@ -34,23 +27,13 @@ REPORT_BUDGET = 1 * MiB
 COMPACT_TEXT = 256
 
 # warning_codes is cut as warnings is, so the codes kept still match the warnings kept.
-_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings",
-                 "warning_codes")
+_REPORT_LISTS = ("targets", "terminated", "survived", "spared", "gpus", "leaks", "warnings", "warning_codes")
 
-# Keys of a report's entries that docs/contract.md does not promise, and whose empty value says
-# no more than their absence ("" unit: none), are left out on the wire: GetHistory(10) of
-# 20-target reports, 58.6 -> 47.6 KiB. Every key docs/contract.md lists for an entry stays.
+# Keys of report entries that docs/contract.md does not list, left out when empty ("" unit: none),
+# which says no more than their absence: GetHistory(10) of 20-target reports, 58.6 -> 47.6 KiB.
 OMITTED_WHEN_EMPTY: Mapping[str, tuple[str, ...]] = {
-    "targets": ("unit", "container", "mig", "exe"),
-    "survived": ("unit",),
-    "spared": ("unit",),
-    "gpus": ("mig_uuid",),
-    "leaks": ("mig_uuid",),
-}
-
-
-def _empty(value: Any) -> bool:
-    return isinstance(value, (str, list)) and not value
+    "targets": ("unit", "container", "mig", "exe"), "survived": ("unit",), "spared": ("unit",),
+    "gpus": ("mig_uuid",), "leaks": ("mig_uuid",)}
 
 
 def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -59,18 +42,17 @@ def wire_report(data: Mapping[str, Any]) -> dict[str, Any]:
     for key, optional in OMITTED_WHEN_EMPTY.items():
         entries = data.get(key)
         if isinstance(entries, list):
-            out[key] = [{k: v for k, v in entry.items() if k not in optional or not _empty(v)}
+            out[key] = [{k: v for k, v in entry.items() if k not in optional or v not in ("", [])}
                         if isinstance(entry, Mapping) else entry for entry in entries]
     return out
 
 
 def wire_size(value: Any) -> int:
-    """An upper bound of `value`'s marshalled size (with the padding before it)."""
+    """An upper bound of `value`'s marshalled size (with the padding before it), not marshalling it."""
     if isinstance(value, Variant):
         return 8 + len(value.signature) + wire_size(value.value)
     if isinstance(value, str):
-        length = len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
-        return 8 + length + 1
+        return 9 + (len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass")))
     if isinstance(value, (bool, int, float)):
         return 16
     if isinstance(value, Mapping):
@@ -86,8 +68,7 @@ def _compact(holder: dict[str, Variant]) -> dict[str, Variant]:
             for key, variant in holder.items()}
 
 
-def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
-         ) -> list[dict[str, Variant]]:
+def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int) -> list[dict[str, Variant]]:
     """The items that fit in `budget`, the last marked with how many were left out."""
     used = 8
     for count, size in enumerate(sizes):
@@ -102,25 +83,21 @@ def _fit(items: list[dict[str, Variant]], sizes: list[int], budget: int
 
 def bound_holders(holders: list[dict[str, Variant]], budget: int = REPLY_BUDGET,
                   sizes: list[int] | None = None) -> list[dict[str, Variant]]:
-    """`sizes`: each holder's wire_size() or more, if known already."""
-    if sizes is None:
-        sizes = [wire_size(h) for h in holders]
+    sizes = [wire_size(h) for h in holders] if sizes is None else sizes
     if sum(sizes) + 8 <= budget:
         return holders
     compact = [_compact(h) for h in holders]
     kept = _fit(compact, [wire_size(h) for h in compact], budget)
-    log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to "
-                "%d bytes (reply limit %d bytes)", len(holders), sum(sizes), len(kept),
-                COMPACT_TEXT, budget)
+    log.warning("ListHolders: %d holders make %d bytes; sent %d of them with their text cut to %d bytes "
+                "(reply limit %d bytes)", len(holders), sum(sizes), len(kept), COMPACT_TEXT, budget)
     return kept
 
 
-def bound_reports(reports: list[dict[str, Variant]], sizes: list[int]) -> list[dict[str, Variant]]:
-    """Newest first, as many as fit; the last sent says how many older ones were left out."""
-    kept = _fit(reports, sizes, REPLY_BUDGET)
-    if len(kept) < len(reports):
-        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept),
-                 len(reports), REPLY_BUDGET)
+def bound_reports(sized: list[tuple[dict[str, Variant], int]]) -> list[dict[str, Variant]]:
+    """Typed reports with their sizes, newest first: as many as fit, the last saying how many were left out."""
+    kept = _fit([report for report, _ in sized], [size for _, size in sized], REPLY_BUDGET)
+    if len(kept) < len(sized):
+        log.info("GetHistory: sent %d of %d reports (reply limit %d bytes)", len(kept), len(sized), REPLY_BUDGET)
     return kept
 
 
@@ -136,9 +113,8 @@ def bound_report(data: Mapping[str, Any]) -> tuple[dict[str, Variant], int]:
     while True:
         keep //= 2
         left = sum(max(0, len(v) - keep) for v in lists.values())
-        note = (f"{left} entries of this report's lists ({', '.join(sorted(lists))}) were left "
-                f"out of this copy to keep it under the bus's message size; gpuguardd's history "
-                f"file keeps the whole report")
+        note = (f"{left} entries of this report's lists ({', '.join(sorted(lists))}) were left out of this copy to "
+                "keep it under the bus's message size; gpuguardd's history file keeps the whole report")
         trimmed = {**data, **{k: v[:keep] for k, v in lists.items()}}
         trimmed["warnings"] = [*trimmed.get("warnings", [])[:keep], note]
         result = marshal.report(trimmed)

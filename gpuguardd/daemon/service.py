@@ -15,12 +15,11 @@ from typing import Any
 
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
-from gpuguardd.bus.auth import Authorizer, Caller
+from gpuguardd.bus.auth import FRESH_SCAN_INTERVAL_SEC, Authorizer, Caller, RateLimit
 from gpuguardd.bus.compat import current_call
 from gpuguardd.bus.connection import GuardBus
 from gpuguardd.bus.interfaces import GpuInterface, ManagerInterface
 from gpuguardd.bus.names import ACTION_VIEW_DETAILS, MANAGER_PATH, gpu_path
-from gpuguardd.bus.ratelimit import FRESH_SCAN_INTERVAL_SEC, RateLimit
 from gpuguardd.config import MAX_GATE_STABLE_SEC, MAX_RELEASED_BELOW_MIB
 from gpuguardd.daemon.gate import FAST_POLL_SEC, MAX_WAIT_SEC, GateService
 from gpuguardd.daemon.history import History

@@ -23,7 +23,7 @@ from tests.dbus_harness import BUS_NAME, GPU, MANAGER, MANAGER_PATH, GuardDaemon
 
 pytest_plugins = ["tests.dbus_harness"]
 # Sweep options as they are usually sent: the first type the XML lists for each key.
-SWEEP_OPTIONS = {key: types[0] for key, types in contract().options(SWEEP).items()}
+SWEEP_OPTIONS = {key: kind.signatures[0] for key, kind in contract().dictionaries[SWEEP].items()}
 
 CALLS = 3000
 BATCH = 100
@@ -36,8 +36,6 @@ INTERFACES = [MANAGER, GPU, "org.freedesktop.DBus.Properties", "org.freedesktop.
               "org.freedesktop.DBus.Peer", "org.freedesktop.DBus.ObjectManager", "org.example.Nope", None]
 PATHS = [MANAGER_PATH, MANAGER_PATH + "/gpu/0", MANAGER_PATH + "/gpu/1", MANAGER_PATH + "/gpu/99",
          "/", "/org", "/org/gpuguard", "/x/y/z"]
-# Options as they are usually sent (the first type the XML lists for each key).
-SWEEP_OPTIONS = {k: v[0] for k, v in contract().options("SweepOptions").items()}
 PROPERTIES = ["Version", "Busy", "LastSweep", "GpuCount", "MemoryUsed", "State", "Nope", ""]
 
 

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 from gpuguardd.bus import contract
-from gpuguardd.bus.contract import Nested
 from gpuguardd.daemon.inventory import LIST_MAX_AGE_SEC
 from tests import dbusxml
 from tests.conftest import GiB, GpuHost
@@ -73,8 +72,7 @@ def listed(guard: GuardDaemon, pid: int, *args: str, as_nobody: bool = False) ->
 
 def xml_types(dictionary: str) -> dict[str, str]:
     """Key -> D-Bus type of one of the contract's typed dictionaries (the XML's Keys)."""
-    return {key: field.signature if isinstance(field, Nested) else field
-            for key, field in contract.contract().schema(dictionary).items()}
+    return {key: kind.signatures[0] for key, kind in contract.contract().dictionaries[dictionary].items()}
 
 
 def busctl_types(guard: GuardDaemon, member: str, *args: str) -> dict[str, str]:

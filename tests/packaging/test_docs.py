@@ -20,7 +20,7 @@ import pytest
 
 from gpuguardd import __version__, config
 from gpuguardd.bus import marshal
-from gpuguardd.bus.contract import Nested, Schema, contract
+from gpuguardd.bus.contract import Dictionary, contract
 from gpuguardd.cli import exits
 from gpuguardd.cli import main as cli
 from tests.packages import require_tools
@@ -313,19 +313,19 @@ def entry(body: str, member: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def schema_keys(schema: Schema) -> set[str]:
-    keys = set(schema)
-    for field in schema.values():
-        if isinstance(field, Nested):
-            keys |= schema_keys(field.schema)
+def schema_keys(dictionary: Dictionary) -> set[str]:
+    keys = set(dictionary)
+    for field in dictionary.values():
+        if field.dictionary is not None:
+            keys |= schema_keys(field.dictionary)
     return keys
 
 
 def test_dictionary_keys_are_documented() -> None:
     manager = sections(source("gpuguard-dbus.7"), 1)["INTERFACE org.gpuguard.GpuGuard1.Manager"]
-    options = contract().options
-    cases = (("ListHolders", set(options(marshal.FILTER)) | set(marshal.HOLDER)),
-             ("Sweep", set(options(marshal.SWEEP)) | schema_keys(marshal.REPORT)))
+    options = contract().dictionaries
+    cases = (("ListHolders", set(options[marshal.FILTER]) | set(marshal.HOLDER)),
+             ("Sweep", set(options[marshal.SWEEP]) | schema_keys(marshal.REPORT)))
     for member, keys in cases:
         text = entry(manager, member)
         for key in keys:

@@ -3,7 +3,7 @@ tests/bus/adversarial/test_rate_limit.py)."""
 
 from __future__ import annotations
 
-from gpuguardd.bus.ratelimit import Admission, RateLimit, held_back
+from gpuguardd.bus.auth import Admission, RateLimit, held_back
 
 
 def test_rate_limit_bounds_and_counts() -> None:

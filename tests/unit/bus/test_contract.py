@@ -72,7 +72,7 @@ def test_a_requests_options_are_the_sweep_options_and_read_back_whole() -> None:
     a call's options is a fresh record whose to_dict has every key (the in-flight file's)."""
     from gpuguardd.records.models import SweepRequest
 
-    assert set(SweepRequest.OPTIONS) == set(contract.contract().options(marshal.SWEEP))
+    assert set(SweepRequest.OPTIONS) == set(contract.contract().dictionaries[marshal.SWEEP])
     request = SweepRequest(gpus=["0", "GPU-x"], grace_ms=0, dry_run=False, slurm_job="7", slurm_uid=5)
     options = request.options()
     assert options == {"gpus": ["0", "GPU-x"], "grace_ms": 0, "dry_run": False, "slurm_job": "7", "slurm_uid": 5}
@@ -96,19 +96,19 @@ def test_every_method_of_the_xml_declares_a_rule_naming_a_shipped_polkit_action(
 
 
 def test_a_method_without_a_rule_is_refused_to_everyone_before_anything_runs() -> None:
-    # The real Manager, built from the XML with Reload's rule removed. Its backend is None:
-    # had the call got past the gate, it would fail with Failed, not NotAuthorized.
-    definition = Contract(without_rule(XML, "Reload"))
-    assert definition.interfaces[MANAGER_INTERFACE].methods["Reload"].rule is None
+    assert Contract(without_rule(XML, "Reload")).interfaces[MANAGER_INTERFACE].methods["Reload"].rule is None
+    definition = Contract("""<node><interface name="org.gpuguard.GpuGuard1.Test">
+      <method name="Reload"/>
+    </interface></node>""")
 
-    class Unruled(ManagerInterface, interface=MANAGER_INTERFACE, definition=definition):
-        pass
+    class Unruled(ContractInterface, interface="org.gpuguard.GpuGuard1.Test", definition=definition):
+        async def Reload(self) -> None:
+            raise AssertionError("past the gate")  # would be answered Failed, not NotAuthorized
 
-    manager = Unruled(None, manager_values())  # type: ignore[arg-type]
-    error = call_error(manager, "Reload")
+    error = call_error(Unruled({}), "Reload")
     assert error.type == NOT_AUTHORIZED
     assert "Reload declares no authorization" in str(error.text)
-    # The same class with the installed rules gets past the gate (and then has no backend).
+    # The Manager with the installed rules gets past the gate (and then has no backend).
     error = call_error(ManagerInterface(None, manager_values()), "Reload")  # type: ignore[arg-type]
     assert error.type == ERROR_PREFIX + "Failed"
     # A new interface's method without a rule, called over a bus: tests/bus/test_contract_gate.py.
@@ -213,14 +213,13 @@ def test_gpu_properties_are_the_xml_table_typed_from_an_engine_summary() -> None
 def test_dictionaries_are_read_from_the_annotations() -> None:
     changed = XML.replace(" fresh:b", " fresh:b later:t|s").replace(" ppid:u", " ppid:u nice:x")
     definition = Contract(changed)
-    assert definition.options("Filter")["later"] == ("t", "s")
-    assert definition.schema("Holder")["nice"] == "x"
-    report = definition.schema("Report")
-    assert isinstance(report["scope"], contract.Nested) and report["scope"].signature == "a{sv}"
-    assert report["scope"].schema == definition.schema("Scope")
+    assert definition.dictionaries["Filter"]["later"].signatures == ("t", "s")
+    assert definition.dictionaries["Holder"]["nice"] == contract.KeyType(("x",))
+    scope = definition.dictionaries["Report"]["scope"]
+    assert scope.signatures == ("a{sv}",) and scope.dictionary is definition.dictionaries["Scope"]
     # marshal serves exactly the installed XML's dictionaries.
-    assert contract.contract().schema("Holder") == marshal.HOLDER
-    assert contract.contract().schema("Report") == marshal.REPORT
+    assert contract.contract().dictionaries["Holder"] is marshal.HOLDER
+    assert contract.contract().dictionaries["Report"] is marshal.REPORT
 
 
 @pytest.mark.parametrize(("find", "replace", "message"), [
@@ -240,11 +239,12 @@ def test_a_contract_that_is_not_understood_is_refused_at_load(find: str, replace
 
 def test_options_are_checked_against_the_xml_keys() -> None:
     for dictionary in (marshal.FILTER, marshal.SWEEP):
-        spec = contract.contract().options(dictionary)
+        spec = contract.contract().dictionaries[dictionary]
         label = dictionary.removesuffix("Options").lower()
         with pytest.raises(InvalidArgument, match=f"unknown {label} option 'bogus'"):
             marshal.parse_options({"bogus": Variant("b", True)}, dictionary)
-        for key, signatures in spec.items():
+        for key, kind in spec.items():
+            signatures = kind.signatures
             wrong = "d" if "d" not in signatures else "y"
             with pytest.raises(InvalidArgument, match=f"'{key}' must be of type {' or '.join(signatures)}"):
                 marshal.parse_options({key: Variant(wrong, 1.0 if wrong == "d" else 1)}, dictionary)
@@ -252,7 +252,7 @@ def test_options_are_checked_against_the_xml_keys() -> None:
 
 def test_a_caller_sends_options_as_the_xml_types_them() -> None:
     assert marshal.option(marshal.SWEEP, "grace_ms", 5) == Variant(
-        contract.contract().options(marshal.SWEEP)["grace_ms"][0], 5)
+        contract.contract().dictionaries[marshal.SWEEP]["grace_ms"].signatures[0], 5)
     assert marshal.option(marshal.SWEEP, "gpus", ["MIG-1"], "as").signature == "as"
     with pytest.raises(ValueError, match="not ai"):
         marshal.option(marshal.SWEEP, "gpus", [1], "ai")
