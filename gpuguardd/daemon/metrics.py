@@ -1,10 +1,8 @@
-"""Prometheus metrics of one node's gpuguardd: counters from each finished report, per-GPU
-gauges from each inventory refresh. The text goes to node_exporter's textfile collector and,
-through GetMetrics, to gpuguard-exporter (so the root daemon needs no network).
+"""Prometheus metrics: counters from finished reports, per-GPU gauges from inventory refreshes,
+for node_exporter's textfile collector and GetMetrics (the root daemon needs no network).
 
-Per-GPU series carry `gpu` (NVML index) and `UUID`, as dcgm-exporter's do so queries can join
-them, and `vendor`; no pid, command or user labels (unbounded). Every label value from a report
-is mapped onto a small fixed set, so a strange report can never grow the number of series.
+Per-GPU series carry dcgm-exporter's `gpu` and `UUID` labels (so queries can join) and `vendor`;
+never pid, command or user (unbounded). Every label value maps onto a small fixed set.
 """
 
 from __future__ import annotations
@@ -119,21 +117,15 @@ class Metrics:
                 # of real sweeps (their counts, durations, processes or last-sweep time).
                 self._dry_runs += 1
                 return
-            # A report read back without a readable outcome counts as "other".
-            outcome = "other" if "outcome" in report.unread else report.outcome.value
+            outcome = report.outcome.value
             self._sweeps[(outcome, trigger_of(report))] += 1
             self._terminated.update(_one_of(e.signal or "none", (*SIGNALS, "none")) for e in report.terminated)
             self._survived.update(_one_of(s.state, PROCESS_STATES) for s in report.survived)
             self._spared.update(spared_label(s.code) for s in report.spared)
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
-            for gpu in report.gpus:
-                # Not read back: nothing is known to have come back.
-                after = gpu.memory_used_before if "memory_used_after" in gpu.unread \
-                    else gpu.memory_used_after
-                self._reclaimed += max(0, gpu.memory_used_before - after)
-            # A freed sweep ends the moment NVML shows the memory back: its duration is the
-            # time from the request to the memory being usable again.
+            self._reclaimed += sum(max(0, gpu.memory_used_before - gpu.memory_used_after) for gpu in report.gpus)
+            # A freed sweep ends when NVML shows the memory back: request to usable memory.
             if outcome == Outcome.FREED:
                 self._release.observe(duration)
             self._note_finished(report)
@@ -143,8 +135,7 @@ class Metrics:
         self._last_sweep = max(self._last_sweep, finished)
 
     def note_history(self, last: Report | None) -> None:
-        """The newest report from before a restart: its time, not its counts (counters restart
-        at zero, which Prometheus's rate() expects)."""
+        """The newest report from before a restart: its time, not its counts (rate() expects zero)."""
         if last:
             with self._lock:
                 self._note_finished(last)
@@ -157,14 +148,10 @@ class Metrics:
                 kinds[int(index)][_one_of(getattr(holder, "kind", ""), KINDS)] += 1
         gpus: list[dict[str, Any]] = []
         for summary in summaries:
-            index = summary.index
             units: list[GpuSummary | MigSummary] = [summary, *(summary.mig_instances or [])]
-            gpus.append({"gpu": str(index), "UUID": summary.uuid,
-                         # A vendor read back unreadable is no NVIDIA GPU's: "other".
-                         "vendor": "other" if "vendor" in summary.unread else _one_of(summary.vendor, VENDORS),
-                         "state": summary.state.value,
-                         "memory_used": summary.memory_used,
-                         "holders": kinds.get(index, {}),
+            gpus.append({"gpu": str(summary.index), "UUID": summary.uuid, "vendor": _one_of(summary.vendor, VENDORS),
+                         "state": summary.state.value, "memory_used": summary.memory_used,
+                         "holders": kinds.get(summary.index, {}),
                          # (UUID, leak kind, bytes): the GPU's and each MIG instance's leak
                          "leaks": [(u.uuid, _one_of(u.leak_kind, LEAK_KINDS), u.memory_used)
                                    for u in units if u.state == GpuState.LEAKED]})
@@ -240,8 +227,7 @@ class Metrics:
 
 
 def write_textfile(directory: str, data: bytes) -> str:
-    """DIRECTORY/gpuguard.prom replaced atomically, readable by node_exporter's user; the
-    temporary name does not end in .prom, so the collector ignores it."""
+    """Replaced atomically; the temporary name does not end in .prom, so the collector ignores it."""
     target = os.path.join(directory, TEXTFILE_NAME)
     write_atomic(target, [data], prefix=".gpuguard.tmp-")
     return target
