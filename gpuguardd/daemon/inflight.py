@@ -3,7 +3,7 @@
 A crash or a kill leaves the stop hook with a bus error and the unit's leftovers with their
 GPU memory. So before a real sweep signals anything, its request is written here
 (`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), with each process ended
-added as it goes, and removed once the report is in the history; daemon/resume.py finishes
+added as it goes, and removed once the report is in the history; daemon/units.py finishes
 what the next daemon finds. The runtime directory outlives restarts but not a reboot, after
 which nothing is left to finish; hence no fsync (the kernel keeps what a crashed daemon
 wrote). Files are read strictly: one that is not exactly what this module writes is reported

@@ -198,7 +198,7 @@ class Daemon:
     async def _abandon(self, service: Service) -> None:
         """Exit now, sweeps still running: with no bus no one hears their end, and joining
         their threads would delay systemd's restart by a grace period. The next gpuguardd
-        finishes them (resume.py)."""
+        finishes them (units.Resume)."""
         log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
                     service.runner.active)
         await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)

@@ -167,7 +167,7 @@ class SweepRunner:
 
     async def record_interrupted(self) -> None:
         """Record every sweep still running as it stands (at shutdown, its budget spent); the
-        next gpuguardd finishes them (resume.py)."""
+        next gpuguardd finishes them (units.Resume)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             # Without the sweep's own word on its scope, only the unit asked for is known.

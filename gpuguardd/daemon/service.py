@@ -28,9 +28,8 @@ from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
-from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
-from gpuguardd.daemon.units import UnitSweeps
+from gpuguardd.daemon.units import Resume, UnitSweeps
 from gpuguardd.engine.engine import Engine, HolderFilter, Prepared, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized

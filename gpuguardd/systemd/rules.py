@@ -22,7 +22,7 @@ WATCH_PREFIX = "watch:"
 # requested_by of a Slurm epilog's sweep asked for by root (service.requested_by).
 SLURM_PREFIX = "slurm:"
 # requested_by of a unit sweep the daemon ran at its start for a unit that stopped while no
-# daemon ran (daemon/resume.py).
+# daemon ran (daemon/units.py).
 RECOVERED_PREFIX = "recovered:"
 _LEGACY_KINDS = ((HOOK_PREFIX, RequesterKind.HOOK), (WATCH_PREFIX, RequesterKind.WATCH),
                  (SLURM_PREFIX, RequesterKind.SLURM), (RECOVERED_PREFIX, RequesterKind.RECOVERED))
