@@ -1,10 +1,8 @@
-"""gpuguardd: the system service. Owns org.gpuguard.GpuGuard1 and serves the engine on D-Bus.
+"""gpuguardd: the system service, serving the engine on D-Bus as org.gpuguard.GpuGuard1.
 
-Lifecycle: read the configuration, load the history, connect, export the objects (GPUs
-included), then request the name, then tell systemd READY=1 (sd_notify(3)): a client that
-sees the name sees complete objects. SIGHUP re-reads the configuration (a bad file keeps the last good
-one), SIGTERM/SIGINT wait for running sweeps and exit 0. Exit status 1 means the bus or the
-name could not be had, 78 (EX_CONFIG) that the configuration is unusable at start.
+The objects (GPUs included) are exported before the name is requested and READY=1 sent, so a
+client that sees the name sees complete objects. SIGHUP reloads (a bad file keeps the last good
+one); SIGTERM/SIGINT wait for running sweeps and exit 0. Exit 1: no bus or name; 78: bad config.
 """
 
 from __future__ import annotations
@@ -67,8 +65,8 @@ class Notifier:
         self._notifier = sdnotify.SystemdNotifier()
         sock = getattr(self._notifier, "socket", None)
         if sock is not None:
-            # A send blocks the event loop while systemd's queue is full: drop the update
-            # instead (sdnotify swallows the EAGAIN); the next STATUS= supersedes it anyway.
+            # A send would block the loop while systemd's queue is full: drop it (sdnotify swallows
+            # the EAGAIN); the next STATUS= supersedes it.
             sock.setblocking(False)
         self._status = ""
 
@@ -98,8 +96,7 @@ class Notifier:
     def stopping(self) -> None:
         self.send("STOPPING=1", "STATUS=stopping")
 
-    def extend_timeout(self, seconds: float) -> None:
-        """`seconds` more before systemd's stop timeout fires (systemd 236+)."""
+    def extend_timeout(self, seconds: float) -> None:  # systemd 236+
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
 
 
@@ -157,10 +154,8 @@ class Daemon:
             log.warning("%s", warning)
         try:
             # dbus-fast before 5.0 connects the socket in the constructor, later ones in connect().
-            if self.args.bus_address:
-                bus = GuardBus(bus_address=self.args.bus_address)
-            else:
-                bus = GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
+            bus = GuardBus(bus_address=self.args.bus_address) if self.args.bus_address else \
+                GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
             await bus.connect()
         except Exception as exc:  # OSError, AuthError, InvalidAddressError...
             log.error("cannot connect to %s: %s", where, exc)
@@ -196,9 +191,8 @@ class Daemon:
         return EXIT_OK
 
     async def _abandon(self, service: Service) -> None:
-        """Exit now, sweeps still running: with no bus no one hears their end, and joining
-        their threads would delay systemd's restart by a grace period. The next gpuguardd
-        finishes them (units.Resume)."""
+        """Exit now, sweeps still running: no one hears their end, and joining them would delay
+        systemd's restart by a grace period. The next gpuguardd finishes them (units.Resume)."""
         log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
                     service.runner.active)
         await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
@@ -260,8 +254,8 @@ class Daemon:
             task.cancel()
 
     async def _finish_sweeps(self, runner: SweepRunner) -> None:
-        """Let running sweeps finish for as long as their settings allow, keeping systemd's stop
-        timeout ahead of the wait; record whatever is still running then."""
+        """Let running sweeps finish as long as their settings allow, keeping systemd's stop timeout
+        ahead; record whatever is still running then."""
         if not runner.busy:
             return
         budget = runner.budget_sec()
@@ -271,7 +265,6 @@ class Daemon:
         while runner.busy:
             left = deadline - time.monotonic()
             if left > 0:
-                # The time still needed plus the exit itself; renewed every step.
                 self.notifier.extend_timeout(min(left, SHUTDOWN_STEP_SEC) + SHUTDOWN_EXIT_SEC)
                 self.notifier.watchdog()
             if await runner.wait_idle(max(0.0, min(left, SHUTDOWN_STEP_SEC))):
@@ -293,8 +286,7 @@ class Daemon:
         # A report a full disk kept in memory gets a last chance (history.py retries it).
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self.io_executor, self.history.flush):
-            log.error("the sweep history could not be written: reports kept in memory only "
-                      "are lost at this stop")
+            log.error("the sweep history could not be written: reports kept in memory only are lost at this stop")
         try:
             await asyncio.wait_for(bus.release_name(BUS_NAME), 5)
         except (DBusError, asyncio.TimeoutError, OSError, EOFError) as exc:

@@ -1,8 +1,6 @@
-"""The daemon's parts put together, in both directions: what its D-Bus calls mean (the
-Manager's backend: authorization, holders, sweeps, resets, the start gate, history, metrics
-and reload), and what it tells the world as things happen, driven by the inventory
-(InventoryListener), the sweeps (runner.SweepEvents) and the resets (recovery.ResetEvents):
-the Manager's properties and signals, one Gpu object per GPU, the metrics and their textfile.
+"""The daemon's parts put together: the Manager's backend (what each D-Bus call means), and
+the listener of the inventory, sweeps and resets that keeps the Manager's properties and
+signals, one Gpu object per GPU, and the metrics and their textfile current.
 """
 
 from __future__ import annotations
@@ -47,10 +45,8 @@ _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
 def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, RequesterKind]:
-    """Who a sweep is recorded for and what kind of requester that is, for every bus caller.
-    Only root (the ExecStopPost hook) may be just "hook:<unit>" (HOOK); anyone else saying
-    "hook:" is named as well (HOOK_NONROOT), so the journal cannot be misled. Root's Slurm
-    epilog is "slurm:<job>" (SLURM). Metrics count by kind: only root's count as the hook's."""
+    """Who a sweep is recorded for, and their kind. Only root (the ExecStopPost hook) may be just
+    "hook:<unit>"; anyone else saying "hook:" is named as well, so the journal cannot be misled."""
     hook = dropins.requested_by_for_reason(reason)
     if hook:
         if caller.is_root:
@@ -75,8 +71,7 @@ class Service:
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
-            "GpuCount": 0, "Vendors": [], "Busy": False,
-            "LastSweep": {},
+            "GpuCount": 0, "Vendors": [], "Busy": False, "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
         for stored in history.newest(1):  # not exported yet: no PropertiesChanged
             self.manager.update(LastSweep=self.manager.typed_report(stored))
@@ -91,7 +86,6 @@ class Service:
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
         self._typed: tuple[ScanResult | None, dict[int, tuple[marshal.VarDict, int]]] = (None, {})
-        # Watch mode and unit sweeps: one sweep per stop, with the unit's escaped leftovers.
         self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
                                 os.path.join(engine.config.runtime_directory, "units.json"))
         # What the last gpuguardd left unfinished: claimed in start(), run once the name is owned.
@@ -121,8 +115,7 @@ class Service:
         self.inventory.request_rescan()
 
     def sweep_gpus(self, flight: InFlightSweep) -> list[int] | None:
-        """The GPUs a sweep in flight covers, for the start gate: its scope's, else its unit's
-        recorded ones; None (every GPU) when neither is known yet."""
+        """Its scope's GPUs, else its unit's recorded ones; None (every GPU) when neither is known."""
         scope = flight.scope
         if scope is not None and scope.gpus:
             return list(scope.gpus)
@@ -164,8 +157,7 @@ class Service:
             scope = await self._resolve(SweepRequest.from_options(options))
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
-        # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
-        # gpuguardctl sends) waits for a scan that starts after the call, for a non-root uid
+        # fresh=true (gpuguardctl's) waits for a scan started after the call, for a non-root uid
         # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
         fresh = bool(options.get("fresh", False))
         if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
@@ -173,8 +165,7 @@ class Service:
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, holder_filter)
-        # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
-        # typed one, so the sizes typed once per scan bound it.
+        # A redacted holder is no bigger than its typed one: the sizes typed once per scan bound it.
         sizes = [typed[id(h)][1] for h in holders]
         # Command lines can carry secrets (tokens, passwords in arguments).
         redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
@@ -188,8 +179,8 @@ class Service:
         return scope
 
     def _typed_holders(self, result: ScanResult) -> dict[int, tuple[marshal.VarDict, int]]:
-        """Each holder of `result` as its D-Bus value and that value's size, by id() (the scan
-        keeps them alive), typed once per scan and shared (never mutated)."""
+        """Each holder's D-Bus value and its size, by id() (the scan keeps them alive), typed once
+        per scan and shared (never mutated)."""
         if self._typed[0] is not result:
             typed = (marshal.holder(h.to_dict()) for h in result.holders)
             self._typed = (result, {id(h): (t, replysize.wire_size(t)) for h, t in zip(result.holders, typed)})
@@ -197,17 +188,13 @@ class Service:
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
         request = SweepRequest.from_options(options)
-        # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
-        # to what it authorized: that is what runs (and what the watch sees).
+        # The interface authorized it (the XML's rule) and set options["dry_run"] to what it allowed.
         dry_run = request.dry_run = request.is_dry_run(self.engine.config.dry_run)
-        request.requested_by, request.requester_kind = requester(caller, request.reason,
-                                                                request.slurm_job)
+        request.requested_by, request.requester_kind = requester(caller, request.reason, request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
-        # Checked (InvalidArgument) before the sweep counts as running, on the GPU reading and
-        # scope the sweep then works from.
+        # InvalidArgument before the sweep counts as running, on the reading the sweep then uses.
         prepared: Prepared = await self.runner.io(self.engine.prepare, request)
         if request.unit:
-            # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
             unit_report = await self.units.sweep_unit(request, prepared)
             assert unit_report is not None  # None only for the watch's own requests
             return unit_report.to_dict()
@@ -220,8 +207,7 @@ class Service:
         if snap.gpus_known and snap.by_index(gpu) is None:
             known = ", ".join(str(g.index) for g in snap.gpus) or "none"
             raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
-        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""),
-                                           RequesterKind.MANUAL)
+        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""), RequesterKind.MANUAL)
         return report.to_dict()
 
     def history(self, count: int) -> list[Wire]:
@@ -255,7 +241,7 @@ class Service:
         await self.reloader()
 
     def _publish_metrics(self) -> None:
-        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        """Rewrite [Metrics] TextfileDirectory='s file, off the loop."""
         directory = self.engine.config.textfile_directory
         if not directory:
             return
@@ -290,23 +276,20 @@ class Service:
         self.on_change()
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None:
-        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
-                    used // (1024 * 1024))
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid, used // (1024 * 1024))
         self.manager.LeakSuspected(index, uuid, used)
 
     def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
 
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
         self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
 
     def sweep_finished(self, report: Report) -> None:
         data = self.manager.typed_report(report.to_dict())
         self.manager.SweepFinished(report.id, report.outcome.value, data)
         self.manager.update(LastSweep=data)
-        for leak in report.leaks:
-            # A MIG instance is named by its own UUID.
+        for leak in report.leaks:  # a MIG instance is named by its own UUID
             self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
             self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
         self.reset_finished(report)

@@ -1,17 +1,14 @@
-"""Unit sweeps, and what a starting gpuguardd finishes for the one before it.
+"""Unit sweeps, with the unit's escaped leftovers, and what a starting gpuguardd finishes for
+the one before it. What each unit held is kept in the runtime directory for the next daemon.
 
-Every unit sweep (the drop-in's, the watcher's, an admin's, a resumed one) takes the unit's
-escaped leftovers; what each unit held is kept in the runtime directory, so the next daemon
-still knows a stopped unit's escaped workers. One stop, one sweep: the drop-in runs while the
-unit is deactivating, the watcher once it is inactive; both name its InvocationID, and
-automatic sweeps ("hook:", "watch:") of one unit and invocation share one sweep and report.
+One stop, one sweep: the drop-in runs while the unit deactivates, the watcher once it is
+inactive; both name its InvocationID, and automatic sweeps of one stop share one report.
 
-Resume: a sweep the last daemon had in flight (inflight.py) is recorded `interrupted` and
-repeated by a successor (`resumes` naming it; processes already gone are simply not found),
-claimed before the bus name is owned so the stop hook asking again (cli/sweep.py) joins it.
-It is only recorded when older than its budget plus RESUME_WINDOW_SEC (its GPUs may be in new
-hands) or when its unit runs again. A watched or hooked unit that stopped while no daemon ran,
-whose processes still hold GPUs, is swept as `recovered:<unit>`.
+Resume: a sweep cut short (inflight.py) is recorded `interrupted` and repeated by a successor
+naming it in `resumes`, claimed before the bus name is owned so the stop hook's retry
+(cli/sweep.py) joins it; only recorded when older than its budget plus RESUME_WINDOW_SEC (its
+GPUs may be in new hands) or when its unit runs again. A watched or hooked unit that stopped
+while no daemon ran, whose processes still hold GPUs, is swept as `recovered:<unit>`.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ log = logging.getLogger("gpuguard.runner")
 DEDUPE_WINDOW_SEC = 10.0
 # Finished automatic sweeps are remembered this long for a late second trigger of the same stop.
 REMEMBER_SEC = 300.0
-# The requesters whose real sweep of a unit stands for its stop: the stop hook (root's, or a
-# polkit-authorised caller's: the service checked) and the unit watch.
+# The requesters whose real sweep stands for a unit's stop (HOOK_NONROOT: polkit-authorised).
 AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
 
 
@@ -67,10 +63,8 @@ class UnitSweeps:
         self.watcher = UnitWatcher(bus, systemd, patterns)
         self.records_path = records_path
         self._saved = b""
-        # Each stop's automatic sweep, by (unit, InvocationID): running, or done at a time
-        # (then remembered for REMEMBER_SEC, for a late second trigger of the same stop).
-        self._stops: collections.OrderedDict[tuple[str, str],
-                                             tuple[float, asyncio.Future[Report]]] = \
+        # Each stop's automatic sweep by (unit, InvocationID), with when it started or finished.
+        self._stops: collections.OrderedDict[tuple[str, str], tuple[float, asyncio.Future[Report]]] = \
             collections.OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._load_records()
@@ -89,24 +83,20 @@ class UnitSweeps:
         log.info("%d unit record(s) kept from the previous gpuguardd", restored)
 
     def observe(self, holders: Iterable[Holder]) -> None:
-        """Note what each unit holds, and keep it on disk when it changed."""
         self.records.observe(holders)
         if not self.records_path:
             return
         data = json.dumps(self.records.dump(), ensure_ascii=True).encode("ascii")
         if data == self._saved:
             return
-        # Tried once per change of the records, not at every poll: a runtime directory that is
-        # gone (removed by hand, or never made outside systemd) is said once, not every 2 s.
+        # Tried once per change, not every poll: a missing runtime directory is logged once.
         self._saved = data
         try:
             write_atomic(self.records_path, [data], prefix=".units.", mode=0o600, fsync=False)
         except OSError as exc:
-            log.warning("cannot keep the unit records in %s: %s", self.records_path,
-                        exc.strerror or exc)
+            log.warning("cannot keep the unit records in %s: %s", self.records_path, exc.strerror or exc)
 
     async def start(self) -> None:
-        """Follow systemd's stops and starts."""
         try:
             await self.watcher.start()
         except Exception as exc:  # never keep the daemon from serving its API
@@ -127,8 +117,7 @@ class UnitSweeps:
     async def _on_event(self, state: UnitState, stopped: bool) -> None:
         try:
             if not stopped:
-                # A starting service's CUDA_VISIBLE_DEVICES; a watched unit's holdings now
-                # (later ones arrive with the daemon's refreshes).
+                # A starting service's CUDA_VISIBLE_DEVICES; a watched unit's holdings now.
                 gpus = cuda_visible_gpus(await self.systemd.environment(state.unit), self.inventory.snapshot)
                 if gpus:
                     self.records.hint(state.unit, gpus)
@@ -145,26 +134,20 @@ class UnitSweeps:
         except Exception:
             log.exception("handling %s (%s)", state.unit, state.active_state)
 
-    async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None
-                         ) -> Report | None:
-        """Sweep `request.unit` plus its escaped leftovers; None only when the watcher's sweep
-        is skipped because the unit runs again. `prepared`: Engine.prepare's."""
+    async def sweep_unit(self, request: SweepRequest, prepared: Prepared | None = None) -> Report | None:
+        """None only when the watcher's sweep is skipped because the unit runs again."""
         return await (await self.begin(request, prepared))
 
-    async def begin(self, request: SweepRequest, prepared: Prepared | None = None
-                    ) -> Awaitable[Report | None]:
-        """Decide what `request` is (new, or the stop's sweep running or done) and make a new
-        automatic sweep the stop's one sweep now; the awaitable returned runs or joins it
-        (Resume claims sweeps this way before the bus name is owned)."""
+    async def begin(self, request: SweepRequest, prepared: Prepared | None = None) -> Awaitable[Report | None]:
+        """Make a new automatic sweep the stop's one sweep now; the awaitable returned runs it or
+        joins the stop's sweep (so Resume claims sweeps before the bus name is owned)."""
         unit = normalize_unit_name(request.unit)  # already validated by the caller
-        # Only a real sweep stands for a stop: a dry run (which anyone may ask for, with any
-        # reason) neither joins nor becomes the stop's sweep, or `nobody` could hand the stop
-        # hook a report that signalled nothing.
+        # A dry run (anyone may ask, with any reason) neither joins nor becomes the stop's
+        # sweep, or `nobody` could hand the stop hook a report that signalled nothing.
         dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
         state = await self.systemd.state(unit)  # None without systemd
         if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:
-            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit,
-                     state.active_state)
+            log.info("%s is %s again (Restart=?): not sweeping its new instance", unit, state.active_state)
             return asyncio.sleep(0, None)
         if request.requester_kind not in AUTOMATIC or dry_run:
             return self._sweep(unit, request, state, prepared)
@@ -180,17 +163,15 @@ class UnitSweeps:
             log.info("%s: joining the sweep already running for this stop", unit)
             return asyncio.shield(future)
         if future is not None and (key[1] or now - at < DEDUPE_WINDOW_SEC):
-            log.info("%s: this stop was already swept (%s); same report", unit,
-                     future.result().id[:8])
+            log.info("%s: this stop was already swept (%s); same report", unit, future.result().id[:8])
             return future
         future = asyncio.get_running_loop().create_future()
         self._stops[key] = (now, future)
         self._stops.move_to_end(key)
         return self._own(key, future, unit, request, state, prepared)
 
-    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str,
-                   request: SweepRequest, state: UnitState | None,
-                   prepared: Prepared | None) -> Report:
+    async def _own(self, key: tuple[str, str], future: asyncio.Future[Report], unit: str, request: SweepRequest,
+                   state: UnitState | None, prepared: Prepared | None) -> Report:
         try:
             report = await self._sweep(unit, request, state, prepared)
         except BaseException as exc:
@@ -209,12 +190,10 @@ class UnitSweeps:
     async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None,
                      prepared: Prepared | None = None) -> Report:
         if not request.container and self.systemd.available:
-            # A resumed sweep (Resume) keeps what its predecessor had adopted: the same
-            # processes, by PID and start time, whatever the records lost with the crash.
+            # A resumed sweep keeps its predecessor's adopted (PID, start time) pairs.
             found = await leftovers(self.systemd, self.records, unit, await self.inventory.fresh_scan(),
                                     request.include_management)
             request.adopted = sorted(set(request.adopted) | set(found))
-        # The adopted leftovers join the prepared scope in the sweep (Engine.sweep).
         report = await self.runner.run(request, prepared)
         if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):
@@ -222,8 +201,7 @@ class UnitSweeps:
         return report
 
 
-# How long after its budget ran out an interrupted sweep is still swept again (Restart=
-# brings the daemon back in about a second).
+# How long past its budget an interrupted sweep is still repeated (Restart= takes ~1 s).
 RESUME_WINDOW_SEC = 60.0
 # Sweeps a unit is running again in: its new instance owns the GPUs.
 _RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
@@ -238,8 +216,7 @@ class Resume:
         self._io = units.runner.io
 
     async def claim(self) -> list[Awaitable[Report | None]]:
-        """Before the bus name is owned: record what was cut short and claim the sweeps that
-        finish it, which the awaitables returned run."""
+        """Before the bus name is owned: record what was cut short, claim the sweeps finishing it."""
         found = cast(list[InFlightSweep], await self._io(self.inflight.load))
         known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
         work: list[Awaitable[Report | None]] = []
@@ -278,14 +255,12 @@ class Resume:
                                         resumes=sweep.report_id, adopted=list(request.adopted))
         log.warning("sweep %s (%s) was cut short when gpuguardd stopped: sweep %s finishes it",
                     sweep.report_id[:8], request.requested_by, successor.report_id[:8])
-        if not known:
-            # (Known: recorded at a stop that outlasted its budget; `resumes` links the two.)
+        if not known:  # known: recorded at a stop that outlasted its budget
             await self._io(self.history.append, sweep.report(
                 "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
                 f"was running; sweep {successor.report_id} finished it",
                 finished_by=successor.report_id))
-        # The successor's record first, then the predecessor's goes: a crash in between
-        # leaves one of them to finish, never none.
+        # The successor's record first: a crash in between leaves one to finish, never none.
         await self._io(self.inflight.add, InFlightSweep(successor, time.time_ns() // 1000))
         await self._io(self.inflight.remove, sweep.report_id)
         if successor.unit:
@@ -303,13 +278,10 @@ class Resume:
         await self.recover_units()
 
     async def _hooked(self, unit: str) -> bool:
-        if matches(unit, self.runner.engine.config.watch_units):
-            return True
-        return any(path.rsplit("/", 1)[-1] == DROPIN_FILE
-                   for path in await self.units.systemd.dropins(unit))
+        return matches(unit, self.runner.engine.config.watch_units) or any(
+            path.rsplit("/", 1)[-1] == DROPIN_FILE for path in await self.units.systemd.dropins(unit))
 
     async def recover_units(self) -> None:
-        """Sweep the watched or hooked units that stopped while no daemon was there to."""
         if not self.units.systemd.available:
             return
         result = await self.units.inventory.fresh_scan()
