@@ -1,13 +1,11 @@
 """Sweeps in flight, on disk: what a gpuguardd that dies mid-sweep was doing, for the next one.
 
-A crash or a kill leaves the stop hook with a bus error and the unit's leftovers with their
-GPU memory. So before a real sweep signals anything, its request is written here
-(`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), with each process ended
-added as it goes, and removed once the report is in the history; daemon/units.py finishes
-what the next daemon finds. The runtime directory outlives restarts but not a reboot, after
-which nothing is left to finish; hence no fsync (the kernel keeps what a crashed daemon
-wrote). Files are read strictly: one that is not exactly what this module writes is reported
-and removed, never acted on.
+Before a real sweep signals anything its request is written to
+`<RuntimeDirectory>/sweeps/<report id>.json` (replaced atomically), each process ended added as
+it goes, and removed once the report is in the history; daemon/units.py finishes what the next
+daemon finds. No fsync: the runtime directory outlives a crash (the kernel keeps the writes)
+but not a reboot, after which nothing is left to finish. Files are read strictly: one that is
+not exactly what this module writes is reported and removed, never acted on.
 """
 
 from __future__ import annotations
@@ -80,7 +78,6 @@ def _encode(sweep: InFlightSweep) -> bytes:
 
 
 def _decode(text: bytes, name: str) -> InFlightSweep:
-    """The record `_encode` wrote, read strictly."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not an in-flight record of this version")
@@ -116,8 +113,8 @@ class InFlightSweeps:
 
     def __init__(self, runtime_directory: str) -> None:
         self.directory = os.path.join(runtime_directory, DIRECTORY)
-        # Writes come from several I/O threads: the lock keeps a stale update from replacing
-        # a newer one, or from bringing back the record of a sweep that is over.
+        # Writes come from several I/O threads: the lock keeps a stale update from replacing a
+        # newer one or bringing back the record of a sweep that is over.
         self._lock = threading.Lock()
         # Per sweep, the processes its record on disk lists; _OVER once the sweep is over.
         self._written: collections.OrderedDict[str, int] = collections.OrderedDict()

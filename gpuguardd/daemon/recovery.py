@@ -1,9 +1,8 @@
 """GPU resets in the daemon: one at a time, recorded like sweeps, and the AutoReset policy.
 
-AutoReset (off by default) resets a GPU seen leaked, with nothing holding it, for
-LeakGraceSec: never one in MIG mode (a reset destroys its instances: an operator's decision),
-never while a sweep runs or a start gate waits, and at most once per ResetIntervalSec a GPU
-whatever the outcome, so a GPU that a reset does not cure is not reset over and over.
+AutoReset resets a GPU leaked with nothing holding it for LeakGraceSec: never one in MIG mode
+(a reset destroys its instances: an operator's decision), never while a sweep runs or a start
+gate waits, and at most once per ResetIntervalSec, so a reset that does not cure is not repeated.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ class Recovery:
             return report
 
     def observe(self, summaries: list[GpuSummary]) -> None:
-        """Start an automatic reset where it is due."""
         config = self.engine.config
         now = self.clock()
         leaked = {s.index: s for s in summaries if s.state == GpuState.LEAKED and not s.mig_mode}
