@@ -114,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--bus-address", metavar="ADDRESS",
                        help="connect to this D-Bus address instead of the system bus")
-    where.add_argument("--session", action="store_true",
-                       help="use the session bus (development)")
+    where.add_argument("--session", action="store_true", help="use the session bus (development)")
     parser.add_argument("--debug", action="store_true", help="log debug messages")
     return parser
 

@@ -29,16 +29,13 @@ class ResetEvents(Protocol):
 
 
 class Recovery:
-    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any],
-                 events: ResetEvents, sweeping: Callable[[], bool],
-                 gate_waiting: Callable[[int], bool] = lambda index: False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any], events: ResetEvents,
+                 held_off: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.executor = executor
         self.record = record  # awaitable: keeps the report (history)
         self.events = events
-        self.sweeping = sweeping
-        self.gate_waiting = gate_waiting
+        self.held_off = held_off  # a sweep runs or a start gate waits
         self.clock = clock
         self._lock = asyncio.Lock()
         self._leaked_since: dict[int, float] = {}
@@ -49,8 +46,7 @@ class Recovery:
                     requester_kind: RequesterKind = RequesterKind.MANUAL) -> Report:
         async with self._lock:
             loop = asyncio.get_running_loop()
-            report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index,
-                                                requested_by, reason)
+            report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index, requested_by, reason)
             report.requester_kind = requester_kind
             await self.record(report)
             self.events.reset_finished(report)
@@ -65,18 +61,15 @@ class Recovery:
             return
         for index, summary in sorted(leaked.items()):
             since = self._leaked_since.setdefault(index, now)
-            if now - since < config.leak_grace_sec or self.busy():
+            if now - since < config.leak_grace_sec or self.busy() or self.held_off():
                 continue
             last = self._last_auto.get(index)
             if last is not None and now - last < config.reset_interval_sec:
                 continue
-            if self.sweeping() or self.gate_waiting(index):
-                continue
             self._last_auto[index] = now
             reason = (f"{summary.leak_kind or 'leaked'}: {summary.memory_used // (1024 * 1024)} MiB "
                       f"leaked for {now - since:.0f} s")
-            log.warning("GPU %d: %s with nothing holding it: resetting it ([Recovery] AutoReset)",
-                        index, reason)
+            log.warning("GPU %d: %s with nothing holding it: resetting it ([Recovery] AutoReset)", index, reason)
             self._task = asyncio.ensure_future(self._auto(index, reason))
 
     def busy(self) -> bool:

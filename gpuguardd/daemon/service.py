@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, cast
 
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
@@ -92,10 +92,8 @@ class Service:
         self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor,
-                                 lambda report: self.runner.io(self.store.append, report), self,
-                                 sweeping=lambda: self.runner.busy,
-                                 gate_waiting=lambda index: self.gate.waiters > 0)
+        self.recovery = Recovery(engine, sweep_executor, lambda report: self.runner.io(self.store.append, report),
+                                 self, held_off=lambda: self.runner.busy or self.gate.waiters > 0)
 
     async def start(self) -> None:
         """Export the objects, GPUs included, before the name is requested."""
@@ -129,8 +127,7 @@ class Service:
     def status_line(self) -> str:
         snap = self.inventory.snapshot
         gpus = f"{len(snap.gpus)} GPU(s)" if snap.gpus_known else f"NVML unavailable ({snap.error})"
-        holders = len(self.inventory.holders)
-        text = f"{gpus}, {holders} holder(s)"
+        text = f"{gpus}, {len(self.inventory.holders)} holder(s)"
         if self.runner.busy:
             text += f", {self.runner.active} sweep(s) running"
         last = self.store.last()
@@ -159,24 +156,20 @@ class Service:
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
         # fresh=true (gpuguardctl's) waits for a scan started after the call, for a non-root uid
         # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
-        fresh = bool(options.get("fresh", False))
-        if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
-            fresh = False
+        fresh = bool(options.get("fresh", False)) and (caller.is_root or self.fresh_scans.admit(caller.uid).allowed)
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, holder_filter)
-        # A redacted holder is no bigger than its typed one: the sizes typed once per scan bound it.
-        sizes = [typed[id(h)][1] for h in holders]
         # Command lines can carry secrets (tokens, passwords in arguments).
         redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
             and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS)
+        # A redacted holder is no bigger than its typed one: the sizes typed once per scan bound it.
         return replysize.bound_holders(
             [{**typed[id(h)][0], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)][0]
-             for h in holders], sizes=sizes)
+             for h in holders], sizes=[typed[id(h)][1] for h in holders])
 
     async def _resolve(self, request: SweepRequest) -> Scope:
-        scope: Scope = (await self.runner.io(self.engine.resolve_request, request))[0]
-        return scope
+        return cast(Scope, (await self.runner.io(self.engine.resolve_request, request))[0])
 
     def _typed_holders(self, result: ScanResult) -> dict[int, tuple[marshal.VarDict, int]]:
         """Each holder's D-Bus value and its size, by id() (the scan keeps them alive), typed once
@@ -198,8 +191,7 @@ class Service:
             unit_report = await self.units.sweep_unit(request, prepared)
             assert unit_report is not None  # None only for the watch's own requests
             return unit_report.to_dict()
-        report = await self.runner.run(request, prepared)
-        return report.to_dict()
+        return (await self.runner.run(request, prepared)).to_dict()
 
     async def reset_gpu(self, caller: Caller, gpu: int, options: dict[str, Any]) -> Wire:
         # Authorized by the interface (the XML's rule for ResetGpu).
@@ -207,8 +199,7 @@ class Service:
         if snap.gpus_known and snap.by_index(gpu) is None:
             known = ", ".join(str(g.index) for g in snap.gpus) or "none"
             raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
-        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""), RequesterKind.MANUAL)
-        return report.to_dict()
+        return (await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""))).to_dict()
 
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
@@ -232,8 +223,7 @@ class Service:
             gpus, mig = scope.gpus, scope.mig
         rule = GateRule(free_below * MiB, config.gate_tolerance_mib * MiB,
                         bool(options.get("allow_unverified", False)))
-        outcome = await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)
-        return outcome.to_dict()
+        return (await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)).to_dict()
 
     async def reload(self, caller: Caller) -> None:
         # Authorized by the interface (the XML's rule for Reload).
