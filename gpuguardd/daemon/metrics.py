@@ -16,16 +16,11 @@ from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from gpuguardd import __version__
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome, RequesterKind, SpareReason, Vendor
-from gpuguardd.records.models import GpuSummary, MigSummary
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
 
@@ -65,9 +60,8 @@ def spared_label(code: SpareReason) -> str:
     return _SPARED.get(code, "other")
 
 
-def _one_of(value: object, allowed: Iterable[str], default: str = "other") -> str:
-    text = str(value)
-    return text if text in allowed else default
+def _one_of(value: object, allowed: Iterable[str]) -> str:
+    return str(value) if str(value) in allowed else "other"
 
 
 class _Histogram:
@@ -140,12 +134,11 @@ class Metrics:
             with self._lock:
                 self._note_finished(last)
 
-    def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary],
-                          holders: Iterable[Any]) -> None:
+    def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary], holders: Iterable[Holder]) -> None:
         kinds: defaultdict[int, Counter[str]] = defaultdict(Counter)
         for holder in holders:
-            for index in getattr(holder, "gpus", ()):
-                kinds[int(index)][_one_of(getattr(holder, "kind", ""), KINDS)] += 1
+            for index in holder.gpus:
+                kinds[index][_one_of(holder.kind, KINDS)] += 1
         gpus: list[dict[str, Any]] = []
         for summary in summaries:
             units: list[GpuSummary | MigSummary] = [summary, *(summary.mig_instances or [])]
@@ -191,6 +184,9 @@ class Metrics:
                                         labels=["gpu", "UUID", "vendor", "kind"])
             state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
                                       labels=["gpu", "UUID", "vendor", "state"])
+            by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
+                                        "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
+                                        labels=["gpu", "UUID", "vendor", "kind"])
             for gpu in self._gpus:
                 ids = [gpu["gpu"], gpu["UUID"], gpu["vendor"]]
                 leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
@@ -198,16 +194,11 @@ class Metrics:
                     holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
                 for name in GPU_STATES:
                     state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
-            yield leaked
-            by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
-                                        "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
-                                        labels=["gpu", "UUID", "vendor", "kind"])
-            for gpu in self._gpus:
                 for uuid, kind, used in gpu["leaks"]:
                     by_kind.add_metric([gpu["gpu"], uuid, gpu["vendor"], kind], used)
+            yield leaked
             yield by_kind
-            resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
-                                         labels=["outcome"])
+            resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.", labels=["outcome"])
             for outcome in RESET_OUTCOMES:
                 resets.add_metric([outcome], self._resets.get(outcome, 0))
             yield resets
