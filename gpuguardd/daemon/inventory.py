@@ -18,12 +18,15 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.records.enums import GpuState
-from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
+
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
 
 log = logging.getLogger("gpuguard.live")
 
@@ -39,12 +42,6 @@ CHURN_FACTOR = 50.0
 NvmlKey = tuple[bool, tuple[tuple[str, tuple[int, ...], bool, bool], ...]]
 
 
-class InventoryListener(Protocol):
-    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None: ...
-
-    def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
-
-
 def _nvml_key(snapshot: NvmlSnapshot) -> NvmlKey:
     """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
     return snapshot.available, tuple(
@@ -52,7 +49,7 @@ def _nvml_key(snapshot: NvmlSnapshot) -> NvmlKey:
 
 
 class Inventory:
-    def __init__(self, engine: Engine, executor: Executor, listener: InventoryListener) -> None:
+    def __init__(self, engine: Engine, executor: Executor, listener: Service) -> None:
         self.engine = engine
         self.executor = executor
         self.listener = listener

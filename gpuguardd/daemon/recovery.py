@@ -12,24 +12,23 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.engine.engine import Engine
 from gpuguardd.records.enums import GpuState, RequesterKind
 from gpuguardd.records.models import GpuSummary
 from gpuguardd.records.report import Report
 
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
+
 log = logging.getLogger("gpuguard.recovery")
 
 AUTO_RESET_BY = "gpuguardd (AutoReset)"
 
 
-class ResetEvents(Protocol):
-    def reset_finished(self, report: Report) -> None: ...
-
-
 class Recovery:
-    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any], events: ResetEvents,
+    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any], events: Service,
                  held_off: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.executor = executor

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
@@ -24,18 +24,10 @@ from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
 
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
+
 log = logging.getLogger("gpuguard.runner")
-
-
-class SweepEvents(Protocol):  # the service's signals; called on the event loop
-
-    def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
-
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None: ...
-
-    def sweep_finished(self, report: Report) -> None: ...
-
-    def busy_changed(self, busy: bool) -> None: ...
 
 
 # Scans, lock waits and NVML reads around a sweep's own timeouts.
@@ -50,7 +42,7 @@ def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
 class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlightSweep,
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: Service, flight: InFlightSweep,
                  on_terminated: Callable[[], None]) -> None:
         self.loop = loop
         self.events = events
@@ -75,7 +67,7 @@ class LoopObserver:
 
 class SweepRunner:
     def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor, history: History,
-                 events: SweepEvents, inflight: InFlightSweeps | None = None) -> None:
+                 events: Service, inflight: InFlightSweeps | None = None) -> None:
         self.engine = engine
         self.inflight = inflight
         self.sweep_executor = sweep_executor

@@ -1,5 +1,5 @@
 """The daemon's parts put together: the Manager's backend (what each D-Bus call means), and
-the listener of the inventory, sweeps and resets that keeps the Manager's properties and
+the listener (events) of the inventory, sweeps and resets that keeps the Manager's properties and
 signals, one Gpu object per GPU, and the metrics and their textfile current.
 """
 
@@ -291,7 +291,7 @@ class Service:
         self.on_change()
 
     def reset_finished(self, report: Report) -> None:
-        """ResetEvents, and the end of every sweep's as well."""
+        """Recovery's, and the end of every sweep's as well."""
         self.metrics.observe_report(report)
         self._publish_metrics()
         self.inventory.request_rescan()

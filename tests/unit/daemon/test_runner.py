@@ -32,7 +32,7 @@ class CountingNvml:
 
 
 class SweepCounter:
-    """SweepEvents; `reads_at_start`: the GPU readings made when the sweep began."""
+    """The service's sweep events; `reads_at_start`: the GPU readings made when the sweep began."""
 
     def __init__(self, nvml: CountingNvml) -> None:
         self.nvml = nvml
