@@ -28,8 +28,7 @@ FAST_POLL_SEC = 0.025  # NVML poll interval while a waiter's target is held by n
 MAX_WAIT_SEC = 20.0  # one Wait call: under D-Bus's default 25 s call timeout
 SCAN_LEAD_FACTOR = 2.0  # the confirming scan's lead, in scan durations, plus the minimum
 SCAN_LEAD_MIN_SEC = 0.01
-# A waiter finding the last holder scan older asks for one, so what it is shown waiting on is
-# current. Clients call again every 20 s or so: not shorter.
+# A waiter asks for a holder scan older than this, so WaitingOn is current (clients call every ~20 s).
 RESCAN_FOR_WAITER_SEC = 30.0
 MAX_TRACKERS = 16  # rules kept at once: each costs an evaluation per poll
 TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropped

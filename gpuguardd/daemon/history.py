@@ -35,8 +35,7 @@ FILE_MODE = 0o600
 # A longer line is no report gpuguard wrote: skipped as unreadable, never held in memory.
 MAX_LINE = 64 * 1024 * 1024
 _PIECE = 1024 * 1024
-# Only a line with a non-ASCII byte or a JSON escape of a surrogate or NUL can hold text that
-# is not valid UTF-8; the rest (nearly all: written with ensure_ascii) skip the repair walk.
+# Only non-ASCII bytes or JSON escapes of surrogates or NUL can be bad UTF-8: others skip repair.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
 # After a failed write: the first retry, and the longest wait between retries (doubling).
 RETRY_SEC = 2.0

@@ -82,8 +82,7 @@ def _decode(text: bytes, name: str) -> InFlightSweep:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not an in-flight record of this version")
     request = SweepRequest.from_dict(data)
-    # A record written before the codes (a daemon upgraded mid-sweep) has no requester_kind:
-    # the words that daemon wrote say it, by the rule it kept them by.
+    # A record from before requester_kind (upgraded mid-sweep): its words say the kind.
     legacy = "requester_kind" not in data
     unread = request.unread - ({"requester_kind"} if legacy else set())
     if unread:
@@ -113,8 +112,7 @@ class InFlightSweeps:
 
     def __init__(self, runtime_directory: str) -> None:
         self.directory = os.path.join(runtime_directory, DIRECTORY)
-        # Writes come from several I/O threads: the lock keeps a stale update from replacing a
-        # newer one or bringing back the record of a sweep that is over.
+        # Writes come from several I/O threads: never a stale update over a newer one or an ended sweep.
         self._lock = threading.Lock()
         # Per sweep, the processes its record on disk lists; _OVER once the sweep is over.
         self._written: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -159,7 +157,6 @@ class InFlightSweeps:
                   "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
-        """Every readable record, oldest first."""
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:

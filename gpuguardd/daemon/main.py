@@ -41,8 +41,7 @@ log = logging.getLogger("gpuguard.daemon")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 78
-# At shutdown: how often systemd's stop timeout is pushed on while sweeps finish, and the time
-# asked for beyond each step (recording, releasing the name, exiting).
+# At shutdown: how often the stop timeout is extended while sweeps finish, and the time for the exit.
 SHUTDOWN_STEP_SEC = 5.0
 SHUTDOWN_EXIT_SEC = 10.0
 # How long calls still running at the stop get to send their "stopping" answer.
@@ -65,8 +64,7 @@ class Notifier:
         self._notifier = sdnotify.SystemdNotifier()
         sock = getattr(self._notifier, "socket", None)
         if sock is not None:
-            # A send would block the loop while systemd's queue is full: drop it (sdnotify swallows
-            # the EAGAIN); the next STATUS= supersedes it.
+            # Never block the loop on a full systemd queue: sdnotify drops the update (EAGAIN).
             sock.setblocking(False)
         self._status = ""
 

@@ -107,8 +107,7 @@ class Metrics:
                 self._resets[_one_of(report.outcome.value, RESET_OUTCOMES)] += 1
                 return
             if report.dry_run:
-                # Anyone may dry-run, as often as they like: counted apart, never in a series
-                # of real sweeps (their counts, durations, processes or last-sweep time).
+                # Anyone may dry-run, as often as they like: never in a real sweep's series.
                 self._dry_runs += 1
                 return
             outcome = report.outcome.value

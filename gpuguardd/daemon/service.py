@@ -154,8 +154,7 @@ class Service:
             scope = await self._resolve(SweepRequest.from_options(options))
             holder_filter = HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
                                          mig=scope.mig, include_protected=holder_filter.include_protected)
-        # fresh=true (gpuguardctl's) waits for a scan started after the call, for a non-root uid
-        # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
+        # fresh=true waits for a scan started after the call; a non-root uid once per FRESH_SCAN_INTERVAL_SEC.
         fresh = bool(options.get("fresh", False)) and (caller.is_root or self.fresh_scans.admit(caller.uid).allowed)
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)

@@ -142,8 +142,7 @@ class UnitSweeps:
         """Make a new automatic sweep the stop's one sweep now; the awaitable returned runs it or
         joins the stop's sweep (so Resume claims sweeps before the bus name is owned)."""
         unit = normalize_unit_name(request.unit)  # already validated by the caller
-        # A dry run (anyone may ask, with any reason) neither joins nor becomes the stop's
-        # sweep, or `nobody` could hand the stop hook a report that signalled nothing.
+        # A dry run (anyone's) never joins or becomes a stop's sweep: no empty report for the hook.
         dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
         state = await self.systemd.state(unit)  # None without systemd
         if request.requester_kind == RequesterKind.WATCH and state is not None and state.running:

@@ -147,20 +147,14 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
 
 
 def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
-    out: list[Target] = []
-    for gpu in gpus:
-        out.append(Target(gpu.index, gpu.uuid))
-        out += [Target(gpu.index, gpu.uuid, m.uuid) for m in gpu.mig_instances or []]
-    return out
+    return [Target(g.index, g.uuid, mig) for g in gpus for mig in ("", *(m.uuid for m in g.mig_instances or []))]
 
 
 def record_of(target: Target, gpus: Sequence[GpuSummary]) -> GpuSummary | MigSummary | None:
-    for gpu in gpus:
-        if gpu.index == target.index and gpu.uuid == target.uuid:
-            if not target.mig_uuid:
-                return gpu
-            return next((m for m in gpu.mig_instances or [] if m.uuid == target.mig_uuid), None)
-    return None
+    gpu = next((g for g in gpus if g.index == target.index and g.uuid == target.uuid), None)
+    if gpu is None or not target.mig_uuid:
+        return gpu
+    return next((m for m in gpu.mig_instances or [] if m.uuid == target.mig_uuid), None)
 
 
 class GateTracker:
