@@ -170,7 +170,7 @@ class Daemon:
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))
-        self._spawn(service.resume.run(service.resume_work))
+        self._spawn(service.units.finish_unfinished(service.resume_work))
         if interval := watchdog_interval():
             self._spawn(self._watchdog(interval))
         disconnected = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
@@ -189,7 +189,7 @@ class Daemon:
 
     async def _abandon(self, service: Service) -> None:
         """Exit now, sweeps still running: no one hears their end, and joining them would delay
-        systemd's restart by a grace period. The next gpuguardd finishes them (units.Resume)."""
+        systemd's restart by a grace period. The next gpuguardd finishes them (units.py)."""
         log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
                     service.runner.active)
         await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)

@@ -67,7 +67,7 @@ class LoopObserver:
 
 class SweepRunner:
     def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor, history: History,
-                 events: Service, inflight: InFlightSweeps | None = None) -> None:
+                 events: Service, inflight: InFlightSweeps) -> None:
         self.engine = engine
         self.inflight = inflight
         self.sweep_executor = sweep_executor
@@ -148,7 +148,7 @@ class SweepRunner:
         return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
 
     async def record_interrupted(self) -> None:
-        """At shutdown, budgets spent; the next gpuguardd finishes them (units.Resume)."""
+        """At shutdown, budgets spent; the next gpuguardd finishes them (units.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
             report = flight.report(

@@ -27,7 +27,7 @@ from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
 from gpuguardd.daemon.runner import SweepRunner
-from gpuguardd.daemon.units import Resume, UnitSweeps
+from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.engine.engine import Engine, HolderFilter, Prepared, filter_holders
 from gpuguardd.engine.gate import GateRule, MiB
 from gpuguardd.errors import InvalidArgument, NotAuthorized
@@ -81,15 +81,14 @@ class Service:
         # Told of every change the sd_notify status line shows (main.py sets it).
         self.on_change: Callable[[], None] = lambda: None
         self.inventory = Inventory(engine, scan_executor, self)
-        inflight = InFlightSweeps(engine.config.runtime_directory)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self,
+                                  InFlightSweeps(engine.config.runtime_directory))
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
         self._typed: tuple[ScanResult | None, dict[int, tuple[marshal.VarDict, int]]] = (None, {})
         self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
                                 os.path.join(engine.config.runtime_directory, "units.json"))
         # What the last gpuguardd left unfinished: claimed in start(), run once the name is owned.
-        self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
         self.recovery = Recovery(engine, sweep_executor, lambda report: self.runner.io(self.store.append, report),
@@ -103,7 +102,7 @@ class Service:
         except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
             log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
         await self.units.start()
-        self.resume_work = await self.resume.claim()
+        self.resume_work = await self.units.claim_unfinished()
 
     def config_changed(self) -> None:
         config = self.engine.config

@@ -26,8 +26,7 @@ from typing import Any, cast
 
 from dbus_fast.aio import MessageBus
 
-from gpuguardd.daemon.history import History
-from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
+from gpuguardd.daemon.inflight import InFlightSweep
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.runner import SweepRunner, sweep_budget_sec
 from gpuguardd.engine.attribution import normalize_unit_name
@@ -50,6 +49,10 @@ DEDUPE_WINDOW_SEC = 10.0
 REMEMBER_SEC = 300.0
 # The requesters whose real sweep stands for a unit's stop (HOOK_NONROOT: polkit-authorised).
 AUTOMATIC = frozenset({RequesterKind.HOOK, RequesterKind.HOOK_NONROOT, RequesterKind.WATCH})
+# How long past its budget an interrupted sweep is still repeated (Restart= takes ~1 s).
+RESUME_WINDOW_SEC = 60.0
+# Sweeps a unit is running again in: its new instance owns the GPUs.
+_RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 class UnitSweeps:
@@ -140,7 +143,7 @@ class UnitSweeps:
 
     async def begin(self, request: SweepRequest, prepared: Prepared | None = None) -> Awaitable[Report | None]:
         """Make a new automatic sweep the stop's one sweep now; the awaitable returned runs it or
-        joins the stop's sweep (so Resume claims sweeps before the bus name is owned)."""
+        joins the stop's sweep (claim_unfinished claims this way, before the name is owned)."""
         unit = normalize_unit_name(request.unit)  # already validated by the caller
         # A dry run (anyone's) never joins or becomes a stop's sweep: no empty report for the hook.
         dry_run = request.is_dry_run(self.runner.engine.config.dry_run)
@@ -199,25 +202,10 @@ class UnitSweeps:
             self.records.forget(unit)  # everything the unit left is gone: start afresh
         return report
 
-
-# How long past its budget an interrupted sweep is still repeated (Restart= takes ~1 s).
-RESUME_WINDOW_SEC = 60.0
-# Sweeps a unit is running again in: its new instance owns the GPUs.
-_RUNS_AGAIN = frozenset({"active", "activating", "reloading", "refreshing"})
-
-
-class Resume:
-    def __init__(self, inflight: InFlightSweeps, history: History, units: UnitSweeps) -> None:
-        self.inflight = inflight
-        self.history = history
-        self.units = units
-        self.runner = units.runner
-        self._io = units.runner.io
-
-    async def claim(self) -> list[Awaitable[Report | None]]:
+    async def claim_unfinished(self) -> list[Awaitable[Report | None]]:
         """Before the bus name is owned: record what was cut short, claim the sweeps finishing it."""
-        found = cast(list[InFlightSweep], await self._io(self.inflight.load))
-        known = {str(r.get("id")) for r in self.history.newest(0)} if found else set()
+        found = cast(list[InFlightSweep], await self.runner.io(self.runner.inflight.load))
+        known = {str(r.get("id")) for r in self.runner.history.newest(0)} if found else set()
         work: list[Awaitable[Report | None]] = []
         for sweep in found:
             try:
@@ -231,7 +219,7 @@ class Resume:
         return work
 
     async def _claim_one(self, sweep: InFlightSweep, known: bool) -> Awaitable[Report | None] | None:
-        request = sweep.request
+        request, inflight = sweep.request, self.runner.inflight
         age = time.time() - sweep.started_usec / 1e6
         limit = sweep_budget_sec(self.runner.engine.config, request) + RESUME_WINDOW_SEC
         why = ""
@@ -240,33 +228,33 @@ class Resume:
                    f"began (more than {limit:.0f} s): not swept again, its GPUs may be in "
                    "use by others since; sweep again if anything is left")
         elif request.unit:
-            state = await self.units.systemd.state(request.unit)
+            state = await self.systemd.state(request.unit)
             if state is not None and state.active_state in _RUNS_AGAIN:
                 why = (f"gpuguardd stopped during this sweep; {request.unit} is "
                        f"{state.active_state} again, so its new instance was not swept")
         if why:
             log.warning("sweep %s (%s): %s", sweep.report_id[:8], request.requested_by, why)
             if not known:
-                await self._io(self.history.append, sweep.report(why))
-            await self._io(self.inflight.remove, sweep.report_id)
+                await self.runner.io(self.runner.history.append, sweep.report(why))
+            await self.runner.io(inflight.remove, sweep.report_id)
             return None
         successor = dataclasses.replace(request, report_id=uuid.uuid4().hex,
                                         resumes=sweep.report_id, adopted=list(request.adopted))
         log.warning("sweep %s (%s) was cut short when gpuguardd stopped: sweep %s finishes it",
                     sweep.report_id[:8], request.requested_by, successor.report_id[:8])
         if not known:  # known: recorded at a stop that outlasted its budget
-            await self._io(self.history.append, sweep.report(
+            await self.runner.io(self.runner.history.append, sweep.report(
                 "gpuguardd stopped (a crash, a kill or a restart) while this sweep "
                 f"was running; sweep {successor.report_id} finished it",
                 finished_by=successor.report_id))
         # The successor's record first: a crash in between leaves one to finish, never none.
-        await self._io(self.inflight.add, InFlightSweep(successor, time.time_ns() // 1000))
-        await self._io(self.inflight.remove, sweep.report_id)
+        await self.runner.io(inflight.add, InFlightSweep(successor, time.time_ns() // 1000))
+        await self.runner.io(inflight.remove, sweep.report_id)
         if successor.unit:
-            return await self.units.begin(successor)
+            return await self.begin(successor)
         return self.runner.run(successor)
 
-    async def run(self, work: list[Awaitable[Report | None]]) -> None:
+    async def finish_unfinished(self, work: list[Awaitable[Report | None]]) -> None:
         """After the name is owned: the claimed sweeps, then the stopped units."""
         for report in await asyncio.gather(*work, return_exceptions=True):
             if isinstance(report, BaseException):
@@ -278,27 +266,27 @@ class Resume:
 
     async def _hooked(self, unit: str) -> bool:
         return matches(unit, self.runner.engine.config.watch_units) or any(
-            path.rsplit("/", 1)[-1] == DROPIN_FILE for path in await self.units.systemd.dropins(unit))
+            path.rsplit("/", 1)[-1] == DROPIN_FILE for path in await self.systemd.dropins(unit))
 
     async def recover_units(self) -> None:
-        if not self.units.systemd.available:
+        if not self.systemd.available:
             return
-        result = await self.units.inventory.fresh_scan()
-        self.units.records.observe(result.holders)
+        result = await self.inventory.fresh_scan()
+        self.records.observe(result.holders)
         compute = [h for h in result.holders
                    if h.kind == HolderKind.COMPUTE and not h.protected and not h.container]
-        units = {h.unit for h in compute if h.unit} | set(self.units.records.units())
+        units = {h.unit for h in compute if h.unit} | set(self.records.units())
         for unit in sorted(units):
             left = [h for h in compute if h.unit == unit]
-            escaped = adoption_candidates(unit, self.units.records.get(unit), result.holders)
+            escaped = adoption_candidates(unit, self.records.get(unit), result.holders)
             if not left and not escaped:
                 continue
-            state = await self.units.systemd.state(unit)
+            state = await self.systemd.state(unit)
             if state is None or not state.stopped or not await self._hooked(unit):
                 continue
             log.warning("%s stopped while gpuguardd was not running, and %d of its processes "
                         "still hold GPUs: sweeping it", unit, len(left) + len(escaped))
             reason = f"{RECOVERED_PREFIX}{unit}"
-            await self.units.sweep_unit(SweepRequest(
+            await self.sweep_unit(SweepRequest(
                 unit=unit, reason=f"{reason} state={state.active_state or 'unloaded'}",
                 requested_by=reason, requester_kind=RequesterKind.RECOVERED))

@@ -71,7 +71,7 @@ def test_a_sweep_reads_the_gpus_and_resolves_its_scope_once(tmp_path: Path,
 
     async def sweep(request: SweepRequest) -> Report:
         with ThreadPoolExecutor(1) as sweeps, ThreadPoolExecutor(1) as io:
-            runner = SweepRunner(engine, sweeps, io, None, events)  # type: ignore[arg-type]
+            runner = SweepRunner(engine, sweeps, io, None, events, None)  # type: ignore[arg-type]
             prepared: Any = await runner.io(engine.prepare, request)
             return await (runner.run(request, prepared) if prepared is not None
                           else runner.run(request))
