@@ -36,10 +36,7 @@ TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropp
 
 def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequence[int]) -> set[int]:
     """A sweep with no GPU list yet covers every GPU."""
-    covered: set[int] = set()
-    for gpus in scopes:
-        covered.update(gpus if gpus else all_indices)
-    return covered
+    return {index for gpus in scopes for index in (gpus or all_indices)}
 
 
 class GateService:

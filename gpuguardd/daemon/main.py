@@ -81,18 +81,8 @@ class Notifier:
             self._status = text
             self.send(f"STATUS={text}")
 
-    def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
-
-    def reloading(self) -> None:
-        # MONOTONIC_USEC lets Type=notify-reload (systemd 253+) match this to its SIGHUP.
-        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
-
     def reloaded(self) -> None:
         self.send("READY=1", f"STATUS={self._status}")
-
-    def stopping(self) -> None:
-        self.send("STOPPING=1", "STATUS=stopping")
 
     def extend_timeout(self, seconds: float) -> None:  # systemd 236+
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
@@ -182,19 +172,16 @@ class Daemon:
             log.error("lost the connection to %s%s; exiting", where, f" ({why})" if why else "")
             self._cancel_tasks()
             if service.runner.busy:
-                await self._abandon(service)
+                # Exit now: no one hears their end, and joining their threads would delay systemd's
+                # restart by a grace period. The next gpuguardd finishes them (units.py).
+                log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
+                            service.runner.active)
+                await loop.run_in_executor(self.io_executor, self.history.flush)
+                logging.shutdown()
+                os._exit(EXIT_FAILURE)
             return EXIT_FAILURE
         await self._shutdown(bus, service, disconnected)
         return EXIT_OK
-
-    async def _abandon(self, service: Service) -> None:
-        """Exit now, sweeps still running: no one hears their end, and joining them would delay
-        systemd's restart by a grace period. The next gpuguardd finishes them (units.py)."""
-        log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
-                    service.runner.active)
-        await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
-        logging.shutdown()
-        os._exit(EXIT_FAILURE)
 
     async def _own_name(self, bus: GuardBus) -> bool:
         try:
@@ -205,15 +192,14 @@ class Daemon:
             return False
         if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             return True
-        owner = await name_owner(bus, BUS_NAME)
         log.error("%s is already owned by %s: another gpuguardd is running; exiting", BUS_NAME,
-                  owner or "another connection")
+                  await name_owner(bus, BUS_NAME) or "another connection")
         return False
 
     async def _watchdog(self, interval: float) -> None:
         # Pinged from the event loop, so a blocked loop stops the pings and systemd notices.
         while True:
-            self.notifier.watchdog()
+            self.notifier.send("WATCHDOG=1")
             await asyncio.sleep(interval)
 
     def _sighup(self) -> None:
@@ -228,7 +214,8 @@ class Daemon:
         assert self._reload_lock is not None and self.service is not None
         async with self._reload_lock:
             loop = asyncio.get_running_loop()
-            self.notifier.reloading()
+            # MONOTONIC_USEC lets Type=notify-reload (systemd 253+) match this to its SIGHUP.
+            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
             try:
                 config = await loop.run_in_executor(self.io_executor, load_config, self.args.config)
             except ConfigError as exc:
@@ -263,7 +250,7 @@ class Daemon:
             left = deadline - time.monotonic()
             if left > 0:
                 self.notifier.extend_timeout(min(left, SHUTDOWN_STEP_SEC) + SHUTDOWN_EXIT_SEC)
-                self.notifier.watchdog()
+                self.notifier.send("WATCHDOG=1")
             if await runner.wait_idle(max(0.0, min(left, SHUTDOWN_STEP_SEC))):
                 return
             if left <= 0:
@@ -277,7 +264,7 @@ class Daemon:
     async def _shutdown(self, bus: GuardBus, service: Service,
                         disconnected: asyncio.Future[None]) -> None:
         log.info("stopping")
-        self.notifier.stopping()
+        self.notifier.send("STOPPING=1", "STATUS=stopping")
         self._cancel_tasks()
         await self._finish_sweeps(service.runner)
         # A report a full disk kept in memory gets a last chance (history.py retries it).
