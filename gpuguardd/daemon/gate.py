@@ -11,6 +11,7 @@ a process holding a device node that NVML does not list.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -153,8 +154,7 @@ class GateService:
         return {"free_since_usec": state.free_since_usec, "waiting_on": list(state.waiting_on)}
 
     def _targets(self, gpus: Sequence[int], mig: Sequence[str]) -> list[Target]:
-        summaries = self._last[0] if self._last else []
-        every = targets_of(summaries)
+        every = targets_of(self._last[0] if self._last else [])
         if not gpus and not mig:
             return every
         chosen = [t for t in every if t.mig_uuid and t.mig_uuid in mig]
@@ -197,10 +197,8 @@ class GateService:
                 if left <= 0:
                     return found
                 pause = left if short is None else min(left, short if asked_scan >= since else short - lead)
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), max(0.0, pause))
-                except asyncio.TimeoutError:
-                    pass
         finally:
             self.waiters -= 1
             self._listeners.remove(listener)

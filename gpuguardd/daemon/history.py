@@ -314,9 +314,7 @@ class History:
     def newest(self, count: int) -> list[Wire]:
         """Up to `count` reports as stored, newest first (0: all that are kept)."""
         with self._lock:
-            if count <= 0 or count >= len(self._entries):
-                return list(reversed(self._entries))
-            return list(itertools.islice(reversed(self._entries), count))
+            return list(itertools.islice(reversed(self._entries), count if count > 0 else None))
 
     def last(self) -> Report | None:
         """Typed once per newest entry: the status line asks at every change, and a report may

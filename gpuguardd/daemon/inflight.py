@@ -11,6 +11,7 @@ not exactly what this module writes is reported and removed, never acted on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -183,7 +184,5 @@ class InFlightSweeps:
 
     def _discard(self, name: str, why: str) -> None:
         log.warning("in-flight record %s/%s not used: %s", self.directory, name, why)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, name))
-        except OSError:
-            pass

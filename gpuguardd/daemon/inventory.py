@@ -14,6 +14,7 @@ A quick scan (REFRESH_MAX_SCAN_SEC) near expiry starts the next in the backgroun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -172,16 +173,12 @@ class Inventory:
         while True:
             try:
                 await self.poll()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # cancellation is no Exception: it ends the loop
                 log.error("GPU poll failed: %s: %s", type(exc).__name__, exc)
             # A start gate's waiter wakes the poll at once and shortens the interval.
             self._wake.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval())
-            except asyncio.TimeoutError:
-                pass
 
     def scan_age(self) -> float:
         return time.monotonic() - self._scanned_at

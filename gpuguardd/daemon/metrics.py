@@ -124,8 +124,7 @@ class Metrics:
             self._note_finished(report)
 
     def _note_finished(self, report: Report) -> None:
-        finished = report.started_usec / 1e6 + report.duration_ms / 1e3
-        self._last_sweep = max(self._last_sweep, finished)
+        self._last_sweep = max(self._last_sweep, report.started_usec / 1e6 + report.duration_ms / 1e3)
 
     def note_history(self, last: Report | None) -> None:
         """The newest report from before a restart: its time, not its counts (rate() expects zero)."""
