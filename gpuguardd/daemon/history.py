@@ -43,8 +43,7 @@ RETRY_MAX_SEC = 60.0
 
 
 def _read_line(handle: BinaryIO) -> bytes | None:
-    """The next line; None at the end of the file; b"" for a line over MAX_LINE (read in pieces,
-    never held)."""
+    """The next line; None at the end; b"" for a line over MAX_LINE (read in pieces, never held)."""
     piece = handle.readline(_PIECE)
     if not piece:
         return None
@@ -317,8 +316,7 @@ class History:
             return list(itertools.islice(reversed(self._entries), count if count > 0 else None))
 
     def last(self) -> Report | None:
-        """Typed once per newest entry: the status line asks at every change, and a report may
-        hold 40,000 targets."""
+        """Typed once per newest entry (the status line asks often; a report may hold 40,000 targets)."""
         with self._lock:
             if not self._entries:
                 return None

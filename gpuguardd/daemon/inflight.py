@@ -130,8 +130,7 @@ class InFlightSweeps:
                 return True
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
-                write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.",
-                             mode=0o600, fsync=False)
+                write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.", mode=0o600, fsync=False)
                 self._written[sweep.report_id] = len(sweep.terminated)
                 return True
             except OSError as exc:
@@ -171,8 +170,7 @@ class InFlightSweeps:
                 self._discard(name, "an unfinished write")
                 continue
             try:
-                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY),
-                               "rb") as handle:
+                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY), "rb") as handle:
                     text = handle.read(MAX_FILE + 1)
                 if len(text) > MAX_FILE:
                     raise ValueError("too large")

@@ -108,9 +108,8 @@ class SweepRunner:
                         request, flight.started_usec, list(flight.terminated)))
 
             try:
-                report = await loop.run_in_executor(
-                    self.sweep_executor, self.engine.sweep, request,
-                    LoopObserver(loop, self.events, flight, progress), prepared)
+                report = await loop.run_in_executor(self.sweep_executor, self.engine.sweep, request,
+                                                    LoopObserver(loop, self.events, flight, progress), prepared)
             except GpuGuardError:
                 if store is not None:  # it failed: nothing to finish
                     await self.io(store.remove, request.report_id)
@@ -118,9 +117,8 @@ class SweepRunner:
             recorded = flight not in self.in_flight
             if recorded:
                 # Recorded as interrupted at shutdown: that stays its one record; the rest is logged.
-                log.warning("sweep %s finished after it was recorded as interrupted: %s, "
-                            "%d process(es) ended, %d survived (the history keeps the "
-                            "interrupted record)", report.id[:8], report.outcome,
+                log.warning("sweep %s finished after it was recorded as interrupted: %s, %d process(es) ended, "
+                            "%d survived (the history keeps the interrupted record)", report.id[:8], report.outcome,
                             len(report.terminated), len(report.survived))
             else:
                 self.in_flight.remove(flight)

@@ -97,8 +97,7 @@ class WaitOutcome:
 
 def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder], nvml_error: str | None,
             gpus: Sequence[int], asked: bool, started: float, now: float) -> WaitOutcome:
-    """With no GPU list (`nvml_error`), judged on the holders of the GPUs asked for (`gpus`; none:
-    any GPU)."""
+    """With no GPU list (`nvml_error`): judged on the holders of `gpus` (none: any GPU)."""
     states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
     waiting_on: list[str] = []
     if not targets and nvml_error is not None:
