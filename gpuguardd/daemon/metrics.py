@@ -215,8 +215,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def write_textfile(directory: str, data: bytes) -> str:
+def write_textfile(directory: str, data: bytes) -> None:
     """Replaced atomically; the temporary name does not end in .prom, so the collector ignores it."""
-    target = os.path.join(directory, TEXTFILE_NAME)
-    write_atomic(target, [data], prefix=".gpuguard.tmp-")
-    return target
+    write_atomic(os.path.join(directory, TEXTFILE_NAME), [data], prefix=".gpuguard.tmp-")

@@ -235,7 +235,7 @@ class Service:
             return
         future = self.io_executor.submit(write_textfile, directory, self.metrics.render())
 
-        def done(f: Future[str]) -> None:
+        def done(f: Future[None]) -> None:
             if f.exception() is not None:
                 log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
         future.add_done_callback(done)

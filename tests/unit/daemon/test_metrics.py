@@ -202,8 +202,8 @@ def test_every_per_gpu_series_names_the_vendor() -> None:
 
 
 def test_textfile_is_replaced_atomically_and_readable_by_node_exporter(tmp_path: Path) -> None:
-    target = write_textfile(str(tmp_path), b"gpuguard_nvml_up 1\n")
-    assert target == str(tmp_path / TEXTFILE_NAME)
+    write_textfile(str(tmp_path), b"gpuguard_nvml_up 1\n")
+    target = str(tmp_path / TEXTFILE_NAME)
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
     old = os.stat(target).st_ino
     write_textfile(str(tmp_path), b"gpuguard_nvml_up 0\n")
