@@ -205,8 +205,7 @@ class History:
             log.error("sweep history %s is damaged (%s) and could not be set aside: %s; new "
                       "reports are kept in memory only", self.path, why, exc.strerror or exc)
             return False
-        log.error("sweep history %s is damaged (%s): moved to %s; readable reports are kept",
-                  self.path, why, target)
+        log.error("sweep history %s is damaged (%s): moved to %s; readable reports are kept", self.path, why, target)
         return True
 
     def append(self, record: Report) -> None:

@@ -45,8 +45,7 @@ NvmlKey = tuple[bool, tuple[tuple[str, tuple[int, ...], bool, bool], ...]]
 
 def _nvml_key(snapshot: NvmlSnapshot) -> NvmlKey:
     """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
-    return snapshot.available, tuple(
-        (g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
+    return snapshot.available, tuple((g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
 
 
 class Inventory:

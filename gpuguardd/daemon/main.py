@@ -230,8 +230,7 @@ class Daemon:
             self.engine.set_config(config)
             log_device_refusals(config)
             self.service.config_changed()
-            log.info("configuration reloaded from %s",
-                     ", ".join(config.sources) or "built-in defaults")
+            log.info("configuration reloaded from %s", ", ".join(config.sources) or "built-in defaults")
 
     def _cancel_tasks(self) -> None:
         for task in list(self._tasks):
@@ -243,8 +242,7 @@ class Daemon:
         if not runner.busy:
             return
         budget = runner.budget_sec()
-        log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)",
-                 runner.active, budget)
+        log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)", runner.active, budget)
         deadline = time.monotonic() + budget
         while runner.busy:
             left = deadline - time.monotonic()
@@ -261,8 +259,7 @@ class Daemon:
         self.notifier.extend_timeout(SHUTDOWN_EXIT_SEC)
         await runner.record_interrupted()
 
-    async def _shutdown(self, bus: GuardBus, service: Service,
-                        disconnected: asyncio.Future[None]) -> None:
+    async def _shutdown(self, bus: GuardBus, service: Service, disconnected: asyncio.Future[None]) -> None:
         log.info("stopping")
         self.notifier.send("STOPPING=1", "STATUS=stopping")
         self._cancel_tasks()

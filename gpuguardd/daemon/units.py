@@ -260,8 +260,7 @@ class UnitSweeps:
             if isinstance(report, BaseException):
                 log.error("a sweep finishing the last gpuguardd's failed: %s", report)
             elif report is not None:
-                log.info("sweep %s finished sweep %s: %s", report.id[:8], report.resumes[:8] or "?",
-                         report.outcome)
+                log.info("sweep %s finished sweep %s: %s", report.id[:8], report.resumes[:8] or "?", report.outcome)
         await self.recover_units()
 
     async def _hooked(self, unit: str) -> bool:
