@@ -4,7 +4,7 @@ with --reset-leaked, the reset of GPUs that only leaked memory keeps from the ne
 
 If gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the request, safe to repeat,
 is sent again once it is back, so the stop hook never leaves the GPUs held: the restarted daemon
-finishes its predecessor's sweep (daemon/resume.py) and the second call joins it. After RETRY_SEC,
+finishes its predecessor's sweep (daemon/units.py) and the second call joins it. After RETRY_SEC,
 root sweeps locally. The words also go to the journal, which an admin's terminal does not reach.
 """
 

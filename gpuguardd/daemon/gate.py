@@ -1,18 +1,17 @@
 """The start gate as the daemon serves it: FreeSinceUsec/WaitingOn and Manager.Wait.
 
-engine/gate.py's rule judges every inventory observation, once per rule in use: the configured
-one (the Gpu objects') and each one a Wait caller asked for, kept while used. Waiters sleep on
-the next observation that changes a verdict on their targets, never on timers of their own, so
-twenty waiters cost what one does. NVML is polled fast only while a waited-for target is held
-by no process (memory settling decides); a live compute holder is watched through a pidfd.
-
-A "free" answer is confirmed by a holder scan started within the steady time: between scans
-only NVML is polled, which misses a process holding a device node that NVML does not list.
+Every inventory observation is judged once per rule in use (the configured one and each one a
+Wait caller asked for). Waiters sleep on the next observation that changes a verdict on their
+targets, never on timers, so twenty cost what one does. NVML is polled fast only while a
+waited-for target is held by no process; a live compute holder is watched through a pidfd.
+A "free" answer is confirmed by a holder scan started within the steady time: NVML polls miss
+a process holding a device node that NVML does not list.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -30,19 +29,15 @@ FAST_POLL_SEC = 0.025  # NVML poll interval while a waiter's target is held by n
 MAX_WAIT_SEC = 20.0  # one Wait call: under D-Bus's default 25 s call timeout
 SCAN_LEAD_FACTOR = 2.0  # the confirming scan's lead, in scan durations, plus the minimum
 SCAN_LEAD_MIN_SEC = 0.01
-# A waiter finding the last holder scan older asks for one, so what it is shown waiting on is
-# current. Clients call again every 20 s or so: not shorter.
+# A waiter asks for a holder scan older than this, so WaitingOn is current (clients call every ~20 s).
 RESCAN_FOR_WAITER_SEC = 30.0
 MAX_TRACKERS = 16  # rules kept at once: each costs an evaluation per poll
 TRACKER_IDLE_SEC = 600.0  # a rule no one has waited with for this long is dropped
 
 
 def sweeping_indices(scopes: Sequence[Sequence[int] | None], all_indices: Sequence[int]) -> set[int]:
-    """The GPUs running sweeps cover: one with no GPU list yet covers every GPU."""
-    covered: set[int] = set()
-    for gpus in scopes:
-        covered.update(gpus if gpus else all_indices)
-    return covered
+    """A sweep with no GPU list yet covers every GPU."""
+    return {index for gpus in scopes for index in (gpus or all_indices)}
 
 
 class GateService:
@@ -62,10 +57,7 @@ class GateService:
         config = self.inventory.engine.config
         return GateRule(config.gate_free_below_mib * MiB, config.gate_tolerance_mib * MiB)
 
-    def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary],
-                holders: list[Holder]) -> None:
-        """Every rule in use judges an inventory observation; waiters whose targets' verdict
-        changed wake up."""
+    def observe(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary], holders: list[Holder]) -> None:
         if self.waiters:
             holders = self._live(holders)
         self._last = (summaries, holders, None if snapshot.gpus_known else snapshot.error or "not loaded")
@@ -83,7 +75,6 @@ class GateService:
         self._watch()
 
     def _watch(self) -> None:
-        """Whether to poll fast, and a pidfd on each live compute holder of a waited-for target."""
         held: set[int] = set()
         fast = False
         for rule, keys, _ in self._listeners:
@@ -163,8 +154,7 @@ class GateService:
         return {"free_since_usec": state.free_since_usec, "waiting_on": list(state.waiting_on)}
 
     def _targets(self, gpus: Sequence[int], mig: Sequence[str]) -> list[Target]:
-        summaries = self._last[0] if self._last else []
-        every = targets_of(summaries)
+        every = targets_of(self._last[0] if self._last else [])
         if not gpus and not mig:
             return every
         chosen = [t for t in every if t.mig_uuid and t.mig_uuid in mig]
@@ -174,7 +164,6 @@ class GateService:
 
     async def wait(self, gpus: Sequence[int], mig: Sequence[str], rule: GateRule,
                    stable_sec: float, timeout_sec: float) -> WaitOutcome:
-        """Until every target is free and stable for `stable_sec`, or `timeout_sec`."""
         started = time.monotonic()
         deadline = started + min(timeout_sec, MAX_WAIT_SEC)
         self.waiters += 1
@@ -194,8 +183,7 @@ class GateService:
                 found = self._outcome(self._tracker(rule), gpus, mig, started)
                 now = found.now
                 short = found.short_of(stable_sec)
-                # Confirmed by a holder scan asked for within the current steady time, ahead by
-                # its own duration so that it ends when the steady time does.
+                # A confirming scan within the steady time, led by its duration to end with it.
                 since = max((s.free_since or now for s in found.gpus), default=started)
                 lead = min(stable_sec, SCAN_LEAD_FACTOR * self.inventory.scan_cost + SCAN_LEAD_MIN_SEC)
                 if short is not None and asked_scan < since and short <= lead:
@@ -209,17 +197,14 @@ class GateService:
                 if left <= 0:
                     return found
                 pause = left if short is None else min(left, short if asked_scan >= since else short - lead)
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), max(0.0, pause))
-                except asyncio.TimeoutError:
-                    pass
         finally:
             self.waiters -= 1
             self._listeners.remove(listener)
             self._watch()
 
-    def _outcome(self, tracker: GateTracker, gpus: Sequence[int], mig: Sequence[str],
-                 started: float) -> WaitOutcome:
+    def _outcome(self, tracker: GateTracker, gpus: Sequence[int], mig: Sequence[str], started: float) -> WaitOutcome:
         targets = self._targets(gpus, mig)
         if self._last is None:
             found = outcome(tracker, [], [], None, gpus, False, started, time.monotonic())

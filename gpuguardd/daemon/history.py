@@ -1,16 +1,12 @@
 """Sweep reports kept across restarts: one JSON object a line in StateDirectory/history.jsonl.
 
-Crash safety comes from the order of writes: a report is appended with one write() and
-fsync()ed before the sweep's D-Bus reply is sent; a torn last line (a daemon killed mid-write)
-is dropped at load and the file rewritten; whole-file rewrites (compaction once a tenth over
-`max_entries`, repair) go through a temporary file renamed over the old one. Loading streams
-the file, holding only the newest `max_entries`. Text that is not valid UTF-8 is repaired as
-safetext would have made it. A file with unreadable lines is first renamed aside
-(history.jsonl.corrupt-<timestamp>): nothing is thrown away unseen.
+Crash safety is the order of writes: a report is appended in one write() and fsync()ed before
+the sweep's D-Bus reply; a torn last line is dropped at load; whole-file rewrites (compaction a
+tenth over `max_entries`, repair) go through a temporary renamed over the file. A file with
+unreadable lines is first renamed aside (history.jsonl.corrupt-<timestamp>), never lost unseen.
 
-A report that cannot be written (full disk, I/O error) is served from memory and written with
-the next report or by a background retry. A failed append is cut back off the file
-(ftruncate), so a nearly full disk needs room for the missing lines, not a second copy.
+A report that cannot be written (full disk, I/O error) is served from memory and written later;
+a failed append is cut back off (ftruncate), so a full disk needs room only for missing lines.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ FILE_MODE = 0o600
 # A longer line is no report gpuguard wrote: skipped as unreadable, never held in memory.
 MAX_LINE = 64 * 1024 * 1024
 _PIECE = 1024 * 1024
-# Only a line with a non-ASCII byte or a JSON escape of a surrogate or NUL can hold text that
-# is not valid UTF-8; the rest (nearly all: written with ensure_ascii) skip the repair walk.
+# Only non-ASCII bytes or JSON escapes of surrogates or NUL can be bad UTF-8: others skip repair.
 _MAY_NEED_REPAIR = re.compile(rb"[\x80-\xff]|\\u[dD][89a-fA-F]|\\u0000")
 # After a failed write: the first retry, and the longest wait between retries (doubling).
 RETRY_SEC = 2.0
@@ -48,8 +43,7 @@ RETRY_MAX_SEC = 60.0
 
 
 def _read_line(handle: BinaryIO) -> bytes | None:
-    """The next line (with its newline, if it has one); None at the end of the file; b""
-    for a line longer than MAX_LINE, which is read to its end in pieces and dropped."""
+    """The next line; None at the end; b"" for a line over MAX_LINE (read in pieces, never held)."""
     piece = handle.readline(_PIECE)
     if not piece:
         return None
@@ -83,8 +77,7 @@ class _Scan:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    """All of `data`, or the OSError that stopped it: a short write is followed by another,
-    which fails with the reason (ENOSPC, EDQUOT, EIO)."""
+    """A short write is followed by another, which fails with the reason (ENOSPC, EDQUOT, EIO)."""
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
@@ -120,46 +113,43 @@ class History:
 
     def load(self) -> None:
         with self._lock:
-            self._load_locked()
-
-    def _load_locked(self) -> None:
-        scan = _Scan(collections.deque(maxlen=self.max_entries))
-        try:
-            os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as handle:
-                scan = self._scan(handle)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                log.error("cannot read the sweep history %s: %s; history is kept in memory only "
-                          "until the next restart", self.path, exc.strerror or exc)
-                self.persistent = False
-                return
-            # Never followed: the next write replaces the link itself (rename), not its target.
-            log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
-                      "new file at the next report", self.path)
-            self._file_clean = False
-        if scan.garbled:
-            count = scan.garbled_count
-            shown = ", ".join(map(str, scan.garbled)) + (" ..." if count > 10 else "")
-            log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)", self.path, count, shown)
-            why = f"no readable report in it ({count} unreadable line(s))" if not scan.good \
-                else f"{count} unreadable line(s)"
-            if not self._set_aside(why):
-                # Rewriting would destroy what could not be moved away: leave the file alone.
-                self.persistent = False
-        if scan.torn:
-            log.warning("sweep history %s: dropped an incomplete last record (the daemon stopped "
-                        "while writing it)", self.path)
-        if scan.repaired:
-            log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
-                        "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
-        self._entries = scan.entries
-        self._lines_in_file = scan.good
-        if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
-                                or scan.good > self.max_entries):
-            self._rewrite_locked()
+            scan = _Scan(collections.deque(maxlen=self.max_entries))
+            try:
+                os.makedirs(self.directory, mode=0o755, exist_ok=True)
+                with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as handle:
+                    scan = self._scan(handle)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    log.error("cannot read the sweep history %s: %s; history is kept in memory only "
+                              "until the next restart", self.path, exc.strerror or exc)
+                    self.persistent = False
+                    return
+                # Never followed: the next write replaces the link itself (rename), not its target.
+                log.error("sweep history %s is a symbolic link: not followed, and replaced by a "
+                          "new file at the next report", self.path)
+                self._file_clean = False
+            if scan.garbled:
+                count = scan.garbled_count
+                shown = ", ".join(map(str, scan.garbled)) + (" ..." if count > 10 else "")
+                log.warning("sweep history %s: skipped %d unreadable line(s) (line %s)", self.path, count, shown)
+                why = f"no readable report in it ({count} unreadable line(s))" if not scan.good \
+                    else f"{count} unreadable line(s)"
+                if not self._set_aside(why):
+                    # Rewriting would destroy what could not be moved away: leave the file alone.
+                    self.persistent = False
+            if scan.torn:
+                log.warning("sweep history %s: dropped an incomplete last record (the daemon stopped "
+                            "while writing it)", self.path)
+            if scan.repaired:
+                log.warning("sweep history %s: %d report(s) held text that is not valid UTF-8; "
+                            "repaired (bad bytes written as \\xNN escapes)", self.path, scan.repaired)
+            self._entries = scan.entries
+            self._lines_in_file = scan.good
+            if self.persistent and (scan.garbled or scan.torn or scan.unterminated or scan.repaired
+                                    or scan.good > self.max_entries):
+                self._rewrite_locked()
 
     def _scan(self, handle: BinaryIO) -> _Scan:
         scan = _Scan(collections.deque(maxlen=self.max_entries))
@@ -172,8 +162,7 @@ class History:
             if not line:  # no report is this big: skipped without being held
                 scan.garble(number)
                 continue
-            # The piece after the last newline is a torn record, unless it is complete.
-            last = not line.endswith(b"\n")
+            last = not line.endswith(b"\n")  # torn, unless complete
             if not line.strip():
                 continue
             entry = self._decode(line)
@@ -216,12 +205,11 @@ class History:
             log.error("sweep history %s is damaged (%s) and could not be set aside: %s; new "
                       "reports are kept in memory only", self.path, why, exc.strerror or exc)
             return False
-        log.error("sweep history %s is damaged (%s): moved to %s; readable reports are kept",
-                  self.path, why, target)
+        log.error("sweep history %s is damaged (%s): moved to %s; readable reports are kept", self.path, why, target)
         return True
 
     def append(self, record: Report) -> None:
-        """Store one report durably (blocks on fsync: call from an executor)."""
+        """Blocks on fsync: call from an executor."""
         report, _ = safetext.repair(record.to_dict())  # what is read back must be sendable as it is
         with self._lock:
             self._entries.append(report)
@@ -264,7 +252,7 @@ class History:
         return True
 
     def _append_locked(self, count: int) -> bool:
-        """The newest `count` entries appended in one write; a failure cuts them back off."""
+        """One write; a failure cuts it back off."""
         try:
             fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         except OSError as exc:
@@ -324,13 +312,10 @@ class History:
     def newest(self, count: int) -> list[Wire]:
         """Up to `count` reports as stored, newest first (0: all that are kept)."""
         with self._lock:
-            if count <= 0 or count >= len(self._entries):
-                return list(reversed(self._entries))
-            return list(itertools.islice(reversed(self._entries), count))
+            return list(itertools.islice(reversed(self._entries), count if count > 0 else None))
 
     def last(self) -> Report | None:
-        """The newest report, read as leniently as the file may need (codec.py). The status
-        line asks at every change, and a report may hold 40,000 targets: it is read once."""
+        """Typed once per newest entry (the status line asks often; a report may hold 40,000 targets)."""
         with self._lock:
             if not self._entries:
                 return None

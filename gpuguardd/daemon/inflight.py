@@ -1,18 +1,17 @@
 """Sweeps in flight, on disk: what a gpuguardd that dies mid-sweep was doing, for the next one.
 
-A crash or a kill leaves the stop hook with a bus error and the unit's leftovers with their
-GPU memory. So before a real sweep signals anything, its request is written here
-(`<RuntimeDirectory>/sweeps/<report id>.json`, replaced atomically), with each process ended
-added as it goes, and removed once the report is in the history; daemon/resume.py finishes
-what the next daemon finds. The runtime directory outlives restarts but not a reboot, after
-which nothing is left to finish; hence no fsync (the kernel keeps what a crashed daemon
-wrote). Files are read strictly: one that is not exactly what this module writes is reported
-and removed, never acted on.
+Before a real sweep signals anything its request is written to
+`<RuntimeDirectory>/sweeps/<report id>.json` (replaced atomically), each process ended added as
+it goes, and removed once the report is in the history; daemon/units.py finishes what the next
+daemon finds. No fsync: the runtime directory outlives a crash (the kernel keeps the writes)
+but not a reboot, after which nothing is left to finish. Files are read strictly: one that is
+not exactly what this module writes is reported and removed, never acted on.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -80,13 +79,11 @@ def _encode(sweep: InFlightSweep) -> bytes:
 
 
 def _decode(text: bytes, name: str) -> InFlightSweep:
-    """The record `_encode` wrote, read strictly."""
     data = json.loads(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not an in-flight record of this version")
     request = SweepRequest.from_dict(data)
-    # A record written before the codes (a daemon upgraded mid-sweep) has no requester_kind:
-    # the words that daemon wrote say it, by the rule it kept them by.
+    # A record from before requester_kind (upgraded mid-sweep): its words say the kind.
     legacy = "requester_kind" not in data
     unread = request.unread - ({"requester_kind"} if legacy else set())
     if unread:
@@ -116,8 +113,7 @@ class InFlightSweeps:
 
     def __init__(self, runtime_directory: str) -> None:
         self.directory = os.path.join(runtime_directory, DIRECTORY)
-        # Writes come from several I/O threads: the lock keeps a stale update from replacing
-        # a newer one, or from bringing back the record of a sweep that is over.
+        # Writes come from several I/O threads: never a stale update over a newer one or an ended sweep.
         self._lock = threading.Lock()
         # Per sweep, the processes its record on disk lists; _OVER once the sweep is over.
         self._written: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -134,8 +130,7 @@ class InFlightSweeps:
                 return True
             try:
                 os.makedirs(self.directory, mode=0o700, exist_ok=True)
-                write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.",
-                             mode=0o600, fsync=False)
+                write_atomic(self._path(sweep.report_id), [_encode(sweep)], prefix=".sweep.", mode=0o600, fsync=False)
                 self._written[sweep.report_id] = len(sweep.terminated)
                 return True
             except OSError as exc:
@@ -162,7 +157,6 @@ class InFlightSweeps:
                   "will sweep its scope again", report_id[:8], error.strerror or error)
 
     def load(self) -> list[InFlightSweep]:
-        """Every readable record, oldest first."""
         try:
             names = sorted(os.listdir(self.directory))
         except FileNotFoundError:
@@ -176,8 +170,7 @@ class InFlightSweeps:
                 self._discard(name, "an unfinished write")
                 continue
             try:
-                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY),
-                               "rb") as handle:
+                with os.fdopen(open_nofollow(os.path.join(self.directory, name), os.O_RDONLY), "rb") as handle:
                     text = handle.read(MAX_FILE + 1)
                 if len(text) > MAX_FILE:
                     raise ValueError("too large")
@@ -189,7 +182,5 @@ class InFlightSweeps:
 
     def _discard(self, name: str, why: str) -> None:
         log.warning("in-flight record %s/%s not used: %s", self.directory, name, why)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.directory, name))
-        except OSError:
-            pass

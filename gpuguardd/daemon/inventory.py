@@ -1,32 +1,33 @@
 """The daemon's live view of GPUs and holders, kept current at almost no idle cost.
 
-Every PollIntervalSec only NVML is read (well under a millisecond a GPU). The full holder scan
-walks every process's fds and maps (over a second with thousands of processes), in a thread,
-so it runs only when it can find something new: when asked; when NVML's process lists or GPUs
-changed, at most every CHURN_FACTOR scan durations (~2 % of a CPU under constant churn); and,
-for holders NVML cannot see, every RESCAN_MIN_SEC or RESCAN_FACTOR scan durations (~0.2 % of a
-CPU idle). Concurrent requests share one scan that started after they asked.
+Every PollIntervalSec only NVML is read (under a millisecond a GPU). The full holder scan walks
+every process's fds and maps (over a second with thousands of processes), so it runs only when
+it can find something new: when asked; when NVML's processes or GPUs changed, at most every
+CHURN_FACTOR scan durations (~2 % of a CPU under churn); else every RESCAN_MIN_SEC or
+RESCAN_FACTOR scan durations (~0.2 % idle). Concurrent requests share one scan started after.
 
-ListHolders is served the last scan when it is fresh: started under LIST_MAX_AGE_SEC before
-the call, with no event that can change the holders since (a sweep, a reload, an NVML
-process-list change, a watched unit starting: invalidate() bumps a generation). Else the call
-waits for a scan that is. Within REFRESH_LEAD_FACTOR scan durations of expiry, a quick scan
-(REFRESH_MAX_SCAN_SEC) starts the next one in the background, so dashboards need not wait.
+ListHolders gets the last scan if it started under LIST_MAX_AGE_SEC before the call with no
+holder-changing event since (invalidate() bumps a generation), else waits for one that did.
+A quick scan (REFRESH_MAX_SCAN_SEC) near expiry starts the next in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.engine.engine import Engine
 from gpuguardd.engine.gpustate import gpu_summaries
 from gpuguardd.records.enums import GpuState
-from gpuguardd.records.models import GpuSummary, Holder, NvmlSnapshot, ScanResult
+from gpuguardd.records.models import Holder, NvmlSnapshot, ScanResult
+
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
 
 log = logging.getLogger("gpuguard.live")
 
@@ -42,20 +43,13 @@ CHURN_FACTOR = 50.0
 NvmlKey = tuple[bool, tuple[tuple[str, tuple[int, ...], bool, bool], ...]]
 
 
-class InventoryListener(Protocol):
-    def inventory_changed(self, snapshot: NvmlSnapshot, summaries: list[GpuSummary]) -> None: ...
-
-    def leak_suspected(self, index: int, uuid: str, used: int) -> None: ...
-
-
 def _nvml_key(snapshot: NvmlSnapshot) -> NvmlKey:
     """What a holder scan could learn from NVML: which GPUs, and which processes on them."""
-    return snapshot.available, tuple(
-        (g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
+    return snapshot.available, tuple((g.uuid, tuple(sorted(g.processes)), g.lost, g.suspended) for g in snapshot.gpus)
 
 
 class Inventory:
-    def __init__(self, engine: Engine, executor: Executor, listener: InventoryListener) -> None:
+    def __init__(self, engine: Engine, executor: Executor, listener: Service) -> None:
         self.engine = engine
         self.executor = executor
         self.listener = listener
@@ -67,7 +61,6 @@ class Inventory:
         self.scan_cost = 0.0  # seconds the last full scan took
         self._running: asyncio.Future[ScanResult] | None = None
         self._running_mark = (0.0, 0)  # (monotonic start, generation) of the running scan
-        # The last successful scan, with the same mark: what Inventory.recent may serve.
         self.last_result: ScanResult | None = None
         self._result_mark = (0.0, -1)
         self._generation = 0  # bumped by invalidate(): older scans are never served after it
@@ -78,7 +71,7 @@ class Inventory:
         self._wake = asyncio.Event()
 
     async def scan(self) -> ScanResult:
-        """A full scan that started after this call (shared with other callers waiting)."""
+        """A full scan that started after this call (shared)."""
         loop = asyncio.get_running_loop()
         if self._running is None:
             return await asyncio.shield(self._start(loop))
@@ -88,7 +81,6 @@ class Inventory:
         return await asyncio.shield(self._queued)
 
     def invalidate(self) -> None:
-        """Scans that started before now are stale."""
         self._generation += 1
 
     def _fresh(self, mark: tuple[float, int], asked: float) -> bool:
@@ -96,7 +88,6 @@ class Inventory:
         return generation == self._generation and asked - started < LIST_MAX_AGE_SEC
 
     async def recent(self) -> ScanResult:
-        """The last scan, or the running one, if fresh for a call arriving now; else a new one."""
         asked = clock()
         if self.last_result is not None and self._fresh(self._result_mark, asked):
             self._refresh_ahead(asked)
@@ -106,8 +97,6 @@ class Inventory:
         return await self.scan()
 
     def _refresh_ahead(self, asked: float) -> None:
-        """Start the next scan now if scans are quick, the served result expires within the
-        lead and no scan is running or queued."""
         if self.scan_cost > REFRESH_MAX_SCAN_SEC or self._running is not None or self._queued is not None:
             return
         expires = self._result_mark[0] + LIST_MAX_AGE_SEC
@@ -153,7 +142,6 @@ class Inventory:
             follow.add_done_callback(lambda done: _chain(done, queued))
 
     def request_rescan(self) -> None:
-        """Rescan soon, without waiting: the last scan is stale."""
         self.invalidate()
         if self._rescan_task is None or self._rescan_task.done():
             self._rescan_task = asyncio.ensure_future(self._quiet_scan())
@@ -184,16 +172,12 @@ class Inventory:
         while True:
             try:
                 await self.poll()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # cancellation is no Exception: it ends the loop
                 log.error("GPU poll failed: %s: %s", type(exc).__name__, exc)
-            # A start gate's waiter (gate.py) wakes the poll at once and shortens the interval.
+            # A start gate's waiter wakes the poll at once and shortens the interval.
             self._wake.clear()
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval())
-            except asyncio.TimeoutError:
-                pass
 
     def scan_age(self) -> float:
         return time.monotonic() - self._scanned_at
@@ -202,8 +186,7 @@ class Inventory:
         self._wake.set()
 
     def republish(self) -> None:
-        """The last snapshot and holders again, for a change on the daemon's side (a sweep
-        began or ended, which the start gate judges)."""
+        """Again, for a change the start gate judges (a sweep began or ended)."""
         self._publish(self.snapshot)
 
     def _publish_scan(self, result: ScanResult) -> None:
@@ -218,8 +201,7 @@ class Inventory:
         released_below = self.engine.config.released_below_mib * 1024 * 1024
         summaries = gpu_summaries(ScanResult(holders=self.holders, nvml=snapshot), released_below)
         self.listener.inventory_changed(snapshot, summaries)
-        # A MIG instance leaks on its own: its GPU's aggregate memory hides it while another
-        # instance is busy, so each instance is announced by its MIG UUID.
+        # Each MIG instance is announced by its UUID: its GPU's total hides it while another is busy.
         leaked: dict[tuple[int, str], tuple[str, int]] = {}
         for summary in summaries:
             if summary.state == GpuState.LEAKED:

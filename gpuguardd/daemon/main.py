@@ -1,10 +1,8 @@
-"""gpuguardd: the system service. Owns org.gpuguard.GpuGuard1 and serves the engine on D-Bus.
+"""gpuguardd: the system service, serving the engine on D-Bus as org.gpuguard.GpuGuard1.
 
-Lifecycle: read the configuration, load the history, connect, export the objects (GPUs
-included), then request the name, then tell systemd READY=1 (sd_notify(3)): a client that
-sees the name sees complete objects. SIGHUP re-reads the configuration (a bad file keeps the last good
-one), SIGTERM/SIGINT wait for running sweeps and exit 0. Exit status 1 means the bus or the
-name could not be had, 78 (EX_CONFIG) that the configuration is unusable at start.
+The objects (GPUs included) are exported before the name is requested and READY=1 sent, so a
+client that sees the name sees complete objects. SIGHUP reloads (a bad file keeps the last good
+one); SIGTERM/SIGINT wait for running sweeps and exit 0. Exit 1: no bus or name; 78: bad config.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ log = logging.getLogger("gpuguard.daemon")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 78
-# At shutdown: how often systemd's stop timeout is pushed on while sweeps finish, and the time
-# asked for beyond each step (recording, releasing the name, exiting).
+# At shutdown: how often the stop timeout is extended while sweeps finish, and the time for the exit.
 SHUTDOWN_STEP_SEC = 5.0
 SHUTDOWN_EXIT_SEC = 10.0
 # How long calls still running at the stop get to send their "stopping" answer.
@@ -67,8 +64,7 @@ class Notifier:
         self._notifier = sdnotify.SystemdNotifier()
         sock = getattr(self._notifier, "socket", None)
         if sock is not None:
-            # A send blocks the event loop while systemd's queue is full: drop the update
-            # instead (sdnotify swallows the EAGAIN); the next STATUS= supersedes it anyway.
+            # Never block the loop on a full systemd queue: sdnotify drops the update (EAGAIN).
             sock.setblocking(False)
         self._status = ""
 
@@ -85,21 +81,10 @@ class Notifier:
             self._status = text
             self.send(f"STATUS={text}")
 
-    def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
-
-    def reloading(self) -> None:
-        # MONOTONIC_USEC lets Type=notify-reload (systemd 253+) match this to its SIGHUP.
-        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
-
     def reloaded(self) -> None:
         self.send("READY=1", f"STATUS={self._status}")
 
-    def stopping(self) -> None:
-        self.send("STOPPING=1", "STATUS=stopping")
-
-    def extend_timeout(self, seconds: float) -> None:
-        """`seconds` more before systemd's stop timeout fires (systemd 236+)."""
+    def extend_timeout(self, seconds: float) -> None:  # systemd 236+
         self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
 
 
@@ -117,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--bus-address", metavar="ADDRESS",
                        help="connect to this D-Bus address instead of the system bus")
-    where.add_argument("--session", action="store_true",
-                       help="use the session bus (development)")
+    where.add_argument("--session", action="store_true", help="use the session bus (development)")
     parser.add_argument("--debug", action="store_true", help="log debug messages")
     return parser
 
@@ -157,10 +141,8 @@ class Daemon:
             log.warning("%s", warning)
         try:
             # dbus-fast before 5.0 connects the socket in the constructor, later ones in connect().
-            if self.args.bus_address:
-                bus = GuardBus(bus_address=self.args.bus_address)
-            else:
-                bus = GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
+            bus = GuardBus(bus_address=self.args.bus_address) if self.args.bus_address else \
+                GuardBus(bus_type=BusType.SESSION if self.args.session else BusType.SYSTEM)
             await bus.connect()
         except Exception as exc:  # OSError, AuthError, InvalidAddressError...
             log.error("cannot connect to %s: %s", where, exc)
@@ -178,7 +160,7 @@ class Daemon:
         self.notifier.ready(service.status_line())
         log.info("gpuguardd %s ready on %s: %s", __version__, where, service.status_line())
         self._spawn(service.inventory.run(service.poll_interval))
-        self._spawn(service.resume.run(service.resume_work))
+        self._spawn(service.units.finish_unfinished(service.resume_work))
         if interval := watchdog_interval():
             self._spawn(self._watchdog(interval))
         disconnected = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
@@ -190,20 +172,16 @@ class Daemon:
             log.error("lost the connection to %s%s; exiting", where, f" ({why})" if why else "")
             self._cancel_tasks()
             if service.runner.busy:
-                await self._abandon(service)
+                # Exit now: no one hears their end, and joining their threads would delay systemd's
+                # restart by a grace period. The next gpuguardd finishes them (units.py).
+                log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
+                            service.runner.active)
+                await loop.run_in_executor(self.io_executor, self.history.flush)
+                logging.shutdown()
+                os._exit(EXIT_FAILURE)
             return EXIT_FAILURE
         await self._shutdown(bus, service, disconnected)
         return EXIT_OK
-
-    async def _abandon(self, service: Service) -> None:
-        """Exit now, sweeps still running: with no bus no one hears their end, and joining
-        their threads would delay systemd's restart by a grace period. The next gpuguardd
-        finishes them (resume.py)."""
-        log.warning("%d sweep(s) still running: left to the next gpuguardd, which finishes them",
-                    service.runner.active)
-        await asyncio.get_running_loop().run_in_executor(self.io_executor, self.history.flush)
-        logging.shutdown()
-        os._exit(EXIT_FAILURE)
 
     async def _own_name(self, bus: GuardBus) -> bool:
         try:
@@ -214,15 +192,14 @@ class Daemon:
             return False
         if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             return True
-        owner = await name_owner(bus, BUS_NAME)
         log.error("%s is already owned by %s: another gpuguardd is running; exiting", BUS_NAME,
-                  owner or "another connection")
+                  await name_owner(bus, BUS_NAME) or "another connection")
         return False
 
     async def _watchdog(self, interval: float) -> None:
         # Pinged from the event loop, so a blocked loop stops the pings and systemd notices.
         while True:
-            self.notifier.watchdog()
+            self.notifier.send("WATCHDOG=1")
             await asyncio.sleep(interval)
 
     def _sighup(self) -> None:
@@ -237,7 +214,8 @@ class Daemon:
         assert self._reload_lock is not None and self.service is not None
         async with self._reload_lock:
             loop = asyncio.get_running_loop()
-            self.notifier.reloading()
+            # MONOTONIC_USEC lets Type=notify-reload (systemd 253+) match this to its SIGHUP.
+            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
             try:
                 config = await loop.run_in_executor(self.io_executor, load_config, self.args.config)
             except ConfigError as exc:
@@ -252,28 +230,25 @@ class Daemon:
             self.engine.config = config
             log_device_refusals(config)
             self.service.config_changed()
-            log.info("configuration reloaded from %s",
-                     ", ".join(config.sources) or "built-in defaults")
+            log.info("configuration reloaded from %s", ", ".join(config.sources) or "built-in defaults")
 
     def _cancel_tasks(self) -> None:
         for task in list(self._tasks):
             task.cancel()
 
     async def _finish_sweeps(self, runner: SweepRunner) -> None:
-        """Let running sweeps finish for as long as their settings allow, keeping systemd's stop
-        timeout ahead of the wait; record whatever is still running then."""
+        """Let running sweeps finish as long as their settings allow, keeping systemd's stop timeout
+        ahead; record whatever is still running then."""
         if not runner.busy:
             return
         budget = runner.budget_sec()
-        log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)",
-                 runner.active, budget)
+        log.info("waiting for %d running sweep(s) to finish (their settings allow %.0f s)", runner.active, budget)
         deadline = time.monotonic() + budget
         while runner.busy:
             left = deadline - time.monotonic()
             if left > 0:
-                # The time still needed plus the exit itself; renewed every step.
                 self.notifier.extend_timeout(min(left, SHUTDOWN_STEP_SEC) + SHUTDOWN_EXIT_SEC)
-                self.notifier.watchdog()
+                self.notifier.send("WATCHDOG=1")
             if await runner.wait_idle(max(0.0, min(left, SHUTDOWN_STEP_SEC))):
                 return
             if left <= 0:
@@ -284,17 +259,15 @@ class Daemon:
         self.notifier.extend_timeout(SHUTDOWN_EXIT_SEC)
         await runner.record_interrupted()
 
-    async def _shutdown(self, bus: GuardBus, service: Service,
-                        disconnected: asyncio.Future[None]) -> None:
+    async def _shutdown(self, bus: GuardBus, service: Service, disconnected: asyncio.Future[None]) -> None:
         log.info("stopping")
-        self.notifier.stopping()
+        self.notifier.send("STOPPING=1", "STATUS=stopping")
         self._cancel_tasks()
         await self._finish_sweeps(service.runner)
         # A report a full disk kept in memory gets a last chance (history.py retries it).
         loop = asyncio.get_running_loop()
         if not await loop.run_in_executor(self.io_executor, self.history.flush):
-            log.error("the sweep history could not be written: reports kept in memory only "
-                      "are lost at this stop")
+            log.error("the sweep history could not be written: reports kept in memory only are lost at this stop")
         try:
             await asyncio.wait_for(bus.release_name(BUS_NAME), 5)
         except (DBusError, asyncio.TimeoutError, OSError, EOFError) as exc:

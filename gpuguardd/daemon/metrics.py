@@ -1,10 +1,8 @@
-"""Prometheus metrics of one node's gpuguardd: counters from each finished report, per-GPU
-gauges from each inventory refresh. The text goes to node_exporter's textfile collector and,
-through GetMetrics, to gpuguard-exporter (so the root daemon needs no network).
+"""Prometheus metrics: counters from finished reports, per-GPU gauges from inventory refreshes,
+for node_exporter's textfile collector and GetMetrics (the root daemon needs no network).
 
-Per-GPU series carry `gpu` (NVML index) and `UUID`, as dcgm-exporter's do so queries can join
-them, and `vendor`; no pid, command or user labels (unbounded). Every label value from a report
-is mapped onto a small fixed set, so a strange report can never grow the number of series.
+Per-GPU series carry dcgm-exporter's `gpu` and `UUID` labels (so queries can join) and `vendor`;
+never pid, command or user (unbounded). Every label value maps onto a small fixed set.
 """
 
 from __future__ import annotations
@@ -18,16 +16,11 @@ from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from gpuguardd import __version__
 from gpuguardd.records.enums import GpuState, HolderKind, LeakKind, Outcome, RequesterKind, SpareReason, Vendor
-from gpuguardd.records.models import GpuSummary, MigSummary
+from gpuguardd.records.models import GpuSummary, Holder, MigSummary
 from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.safefiles import write_atomic
 
@@ -67,9 +60,8 @@ def spared_label(code: SpareReason) -> str:
     return _SPARED.get(code, "other")
 
 
-def _one_of(value: object, allowed: Iterable[str], default: str = "other") -> str:
-    text = str(value)
-    return text if text in allowed else default
+def _one_of(value: object, allowed: Iterable[str]) -> str:
+    return str(value) if str(value) in allowed else "other"
 
 
 class _Histogram:
@@ -115,56 +107,42 @@ class Metrics:
                 self._resets[_one_of(report.outcome.value, RESET_OUTCOMES)] += 1
                 return
             if report.dry_run:
-                # Anyone may dry-run, as often as they like: counted apart, never in a series
-                # of real sweeps (their counts, durations, processes or last-sweep time).
+                # Anyone may dry-run, as often as they like: never in a real sweep's series.
                 self._dry_runs += 1
                 return
-            # A report read back without a readable outcome counts as "other".
-            outcome = "other" if "outcome" in report.unread else report.outcome.value
+            outcome = report.outcome.value
             self._sweeps[(outcome, trigger_of(report))] += 1
             self._terminated.update(_one_of(e.signal or "none", (*SIGNALS, "none")) for e in report.terminated)
             self._survived.update(_one_of(s.state, PROCESS_STATES) for s in report.survived)
             self._spared.update(spared_label(s.code) for s in report.spared)
             duration = max(0, report.duration_ms) / 1000.0
             self._duration.observe(duration)
-            for gpu in report.gpus:
-                # Not read back: nothing is known to have come back.
-                after = gpu.memory_used_before if "memory_used_after" in gpu.unread \
-                    else gpu.memory_used_after
-                self._reclaimed += max(0, gpu.memory_used_before - after)
-            # A freed sweep ends the moment NVML shows the memory back: its duration is the
-            # time from the request to the memory being usable again.
+            self._reclaimed += sum(max(0, gpu.memory_used_before - gpu.memory_used_after) for gpu in report.gpus)
+            # A freed sweep ends when NVML shows the memory back: request to usable memory.
             if outcome == Outcome.FREED:
                 self._release.observe(duration)
             self._note_finished(report)
 
     def _note_finished(self, report: Report) -> None:
-        finished = report.started_usec / 1e6 + report.duration_ms / 1e3
-        self._last_sweep = max(self._last_sweep, finished)
+        self._last_sweep = max(self._last_sweep, report.started_usec / 1e6 + report.duration_ms / 1e3)
 
     def note_history(self, last: Report | None) -> None:
-        """The newest report from before a restart: its time, not its counts (counters restart
-        at zero, which Prometheus's rate() expects)."""
+        """The newest report from before a restart: its time, not its counts (rate() expects zero)."""
         if last:
             with self._lock:
                 self._note_finished(last)
 
-    def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary],
-                          holders: Iterable[Any]) -> None:
+    def observe_inventory(self, nvml_available: bool, summaries: list[GpuSummary], holders: Iterable[Holder]) -> None:
         kinds: defaultdict[int, Counter[str]] = defaultdict(Counter)
         for holder in holders:
-            for index in getattr(holder, "gpus", ()):
-                kinds[int(index)][_one_of(getattr(holder, "kind", ""), KINDS)] += 1
+            for index in holder.gpus:
+                kinds[index][_one_of(holder.kind, KINDS)] += 1
         gpus: list[dict[str, Any]] = []
         for summary in summaries:
-            index = summary.index
             units: list[GpuSummary | MigSummary] = [summary, *(summary.mig_instances or [])]
-            gpus.append({"gpu": str(index), "UUID": summary.uuid,
-                         # A vendor read back unreadable is no NVIDIA GPU's: "other".
-                         "vendor": "other" if "vendor" in summary.unread else _one_of(summary.vendor, VENDORS),
-                         "state": summary.state.value,
-                         "memory_used": summary.memory_used,
-                         "holders": kinds.get(index, {}),
+            gpus.append({"gpu": str(summary.index), "UUID": summary.uuid, "vendor": _one_of(summary.vendor, VENDORS),
+                         "state": summary.state.value, "memory_used": summary.memory_used,
+                         "holders": kinds.get(summary.index, {}),
                          # (UUID, leak kind, bytes): the GPU's and each MIG instance's leak
                          "leaks": [(u.uuid, _one_of(u.leak_kind, LEAK_KINDS), u.memory_used)
                                    for u in units if u.state == GpuState.LEAKED]})
@@ -204,6 +182,9 @@ class Metrics:
                                         labels=["gpu", "UUID", "vendor", "kind"])
             state = GaugeMetricFamily("gpuguard_gpu_state", "1 for the GPU's current state, 0 for the others.",
                                       labels=["gpu", "UUID", "vendor", "state"])
+            by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
+                                        "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
+                                        labels=["gpu", "UUID", "vendor", "kind"])
             for gpu in self._gpus:
                 ids = [gpu["gpu"], gpu["UUID"], gpu["vendor"]]
                 leaked.add_metric(ids, gpu["memory_used"] if gpu["state"] == GpuState.LEAKED else 0)
@@ -211,16 +192,11 @@ class Metrics:
                     holders.add_metric([*ids, kind], gpu["holders"].get(kind, 0))
                 for name in GPU_STATES:
                     state.add_metric([*ids, name], 1 if gpu["state"] == name else 0)
-            yield leaked
-            by_kind = GaugeMetricFamily("gpuguard_leaked_memory_by_kind_bytes",
-                                        "Leaked GPU memory by leak kind, per GPU or MIG instance (UUID).",
-                                        labels=["gpu", "UUID", "vendor", "kind"])
-            for gpu in self._gpus:
                 for uuid, kind, used in gpu["leaks"]:
                     by_kind.add_metric([gpu["gpu"], uuid, gpu["vendor"], kind], used)
+            yield leaked
             yield by_kind
-            resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.",
-                                         labels=["outcome"])
+            resets = CounterMetricFamily("gpuguard_gpu_resets", "GPU resets, by outcome.", labels=["outcome"])
             for outcome in RESET_OUTCOMES:
                 resets.add_metric([outcome], self._resets.get(outcome, 0))
             yield resets
@@ -239,9 +215,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def write_textfile(directory: str, data: bytes) -> str:
-    """DIRECTORY/gpuguard.prom replaced atomically, readable by node_exporter's user; the
-    temporary name does not end in .prom, so the collector ignores it."""
-    target = os.path.join(directory, TEXTFILE_NAME)
-    write_atomic(target, [data], prefix=".gpuguard.tmp-")
-    return target
+def write_textfile(directory: str, data: bytes) -> None:
+    """Replaced atomically; the temporary name does not end in .prom, so the collector ignores it."""
+    write_atomic(os.path.join(directory, TEXTFILE_NAME), [data], prefix=".gpuguard.tmp-")

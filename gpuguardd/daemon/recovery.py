@@ -1,9 +1,8 @@
 """GPU resets in the daemon: one at a time, recorded like sweeps, and the AutoReset policy.
 
-AutoReset (off by default) resets a GPU seen leaked, with nothing holding it, for
-LeakGraceSec: never one in MIG mode (a reset destroys its instances: an operator's decision),
-never while a sweep runs or a start gate waits, and at most once per ResetIntervalSec a GPU
-whatever the outcome, so a GPU that a reset does not cure is not reset over and over.
+AutoReset resets a GPU leaked with nothing holding it for LeakGraceSec: never one in MIG mode
+(a reset destroys its instances: an operator's decision), never while a sweep runs or a start
+gate waits, and at most once per ResetIntervalSec, so a reset that does not cure is not repeated.
 """
 
 from __future__ import annotations
@@ -13,33 +12,29 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.engine.engine import Engine
 from gpuguardd.records.enums import GpuState, RequesterKind
 from gpuguardd.records.models import GpuSummary
 from gpuguardd.records.report import Report
 
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
+
 log = logging.getLogger("gpuguard.recovery")
 
 AUTO_RESET_BY = "gpuguardd (AutoReset)"
 
 
-class ResetEvents(Protocol):
-    def reset_finished(self, report: Report) -> None: ...
-
-
 class Recovery:
-    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any],
-                 events: ResetEvents, sweeping: Callable[[], bool],
-                 gate_waiting: Callable[[int], bool] = lambda index: False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: Engine, executor: Executor, record: Callable[[Report], Any], events: Service,
+                 held_off: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.executor = executor
         self.record = record  # awaitable: keeps the report (history)
         self.events = events
-        self.sweeping = sweeping
-        self.gate_waiting = gate_waiting
+        self.held_off = held_off  # a sweep runs or a start gate waits
         self.clock = clock
         self._lock = asyncio.Lock()
         self._leaked_since: dict[int, float] = {}
@@ -50,15 +45,13 @@ class Recovery:
                     requester_kind: RequesterKind = RequesterKind.MANUAL) -> Report:
         async with self._lock:
             loop = asyncio.get_running_loop()
-            report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index,
-                                                requested_by, reason)
+            report = await loop.run_in_executor(self.executor, self.engine.reset_gpu, index, requested_by, reason)
             report.requester_kind = requester_kind
             await self.record(report)
             self.events.reset_finished(report)
             return report
 
     def observe(self, summaries: list[GpuSummary]) -> None:
-        """Start an automatic reset where it is due."""
         config = self.engine.config
         now = self.clock()
         leaked = {s.index: s for s in summaries if s.state == GpuState.LEAKED and not s.mig_mode}
@@ -67,18 +60,15 @@ class Recovery:
             return
         for index, summary in sorted(leaked.items()):
             since = self._leaked_since.setdefault(index, now)
-            if now - since < config.leak_grace_sec or self.busy():
+            if now - since < config.leak_grace_sec or self.busy() or self.held_off():
                 continue
             last = self._last_auto.get(index)
             if last is not None and now - last < config.reset_interval_sec:
                 continue
-            if self.sweeping() or self.gate_waiting(index):
-                continue
             self._last_auto[index] = now
             reason = (f"{summary.leak_kind or 'leaked'}: {summary.memory_used // (1024 * 1024)} MiB "
                       f"leaked for {now - since:.0f} s")
-            log.warning("GPU %d: %s with nothing holding it: resetting it ([Recovery] AutoReset)",
-                        index, reason)
+            log.warning("GPU %d: %s with nothing holding it: resetting it ([Recovery] AutoReset)", index, reason)
             self._task = asyncio.ensure_future(self._auto(index, reason))
 
     def busy(self) -> bool:

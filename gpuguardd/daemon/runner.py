@@ -1,12 +1,8 @@
-"""Sweeps run by the daemon: in a thread, with their progress forwarded to the event loop.
+"""Sweeps run by the daemon, each in an executor thread (the engine's sweep blocks), its
+progress moved onto the loop by call_soon_threadsafe: in order, before its completion.
 
-The engine's sweep blocks (signals, grace periods, verification, per-GPU locks), so each runs
-in an executor thread; call_soon_threadsafe moves each progress callback onto the loop, in
-order, before the sweep's own completion (which travels the same queue).
-
-At shutdown running sweeps are waited for, each up to its budget (the longest its settings
-allow). One still running then (a hung driver) is recorded as it stands, with the processes
-ended so far, so a stop never loses a sweep from the audit.
+At shutdown a sweep still running past its budget (a hung driver) is recorded as it stands,
+so a stop never loses a sweep from the audit.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpuguardd.config import Config
 from gpuguardd.daemon.history import History
@@ -28,19 +24,10 @@ from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import SweepRequest
 from gpuguardd.records.report import Report, ReportScope, Terminated
 
+if TYPE_CHECKING:  # service.py, the listener, imports this module
+    from gpuguardd.daemon.service import Service
+
 log = logging.getLogger("gpuguard.runner")
-
-
-class SweepEvents(Protocol):  # the service's signals; called on the event loop
-
-    def sweep_started(self, report_id: str, scope: ReportScope) -> None: ...
-
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None: ...
-
-    def sweep_finished(self, report: Report) -> None: ...
-
-    def busy_changed(self, busy: bool) -> None: ...
 
 
 # Scans, lock waits and NVML reads around a sweep's own timeouts.
@@ -48,7 +35,6 @@ SWEEP_MARGIN_SEC = 15.0
 
 
 def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
-    """The longest a sweep of `request` takes under `config`."""
     grace = config.grace_sec if request.grace_ms is None else request.grace_ms / 1000.0
     return grace + config.kill_timeout_sec + config.verify_timeout_sec + SWEEP_MARGIN_SEC
 
@@ -56,7 +42,7 @@ def sweep_budget_sec(config: Config, request: SweepRequest) -> float:
 class LoopObserver:
     """The engine's SweepObserver, called from the sweep thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: SweepEvents, flight: InFlightSweep,
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: Service, flight: InFlightSweep,
                  on_terminated: Callable[[], None]) -> None:
         self.loop = loop
         self.events = events
@@ -66,8 +52,7 @@ class LoopObserver:
     def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         self.loop.call_soon_threadsafe(self._started, report_id, scope)
 
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
         self.loop.call_soon_threadsafe(self._terminated, report_id, pid, comm, unit, signal_name)
 
     def _started(self, report_id: str, scope: ReportScope) -> None:
@@ -81,9 +66,8 @@ class LoopObserver:
 
 
 class SweepRunner:
-    def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor,
-                 history: History, events: SweepEvents,
-                 inflight: InFlightSweeps | None = None) -> None:
+    def __init__(self, engine: Engine, sweep_executor: Executor, io_executor: Executor, history: History,
+                 events: Service, inflight: InFlightSweeps) -> None:
         self.engine = engine
         self.inflight = inflight
         self.sweep_executor = sweep_executor
@@ -112,8 +96,7 @@ class SweepRunner:
         self.in_flight.append(flight)  # before Busy: its listeners judge the sweeps in flight
         if self.active == 1:
             self.events.busy_changed(True)
-        # On disk before the first signal, with each process ended added as it goes, so that
-        # a successor finishes what a crash cuts short (inflight.py).
+        # On disk before the first signal, each process ended added, for a successor (inflight.py).
         store = self.inflight if not request.is_dry_run(self.engine.config.dry_run) else None
         try:
             if store is not None and not await self.io(store.add, flight):
@@ -125,20 +108,17 @@ class SweepRunner:
                         request, flight.started_usec, list(flight.terminated)))
 
             try:
-                report = await loop.run_in_executor(
-                    self.sweep_executor, self.engine.sweep, request,
-                    LoopObserver(loop, self.events, flight, progress), prepared)
+                report = await loop.run_in_executor(self.sweep_executor, self.engine.sweep, request,
+                                                    LoopObserver(loop, self.events, flight, progress), prepared)
             except GpuGuardError:
                 if store is not None:  # it failed: nothing to finish
                     await self.io(store.remove, request.report_id)
                 raise
             recorded = flight not in self.in_flight
             if recorded:
-                # Recorded as interrupted at shutdown, SweepFinished sent: that stays the sweep's
-                # one record (one id, one answer); what it learnt since goes to the journal.
-                log.warning("sweep %s finished after it was recorded as interrupted: %s, "
-                            "%d process(es) ended, %d survived (the history keeps the "
-                            "interrupted record)", report.id[:8], report.outcome,
+                # Recorded as interrupted at shutdown: that stays its one record; the rest is logged.
+                log.warning("sweep %s finished after it was recorded as interrupted: %s, %d process(es) ended, "
+                            "%d survived (the history keeps the interrupted record)", report.id[:8], report.outcome,
                             len(report.terminated), len(report.survived))
             else:
                 self.in_flight.remove(flight)
@@ -166,11 +146,9 @@ class SweepRunner:
         return sum(max(0.0, f.budget_sec - (now - f.started_usec) / 1e6) for f in self.in_flight)
 
     async def record_interrupted(self) -> None:
-        """Record every sweep still running as it stands (at shutdown, its budget spent); the
-        next gpuguardd finishes them (resume.py)."""
+        """At shutdown, budgets spent; the next gpuguardd finishes them (units.py)."""
         flights, self.in_flight = self.in_flight, []
         for flight in flights:
-            # Without the sweep's own word on its scope, only the unit asked for is known.
             report = flight.report(
                 "gpuguardd stopped while this sweep was still running; what it had ended by "
                 "then is listed, the rest is unknown", Outcome.ERROR,
@@ -182,8 +160,7 @@ class SweepRunner:
 
     async def _record(self, request: SweepRequest, report: Report) -> None:
         if not request.audited:
-            log.debug("sweep %s: a dry run by %s, not kept in the history", report.id[:8],
-                     request.requested_by)
+            log.debug("sweep %s: a dry run by %s, not kept in the history", report.id[:8], request.requested_by)
             return
         await self.io(self.history.append, report)
 

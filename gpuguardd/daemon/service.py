@@ -1,8 +1,6 @@
-"""The daemon's parts put together, in both directions: what its D-Bus calls mean (the
-Manager's backend: authorization, holders, sweeps, resets, the start gate, history, metrics
-and reload), and what it tells the world as things happen, driven by the inventory
-(InventoryListener), the sweeps (runner.SweepEvents) and the resets (recovery.ResetEvents):
-the Manager's properties and signals, one Gpu object per GPU, the metrics and their textfile.
+"""The daemon's parts put together: the Manager's backend (what each D-Bus call means), and
+the listener (events) of the inventory, sweeps and resets that keeps the Manager's properties and
+signals, one Gpu object per GPU, and the metrics and their textfile current.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, cast
 
 from gpuguardd import __version__
 from gpuguardd.bus import marshal, replysize
@@ -27,7 +25,6 @@ from gpuguardd.daemon.inflight import InFlightSweep, InFlightSweeps
 from gpuguardd.daemon.inventory import Inventory
 from gpuguardd.daemon.metrics import Metrics, write_textfile
 from gpuguardd.daemon.recovery import Recovery
-from gpuguardd.daemon.resume import Resume
 from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.units import UnitSweeps
 from gpuguardd.engine.engine import Engine, Prepared, filter_holders
@@ -47,10 +44,8 @@ _NO_CMDLINE = marshal.holder({"cmdline": ""})["cmdline"]
 
 
 def requester(caller: Caller, reason: str, slurm_job: str = "") -> tuple[str, RequesterKind]:
-    """Who a sweep is recorded for and what kind of requester that is, for every bus caller.
-    Only root (the ExecStopPost hook) may be just "hook:<unit>" (HOOK); anyone else saying
-    "hook:" is named as well (HOOK_NONROOT), so the journal cannot be misled. Root's Slurm
-    epilog is "slurm:<job>" (SLURM). Metrics count by kind: only root's count as the hook's."""
+    """Who a sweep is recorded for, and their kind. Only root (the ExecStopPost hook) may be just
+    "hook:<unit>"; anyone else saying "hook:" is named as well, so the journal cannot be misled."""
     hook = dropins.requested_by_for_reason(reason)
     if hook:
         if caller.is_root:
@@ -75,8 +70,7 @@ class Service:
         config = engine.config
         self.manager = ManagerInterface(self, {
             "Version": __version__, "NvmlAvailable": False, "NvmlError": "", "DriverVersion": "",
-            "GpuCount": 0, "Vendors": [], "Busy": False,
-            "LastSweep": {},
+            "GpuCount": 0, "Vendors": [], "Busy": False, "LastSweep": {},
             "WatchedUnits": list(config.watch_units), "ConfigFiles": list(config.sources)})
         for stored in history.newest(1):  # not exported yet: no PropertiesChanged
             self.manager.update(LastSweep=self.manager.typed_report(stored))
@@ -86,22 +80,18 @@ class Service:
         # Told of every change the sd_notify status line shows (main.py sets it).
         self.on_change: Callable[[], None] = lambda: None
         self.inventory = Inventory(engine, scan_executor, self)
-        inflight = InFlightSweeps(engine.config.runtime_directory)
-        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self, inflight)
+        self.runner = SweepRunner(engine, sweep_executor, io_executor, history, self,
+                                  InFlightSweeps(engine.config.runtime_directory))
         # Sweeps in flight keep their GPUs from being free at the start gate (sweep_gpus).
         self.gate = GateService(self.inventory, lambda: [self.sweep_gpus(f) for f in self.runner.in_flight])
         self._typed: tuple[ScanResult | None, dict[int, tuple[marshal.VarDict, int]]] = (None, {})
-        # Watch mode and unit sweeps: one sweep per stop, with the unit's escaped leftovers.
         self.units = UnitSweeps(self.runner, self.inventory, bus, engine.config.watch_units,
                                 os.path.join(engine.config.runtime_directory, "units.json"))
         # What the last gpuguardd left unfinished: claimed in start(), run once the name is owned.
-        self.resume = Resume(inflight, history, self.units)
         self.resume_work: list[Awaitable[Report | None]] = []
         # While anyone waits at the start gate a job is about to start: no automatic reset then.
-        self.recovery = Recovery(engine, sweep_executor,
-                                 lambda report: self.runner.io(self.store.append, report), self,
-                                 sweeping=lambda: self.runner.busy,
-                                 gate_waiting=lambda index: self.gate.waiters > 0)
+        self.recovery = Recovery(engine, sweep_executor, lambda report: self.runner.io(self.store.append, report),
+                                 self, held_off=lambda: self.runner.busy or self.gate.waiters > 0)
 
     async def start(self) -> None:
         """Export the objects, GPUs included, before the name is requested."""
@@ -111,7 +101,7 @@ class Service:
         except Exception as exc:  # the poll retries; a daemon without GPUs still serves history
             log.error("first holder scan failed: %s: %s", type(exc).__name__, exc)
         await self.units.start()
-        self.resume_work = await self.resume.claim()
+        self.resume_work = await self.units.claim_unfinished()
 
     def config_changed(self) -> None:
         config = self.engine.config
@@ -121,8 +111,7 @@ class Service:
         self.inventory.request_rescan()
 
     def sweep_gpus(self, flight: InFlightSweep) -> list[int] | None:
-        """The GPUs a sweep in flight covers, for the start gate: its scope's, else its unit's
-        recorded ones; None (every GPU) when neither is known yet."""
+        """Its scope's GPUs, else its unit's recorded ones; None (every GPU) when neither is known."""
         scope = flight.scope
         if scope is not None and scope.gpus:
             return list(scope.gpus)
@@ -136,8 +125,7 @@ class Service:
     def status_line(self) -> str:
         snap = self.inventory.snapshot
         gpus = f"{len(snap.gpus)} GPU(s)" if snap.gpus_known else f"NVML unavailable ({snap.error})"
-        holders = len(self.inventory.holders)
-        text = f"{gpus}, {holders} holder(s)"
+        text = f"{gpus}, {len(self.inventory.holders)} holder(s)"
         if self.runner.busy:
             text += f", {self.runner.active} sweep(s) running"
         last = self.store.last()
@@ -162,32 +150,25 @@ class Service:
         scope = Scope()
         if options.get("gpus") or options.get("unit") or options.get("container"):
             scope = await self._resolve(SweepRequest.from_options(options))
-        # The last scan when it is fresh for this call (inventory.py's rule). fresh=true (what
-        # gpuguardctl sends) waits for a scan that starts after the call, for a non-root uid
-        # at most once per FRESH_SCAN_INTERVAL_SEC: no caller makes /proc walks a busy loop.
-        fresh = bool(options.get("fresh", False))
-        if fresh and not caller.is_root and not self.fresh_scans.admit(caller.uid).allowed:
-            fresh = False
+        # fresh=true waits for a scan started after the call; a non-root uid once per FRESH_SCAN_INTERVAL_SEC.
+        fresh = bool(options.get("fresh", False)) and (caller.is_root or self.fresh_scans.admit(caller.uid).allowed)
         result = await (self.inventory.scan() if fresh else self.inventory.recent())
         typed = self._typed_holders(result)
         holders = filter_holders(result.holders, scope, options.get("include_protected", True))
-        # Below the bus's message limit (replysize.py): a redacted holder is no bigger than its
-        # typed one, so the sizes typed once per scan bound it.
-        sizes = [typed[id(h)][1] for h in holders]
         # Command lines can carry secrets (tokens, passwords in arguments).
         redact = not caller.is_root and any(h.uid != caller.uid for h in holders) \
             and not await self.auth.allowed(caller, ACTION_VIEW_DETAILS)
+        # A redacted holder is no bigger than its typed one: the sizes typed once per scan bound it.
         return replysize.bound_holders(
             [{**typed[id(h)][0], "cmdline": _NO_CMDLINE} if redact and h.uid != caller.uid else typed[id(h)][0]
-             for h in holders], sizes=sizes)
+             for h in holders], sizes=[typed[id(h)][1] for h in holders])
 
     async def _resolve(self, request: SweepRequest) -> Scope:
-        scope: Scope = (await self.runner.io(self.engine.resolve_request, request))[0]
-        return scope
+        return cast(Scope, (await self.runner.io(self.engine.resolve_request, request))[0])
 
     def _typed_holders(self, result: ScanResult) -> dict[int, tuple[marshal.VarDict, int]]:
-        """Each holder of `result` as its D-Bus value and that value's size, by id() (the scan
-        keeps them alive), typed once per scan and shared (never mutated)."""
+        """Each holder's D-Bus value and its size, by id() (the scan keeps them alive), typed once
+        per scan and shared (never mutated)."""
         if self._typed[0] is not result:
             typed = (marshal.holder(h.to_dict()) for h in result.holders)
             self._typed = (result, {id(h): (t, replysize.wire_size(t)) for h, t in zip(result.holders, typed)})
@@ -195,22 +176,17 @@ class Service:
 
     async def sweep(self, caller: Caller, options: dict[str, Any]) -> Wire:
         request = SweepRequest.from_options(options)
-        # Authorized by the interface (the XML's rule for Sweep), which set options["dry_run"]
-        # to what it authorized: that is what runs (and what the watch sees).
+        # The interface authorized it (the XML's rule) and set options["dry_run"] to what it allowed.
         dry_run = request.dry_run = request.is_dry_run(self.engine.config.dry_run)
-        request.requested_by, request.requester_kind = requester(caller, request.reason,
-                                                                request.slurm_job)
+        request.requested_by, request.requester_kind = requester(caller, request.reason, request.slurm_job)
         request.audited = caller.is_root or not dry_run  # models.SweepRequest.audited
-        # Checked (InvalidArgument) before the sweep counts as running, on the GPU reading and
-        # scope the sweep then works from.
+        # InvalidArgument before the sweep counts as running, on the reading the sweep then uses.
         prepared: Prepared = await self.runner.io(self.engine.prepare, request)
         if request.unit:
-            # Unit sweeps go through the unit watch: escaped leftovers, one sweep per stop.
             unit_report = await self.units.sweep_unit(request, prepared)
             assert unit_report is not None  # None only for the watch's own requests
             return unit_report.to_dict()
-        report = await self.runner.run(request, prepared)
-        return report.to_dict()
+        return (await self.runner.run(request, prepared)).to_dict()
 
     async def reset_gpu(self, caller: Caller, gpu: int, options: dict[str, Any]) -> Wire:
         # Authorized by the interface (the XML's rule for ResetGpu).
@@ -218,9 +194,7 @@ class Service:
         if snap.gpus_known and snap.by_index(gpu) is None:
             known = ", ".join(str(g.index) for g in snap.gpus) or "none"
             raise InvalidArgument(f"GPU index {gpu} out of range (GPUs: {known})")
-        report = await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""),
-                                           RequesterKind.MANUAL)
-        return report.to_dict()
+        return (await self.recovery.reset(gpu, caller.describe(), options.get("reason", ""))).to_dict()
 
     def history(self, count: int) -> list[Wire]:
         return self.store.newest(count)
@@ -244,8 +218,7 @@ class Service:
             gpus, mig = scope.gpus, scope.mig
         rule = GateRule(free_below * MiB, config.gate_tolerance_mib * MiB,
                         bool(options.get("allow_unverified", False)))
-        outcome = await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)
-        return outcome.to_dict()
+        return (await self.gate.wait(gpus, mig, rule, stable_ms / 1000, timeout_ms / 1000)).to_dict()
 
     async def reload(self, caller: Caller) -> None:
         # Authorized by the interface (the XML's rule for Reload).
@@ -253,13 +226,13 @@ class Service:
         await self.reloader()
 
     def _publish_metrics(self) -> None:
-        """Rewrite the node_exporter textfile ([Metrics] TextfileDirectory=), off the loop."""
+        """Rewrite [Metrics] TextfileDirectory='s file, off the loop."""
         directory = self.engine.config.textfile_directory
         if not directory:
             return
         future = self.io_executor.submit(write_textfile, directory, self.metrics.render())
 
-        def done(f: Future[str]) -> None:
+        def done(f: Future[None]) -> None:
             if f.exception() is not None:
                 log.error("cannot write the metrics textfile in %s: %s", directory, f.exception())
         future.add_done_callback(done)
@@ -288,23 +261,20 @@ class Service:
         self.on_change()
 
     def leak_suspected(self, index: int, uuid: str, used: int) -> None:
-        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid,
-                    used // (1024 * 1024))
+        log.warning("GPU %d (%s): %d MiB in use with no process holding it", index, uuid, used // (1024 * 1024))
         self.manager.LeakSuspected(index, uuid, used)
 
     def sweep_started(self, report_id: str, scope: ReportScope) -> None:
         self.manager.SweepStarted(report_id, marshal.scope(scope.to_dict()))
 
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str, signal_name: str) -> None:
         self.manager.ProcessTerminated(report_id, pid, comm, unit, signal_name)
 
     def sweep_finished(self, report: Report) -> None:
         data = self.manager.typed_report(report.to_dict())
         self.manager.SweepFinished(report.id, report.outcome.value, data)
         self.manager.update(LastSweep=data)
-        for leak in report.leaks:
-            # A MIG instance is named by its own UUID.
+        for leak in report.leaks:  # a MIG instance is named by its own UUID
             self.leak_suspected(leak.gpu, leak.mig_uuid or leak.uuid, leak.bytes)
             self.inventory.note_leak_reported(leak.gpu, leak.mig_uuid)
         self.reset_finished(report)
@@ -316,7 +286,7 @@ class Service:
         self.on_change()
 
     def reset_finished(self, report: Report) -> None:
-        """ResetEvents, and the end of every sweep's as well."""
+        """Recovery's, and the end of every sweep's as well."""
         self.metrics.observe_report(report)
         self._publish_metrics()
         self.inventory.request_rescan()

@@ -1,14 +1,10 @@
 """The start gate's rule: when a GPU (or MIG instance) is free for the next job, and since when.
 
-The driver frees memory asynchronously, over seconds, and it can grow back before it settles.
-A server that profiles free memory at start-up aborts when it moves under it (vLLM issue
-56830), so the figure must also have stopped moving. A target is free when nothing blocks it
-(the judge's reasons: a compute holder that may be on it, NVML processes, memory unread, which
-fails closed unless allowed, or at/above `free_below`, a running sweep covering it), and since
-then its memory never moved more than `tolerance`: a larger move restarts the clock.
-
-The daemon (FreeSinceUsec, WaitingOn, Manager.Wait) and `gpuguardctl wait --local` apply this
-same code. Observations come from polls, so the daemon polls fast while someone waits.
+The driver frees memory asynchronously, over seconds, and it can grow back before it settles; a
+server that profiles free memory at start-up aborts when it moves (vLLM issue 56830). So a
+target is free when the judge finds nothing blocking it and its memory has since moved no more
+than `tolerance` (a larger move restarts the clock). The daemon and `gpuguardctl wait --local`
+both apply this code.
 """
 
 from __future__ import annotations
@@ -82,31 +78,26 @@ def holder_line(holder: Holder) -> str:
 
 @dataclass
 class WaitOutcome:
-    """What a wait for some targets sees at `now` (monotonic)."""
-
     free: bool
     waited_ms: int
     gpus: list[GateState]
     waiting_on: list[str]
-    now: float
+    now: float  # monotonic
 
     def to_dict(self) -> dict[str, object]:
         return {"free": self.free, "waited_ms": self.waited_ms,
                 "gpus": [g.to_dict(self.now) for g in self.gpus], "waiting_on": self.waiting_on}
 
     def short_of(self, stable_sec: float) -> float | None:
-        """Seconds until every target has been free for `stable_sec` (<= 0: now); None while
-        something blocks one."""
+        """Seconds until every target has been free for `stable_sec` (<= 0: now); None if blocked."""
         if self.waiting_on or any(s.free_since is None for s in self.gpus):
             return None
         return min((stable_sec - s.stable_for(self.now) for s in self.gpus), default=0.0)
 
 
-def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder],
-            nvml_error: str | None, gpus: Sequence[int], asked: bool, started: float,
-            now: float) -> WaitOutcome:
-    """The targets' states under `tracker`. With no GPU list (`nvml_error`), judged on the
-    holders of the GPUs asked for (`gpus`; none: any GPU), failing closed unless allowed."""
+def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[Holder], nvml_error: str | None,
+            gpus: Sequence[int], asked: bool, started: float, now: float) -> WaitOutcome:
+    """With no GPU list (`nvml_error`): judged on the holders of `gpus` (none: any GPU)."""
     states = [tracker.states[t.key] for t in targets if t.key in tracker.states]
     waiting_on: list[str] = []
     if not targets and nvml_error is not None:
@@ -120,8 +111,7 @@ def outcome(tracker: GateTracker, targets: Sequence[Target], holders: Sequence[H
 
 def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Sequence[Holder],
              rule: GateRule, nvml_error: str | None, sweeping: bool) -> list[str]:
-    """Why `target` is not free now, in words ([]: free). `record` None: not listed by NVML;
-    index -1: any GPU (no GPU list to tell them by)."""
+    """WaitingOn's words ([]: free). `record` None: not listed by NVML; index -1: any GPU."""
     index = None if target.index < 0 else target.index
     # The gate's line, or the GPU's own released line where that is higher (an AMD GPU's).
     line = max(rule.free_below, record.released_below if isinstance(record, GpuSummary) else 0)
@@ -130,7 +120,6 @@ def blockers(target: Target, record: GpuSummary | MigSummary | None, holders: Se
 
 
 def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[str]:
-    """WaitingOn's lines for the judge's reasons."""
     lines: list[str] = []
     held = sum(1 for r in reasons if r.holder is not None)
     named = 0
@@ -157,34 +146,24 @@ def words(reasons: Sequence[Reason], line: int, any_gpu: bool = False) -> list[s
 
 
 def targets_of(gpus: Iterable[GpuSummary]) -> list[Target]:
-    out: list[Target] = []
-    for gpu in gpus:
-        out.append(Target(gpu.index, gpu.uuid))
-        out += [Target(gpu.index, gpu.uuid, m.uuid) for m in gpu.mig_instances or []]
-    return out
+    return [Target(g.index, g.uuid, mig) for g in gpus for mig in ("", *(m.uuid for m in g.mig_instances or []))]
 
 
 def record_of(target: Target, gpus: Sequence[GpuSummary]) -> GpuSummary | MigSummary | None:
-    for gpu in gpus:
-        if gpu.index == target.index and gpu.uuid == target.uuid:
-            if not target.mig_uuid:
-                return gpu
-            return next((m for m in gpu.mig_instances or [] if m.uuid == target.mig_uuid), None)
-    return None
+    gpu = next((g for g in gpus if g.index == target.index and g.uuid == target.uuid), None)
+    if gpu is None or not target.mig_uuid:
+        return gpu
+    return next((m for m in gpu.mig_instances or [] if m.uuid == target.mig_uuid), None)
 
 
 class GateTracker:
-    """Every target's state under one rule."""
-
     def __init__(self, rule: GateRule) -> None:
         self.rule = rule
         self.states: dict[tuple[int, str], GateState] = {}
 
-    def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary],
-                holders: Sequence[Holder], nvml_error: str | None,
-                sweeping: Iterable[int]) -> set[tuple[int, str]]:
-        """`sweeping`: the GPU indices running sweeps cover. Returns the keys whose verdict
-        changed."""
+    def observe(self, now: float, wall_usec: int, gpus: Sequence[GpuSummary], holders: Sequence[Holder],
+                nvml_error: str | None, sweeping: Iterable[int]) -> set[tuple[int, str]]:
+        """`sweeping`: the GPUs running sweeps cover. Returns the keys whose verdict changed."""
         covered = set(sweeping)
         changed: set[tuple[int, str]] = set()
         targets = {t.key: t for t in targets_of(gpus)}
@@ -194,8 +173,7 @@ class GateTracker:
                 changed.add(key)
         for key, target in targets.items():
             record = record_of(target, gpus)
-            reasons = blockers(target, record, holders, self.rule, nvml_error,
-                               target.index in covered)
+            reasons = blockers(target, record, holders, self.rule, nvml_error, target.index in covered)
             used = record.memory_used if record is not None else 0
             held = [h.pid for h in holders if may_be_on(h, target.index, target.mig_uuid)]
             old = self.states.get(key, GateState(target))

@@ -117,7 +117,7 @@ class RequesterKind(WireEnum):
     HOOK_NONROOT = "hook-nonroot"  # the hook's reason, not root: manual, yet the watch's stop sweep
     WATCH = "watch"  # the unit watch, at a watched unit's stop
     SLURM = "slurm"  # root's Slurm epilog (a slurm_job request)
-    RECOVERED = "recovered"  # a unit that stopped while no gpuguardd ran (daemon/resume.py)
+    RECOVERED = "recovered"  # a unit that stopped while no gpuguardd ran (daemon/units.py)
     AUTO_RESET = "auto-reset"  # [Recovery] AutoReset's GPU reset (daemon/recovery.py)
     MANUAL = "manual"  # anyone else: an admin, a script, a user's dry run
 

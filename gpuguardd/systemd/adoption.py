@@ -117,7 +117,7 @@ class UnitGpuRecords:
         return list(self._records)
 
     def dump(self) -> list[dict[str, Any]]:
-        """What a restarted daemon needs to adopt a unit's escaped workers (resume.py)."""
+        """What a restarted daemon needs to adopt a unit's escaped workers (units.py)."""
         return [{"unit": r.unit, "gpus": sorted(r.gpus), "hinted": sorted(r.hinted),
                  "processes": sorted([pid, start, comm] for (pid, start), comm in r.processes.items())}
                 for r in self._records.values()]

@@ -16,7 +16,7 @@ RUNNING_STATES = frozenset({"active", "activating", "reloading", "deactivating",
 
 # requested_by of automatic sweeps: the ExecStopPost drop-in's (only root may be recorded as it,
 # service.py), the watcher's (one stop's two share one sweep), a Slurm epilog's asked by root, and
-# the one a daemon runs at its start for a unit that stopped while none ran (daemon/resume.py).
+# the one a daemon runs at its start for a unit that stopped while none ran (daemon/units.py).
 HOOK_PREFIX = "hook:"
 WATCH_PREFIX = "watch:"
 SLURM_PREFIX = "slurm:"

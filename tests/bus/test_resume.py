@@ -1,4 +1,4 @@
-"""gpuguardd killed during a sweep: the caller and the next daemon finish it (resume.py, cli/sweep.py).
+"""gpuguardd killed during a sweep: the caller and the next daemon finish it (daemon/units.py, cli/sweep.py).
 
 The real daemon on a private bus over the fake NVML; its death is SIGKILL, as an OOM kill or
 a crash would be; the test plays systemd's Restart=on-failure by starting the next one.

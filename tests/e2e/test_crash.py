@@ -3,7 +3,7 @@
 The daemon is SIGKILLed (as an OOM kill or a crash would end it) while the hook's sweep waits
 out its grace period; systemd restarts it (Restart=on-failure). The hook's gpuguardctl sees
 the bus's "disconnected without replying", asks the restarted daemon again, and the daemon
-finishes its predecessor's sweep from the record in /run/gpuguard/sweeps (resume.py). And a
+finishes its predecessor's sweep from the record in /run/gpuguard/sweeps (daemon/units.py). And a
 watched unit that stopped while no daemon ran is swept when the daemon comes back.
 """
 

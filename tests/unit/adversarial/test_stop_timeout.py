@@ -78,7 +78,7 @@ def test_a_sweep_that_outlives_its_budget_is_recorded(tmp_path: Path,
     pool = ThreadPoolExecutor(2)
 
     async def scenario() -> None:
-        runner = SweepRunner(engine, pool, pool, history, events)  # type: ignore[arg-type]
+        runner = SweepRunner(engine, pool, pool, history, events, None)  # type: ignore[arg-type]
         request = SweepRequest(gpus=["3"], requested_by="uid 0 (root) :1.7", reason="stop test",
                                report_id="feedface" * 4)  # the engine reports under it
         task = asyncio.ensure_future(runner.run(request))

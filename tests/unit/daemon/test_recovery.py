@@ -51,8 +51,7 @@ def run_policy(config: Config, steps: Sequence[tuple[float, list[GpuSummary]]],
             kept.append(report)
         with ThreadPoolExecutor(1) as executor:
             recovery = Recovery(engine, executor, keep, Events(),  # type: ignore[arg-type]
-                                sweeping=lambda: sweeping, gate_waiting=lambda index: waiting,
-                                clock=lambda: now[0])
+                                held_off=lambda: sweeping or waiting, clock=lambda: now[0])
             for at, summaries in steps:
                 now[0] = at
                 recovery.observe(summaries)

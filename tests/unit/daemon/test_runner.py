@@ -32,7 +32,7 @@ class CountingNvml:
 
 
 class SweepCounter:
-    """SweepEvents; `reads_at_start`: the GPU readings made when the sweep began."""
+    """The service's sweep events; `reads_at_start`: the GPU readings made when the sweep began."""
 
     def __init__(self, nvml: CountingNvml) -> None:
         self.nvml = nvml
@@ -71,7 +71,7 @@ def test_a_sweep_reads_the_gpus_and_resolves_its_scope_once(tmp_path: Path,
 
     async def sweep(request: SweepRequest) -> Report:
         with ThreadPoolExecutor(1) as sweeps, ThreadPoolExecutor(1) as io:
-            runner = SweepRunner(engine, sweeps, io, None, events)  # type: ignore[arg-type]
+            runner = SweepRunner(engine, sweeps, io, None, events, None)  # type: ignore[arg-type]
             prepared: Any = await runner.io(engine.prepare, request)
             return await (runner.run(request, prepared) if prepared is not None
                           else runner.run(request))
