@@ -1,8 +1,5 @@
-"""`gpuguardctl hook install|remove|list PATTERN [--start]` (its parser: cli/main.py): the verb
-over systemd/dropins.py.
-
-Needs no daemon: it writes and lists files under /etc/systemd/system (or --root) and asks
-systemd to reload.
+"""`gpuguardctl hook install|remove|list`: systemd/dropins.py's drop-ins under /etc/systemd/system
+(or --root), then a daemon-reload. Needs no gpuguardd.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ def format_list(hooks: Sequence[InstalledHook]) -> str:
 
 
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
-    """Exit status: 0 done (also: already installed, nothing to remove), 1 error, 2 bad pattern."""
+    """Exit status: 0 done (or nothing to do), 1 error, 2 bad pattern."""
     root = os.path.abspath(args.root)
     try:
         if args.hook_action == "list":

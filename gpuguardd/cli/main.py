@@ -1,10 +1,8 @@
-"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process.
-This module is its parser and which code runs each verb; cli/backend.py says whom a verb asks.
+"""gpuguardctl's parser and which code runs each verb (cli/backend.py says whom a verb asks).
 
-Start-up matters (a hook runs it at every unit stop, an admin at a prompt, a script in a loop):
-a verb imports only what it uses. The engine (NVML, /proc scanning) is imported by --local only,
-dbus-fast by the verbs that ask the daemon, asyncio by the verbs that need an event loop.
-bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
+Start-up matters (a hook runs it at every unit stop): a verb imports only what it uses. The engine
+comes with --local only, dbus-fast with the verbs that ask the daemon, asyncio with those that need
+a loop. bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ log = logging.getLogger("gpuguard.cli")
 T = TypeVar("T")
 
 
-# The options' types. Each reads one option's text, or says why argparse refuses it, and
-# imports its parser only when that option is given, not at start-up.
+# The options' types: each imports its parser only when its option is given, not at start-up.
 def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """`parse`, with its complaint (a ValueError or InvalidArgument) as argparse's own."""
     @functools.wraps(parse)
     def convert(text: str) -> T:
         try:
@@ -42,7 +38,6 @@ def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 @_refusing
 def grace_ms(text: str) -> int:
-    """A time span of at most MAX_GRACE_SEC, in milliseconds (--grace, --deadline)."""
     from gpuguardd.config import MAX_GRACE_SEC, parse_timespan
 
     return int(parse_timespan(text, MAX_GRACE_SEC) * 1000)
@@ -79,8 +74,7 @@ def timeout_sec(text: str) -> float:
 
 @_refusing
 def gpu(text: str) -> str:
-    """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
-    ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
+    """A --gpu as typed, once it names a GPU at all; the backend resolves it."""
     from gpuguardd.records.selectors import selector
 
     selector(text).check()
@@ -177,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                        help="how many (newest first)")
     verb("watch", "print the daemon's signals (sweeps, terminations, leaks) as they come")
 
-    # `hook install|remove|list`: ExecStopPost drop-ins (systemd/dropins.py, cli/hook.py); needs no daemon.
     hook = verb("hook", "install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
     actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
     actions.required = True
@@ -199,8 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line, with the common options' defaults, or parser.error for what argparse
-    cannot refuse on its own: options that only apply together, or never do."""
+    """The command line, refusing options that only apply together, or never do."""
     args = parser.parse_args(argv, argparse.Namespace(json=False, local=False, config=None, bus_address=None))
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")

@@ -1,12 +1,8 @@
-"""`gpuguardctl wait`: the start gate. Exit 0 once the GPUs are free for the next job.
+"""`gpuguardctl wait`, the start gate (ExecStartPre=, Slurm Prolog=): exit 0 once the GPUs are free.
 
-The next model's ExecStartPre=, a Slurm Prolog= or a Kubernetes init container runs it. What
-"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, called again until
---timeout), so the CLI never polls the bus. With --local the same rule runs here.
-
-The environment's CUDA_VISIBLE_DEVICES names the GPUs when nothing else does: an
-ExecStartPre= runs with the unit's Environment=. Numbers are NVML indices (CUDA's order
-equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID).
+"Free" is engine/gate.py's rule, judged by the daemon (Manager.Wait, called again until --timeout) or,
+with --local, here. CUDA_VISIBLE_DEVICES names the GPUs when nothing else does (an ExecStartPre= has the
+unit's Environment=); its numbers are NVML indices, CUDA's order with CUDA_DEVICE_ORDER=PCI_BUS_ID.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ SLURM_PROLOG_TIMEOUT_SEC = 60.0  # under a PrologEpilogTimeout of 120 s (the epi
 
 
 def visible_devices(value: str, name: str) -> list[str] | None:
-    """Selectors for a CUDA_VISIBLE_DEVICES-style list: None for every GPU ("all"), [] for
-    none. As CUDA does, a negative ordinal ends the list ("-1" hides everything)."""
+    """Selectors for a CUDA_VISIBLE_DEVICES list: None for "all", [] for none. As in CUDA, a negative
+    ordinal ends the list ("-1" hides everything)."""
     text = value.strip()
     if text == "all":
         return None
@@ -57,7 +53,6 @@ def visible_devices(value: str, name: str) -> list[str] | None:
 
 
 def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str] | None:
-    """The GPUs to wait for; None: every GPU."""
     if args.gpu:
         return list(args.gpu)
     if args.cuda_visible_devices is not None:
@@ -69,7 +64,6 @@ def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list
 
 
 def describe(result: Mapping[str, Any]) -> list[str]:
-    """One line per GPU: its memory, and what it waits on or how long it has been free."""
     lines = [f"waiting on: {escape_text(str(w))}" for w in result.get("waiting_on", [])]
     for gpu in result.get("gpus", []):
         used = output.human_bytes(int(gpu.get("memory_used", 0)))
@@ -88,8 +82,7 @@ def _name(gpu: Mapping[str, Any]) -> str:
 
 def poll(call: Callable[[float], dict[str, Any]], timeout: float | None, out: TextIO,
          progress: bool) -> tuple[bool, dict[str, Any], float]:
-    """One-call waits (`call(seconds)`: the result) until free or `timeout`, with the
-    terminal's progress line: (free, the last result, seconds waited)."""
+    """`call(seconds)` until free or `timeout`, with a progress line: (free, last result, seconds waited)."""
     started = time.monotonic()
     while True:
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
@@ -105,8 +98,7 @@ def poll(call: Callable[[float], dict[str, Any]], timeout: float | None, out: Te
 
 def local_call(backend: Any, selectors: list[str] | None, free_below: int, stable_sec: float,
                allow_unverified: bool, tolerance: int) -> Callable[[float], dict[str, Any]]:
-    """--local: the gate's rule on the local engine's scans, one a poll (no daemon: no sweeps
-    to wait for)."""
+    """--local: the gate's rule on a scan per poll (no daemon: no sweeps to wait for)."""
     from gpuguardd.cli.check import _selected
     from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, outcome, targets_of
     from gpuguardd.engine.gpustate import gpu_summaries
@@ -118,12 +110,11 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     seen: set[str] = set()
 
     def once(record: logging.LogRecord) -> bool:
-        """Each distinct warning once: every poll scans again and repeats what it found odd."""
+        """Each distinct warning once: every poll scans again and finds the same."""
         new = record.getMessage() not in seen
         seen.add(record.getMessage())
         return new
-    # On the handler gpuguardctl's logging set up (log.setup_logging): its records, this
-    # process's; a caller that set up none (an embedding program, a test) keeps its own.
+    # On the "gpuguard" logger's handlers (setup_logging's): a caller's root handlers are left alone.
     for handler in logging.getLogger("gpuguard").handlers:
         handler.addFilter(once)
 
@@ -153,8 +144,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
 
 
 def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
-    """The verb, after --sweep-leftovers' sweep. With --slurm-prolog every failure is one line
-    on stdout, the drain reason."""
+    """With --slurm-prolog every failure is one line on stdout, the drain reason."""
     try:
         if args.sweep_leftovers:
             from gpuguardd.cli.sweep import sweep_through_restarts
@@ -174,8 +164,7 @@ def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
-    """0 when free, EXIT_GATE_TIMEOUT at --timeout (what holds each GPU on stdout, one line
-    each: the journal's and the drain reason's text)."""
+    """0 when free, EXIT_GATE_TIMEOUT at --timeout, with what holds the GPUs (the drain reason)."""
     from gpuguardd.cli.client import DBusBackend
     from gpuguardd.engine.gate import MiB
 

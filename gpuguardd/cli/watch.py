@@ -20,8 +20,7 @@ from gpuguardd.records.report import Report, ReportScope
 
 
 def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | None = None) -> str:
-    """One line for a signal. `titles`: GPU index -> "vendor name" (gpu_title, unescaped),
-    for the GPUs the daemon listed; a GPU not in it is named by index and UUID alone."""
+    """One line for a signal. `titles`: GPU index -> gpu_title(); a GPU not in it is named by UUID alone."""
     title = (titles or {}).get(fields.get("gpu", -1), "") if member == "LeakSuspected" else ""
     fields = escaped(fields)
     if member == "SweepStarted":
@@ -48,10 +47,9 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     titles: dict[int, str] = {}
 
     def read_titles() -> None:
-        # Vendor and name of each GPU, for the lines that name a GPU; read beside the
-        # subscription (its own connection), so no signal waits for it. Without them (no
-        # daemon yet, a failed call) a GPU is named by index and UUID, as before.
-        with contextlib.suppress(Exception):  # names are a nicety: any failure leaves them out
+        # On its own connection beside the subscription, so no signal waits for it. The titles
+        # are a nicety: any failure (no daemon yet) leaves them out.
+        with contextlib.suppress(Exception):
             titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
 
     if not as_json:
@@ -68,8 +66,8 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
                 out.write(f"{clock} {describe(member, fields, titles)}\n")
             out.flush()
         except BrokenPipeError:
-            # `gpuguardctl watch | head`: the reader left. SystemExit passes through dbus-fast's
-            # handler guard (it only catches Exception) and ends the loop.
+            # `watch | head`: the reader left. SystemExit passes dbus-fast's handler guard (it
+            # catches Exception) and ends the loop.
             raise SystemExit(0) from None
 
     def on_owner(owner: str) -> None:
