@@ -84,9 +84,9 @@ class DBusBackend:
                 bus.disconnect()
         return asyncio.run(session())
 
-    async def _call(self, bus: MessageBus, path: str, interface: str, member: str,
-                    signature: str = "", body: list[Any] | None = None,
-                    interactive: bool = False, timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
+    async def _call(self, bus: MessageBus, path: str, interface: str, member: str, signature: str = "",
+                    body: list[Any] | None = None, interactive: bool = False,
+                    timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
         flags = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive and self.interactive else MessageFlag.NONE
         msg = Message(destination=BUS_NAME, path=path, interface=interface, member=member,
                       signature=signature, body=body or [], flags=flags)

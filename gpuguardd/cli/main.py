@@ -191,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line, refusing options that only apply together, or never do."""
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv, argparse.Namespace(json=False, local=False, config=None, bus_address=None))
+    # What argparse cannot refuse on its own: options that only apply together, or never do.
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
@@ -204,12 +205,6 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
         parser.error("--deadline only applies with --slurm-epilog")
     if args.verb == "sweep" and args.reset_leaked and not args.slurm_epilog:
         parser.error("--reset-leaked only applies with --slurm-epilog")
-    return args
-
-
-def run(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse(parser, argv)
     setup_logging("gpuguardctl")
     out = sys.stdout
     if args.verb == "hook":
