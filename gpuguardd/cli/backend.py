@@ -128,5 +128,4 @@ def connect(args: argparse.Namespace) -> Backend:
         if args.verb == "sweep" and os.geteuid() == 0:
             log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
             return local(args)
-        raise DaemonUnavailable(
-            f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
+        raise DaemonUnavailable(f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None

@@ -98,8 +98,7 @@ def _known(gpu: GpuSummary) -> KnownGpu:
                     tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
-def _selected(gpus: list[GpuSummary], selectors: list[str]
-              ) -> list[tuple[GpuSummary, MigSummary | None]]:
+def _selected(gpus: list[GpuSummary], selectors: list[str]) -> list[tuple[GpuSummary, MigSummary | None]]:
     """(GPU, MIG instance or None) for each selector; every GPU when there is none."""
     if not selectors:
         return [(g, None) for g in gpus]
@@ -117,16 +116,14 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
     return chosen
 
 
-def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
-          selectors: list[str]) -> CheckResult:
+def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder], selectors: list[str]) -> CheckResult:
     """The problems the judge finds on the selected GPUs; `holders` is the backend's, in the same
     selection (it resolves selectors as a sweep does)."""
     result = CheckResult()
     # AMD's memory is read from sysfs, without NVML.
     if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
-        result.problems.append(Problem(None, "", "nvml",
-                                       f"NVML unavailable ({why}): GPU memory cannot be checked"))
+        result.problems.append(Problem(None, "", "nvml", f"NVML unavailable ({why}): GPU memory cannot be checked"))
     # Without NVML there is no GPU list to select from; the holders still count, on any GPU.
     chosen = _selected(gpus, selectors) if gpus else []
     indices = {g.index for g, _ in chosen}

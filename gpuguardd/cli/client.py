@@ -98,8 +98,7 @@ class DBusBackend:
             raise error_from_reply(reply)
         return list(reply.body)
 
-    async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool = False,
-                       timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+    async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool, timeout: float | None) -> Any:
         """A Manager method's one result, as plain values; its arguments typed by the contract."""
         signature = contract.interface(MANAGER_INTERFACE).methods[member].in_signature
         (result,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
@@ -126,14 +125,12 @@ class DBusBackend:
 
     def status(self) -> dict[str, Any]:
         async def get(bus: MessageBus) -> dict[str, Any]:
-            (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
-                                        [MANAGER_INTERFACE])
+            (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s", [MANAGER_INTERFACE])
             return {**_plain(props), "mode": "daemon"}
         return self._run(get)
 
     async def _gpus(self, bus: MessageBus) -> list[GpuSummary]:
-        (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
-                                      "GetManagedObjects")
+        (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager", "GetManagedObjects")
         known = contract.interface(GPU_INTERFACE).properties
         gpus = [GpuSummary.from_dict(_plain(interfaces[GPU_INTERFACE], known))
                 for interfaces in objects.values() if GPU_INTERFACE in interfaces]
@@ -202,8 +199,7 @@ class DBusBackend:
         # Records of any shape: a history may hold what an older version wrote (codec.py).
         return [Report.from_dict(r) for r in self._ask("GetHistory", count)]
 
-    def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
-              on_owner: Callable[[str], None],
+    def watch(self, on_signal: Callable[[str, dict[str, Any]], None], on_owner: Callable[[str], None],
               on_ready: Callable[[], None] | None = None) -> None:
         """on_signal(member, {argument: plain value}) for each Manager signal the contract defines (not
         a later version's), until interrupted; on_ready() once subscribed, so none is missed after."""

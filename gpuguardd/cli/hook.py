@@ -22,10 +22,7 @@ def format_list(hooks: Sequence[InstalledHook]) -> str:
     for hook in hooks:
         mark = "gpuguard" if hook.ours else "foreign (calls gpuguardctl, not written by gpuguard)"
         lines.append(f"{hook.target.name} ({hook.target.kind}) {hook.path} [{mark}]")
-        if hook.applies_to:
-            lines.extend(f"    applies to {unit}" for unit in hook.applies_to)
-        else:
-            lines.append("    applies to no unit known yet")
+        lines.extend([f"    applies to {unit}" for unit in hook.applies_to] or ["    applies to no unit known yet"])
     # Unit and file names come from directories on the host: shown escaped (escaping.py).
     return "\n".join(escape_text(line) for line in lines) + "\n"
 
@@ -54,6 +51,5 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
         out.write(escape_text(message) + "\n")
     verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
             "removed": "removed", "absent": "nothing to remove"}[result.action]
-    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
-                          f"{result.reload}") + "\n")
+    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: {result.reload}") + "\n")
     return 0

@@ -20,12 +20,14 @@ from gpuguardd.cli.backend import connect
 from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
+from gpuguardd.numbers import parse_uint
+from gpuguardd.records.selectors import selector
 
 log = logging.getLogger("gpuguard.cli")
 T = TypeVar("T")
 
 
-# The options' types: each imports its parser only when its option is given, not at start-up.
+# The options' types: config's parsers are imported only when their option is given.
 def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
     @functools.wraps(parse)
     def convert(text: str) -> T:
@@ -45,15 +47,12 @@ def grace_ms(text: str) -> int:
 
 @_refusing
 def positive(text: str) -> int:
-    from gpuguardd.numbers import parse_uint
-
     return parse_uint(text, "count", minimum=1)
 
 
 @_refusing
 def mib(text: str) -> int:
     from gpuguardd.config import MAX_RELEASED_BELOW_MIB
-    from gpuguardd.numbers import parse_uint
 
     return parse_uint(text, "MiB", MAX_RELEASED_BELOW_MIB, 1)
 
@@ -75,16 +74,13 @@ def timeout_sec(text: str) -> float:
 @_refusing
 def gpu(text: str) -> str:
     """A --gpu as typed, once it names a GPU at all; the backend resolves it."""
-    from gpuguardd.records.selectors import selector
-
     selector(text).check()
     return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     common.add_argument("--local", action="store_true", default=argparse.SUPPRESS,
                         help="run the engine in this process instead of asking gpuguardd (root)")
     common.add_argument("--config", action="append", metavar="FILE", default=argparse.SUPPRESS,
@@ -96,8 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpuguardctl", parents=[common],
         description="Find and safely end processes that keep NVIDIA GPUs busy.")
     parser.add_argument("--version", action="version", version=f"gpuguardctl {__version__}")
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
-    verbs.required = True
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     def verb(name: str, text: str, into: argparse._SubParsersAction[argparse.ArgumentParser] = verbs
              ) -> argparse.ArgumentParser:
@@ -107,14 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     verb("gpus", "GPUs, memory and holder counts")
 
     def gpu_arg(p: argparse.ArgumentParser, text: str) -> None:
-        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID",
-                       help=text)
+        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID", help=text)
 
     def scope_args(p: argparse.ArgumentParser) -> None:
         gpu_arg(p, "only this GPU (repeatable)")
         p.add_argument("--unit", default="", metavar="UNIT", help="only this systemd unit")
-        p.add_argument("--container", default="", metavar="ID",
-                       help="only this container (lxc/129, docker/3f2a...)")
+        p.add_argument("--container", default="", metavar="ID", help="only this container (lxc/129, docker/3f2a...)")
 
     holders = verb("holders", "processes holding GPUs")
     scope_args(holders)
@@ -163,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "drain reason when the exit status is not 0")
 
     reset = verb("reset", "reset a GPU that nothing holds (frees leaked memory)")
-    reset.add_argument("--gpu", required=True, type=gpu, metavar="N",
-                       help="the GPU: its index, UUID or PCI bus id")
+    reset.add_argument("--gpu", required=True, type=gpu, metavar="N", help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
     verb("history", "past sweep reports").add_argument("-n", "--count", type=positive, default=10,
@@ -172,8 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     verb("watch", "print the daemon's signals (sweeps, terminations, leaks) as they come")
 
     hook = verb("hook", "install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
-    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
-    actions.required = True
+    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION", required=True)
     for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
                          ("remove", "delete the drop-in and reload systemd"),
                          ("list", "show installed hooks and the units they apply to")):

@@ -82,8 +82,7 @@ def print_holders(holders: Sequence[Holder], out: TextIO) -> None:
         user = h.user or ("?" if "uid" in h.unread or h.uid == UID_UNKNOWN else str(h.uid))
         rows.append([_shown(h, "pid"), user, h.unit or "-", h.container or "-", kind, h.state,
                      gpus, memory, ",".join(h.how), command])
-    table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW",
-           "COMMAND"], rows, out)
+    table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW", "COMMAND"], rows, out)
     print_omitted(holders, "holders", out)
 
 
@@ -91,8 +90,7 @@ def print_omitted(records: Sequence[WireRecord], what: str, out: TextIO) -> None
     """The daemon's cut reply (replysize.py): its last record says how many were left out."""
     omitted = records[-1].unknown.get(OMITTED_KEY, 0) if records else 0
     if isinstance(omitted, int) and omitted:
-        out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
-                  f"bus's message size)\n")
+        out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the bus's message size)\n")
 
 
 def describe_scope(scope: ReportScope) -> str:
@@ -129,8 +127,7 @@ def print_report(report: Report, out: TextIO) -> None:
     what = describe_scope(report.scope)
     dry = " (dry run)" if report.dry_run else ""
     kind = "Reset" if report.kind == REPORT_RESET else "Sweep"
-    _line(out, f"{kind} {_shown(report, 'id')[:8]} of {what}{dry}, "
-               f"requested by {_shown(report, 'requested_by')}")
+    _line(out, f"{kind} {_shown(report, 'id')[:8]} of {what}{dry}, requested by {_shown(report, 'requested_by')}")
     for step in report.steps:
         _line(out, f"  step: {step}")
     if report.dry_run:

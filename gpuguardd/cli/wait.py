@@ -68,11 +68,8 @@ def describe(result: Mapping[str, Any]) -> list[str]:
     for gpu in result.get("gpus", []):
         used = output.human_bytes(int(gpu.get("memory_used", 0)))
         waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
-        if waits:
-            lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits))
-        else:
-            lines.append(f"{_name(gpu)}: {used} used, free and steady for "
-                         f"{int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
+        lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits) if waits
+                     else f"{_name(gpu)}: {used} used, free and steady for {int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
     return lines
 
 
@@ -103,8 +100,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
     from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, outcome, targets_of
     from gpuguardd.engine.gpustate import gpu_summaries
 
-    rule = GateRule(free_below, tolerance, allow_unverified)
-    tracker = GateTracker(rule)
+    tracker = GateTracker(GateRule(free_below, tolerance, allow_unverified))
     engine = backend.engine
     wanted = selectors or []
     seen: set[str] = set()

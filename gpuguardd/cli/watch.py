@@ -59,8 +59,7 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         stamp = time.time()
         try:
             if as_json:
-                out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True,
-                                     default=str) + "\n")
+                out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True, default=str) + "\n")
             else:
                 clock = time.strftime("%H:%M:%S", time.localtime(stamp))
                 out.write(f"{clock} {describe(member, fields, titles)}\n")
