@@ -30,7 +30,7 @@ def requester_description() -> str:
 class LocalBackend:
     """The engine in this process: for root, when no daemon runs (or --local is given)."""
 
-    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
+    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None) -> None:
         from gpuguardd.config import load_config
         from gpuguardd.engine.engine import Engine
 

@@ -152,8 +152,7 @@ class DBusBackend:
                 known = [KnownGpu(g.index, g.uuid, (), g.pci_bus_id) for g in await self._gpus(bus)]
             found = [match.index for match in chosen.find(known) if not match.mig]
             if not found:
-                what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
-                raise InvalidArgument(f"unknown {what} {chosen.text!r}")
+                raise InvalidArgument(f"unknown {'PCI bus id' if chosen.kind == PCI else 'GPU UUID'} {chosen.text!r}")
             indices.extend(found)
         return sorted(set(indices))
 

@@ -88,9 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--bus-address", metavar="ADDRESS", default=argparse.SUPPRESS,
                         help="talk to gpuguardd on this D-Bus address instead of the system bus")
 
-    parser = argparse.ArgumentParser(
-        prog="gpuguardctl", parents=[common],
-        description="Find and safely end processes that keep NVIDIA GPUs busy.")
+    parser = argparse.ArgumentParser(prog="gpuguardctl", parents=[common],
+                                     description="Find and safely end processes that keep NVIDIA GPUs busy.")
     parser.add_argument("--version", action="version", version=f"gpuguardctl {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
@@ -138,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait = verb("wait", "wait until the GPUs are free for the next job (the start gate)")
     gpu_arg(wait, "this GPU or MIG instance (repeatable; default: CUDA_VISIBLE_DEVICES "
                   "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
-    wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
-                      help="the GPUs as a CUDA_VISIBLE_DEVICES value")
+    wait.add_argument("--cuda-visible-devices", metavar="LIST", help="the GPUs as a CUDA_VISIBLE_DEVICES value")
     wait.add_argument("--free-below", type=mib, default=None, metavar="MIB",
                       help="memory in use must be below this (default: [Gate] FreeBelowMiB)")
     wait.add_argument("--stable", type=stable_sec, default=None, metavar="SEC",
