@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import TextIO
 
 from gpuguardd.cli import output
@@ -130,12 +129,15 @@ def _warn(message: str) -> None:
     journal_too("gpuguardctl", logging.WARNING, message)
 
 
-def retried(first: Callable[[], Report], again: Callable[[], Report], local: Callable[[], Report],
-            request: SweepRequest) -> Report:
-    """`first()`; if the daemon vanishes during it, `again()` (a new connection) until it answers or
-    RETRY_SEC pass, then `local()` as root."""
+def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
+    """If the daemon vanishes during the sweep, again on a new connection until it answers or
+    RETRY_SEC pass, then locally as root."""
+    if isinstance(backend, LocalBackend):
+        return backend.sweep(request)
+    from gpuguardd.cli.client import DBusBackend
+
     try:
-        return first()
+        return backend.sweep(request)
     except DaemonUnavailable as exc:
         what = f"the sweep of {request.unit or 'its scope'}"
         _warn(f"gpuguardd stopped during {what} ({exc}); retrying")
@@ -144,7 +146,7 @@ def retried(first: Callable[[], Report], again: Callable[[], Report], local: Cal
     while time.monotonic() < deadline:
         time.sleep(RETRY_INTERVAL_SEC)
         try:
-            report = again()
+            report = DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
         except DaemonUnavailable as exc:
             last = exc
             continue
@@ -155,16 +157,6 @@ def retried(first: Callable[[], Report], again: Callable[[], Report], local: Cal
     if os.geteuid() != 0:
         raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
     _warn(f"{gone}; sweeping with the local engine")
-    report = local()
+    report = local(args).sweep(dataclasses.replace(request))
     _warn(f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
     return report
-
-
-def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
-    if isinstance(backend, LocalBackend):
-        return backend.sweep(request)
-    from gpuguardd.cli.client import DBusBackend
-
-    return retried(lambda: backend.sweep(request),
-                   lambda: DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request)),
-                   lambda: local(args).sweep(dataclasses.replace(request)), request)
