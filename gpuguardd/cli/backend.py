@@ -56,9 +56,8 @@ class LocalBackend:
         from gpuguardd.engine.engine import HolderFilter
 
         scope, _, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit, container=container))
-        found, scan = self.engine.list_holders(HolderFilter(
-            gpus=scope.gpus, unit=scope.unit, container=scope.container, mig=scope.mig,
-            include_protected=include_protected))
+        found, scan = self.engine.list_holders(HolderFilter(gpus=scope.gpus, unit=scope.unit, container=scope.container,
+                                                            mig=scope.mig, include_protected=include_protected))
         for warning in scan.warnings:
             log.warning("%s", warning)
         return found

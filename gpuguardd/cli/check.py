@@ -13,10 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from gpuguardd.cli import output
 from gpuguardd.cli.backend import Backend
 from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
-from gpuguardd.cli.output import gpu_title, human_bytes, sent
+from gpuguardd.cli.output import gpu_title, human_bytes, print_json, sent
 from gpuguardd.engine.judge import facts_of_record, judge
 from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -71,12 +70,10 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         log.debug("no history for the check's notes: %s", exc)
         notes = []
     if args.json:
-        output.print_json(result.to_dict(), out)
+        print_json(result.to_dict(), out)
     else:
-        for problem in result.problems:
-            out.write(problem.message + "\n")
-        for note in notes:  # stderr: stdout stays one line per problem
-            sys.stderr.write(note + "\n")
+        out.writelines(problem.message + "\n" for problem in result.problems)
+        sys.stderr.writelines(note + "\n" for note in notes)  # stderr: stdout stays one line per problem
     return EXIT_OK if result.ok else EXIT_NOT_FREE
 
 
@@ -154,10 +151,8 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
         first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")
         who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
-        result.problems.append(Problem(
-            first, uuid, "holder",
-            f"GPU {where}: compute holder pid {holder.pid} ({printable(holder.comm)}) user {who} "
-            f"unit {printable(holder.unit or '-')}"
-            + (f" container {printable(holder.container)}" if holder.container else "")
-            + (" [protected]" if holder.protected else ""), pid=holder.pid))
+        result.problems.append(Problem(first, uuid, "holder", f"GPU {where}: compute holder pid {holder.pid} "
+                                       f"({printable(holder.comm)}) user {who} unit {printable(holder.unit or '-')}"
+                                       + (f" container {printable(holder.container)}" if holder.container else "")
+                                       + (" [protected]" if holder.protected else ""), pid=holder.pid))
     return result

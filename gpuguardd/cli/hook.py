@@ -47,9 +47,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         print_json(result.to_dict(), out)
         return 0
-    for message in result.messages:
-        out.write(escape_text(message) + "\n")
-    verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
-            "removed": "removed", "absent": "nothing to remove"}[result.action]
+    out.writelines(escape_text(message) + "\n" for message in result.messages)
+    verb = {"unchanged": "already installed", "absent": "nothing to remove"}.get(result.action, result.action)
     out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: {result.reload}") + "\n")
     return 0

@@ -45,9 +45,7 @@ def _state(record: GpuSummary | MigSummary) -> str:
 def sent(record: WireRecord, name: str, missing: str) -> str:
     """A field as shown: one this version cannot read (a newer daemon's vendor or state) as it came,
     unescaped; `missing` when none came."""
-    if name in record.unread:
-        return str(record.to_dict().get(name, missing))
-    return str(getattr(record, name))
+    return str(record.to_dict().get(name, missing)) if name in record.unread else str(getattr(record, name))
 
 
 def gpu_title(gpu: GpuSummary) -> str:
@@ -65,9 +63,8 @@ def print_gpus(gpus: Sequence[GpuSummary], out: TextIO) -> None:
                      str(gpu.holder_count), _state(gpu)])
         for mig in gpu.mig_instances or []:
             memory = f"{human_bytes(mig.memory_used)} / {human_bytes(mig.memory_total)}"
-            rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}",
-                         vendor, "MIG instance", mig.uuid, mig.device_path or "-", memory,
-                         str(mig.holder_count), _state(mig)])
+            rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}", vendor, "MIG instance",
+                         mig.uuid, mig.device_path or "-", memory, str(mig.holder_count), _state(mig)])
     table(["GPU", "VENDOR", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 
 
@@ -98,8 +95,7 @@ def describe_scope(scope: ReportScope) -> str:
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
-    for key, value in sorted(escaped(status).items()):
-        out.write(f"{key}: {value}\n")
+    out.writelines(f"{key}: {value}\n" for key, value in sorted(escaped(status).items()))
 
 
 def _line(out: TextIO, text: str) -> None:

@@ -24,8 +24,7 @@ from gpuguardd.records.selectors import selector
 
 log = logging.getLogger("gpuguard.cli")
 
-# Values that make CUDA (or the NVIDIA container runtime) see no GPU at all.
-NO_GPUS = {"", "none", "void", "NoDevFiles"}
+NO_GPUS = {"", "none", "void", "NoDevFiles"}  # CUDA (or the NVIDIA container runtime) sees no GPU
 ONE_CALL_SEC = 20.0  # what the daemon grants one Wait call
 PROGRESS_CALL_SEC = 1.0  # on a terminal: a Wait call per second, for the progress line
 LOCAL_POLL_SEC = 0.25  # --local: each observation is a full holder scan
@@ -171,8 +170,7 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
         job = slurm.epilog_job(os.environ, "--slurm-prolog")
         prefix = f"gpuguard: job {job.job_id}: "
         selectors, warnings = slurm.gpu_selectors(job.minors, backend.gpus())
-        for warning in warnings:
-            sys.stderr.write(f"gpuguardctl: {warning}\n")
+        sys.stderr.writelines(f"gpuguardctl: {warning}\n" for warning in warnings)
         if not job.minors:
             selectors = []
     else:
@@ -191,10 +189,9 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
             return backend.wait(selectors or [], {**options, "timeout_ms": int(seconds * 1000)})
     else:
         config = backend.engine.config
-        call = local_call(
-            backend, selectors, options.get("free_below_mib", config.gate_free_below_mib) * MiB,
-            args.stable if args.stable is not None else config.gate_stable_sec,
-            args.allow_unverified, config.gate_tolerance_mib * MiB)
+        call = local_call(backend, selectors, options.get("free_below_mib", config.gate_free_below_mib) * MiB,
+                          args.stable if args.stable is not None else config.gate_stable_sec,
+                          args.allow_unverified, config.gate_tolerance_mib * MiB)
     progress = out.isatty() and not args.json
     free, result, waited = poll(call, timeout, out, progress)
     if progress:

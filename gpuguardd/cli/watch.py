@@ -30,20 +30,17 @@ def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | No
                 f"unit {fields['unit'] or '-'}) ended by {fields['signal'] or 'itself'}")
     if member == "SweepFinished":
         report = Report.from_dict(fields["report"])
-        return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "
-                f"({len(report.terminated)} terminated, "
+        return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} ({len(report.terminated)} terminated, "
                 f"{len(report.survived)} survived) in {report.duration_ms} ms")
     if member == "LeakSuspected":
         which = ", ".join(part for part in (fields["uuid"], escape_text(title)) if part)
-        return (f"GPU {fields['gpu']} ({which}): {human_bytes(int(fields['bytes']))} "
-                "in use with no process holding it")
+        return f"GPU {fields['gpu']} ({which}): {human_bytes(int(fields['bytes']))} in use with no process holding it"
     return f"{member} {fields}"
 
 
 def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     if not isinstance(backend, DBusBackend):
         raise InvalidArgument("watch needs gpuguardd")
-    as_json, err = args.json, sys.stderr
     titles: dict[int, str] = {}
 
     def read_titles() -> None:
@@ -52,13 +49,13 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         with contextlib.suppress(Exception):
             titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
 
-    if not as_json:
+    if not args.json:
         threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
     def on_signal(member: str, fields: dict[str, Any]) -> None:
         stamp = time.time()
         try:
-            if as_json:
+            if args.json:
                 out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True, default=str) + "\n")
             else:
                 clock = time.strftime("%H:%M:%S", time.localtime(stamp))
@@ -70,9 +67,9 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
             raise SystemExit(0) from None
 
     def on_owner(owner: str) -> None:
-        err.write("gpuguardctl: gpuguardd is back\n" if owner
-                  else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
-        err.flush()
+        sys.stderr.write("gpuguardctl: gpuguardd is back\n" if owner
+                         else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
+        sys.stderr.flush()
 
     with contextlib.suppress(KeyboardInterrupt):
         backend.watch(on_signal, on_owner)
