@@ -67,7 +67,7 @@ def describe(result: Mapping[str, Any]) -> list[str]:
     for gpu in result.get("gpus", []):
         used = output.human_bytes(int(gpu.get("memory_used", 0)))
         waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
-        lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits) if waits
+        lines.append(f"{_name(gpu)}: {used} used; {'; '.join(waits)}" if waits
                      else f"{_name(gpu)}: {used} used, free and steady for {int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
     return lines
 
