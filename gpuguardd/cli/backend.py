@@ -1,8 +1,5 @@
-"""What gpuguardctl's verbs ask: the Backend they ask it of, the local engine as one, and
-connect(), which picks the daemon (cli/client.py) or the local engine for a command line.
-
-The engine is imported only when a LocalBackend is made, dbus-fast only when the daemon is
-asked (cli/main.py's start-up rule).
+"""Whom gpuguardctl's verbs ask: the daemon (cli/client.py) or the engine in this process.
+The engine is imported only when a LocalBackend is made, dbus-fast only when the daemon is asked.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ def requester_description() -> str:
 class LocalBackend:
     """The engine in this process: for root, when no daemon runs (or --local is given)."""
 
-    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None = None) -> None:
+    def __init__(self, config_files: Sequence[str] | None, bus_address: str | None) -> None:
         from gpuguardd.config import load_config
         from gpuguardd.engine.engine import Engine
 
@@ -52,11 +49,10 @@ class LocalBackend:
     def gpus(self) -> list[GpuSummary]:
         from gpuguardd.engine.gpustate import all_summaries
 
-        scan = self.engine.scan()
-        return all_summaries(scan, self.engine.config.released_below_mib * 1024 * 1024, self.engine.device_map())
+        return all_summaries(self.engine.scan(), self.engine.config.released_below_mib * 1024 * 1024,
+                             self.engine.device_map())
 
-    def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[Holder]:
+    def holders(self, gpus: list[str], unit: str, container: str, include_protected: bool) -> list[Holder]:
         scope, _ = self.engine.resolve_request(SweepRequest(gpus=gpus, unit=unit, container=container))
         found, scan = self.engine.list_holders(scope, include_protected)
         for warning in scan.warnings:
@@ -64,15 +60,13 @@ class LocalBackend:
         return found
 
     def sweep(self, request: SweepRequest) -> Report:
-        # The ExecStopPost drop-in says who it is in --reason "hook:<unit> ..."; the daemon
-        # records such a sweep as requested by "hook:<unit>", and so does the local fallback.
+        # The drop-in's --reason "hook:<unit> ..." names the requester, as the daemon records it.
         hook = dropins.requested_by_for_reason(request.reason)
         if not request.requested_by:
             request.requested_by = hook or requester_description()
             if hook:
                 request.requester_kind = RequesterKind.HOOK if os.geteuid() == 0 else RequesterKind.HOOK_NONROOT
-        # One reading: the request is checked on it (a bad unit name is refused before
-        # anything), a unit's leftovers are found on it, and the sweep starts from it.
+        # One reading checks the request (a bad unit name is refused first), finds leftovers, starts the sweep.
         prepared = self.engine.prepare(request)
         if request.unit:
             import asyncio
@@ -125,11 +119,9 @@ def connect(args: argparse.Namespace) -> Backend:
         return local(args)
     try:
         from gpuguardd.cli.client import DBusBackend
-        # bus_address None: $GPUGUARD_BUS_ADDRESS, else the system bus (decided in the client).
         return DBusBackend(bus_address=args.bus_address)
     except (ImportError, DaemonUnavailable) as exc:
         if args.verb == "sweep" and os.geteuid() == 0:
             log.warning("no gpuguardd answers (%s); sweeping with the local engine", exc or "not installed")
             return local(args)
-        raise DaemonUnavailable(
-            f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None
+        raise DaemonUnavailable(f"no gpuguardd answers ({exc or 'not installed'}); as root, use --local") from None

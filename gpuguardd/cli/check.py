@@ -1,9 +1,7 @@
-"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and probes
-(Slurm's HealthCheckProgram, node-health scripts, Kubernetes pre-start hooks).
+"""`gpuguardctl check`: is a GPU free for the next job? Read-only, for schedulers and health probes.
 
-The answer comes from the inventory the daemon publishes (or the local engine's) and the
-judge's rule, so a check and a sweep never disagree about a holder. Without NVML the memory
-cannot be checked at all, so no NVIDIA GPU can be called free.
+The judge's rule on the published inventory decides, so a check and a sweep never disagree about a
+holder. Without NVML the memory cannot be checked, so no NVIDIA GPU can be called free.
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from gpuguardd.cli import output
 from gpuguardd.cli.backend import Backend
 from gpuguardd.cli.exits import EXIT_NOT_FREE, EXIT_OK
-from gpuguardd.cli.output import gpu_title, human_bytes, sent
+from gpuguardd.cli.output import gpu_title, human_bytes, print_json, sent
 from gpuguardd.engine.judge import facts_of_record, judge
 from gpuguardd.errors import GpuGuardError, InvalidArgument
 from gpuguardd.escaping import escape_text as printable
@@ -28,8 +25,7 @@ from gpuguardd.records.report import REPORT_RESET, Report
 from gpuguardd.records.selectors import KnownGpu, selector
 
 log = logging.getLogger("gpuguard.cli")
-# How many of the newest reports `check` reads for GPUs a reset recovered.
-RECENT_REPORTS = 20
+RECENT_REPORTS = 20  # the newest reports read for GPUs a reset recovered
 # The judge's reasons that make a GPU (or MIG instance) unfit for the next job, worded, in order.
 DETAILS = {
     Why.LEAKED: "memory in use with no process holding it",
@@ -55,7 +51,6 @@ class Problem:
 class CheckResult:
     checked: list[dict[str, Any]] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-    # Notes, not problems: selected GPUs a reset recovered lately (recovered_by_reset).
     recovered: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -68,7 +63,6 @@ class CheckResult:
 
 
 def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """The verb: one line per problem, EXIT_NOT_FREE when there is one."""
     result = check(backend.status(), backend.gpus(), backend.holders(args.gpu, "", "", True), args.gpu)
     try:
         notes = recovered_by_reset(result, backend.history(RECENT_REPORTS))
@@ -76,28 +70,22 @@ def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
         log.debug("no history for the check's notes: %s", exc)
         notes = []
     if args.json:
-        output.print_json(result.to_dict(), out)
+        print_json(result.to_dict(), out)
     else:
-        for problem in result.problems:
-            out.write(problem.message + "\n")
-        for note in notes:  # stderr: stdout stays one line per problem
-            sys.stderr.write(note + "\n")
+        out.writelines(problem.message + "\n" for problem in result.problems)
+        sys.stderr.writelines(note + "\n" for note in notes)  # stderr: stdout stays one line per problem
     return EXIT_OK if result.ok else EXIT_NOT_FREE
 
 
 def recovered_by_reset(result: CheckResult, reports: list[Report]) -> list[str]:
-    """Note the checked GPUs that a reset among `reports` (newest first) recovered, one line
-    each: a GPU that came back only through a reset is free, but worth a look."""
+    """A note per checked GPU a reset among `reports` (newest first) recovered: free, but worth a look."""
     checked = {c["index"] for c in result.checked}
     lines = []
-    for report in reports:
-        if report.kind != REPORT_RESET or report.outcome != Outcome.RESET:
-            continue
+    for report in (r for r in reports if r.kind == REPORT_RESET and r.outcome == Outcome.RESET):
         for index in report.scope.gpus:
             if index in checked and index not in {r["index"] for r in result.recovered}:
                 when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.started_usec / 1e6))
-                result.recovered.append({"index": index, "report": report.id,
-                                         "started_usec": report.started_usec})
+                result.recovered.append({"index": index, "report": report.id, "started_usec": report.started_usec})
                 lines.append(f"note: GPU {index} was recovered by reset {report.id[:8]} at {when}")
     return lines
 
@@ -107,9 +95,8 @@ def _known(gpu: GpuSummary) -> KnownGpu:
                     tuple(m.uuid for m in gpu.mig_instances or []), gpu.pci_bus_id)
 
 
-def _selected(gpus: list[GpuSummary], selectors: list[str]
-              ) -> list[tuple[GpuSummary, MigSummary | None]]:
-    """(GPU summary, MIG instance or None) for each selector; every GPU when there is none."""
+def _selected(gpus: list[GpuSummary], selectors: list[str]) -> list[tuple[GpuSummary, MigSummary | None]]:
+    """(GPU, MIG instance or None) for each selector; every GPU when there is none."""
     if not selectors:
         return [(g, None) for g in gpus]
     chosen: list[tuple[GpuSummary, MigSummary | None]] = []
@@ -126,16 +113,14 @@ def _selected(gpus: list[GpuSummary], selectors: list[str]
     return chosen
 
 
-def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
-          selectors: list[str]) -> CheckResult:
-    """The problems on the selected GPUs, as the judge finds them, among `holders` (the
-    backend's, in the same selection: it resolves selectors as a sweep does)."""
+def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder], selectors: list[str]) -> CheckResult:
+    """The problems the judge finds on the selected GPUs; `holders` is the backend's, in the same
+    selection (it resolves selectors as a sweep does)."""
     result = CheckResult()
     # AMD's memory is read from sysfs, without NVML.
     if not status.get("nvml_available", False) and not any(g.vendor == Vendor.AMD for g in gpus):
         why = printable(status.get("nvml_error") or "NVML unavailable")
-        result.problems.append(Problem(None, "", "nvml",
-                                       f"NVML unavailable ({why}): GPU memory cannot be checked"))
+        result.problems.append(Problem(None, "", "nvml", f"NVML unavailable ({why}): GPU memory cannot be checked"))
     # Without NVML there is no GPU list to select from; the holders still count, on any GPU.
     chosen = _selected(gpus, selectors) if gpus else []
     indices = {g.index for g, _ in chosen}
@@ -166,10 +151,8 @@ def check(status: dict[str, Any], gpus: list[GpuSummary], holders: list[Holder],
         first = min(set(holder.gpus) & indices) if holder.gpus and indices else None
         uuid = next((g.uuid for g, _ in chosen if g.index == first), "")
         who = printable(holder.user or ("?" if "uid" in holder.unread else holder.uid))
-        result.problems.append(Problem(
-            first, uuid, "holder",
-            f"GPU {where}: compute holder pid {holder.pid} ({printable(holder.comm)}) user {who} "
-            f"unit {printable(holder.unit or '-')}"
-            + (f" container {printable(holder.container)}" if holder.container else "")
-            + (" [protected]" if holder.protected else ""), pid=holder.pid))
+        result.problems.append(Problem(first, uuid, "holder", f"GPU {where}: compute holder pid {holder.pid} "
+                                       f"({printable(holder.comm)}) user {who} unit {printable(holder.unit or '-')}"
+                                       + (f" container {printable(holder.container)}" if holder.container else "")
+                                       + (" [protected]" if holder.protected else ""), pid=holder.pid))
     return result

@@ -1,7 +1,5 @@
-"""gpuguardctl's way to the daemon: blocking calls over D-Bus that return the LocalBackend's dicts.
-
-Each call opens its own connection inside asyncio.run: a command line makes one or two calls,
-and a fresh loop per call keeps this module free of threads and shared state.
+"""gpuguardctl's blocking calls to the daemon over D-Bus, returning what LocalBackend returns.
+Each opens its own connection in asyncio.run: no threads, no shared state, for one or two calls.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ def _plain(props: Mapping[str, Any], known: Container[str] | None = None) -> dic
 
 
 class DBusBackend:
-    """cli.Backend over D-Bus. Raises DaemonUnavailable at construction if nobody answers."""
+    """Raises DaemonUnavailable at construction if nobody answers."""
 
     def __init__(self, bus_address: str | None = None, interactive: bool | None = None) -> None:
         self.address = default_address(bus_address)
@@ -86,11 +84,10 @@ class DBusBackend:
                 bus.disconnect()
         return asyncio.run(session())
 
-    async def _call(self, bus: MessageBus, path: str, interface: str, member: str,
-                    signature: str = "", body: list[Any] | None = None,
-                    interactive: bool = False, timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
-        flags = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive and self.interactive \
-            else MessageFlag.NONE
+    async def _call(self, bus: MessageBus, path: str, interface: str, member: str, signature: str = "",
+                    body: list[Any] | None = None, interactive: bool = False,
+                    timeout: float | None = CALL_TIMEOUT_SEC) -> list[Any]:
+        flags = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive and self.interactive else MessageFlag.NONE
         msg = Message(destination=BUS_NAME, path=path, interface=interface, member=member,
                       signature=signature, body=body or [], flags=flags)
         try:
@@ -101,8 +98,7 @@ class DBusBackend:
             raise error_from_reply(reply)
         return list(reply.body)
 
-    async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool = False,
-                       timeout: float | None = CALL_TIMEOUT_SEC) -> Any:
+    async def _manager(self, bus: MessageBus, member: str, *args: Any, interactive: bool, timeout: float | None) -> Any:
         """A Manager method's one result, as plain values; its arguments typed by the contract."""
         signature = contract.interface(MANAGER_INTERFACE).methods[member].in_signature
         (result,) = await self._call(bus, MANAGER_PATH, MANAGER_INTERFACE, member, signature, list(args),
@@ -129,14 +125,12 @@ class DBusBackend:
 
     def status(self) -> dict[str, Any]:
         async def get(bus: MessageBus) -> dict[str, Any]:
-            (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s",
-                                        [MANAGER_INTERFACE])
+            (props,) = await self._call(bus, MANAGER_PATH, PROPERTIES_INTERFACE, "GetAll", "s", [MANAGER_INTERFACE])
             return {**_plain(props), "mode": "daemon"}
         return self._run(get)
 
     async def _gpus(self, bus: MessageBus) -> list[GpuSummary]:
-        (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager",
-                                      "GetManagedObjects")
+        (objects,) = await self._call(bus, MANAGER_PATH, "org.freedesktop.DBus.ObjectManager", "GetManagedObjects")
         known = contract.interface(GPU_INTERFACE).properties
         gpus = [GpuSummary.from_dict(_plain(interfaces[GPU_INTERFACE], known))
                 for interfaces in objects.values() if GPU_INTERFACE in interfaces]
@@ -158,15 +152,13 @@ class DBusBackend:
                 known = [KnownGpu(g.index, g.uuid, (), g.pci_bus_id) for g in await self._gpus(bus)]
             found = [match.index for match in chosen.find(known) if not match.mig]
             if not found:
-                what = "PCI bus id" if chosen.kind == PCI else "GPU UUID"
-                raise InvalidArgument(f"unknown {what} {chosen.text!r}")
+                raise InvalidArgument(f"unknown {'PCI bus id' if chosen.kind == PCI else 'GPU UUID'} {chosen.text!r}")
             indices.extend(found)
         return sorted(set(indices))
 
     async def _options(self, bus: MessageBus, dictionary: str, values: Mapping[str, Any]) -> dict[str, Variant]:
-        """`values` as the contract types `dictionary`'s options. `gpus`: indices (au) as
-        released, unless a MIG instance is named: it has no index, so then the text goes as
-        typed (as) and the daemon resolves it."""
+        """`values` as the contract types `dictionary`'s options. `gpus` go as indices (au), but a
+        MIG instance has no index: then they go as typed (as) and the daemon resolves them."""
         options = {key: marshal.option(dictionary, key, value) for key, value in values.items() if key != "gpus"}
         wanted = values.get("gpus")
         if wanted and any(selector(item).kind == MIG_UUID for item in wanted):
@@ -175,8 +167,7 @@ class DBusBackend:
             options["gpus"] = marshal.option(dictionary, "gpus", await self._indices(bus, wanted), "au")
         return options
 
-    def holders(self, gpus: list[str], unit: str, container: str,
-                include_protected: bool) -> list[Holder]:
+    def holders(self, gpus: list[str], unit: str, container: str, include_protected: bool) -> list[Holder]:
         asked = SweepRequest(gpus=gpus, unit=unit, container=container).options()
         found = self._ask("ListHolders", interactive=True, options=(marshal.FILTER, {
             **asked, "include_protected": include_protected, "fresh": True}))
@@ -192,8 +183,7 @@ class DBusBackend:
 
     def wait(self, gpus: list[str], options: dict[str, Any]) -> dict[str, Any]:
         """One Manager.Wait call (at most its timeout_ms, which the daemon caps at 20 s)."""
-        result: dict[str, Any] = self._ask("Wait", options=("WaitOptions", {**options, "gpus": gpus}))
-        return result
+        return dict(self._ask("Wait", options=("WaitOptions", {**options, "gpus": gpus})))
 
     def reset(self, gpu: str, reason: str) -> Report:
         async def call(bus: MessageBus) -> Report:
@@ -208,17 +198,13 @@ class DBusBackend:
         # Records of any shape: a history may hold what an older version wrote (codec.py).
         return [Report.from_dict(r) for r in self._ask("GetHistory", count)]
 
-    def watch(self, on_signal: Callable[[str, dict[str, Any]], None],
-              on_owner: Callable[[str], None],
+    def watch(self, on_signal: Callable[[str, dict[str, Any]], None], on_owner: Callable[[str], None],
               on_ready: Callable[[], None] | None = None) -> None:
-        """Call on_signal(member, {argument name: plain value}) for each Manager signal as the
-        contract defines it (another member or signature: a later version's, not ours to guess
-        at), until interrupted. on_ready(): once subscribed (no signal from then on is missed)."""
+        """on_signal(member, {argument: plain value}) for each Manager signal the contract defines (not
+        a later version's), until interrupted; on_ready() once subscribed, so none is missed after."""
         async def listen(bus: MessageBus) -> None:
-            rule = (f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',"
-                    f"interface='{MANAGER_INTERFACE}'")
-            owner_rule = ("type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',"
-                          f"arg0='{BUS_NAME}'")
+            rule = f"type='signal',sender='{BUS_NAME}',path='{MANAGER_PATH}',interface='{MANAGER_INTERFACE}'"
+            owner_rule = f"type='signal',sender='org.freedesktop.DBus',member='NameOwnerChanged',arg0='{BUS_NAME}'"
 
             # gpuguardd's unique name: only its signals are shown. Anyone may send a signal
             # named SweepFinished straight to this connection; the bus sets the sender.

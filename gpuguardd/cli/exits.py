@@ -28,12 +28,10 @@ OUTCOME_EXIT = {
 
 
 def outcome_exit(outcome: Outcome) -> int:
-    """The exit status of a report (a sweep's, a reset's): an outcome not listed is an error."""
     return OUTCOME_EXIT.get(outcome, EXIT_ERROR)
 
 
 def error_exit(exc: GpuGuardError) -> int:
-    """The exit status of a failure: the one table beside OUTCOME_EXIT."""
     if isinstance(exc, (ConfigError, InvalidArgument)):
         return EXIT_USAGE
     if isinstance(exc, NotAuthorized):

@@ -1,8 +1,5 @@
-"""`gpuguardctl hook install|remove|list PATTERN [--start]` (its parser: cli/main.py): the verb
-over systemd/dropins.py.
-
-Needs no daemon: it writes and lists files under /etc/systemd/system (or --root) and asks
-systemd to reload.
+"""`gpuguardctl hook install|remove|list`: systemd/dropins.py's drop-ins under /etc/systemd/system
+(or --root), then a daemon-reload. Needs no gpuguardd.
 """
 
 from __future__ import annotations
@@ -26,16 +23,13 @@ def format_list(hooks: Sequence[InstalledHook]) -> str:
     for hook in hooks:
         mark = "gpuguard" if hook.ours else "foreign (calls gpuguardctl, not written by gpuguard)"
         lines.append(f"{hook.target.name} ({hook.target.kind}) {hook.path} [{mark}]")
-        if hook.applies_to:
-            lines.extend(f"    applies to {unit}" for unit in hook.applies_to)
-        else:
-            lines.append("    applies to no unit known yet")
+        lines.extend([f"    applies to {unit}" for unit in hook.applies_to] or ["    applies to no unit known yet"])
     # Unit and file names come from directories on the host: shown escaped (escaping.py).
     return "\n".join(escape_text(line) for line in lines) + "\n"
 
 
 def run_command(args: argparse.Namespace, out: TextIO) -> int:
-    """Exit status: 0 done (also: already installed, nothing to remove), 1 error, 2 bad pattern."""
+    """Exit status: 0 done (or nothing to do), 1 error, 2 bad pattern."""
     root = os.path.abspath(args.root)
     try:
         if args.hook_action == "list":
@@ -54,10 +48,7 @@ def run_command(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         print_json(dataclasses.asdict(result), out)
         return 0
-    for message in result.messages:
-        out.write(escape_text(message) + "\n")
-    verb = {"installed": "installed", "updated": "updated", "unchanged": "already installed",
-            "removed": "removed", "absent": "nothing to remove"}[result.action]
-    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: "
-                          f"{result.daemon_reload}") + "\n")
+    out.writelines(escape_text(message) + "\n" for message in result.messages)
+    verb = {"unchanged": "already installed", "absent": "nothing to remove"}.get(result.action, result.action)
+    out.write(escape_text(f"{result.target}: {verb} ({result.path}); daemon-reload: {result.daemon_reload}") + "\n")
     return 0

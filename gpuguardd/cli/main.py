@@ -1,10 +1,8 @@
-"""gpuguardctl: the admin's command line, over D-Bus or (with --local) the engine in-process.
-This module is its parser and which code runs each verb; cli/backend.py says whom a verb asks.
+"""gpuguardctl's parser and which code runs each verb (cli/backend.py says whom a verb asks).
 
-Start-up matters (a hook runs it at every unit stop, an admin at a prompt, a script in a loop):
-a verb imports only what it uses. The engine (NVML, /proc scanning) is imported by --local only,
-dbus-fast by the verbs that ask the daemon, asyncio by the verbs that need an event loop.
-bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
+Start-up matters (a hook runs it at every unit stop): a verb imports only what it uses. The engine
+comes with --local only, dbus-fast with the verbs that ask the daemon, asyncio with those that need
+a loop. bench/bench_startup.py measures it; tests/unit/test_cli_imports.py keeps it so.
 """
 
 from __future__ import annotations
@@ -22,15 +20,15 @@ from gpuguardd.cli.backend import connect
 from gpuguardd.cli.exits import EXIT_GATE_TIMEOUT, EXIT_OK, error_exit, outcome_exit
 from gpuguardd.errors import GpuGuardError, InvalidArgument, NotAuthorized
 from gpuguardd.log import setup_logging
+from gpuguardd.numbers import parse_uint
+from gpuguardd.records.selectors import selector
 
 log = logging.getLogger("gpuguard.cli")
 T = TypeVar("T")
 
 
-# The options' types. Each reads one option's text, or says why argparse refuses it, and
-# imports its parser only when that option is given, not at start-up.
+# The options' types: config's parsers are imported only when their option is given.
 def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """`parse`, with its complaint (a ValueError or InvalidArgument) as argparse's own."""
     @functools.wraps(parse)
     def convert(text: str) -> T:
         try:
@@ -42,7 +40,6 @@ def _refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 @_refusing
 def grace_ms(text: str) -> int:
-    """A time span of at most MAX_GRACE_SEC, in milliseconds (--grace, --deadline)."""
     from gpuguardd.config import MAX_GRACE_SEC, parse_timespan
 
     return int(parse_timespan(text, MAX_GRACE_SEC) * 1000)
@@ -50,15 +47,12 @@ def grace_ms(text: str) -> int:
 
 @_refusing
 def positive(text: str) -> int:
-    from gpuguardd.numbers import parse_uint
-
     return parse_uint(text, "count", minimum=1)
 
 
 @_refusing
 def mib(text: str) -> int:
     from gpuguardd.config import MAX_RELEASED_BELOW_MIB
-    from gpuguardd.numbers import parse_uint
 
     return parse_uint(text, "MiB", MAX_RELEASED_BELOW_MIB, 1)
 
@@ -79,18 +73,14 @@ def timeout_sec(text: str) -> float:
 
 @_refusing
 def gpu(text: str) -> str:
-    """A --gpu as typed (the backend resolves it), once it names a GPU at all: an index in
-    ASCII digits within range, or a GPU-/MIG- UUID (selectors.py)."""
-    from gpuguardd.records.selectors import selector
-
+    """A --gpu as typed, once it names a GPU at all; the backend resolves it."""
     selector(text).check()
     return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     common.add_argument("--local", action="store_true", default=argparse.SUPPRESS,
                         help="run the engine in this process instead of asking gpuguardd (root)")
     common.add_argument("--config", action="append", metavar="FILE", default=argparse.SUPPRESS,
@@ -98,12 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--bus-address", metavar="ADDRESS", default=argparse.SUPPRESS,
                         help="talk to gpuguardd on this D-Bus address instead of the system bus")
 
-    parser = argparse.ArgumentParser(
-        prog="gpuguardctl", parents=[common],
-        description="Find and safely end processes that keep NVIDIA GPUs busy.")
+    parser = argparse.ArgumentParser(prog="gpuguardctl", parents=[common],
+                                     description="Find and safely end processes that keep NVIDIA GPUs busy.")
     parser.add_argument("--version", action="version", version=f"gpuguardctl {__version__}")
-    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
-    verbs.required = True
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     def verb(name: str, text: str, into: argparse._SubParsersAction[argparse.ArgumentParser] = verbs
              ) -> argparse.ArgumentParser:
@@ -113,14 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     verb("gpus", "GPUs, memory and holder counts")
 
     def gpu_arg(p: argparse.ArgumentParser, text: str) -> None:
-        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID",
-                       help=text)
+        p.add_argument("--gpu", action="append", default=[], type=gpu, metavar="N|UUID", help=text)
 
     def scope_args(p: argparse.ArgumentParser) -> None:
         gpu_arg(p, "only this GPU (repeatable)")
         p.add_argument("--unit", default="", metavar="UNIT", help="only this systemd unit")
-        p.add_argument("--container", default="", metavar="ID",
-                       help="only this container (lxc/129, docker/3f2a...)")
+        p.add_argument("--container", default="", metavar="ID", help="only this container (lxc/129, docker/3f2a...)")
 
     holders = verb("holders", "processes holding GPUs")
     scope_args(holders)
@@ -151,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     wait = verb("wait", "wait until the GPUs are free for the next job (the start gate)")
     gpu_arg(wait, "this GPU or MIG instance (repeatable; default: CUDA_VISIBLE_DEVICES "
                   "or NVIDIA_VISIBLE_DEVICES from the environment, else all)")
-    wait.add_argument("--cuda-visible-devices", default=None, metavar="LIST",
-                      help="the GPUs as a CUDA_VISIBLE_DEVICES value")
+    wait.add_argument("--cuda-visible-devices", metavar="LIST", help="the GPUs as a CUDA_VISIBLE_DEVICES value")
     wait.add_argument("--free-below", type=mib, default=None, metavar="MIB",
                       help="memory in use must be below this (default: [Gate] FreeBelowMiB)")
     wait.add_argument("--stable", type=stable_sec, default=None, metavar="SEC",
@@ -169,18 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "drain reason when the exit status is not 0")
 
     reset = verb("reset", "reset a GPU that nothing holds (frees leaked memory)")
-    reset.add_argument("--gpu", required=True, type=gpu, metavar="N",
-                       help="the GPU: its index, UUID or PCI bus id")
+    reset.add_argument("--gpu", required=True, type=gpu, metavar="N", help="the GPU: its index, UUID or PCI bus id")
     reset.add_argument("--reason", default="", help="recorded in the report and the journal")
 
     verb("history", "past sweep reports").add_argument("-n", "--count", type=positive, default=10,
                                                        help="how many (newest first)")
     verb("watch", "print the daemon's signals (sweeps, terminations, leaks) as they come")
 
-    # `hook install|remove|list`: ExecStopPost drop-ins (systemd/dropins.py, cli/hook.py); needs no daemon.
     hook = verb("hook", "install, remove or list ExecStopPost drop-ins that sweep a unit after it stops")
-    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION")
-    actions.required = True
+    actions = hook.add_subparsers(dest="hook_action", metavar="ACTION", required=True)
     for action, text in (("install", "write the drop-in and reload systemd (idempotent)"),
                          ("remove", "delete the drop-in and reload systemd"),
                          ("list", "show installed hooks and the units they apply to")):
@@ -198,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """The command line, with the common options' defaults, or parser.error for what argparse
-    cannot refuse on its own: options that only apply together, or never do."""
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv, argparse.Namespace(json=False, local=False, config=None, bus_address=None))
+    # What argparse cannot refuse on its own: options that only apply together, or never do.
     if args.config and not args.local:
         parser.error("--config only applies with --local (the daemon reads its own files)")
     if args.verb == "sweep" and (args.gpu or args.unit or args.container) and args.slurm_epilog:
@@ -212,12 +194,6 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
         parser.error("--deadline only applies with --slurm-epilog")
     if args.verb == "sweep" and args.reset_leaked and not args.slurm_epilog:
         parser.error("--reset-leaked only applies with --slurm-epilog")
-    return args
-
-
-def run(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse(parser, argv)
     setup_logging("gpuguardctl")
     out = sys.stdout
     if args.verb == "hook":

@@ -1,8 +1,7 @@
-"""Human-readable output for gpuguardctl: aligned tables and sizes an admin reads at a glance.
+"""gpuguardctl's output for people: aligned tables and sizes.
 
-Everything a printer here formats comes from processes, callers or files nobody vetted: each
-printer escapes its whole input first (escaping.escaped), or each line it writes whole, and
-table() its cells, so no field can reach the terminal raw. JSON output (print_json) stays JSON: json escapes on its own.
+Every field comes from processes, callers or files nobody vetted: each printer escapes its input, its
+lines or (table()) its cells, so none reaches the terminal raw. print_json needs none: JSON escapes.
 """
 
 from __future__ import annotations
@@ -40,21 +39,17 @@ def print_json(data: Any, out: TextIO) -> None:
 
 
 def _state(record: GpuSummary | MigSummary) -> str:
-    """The state as shown, a leak with its kind: "leaked (dead-pids)"."""
     return _shown(record, "state") + (f" ({record.leak_kind})" if record.leak_kind else "")
 
 
 def sent(record: WireRecord, name: str, missing: str) -> str:
-    """A field as shown: a value this version cannot read (a newer daemon's vendor or state) as
-    it came, unescaped; `missing` when none came. A daemon from before vendors has only NVIDIA's."""
-    if name in record.unread:
-        return str(record.to_dict().get(name, missing))
-    return str(getattr(record, name))
+    """A field as shown: one this version cannot read (a newer daemon's vendor or state) as it came,
+    unescaped; `missing` when none came."""
+    return str(record.to_dict().get(name, missing)) if name in record.unread else str(getattr(record, name))
 
 
 def gpu_title(gpu: GpuSummary) -> str:
-    """"nvidia NVIDIA H100 80GB HBM3": vendor and product name, as check and watch name a
-    GPU (unescaped: the caller escapes the line)."""
+    """"nvidia NVIDIA H100 80GB HBM3", unescaped: the caller escapes the line."""
     return " ".join(part for part in (sent(gpu, "vendor", "?"), gpu.name) if part)
 
 
@@ -66,12 +61,10 @@ def print_gpus(gpus: Sequence[GpuSummary], out: TextIO) -> None:
                   if gpu.memory_total else "unknown")
         rows.append([str(gpu.index), vendor, gpu.name, gpu.uuid, gpu.pci_bus_id, memory,
                      str(gpu.holder_count), _state(gpu)])
-        # MIG instances under their GPU, by the UUID users name them with.
         for mig in gpu.mig_instances or []:
             memory = f"{human_bytes(mig.memory_used)} / {human_bytes(mig.memory_total)}"
-            rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}",
-                         vendor, "MIG instance", mig.uuid, mig.device_path or "-", memory,
-                         str(mig.holder_count), _state(mig)])
+            rows.append([f"  {gpu.index}/gi{mig.gpu_instance_id}/ci{mig.compute_instance_id}", vendor, "MIG instance",
+                         mig.uuid, mig.device_path or "-", memory, str(mig.holder_count), _state(mig)])
     table(["GPU", "VENDOR", "NAME", "UUID", "PCI", "MEMORY", "HOLDERS", "STATE"], rows, out)
 
 
@@ -86,18 +79,15 @@ def print_holders(holders: Sequence[Holder], out: TextIO) -> None:
         user = h.user or ("?" if "uid" in h.unread or h.uid == UID_UNKNOWN else str(h.uid))
         rows.append([_shown(h, "pid"), user, h.unit or "-", h.container or "-", kind, h.state,
                      gpus, memory, ",".join(h.how), command])
-    table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW",
-           "COMMAND"], rows, out)
+    table(["PID", "USER", "UNIT", "CONTAINER", "KIND", "STATE", "GPUS", "MEMORY", "HOW", "COMMAND"], rows, out)
     print_omitted(holders, "holders", out)
 
 
 def print_omitted(records: Sequence[WireRecord], what: str, out: TextIO) -> None:
-    """The daemon cut the reply to stay under the bus's message size (replysize.py): the
-    last record sent says how many were left out, in a key this version's record does not have."""
+    """The daemon's cut reply (replysize.py): its last record says how many were left out."""
     omitted = records[-1].to_dict().get(OMITTED_KEY, 0) if records else 0
     if isinstance(omitted, int) and omitted:
-        out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the "
-                  f"bus's message size)\n")
+        out.write(f"({omitted} more {what} not shown: the reply was cut to stay under the bus's message size)\n")
 
 
 def describe_scope(scope: ReportScope) -> str:
@@ -105,19 +95,16 @@ def describe_scope(scope: ReportScope) -> str:
 
 
 def print_status(status: dict[str, Any], out: TextIO) -> None:
-    for key, value in sorted(escaped(status).items()):
-        out.write(f"{key}: {value}\n")
+    out.writelines(f"{key}: {value}\n" for key, value in sorted(escaped(status).items()))
 
-
-# A report may come from history.jsonl, which an older version wrote or someone edited: it is
-# read leniently (records/codec.py), and what could not be read (a key missing, a string where a
-# list was) shows as "?" rather than losing the admin the rest of the history.
 
 def _line(out: TextIO, text: str) -> None:
-    """One line, escaped whole: every field in it is, and gpuguard's own words need none."""
+    """One line, escaped whole: gpuguard's own words need no escaping."""
     out.write(escape_text(text) + "\n")
 
 
+# A report from history.jsonl (an older version's, or edited) is read leniently (records/codec.py):
+# what could not be read shows as "?" rather than losing the admin the rest of the history.
 def _shown(record: WireRecord, name: str) -> str:
     return "?" if name in record.unread else str(getattr(record, name))
 
@@ -136,8 +123,7 @@ def print_report(report: Report, out: TextIO) -> None:
     what = describe_scope(report.scope)
     dry = " (dry run)" if report.dry_run else ""
     kind = "Reset" if report.kind == REPORT_RESET else "Sweep"
-    _line(out, f"{kind} {_shown(report, 'id')[:8]} of {what}{dry}, "
-               f"requested by {_shown(report, 'requested_by')}")
+    _line(out, f"{kind} {_shown(report, 'id')[:8]} of {what}{dry}, requested by {_shown(report, 'requested_by')}")
     for step in report.steps:
         _line(out, f"  step: {step}")
     if report.dry_run:

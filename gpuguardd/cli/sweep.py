@@ -1,11 +1,8 @@
-"""`gpuguardctl sweep`: end the holders in a scope and verify the memory came back; with
---slurm-epilog, the finished Slurm job's sweep, whose exit status is the drain decision (and,
-with --reset-leaked, the reset of GPUs that only leaked memory keeps from the next job).
+"""`gpuguardctl sweep`; with --slurm-epilog, the finished job's sweep, whose exit status is the drain decision.
 
-If gpuguardd dies during a sweep (a crash, an OOM kill, an upgrade), the request, safe to repeat,
-is sent again once it is back, so the stop hook never leaves the GPUs held: the restarted daemon
-finishes its predecessor's sweep (daemon/units.py) and the second call joins it. After RETRY_SEC,
-root sweeps locally. The words also go to the journal, which an admin's terminal does not reach.
+If gpuguardd dies during a sweep (crash, OOM kill, upgrade), the request, safe to repeat, is sent again once
+it is back: the restarted daemon finishes its predecessor's sweep (daemon/units.py) and the call joins it.
+After RETRY_SEC root sweeps locally. The words also go to the journal, which an admin's terminal does not reach.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from typing import TextIO
 
 from gpuguardd.cli import output
@@ -37,27 +33,23 @@ RETRY_INTERVAL_SEC = 0.5
 
 
 def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """The verb: the report on stdout (or, with --slurm-epilog, the drain reason)."""
     if args.slurm_epilog:
         return run_slurm_epilog(backend, args, out)
-    request = SweepRequest(gpus=args.gpu, unit=args.unit, container=args.container,
-                           grace_ms=args.grace, dry_run=args.dry_run,
-                           include_management=args.include_management, reason=args.reason)
+    request = SweepRequest(gpus=args.gpu, unit=args.unit, container=args.container, grace_ms=args.grace,
+                           dry_run=args.dry_run, include_management=args.include_management, reason=args.reason)
     report = sweep_through_restarts(backend, request, args)
     output.print_json(report.to_dict(), out) if args.json else output.print_report(report, out)
     return outcome_exit(report.outcome)
 
 
 def _drain(line: str, out: TextIO) -> None:
-    """The epilog's failure: the journal's line, and the node's drain reason."""
     log.error("%s", line)
     out.write(line + "\n")
 
 
 def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
-    """`sweep --slurm-epilog`: the finished job's sweep, bounded by --deadline. stdout is the
-    drain reason (one line, only when the exit status is not 0) or, with --json, the report;
-    the human report goes to stderr, which slurmd logs."""
+    """Bounded by --deadline. stdout is the drain reason (one line, only when the exit status is not
+    0) or, with --json, the report; the human report goes to stderr, which slurmd logs."""
     import threading
 
     from gpuguardd.engine import slurm
@@ -79,9 +71,8 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
         for warning in warnings:
             log.warning("%s", warning)
         reason = job.reason + (f" {args.reason}" if args.reason else "")
-        request = SweepRequest(gpus=selectors, grace_ms=slurm.EPILOG_GRACE_MS if args.grace is None
-                               else args.grace, dry_run=args.dry_run,
-                               include_management=args.include_management, reason=reason,
+        request = SweepRequest(gpus=selectors, grace_ms=slurm.EPILOG_GRACE_MS if args.grace is None else args.grace,
+                               dry_run=args.dry_run, include_management=args.include_management, reason=reason,
                                slurm_job=job.job_id, slurm_uid=job.uid, requester_kind=RequesterKind.SLURM)
         deadline = (args.deadline if args.deadline is not None else slurm.EPILOG_DEADLINE_MS) / 1000
         result: list[Report | BaseException] = []
@@ -115,9 +106,8 @@ def run_slurm_epilog(backend: Backend, args: argparse.Namespace, out: TextIO) ->
 
 
 def reset_leaks(backend: Backend, report: Report, job_id: str) -> bool:
-    """The epilog's recovery: reset each whole GPU the sweep left leaked, when leaks alone kept
-    its memory (no survivor, no MIG instance: a reset would take every tenant's instance).
-    True when every reset was done and verified."""
+    """Reset each GPU the sweep left leaked, when leaks alone kept its memory (no survivor, no MIG
+    instance: a reset takes every tenant's instance). True when every reset was done and verified."""
     unreleased = {g.index for g in report.gpus if not g.released}
     leaked = {leak.gpu for leak in report.leaks if not leak.mig_uuid}
     if report.survived or not leaked or unreleased - leaked or any(leak.mig_uuid for leak in report.leaks):
@@ -139,12 +129,15 @@ def _warn(message: str) -> None:
     journal_too("gpuguardctl", logging.WARNING, message)
 
 
-def retried(first: Callable[[], Report], again: Callable[[], Report], local: Callable[[], Report],
-            request: SweepRequest) -> Report:
-    """`first()` the sweep through the daemon; if the daemon vanishes during it, `again()`
-    (a new connection) until it answers or RETRY_SEC pass, then `local()` as root."""
+def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
+    """If the daemon vanishes during the sweep, again on a new connection until it answers or
+    RETRY_SEC pass, then locally as root."""
+    if isinstance(backend, LocalBackend):
+        return backend.sweep(request)
+    from gpuguardd.cli.client import DBusBackend
+
     try:
-        return first()
+        return backend.sweep(request)
     except DaemonUnavailable as exc:
         what = f"the sweep of {request.unit or 'its scope'}"
         _warn(f"gpuguardd stopped during {what} ({exc}); retrying")
@@ -153,7 +146,7 @@ def retried(first: Callable[[], Report], again: Callable[[], Report], local: Cal
     while time.monotonic() < deadline:
         time.sleep(RETRY_INTERVAL_SEC)
         try:
-            report = again()
+            report = DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request))
         except DaemonUnavailable as exc:
             last = exc
             continue
@@ -164,16 +157,6 @@ def retried(first: Callable[[], Report], again: Callable[[], Report], local: Cal
     if os.geteuid() != 0:
         raise DaemonUnavailable(f"{gone}; as root, sweep again with --local")
     _warn(f"{gone}; sweeping with the local engine")
-    report = local()
+    report = local(args).sweep(dataclasses.replace(request))
     _warn(f"gpuguardd stopped during {what}; finished locally: {report.outcome}")
     return report
-
-
-def sweep_through_restarts(backend: Backend, request: SweepRequest, args: argparse.Namespace) -> Report:
-    if isinstance(backend, LocalBackend):
-        return backend.sweep(request)
-    from gpuguardd.cli.client import DBusBackend
-
-    return retried(lambda: backend.sweep(request),
-                   lambda: DBusBackend(bus_address=args.bus_address).sweep(dataclasses.replace(request)),
-                   lambda: local(args).sweep(dataclasses.replace(request)), request)

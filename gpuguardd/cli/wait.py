@@ -1,12 +1,8 @@
-"""`gpuguardctl wait`: the start gate. Exit 0 once the GPUs are free for the next job.
+"""`gpuguardctl wait`, the start gate (ExecStartPre=, Slurm Prolog=): exit 0 once the GPUs are free.
 
-The next model's ExecStartPre=, a Slurm Prolog= or a Kubernetes init container runs it. What
-"free" means is engine/gate.py's rule; the daemon judges it (Manager.Wait, called again until
---timeout), so the CLI never polls the bus. With --local the same rule runs here.
-
-The environment's CUDA_VISIBLE_DEVICES names the GPUs when nothing else does: an
-ExecStartPre= runs with the unit's Environment=. Numbers are NVML indices (CUDA's order
-equals it with CUDA_DEVICE_ORDER=PCI_BUS_ID).
+"Free" is engine/gate.py's rule, judged by the daemon (Manager.Wait, called again until --timeout) or,
+with --local, here. CUDA_VISIBLE_DEVICES names the GPUs when nothing else does (an ExecStartPre= has the
+unit's Environment=); its numbers are NVML indices, CUDA's order with CUDA_DEVICE_ORDER=PCI_BUS_ID.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from gpuguardd.records.selectors import selector
 
 log = logging.getLogger("gpuguard.cli")
 
-# Values that make CUDA (or the NVIDIA container runtime) see no GPU at all.
-NO_GPUS = {"", "none", "void", "NoDevFiles"}
+NO_GPUS = {"", "none", "void", "NoDevFiles"}  # CUDA (or the NVIDIA container runtime) sees no GPU
 ONE_CALL_SEC = 20.0  # what the daemon grants one Wait call
 PROGRESS_CALL_SEC = 1.0  # on a terminal: a Wait call per second, for the progress line
 LOCAL_POLL_SEC = 0.25  # --local: each observation is a full holder scan
@@ -37,8 +32,8 @@ SLURM_PROLOG_TIMEOUT_SEC = 60.0  # under a PrologEpilogTimeout of 120 s (the epi
 
 
 def visible_devices(value: str, name: str) -> list[str] | None:
-    """Selectors for a CUDA_VISIBLE_DEVICES-style list: None for every GPU ("all"), [] for
-    none. As CUDA does, a negative ordinal ends the list ("-1" hides everything)."""
+    """Selectors for a CUDA_VISIBLE_DEVICES list: None for "all", [] for none. As in CUDA, a negative
+    ordinal ends the list ("-1" hides everything)."""
     text = value.strip()
     if text == "all":
         return None
@@ -57,7 +52,6 @@ def visible_devices(value: str, name: str) -> list[str] | None:
 
 
 def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str] | None:
-    """The GPUs to wait for; None: every GPU."""
     if args.gpu:
         return list(args.gpu)
     if args.cuda_visible_devices is not None:
@@ -69,16 +63,12 @@ def selectors_from(args: argparse.Namespace, environ: Mapping[str, str]) -> list
 
 
 def describe(result: Mapping[str, Any]) -> list[str]:
-    """One line per GPU: its memory, and what it waits on or how long it has been free."""
     lines = [f"waiting on: {escape_text(str(w))}" for w in result.get("waiting_on", [])]
     for gpu in result.get("gpus", []):
         used = output.human_bytes(int(gpu.get("memory_used", 0)))
         waits = [escape_text(str(w)) for w in gpu.get("waiting_on", [])]
-        if waits:
-            lines.append(f"{_name(gpu)}: {used} used; " + "; ".join(waits))
-        else:
-            lines.append(f"{_name(gpu)}: {used} used, free and steady for "
-                         f"{int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
+        lines.append(f"{_name(gpu)}: {used} used; {'; '.join(waits)}" if waits
+                     else f"{_name(gpu)}: {used} used, free and steady for {int(gpu.get('stable_ms', 0)) / 1000:.1f} s")
     return lines
 
 
@@ -88,8 +78,7 @@ def _name(gpu: Mapping[str, Any]) -> str:
 
 def poll(call: Callable[[float], dict[str, Any]], timeout: float | None, out: TextIO,
          progress: bool) -> tuple[bool, dict[str, Any], float]:
-    """One-call waits (`call(seconds)`: the result) until free or `timeout`, with the
-    terminal's progress line: (free, the last result, seconds waited)."""
+    """`call(seconds)` until free or `timeout`, with a progress line: (free, last result, seconds waited)."""
     started = time.monotonic()
     while True:
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
@@ -105,25 +94,22 @@ def poll(call: Callable[[float], dict[str, Any]], timeout: float | None, out: Te
 
 def local_call(backend: Any, selectors: list[str] | None, free_below: int, stable_sec: float,
                allow_unverified: bool, tolerance: int) -> Callable[[float], dict[str, Any]]:
-    """--local: the gate's rule on the local engine's scans, one a poll (no daemon: no sweeps
-    to wait for)."""
+    """--local: the gate's rule on a scan per poll (no daemon: no sweeps to wait for)."""
     from gpuguardd.cli.check import _selected
     from gpuguardd.engine.gate import GateRule, GateTracker, MiB, Target, outcome, targets_of
     from gpuguardd.engine.gpustate import gpu_summaries
 
-    rule = GateRule(free_below, tolerance, allow_unverified)
-    tracker = GateTracker(rule)
+    tracker = GateTracker(GateRule(free_below, tolerance, allow_unverified))
     engine = backend.engine
     wanted = selectors or []
     seen: set[str] = set()
 
     def once(record: logging.LogRecord) -> bool:
-        """Each distinct warning once: every poll scans again and repeats what it found odd."""
+        """Each distinct warning once: every poll scans again and finds the same."""
         new = record.getMessage() not in seen
         seen.add(record.getMessage())
         return new
-    # On the handler gpuguardctl's logging set up (log.setup_logging): its records, this
-    # process's; a caller that set up none (an embedding program, a test) keeps its own.
+    # On the "gpuguard" logger's handlers (setup_logging's): a caller's root handlers are left alone.
     for handler in logging.getLogger("gpuguard").handlers:
         handler.addFilter(once)
 
@@ -153,8 +139,7 @@ def local_call(backend: Any, selectors: list[str] | None, free_below: int, stabl
 
 
 def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
-    """The verb, after --sweep-leftovers' sweep. With --slurm-prolog every failure is one line
-    on stdout, the drain reason."""
+    """With --slurm-prolog every failure is one line on stdout, the drain reason."""
     try:
         if args.sweep_leftovers:
             from gpuguardd.cli.sweep import sweep_through_restarts
@@ -174,8 +159,7 @@ def run(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
-    """0 when free, EXIT_GATE_TIMEOUT at --timeout (what holds each GPU on stdout, one line
-    each: the journal's and the drain reason's text)."""
+    """0 when free, EXIT_GATE_TIMEOUT at --timeout, with what holds the GPUs (the drain reason)."""
     from gpuguardd.cli.client import DBusBackend
     from gpuguardd.engine.gate import MiB
 
@@ -186,8 +170,7 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
         job = slurm.epilog_job(os.environ, "--slurm-prolog")
         prefix = f"gpuguard: job {job.job_id}: "
         selectors, warnings = slurm.gpu_selectors(job.minors, backend.gpus())
-        for warning in warnings:
-            sys.stderr.write(f"gpuguardctl: {warning}\n")
+        sys.stderr.writelines(f"gpuguardctl: {warning}\n" for warning in warnings)
         if not job.minors:
             selectors = []
     else:
@@ -206,10 +189,9 @@ def gate(backend: Any, args: argparse.Namespace, out: TextIO) -> int:
             return backend.wait(selectors or [], {**options, "timeout_ms": int(seconds * 1000)})
     else:
         config = backend.engine.config
-        call = local_call(
-            backend, selectors, options.get("free_below_mib", config.gate_free_below_mib) * MiB,
-            args.stable if args.stable is not None else config.gate_stable_sec,
-            args.allow_unverified, config.gate_tolerance_mib * MiB)
+        call = local_call(backend, selectors, options.get("free_below_mib", config.gate_free_below_mib) * MiB,
+                          args.stable if args.stable is not None else config.gate_stable_sec,
+                          args.allow_unverified, config.gate_tolerance_mib * MiB)
     progress = out.isatty() and not args.json
     free, result, waited = poll(call, timeout, out, progress)
     if progress:

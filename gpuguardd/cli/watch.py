@@ -20,8 +20,7 @@ from gpuguardd.records.report import Report, ReportScope
 
 
 def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | None = None) -> str:
-    """One line for a signal. `titles`: GPU index -> "vendor name" (gpu_title, unescaped),
-    for the GPUs the daemon listed; a GPU not in it is named by index and UUID alone."""
+    """One line for a signal. `titles`: GPU index -> gpu_title(); a GPU not in it is named by UUID alone."""
     title = (titles or {}).get(fields.get("gpu", -1), "") if member == "LeakSuspected" else ""
     fields = escaped(fields)
     if member == "SweepStarted":
@@ -31,51 +30,46 @@ def describe(member: str, fields: dict[str, Any], titles: Mapping[int, str] | No
                 f"unit {fields['unit'] or '-'}) ended by {fields['signal'] or 'itself'}")
     if member == "SweepFinished":
         report = Report.from_dict(fields["report"])
-        return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} "
-                f"({len(report.terminated)} terminated, "
+        return (f"sweep {fields['id'][:8]} finished: {fields['outcome']} ({len(report.terminated)} terminated, "
                 f"{len(report.survived)} survived) in {report.duration_ms} ms")
     if member == "LeakSuspected":
         which = ", ".join(part for part in (fields["uuid"], escape_text(title)) if part)
-        return (f"GPU {fields['gpu']} ({which}): {human_bytes(int(fields['bytes']))} "
-                "in use with no process holding it")
+        return f"GPU {fields['gpu']} ({which}): {human_bytes(int(fields['bytes']))} in use with no process holding it"
     return f"{member} {fields}"
 
 
 def run(backend: Backend, args: argparse.Namespace, out: TextIO) -> int:
     if not isinstance(backend, DBusBackend):
         raise InvalidArgument("watch needs gpuguardd")
-    as_json, err = args.json, sys.stderr
     titles: dict[int, str] = {}
 
     def read_titles() -> None:
-        # Vendor and name of each GPU, for the lines that name a GPU; read beside the
-        # subscription (its own connection), so no signal waits for it. Without them (no
-        # daemon yet, a failed call) a GPU is named by index and UUID, as before.
-        with contextlib.suppress(Exception):  # names are a nicety: any failure leaves them out
+        # On its own connection beside the subscription, so no signal waits for it. The titles
+        # are a nicety: any failure (no daemon yet) leaves them out.
+        with contextlib.suppress(Exception):
             titles.update({gpu.index: gpu_title(gpu) for gpu in backend.gpus()})
 
-    if not as_json:
+    if not args.json:
         threading.Thread(target=read_titles, name="gpu-titles", daemon=True).start()
 
     def on_signal(member: str, fields: dict[str, Any]) -> None:
         stamp = time.time()
         try:
-            if as_json:
-                out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True,
-                                     default=str) + "\n")
+            if args.json:
+                out.write(json.dumps({"signal": member, "time": stamp, **fields}, sort_keys=True, default=str) + "\n")
             else:
                 clock = time.strftime("%H:%M:%S", time.localtime(stamp))
                 out.write(f"{clock} {describe(member, fields, titles)}\n")
             out.flush()
         except BrokenPipeError:
-            # `gpuguardctl watch | head`: the reader left. SystemExit passes through dbus-fast's
-            # handler guard (it only catches Exception) and ends the loop.
+            # `watch | head`: the reader left. SystemExit passes dbus-fast's handler guard (it
+            # catches Exception) and ends the loop.
             raise SystemExit(0) from None
 
     def on_owner(owner: str) -> None:
-        err.write("gpuguardctl: gpuguardd is back\n" if owner
-                  else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
-        err.flush()
+        sys.stderr.write("gpuguardctl: gpuguardd is back\n" if owner
+                         else "gpuguardctl: gpuguardd stopped; waiting for it to return\n")
+        sys.stderr.flush()
 
     with contextlib.suppress(KeyboardInterrupt):
         backend.watch(on_signal, on_owner)
