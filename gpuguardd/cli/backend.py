@@ -68,11 +68,14 @@ class LocalBackend:
                 request.requester_kind = RequesterKind.HOOK if os.geteuid() == 0 else RequesterKind.HOOK_NONROOT
         # One reading checks the request (a bad unit name is refused first), finds leftovers, starts the sweep.
         prepared = self.engine.prepare(request)
-        if request.unit:
-            import asyncio
+        try:
+            if request.unit:
+                import asyncio
 
-            asyncio.run(self._adopt_leftovers(request, prepared))
-        return self.engine.sweep(request, prepared=prepared)
+                asyncio.run(self._adopt_leftovers(request, prepared))
+            return self.engine.sweep(request, prepared=prepared)
+        finally:
+            prepared.release()  # the leftovers' scan, if the sweep never took it over
 
     def reset(self, gpu: str, reason: str) -> Report:
         return self.engine.reset_gpu(one_gpu(self.engine.resolve_gpus([gpu])[0], gpu),
@@ -89,7 +92,7 @@ class LocalBackend:
             if not request.container:
                 request.adopted = sorted(set(request.adopted) | set(await leftovers(
                     systemd, UnitGpuRecords(), normalize_unit_name(request.unit),
-                    self.engine.scan(prepared.nvml), request.include_management)))
+                    self.engine.pin(prepared), request.include_management)))
         finally:
             if bus is not None:
                 bus.disconnect()

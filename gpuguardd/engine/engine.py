@@ -66,6 +66,15 @@ class Prepared:
     nvml: NvmlSnapshot
     scope: Scope
     warnings: list[str]
+    # The sweep's first scan when it was taken early (Engine.pin): a unit's leftovers are found
+    # in the /proc walk the sweep then acts on. The sweep takes its pinned handles over.
+    first: Scan | None = None
+
+    def release(self) -> None:
+        """Close the first scan's pidfds if no sweep took them (it was refused, or failed before)."""
+        if self.first is not None:
+            close_all(self.first[0])
+            self.first = None
 
 
 class Engine:
@@ -226,6 +235,13 @@ class Engine:
         scope, warnings = self.resolve_request(request, nvml)
         return Prepared(since, nvml, scope, warnings)
 
+    def pin(self, prepared: Prepared) -> ScanResult:
+        """The sweep's first scan, taken now on `prepared`'s reading and kept for the sweep."""
+        if prepared.first is None:
+            prepared.first = self._scan_pinned(prepared.nvml)
+        pinned, snap, unreadable, warnings = prepared.first
+        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
+
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
         """From `prepared` (its check) when given; the adopted processes and the settings are read now."""
@@ -236,7 +252,7 @@ class Engine:
         lock_problem = ""
         locks = GpuLocks(os.path.join(config.runtime_directory, "locks"))
         try:
-            first = self._scan_pinned(prepared.nvml)
+            first, prepared.first = prepared.first or self._scan_pinned(prepared.nvml), None
             if not dry_run:
                 # Lock the GPUs the scan found; after a wait for another sweep, look again and widen.
                 held: set[str] = set()

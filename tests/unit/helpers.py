@@ -3,11 +3,13 @@ requests (one copy, so that the tests of each module can sit in its own file).""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
 from gpuguardd.records.enums import GpusFrom, GpuState, HolderKind, Vendor
 from gpuguardd.records.models import GpuInfo, GpuSummary, Holder, NvmlSnapshot, SweepRequest
+from gpuguardd.records.report import Report, ReportScope
 from gpuguardd.systemd.rules import UnitState
 from tests.conftest import GiB
 
@@ -57,3 +59,35 @@ def summaries() -> list[GpuSummary]:
     return [GpuSummary(index=0, uuid="GPU-a", name=H100, memory_total=80 * GiB, state=GpuState.IDLE),
             GpuSummary(index=1, uuid="GPU-b", name=MI300X, vendor=Vendor.AMD, memory_total=192 * GiB,
                        memory_used=GiB, state=GpuState.IDLE)]
+
+
+class CountingNvml:
+    """NVML as a list of its full GPU readings (with_processes of each): nothing else asked."""
+
+    def __init__(self) -> None:
+        self.reads: list[bool] = []
+
+    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
+        self.reads.append(with_processes)
+        return copy.deepcopy(NVML)
+
+
+class SweepCounter:
+    """The service's sweep events; `reads_at_start`: the GPU readings made when the sweep began."""
+
+    def __init__(self, nvml: CountingNvml) -> None:
+        self.nvml = nvml
+        self.reads_at_start = -1
+
+    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
+        self.reads_at_start = len(self.nvml.reads)
+
+    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
+                           signal_name: str) -> None:
+        pass
+
+    def sweep_finished(self, report: Report) -> None:
+        pass
+
+    def busy_changed(self, busy: bool) -> None:
+        pass

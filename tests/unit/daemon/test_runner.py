@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,40 +15,8 @@ from gpuguardd.engine.engine import Engine
 from gpuguardd.errors import InvalidArgument
 from gpuguardd.records.enums import Outcome
 from gpuguardd.records.models import NvmlSnapshot, SweepRequest
-from gpuguardd.records.report import Report, ReportScope
-from tests.unit.helpers import NVML
-
-
-class CountingNvml:
-    """NVML as a list of its full GPU readings (with_processes of each): nothing else asked."""
-
-    def __init__(self) -> None:
-        self.reads: list[bool] = []
-
-    def snapshot(self, with_processes: bool = True) -> NvmlSnapshot:
-        self.reads.append(with_processes)
-        return copy.deepcopy(NVML)
-
-
-class SweepCounter:
-    """The service's sweep events; `reads_at_start`: the GPU readings made when the sweep began."""
-
-    def __init__(self, nvml: CountingNvml) -> None:
-        self.nvml = nvml
-        self.reads_at_start = -1
-
-    def sweep_started(self, report_id: str, scope: ReportScope) -> None:
-        self.reads_at_start = len(self.nvml.reads)
-
-    def process_terminated(self, report_id: str, pid: int, comm: str, unit: str,
-                           signal_name: str) -> None:
-        pass
-
-    def sweep_finished(self, report: Report) -> None:
-        pass
-
-    def busy_changed(self, busy: bool) -> None:
-        pass
+from gpuguardd.records.report import Report
+from tests.unit.helpers import NVML, CountingNvml, SweepCounter
 
 
 def test_a_sweep_reads_the_gpus_and_resolves_its_scope_once(tmp_path: Path,

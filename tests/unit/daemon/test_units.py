@@ -8,17 +8,25 @@ unloaded after their stop, Restart=) is covered by tests/e2e/test_e2e.py.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gpuguardd.config import Config
+from gpuguardd.daemon.runner import SweepRunner
 from gpuguardd.daemon.units import UnitSweeps
+from gpuguardd.engine import engine as engine_module
+from gpuguardd.engine.engine import Engine, Prepared
+from gpuguardd.engine.holders import find_holders
 from gpuguardd.records.enums import Outcome, RequesterKind
-from gpuguardd.records.models import Holder, ScanResult, SweepRequest
+from gpuguardd.records.models import Holder, ScanResult, Scope, SweepRequest
 from gpuguardd.records.report import Report
 from gpuguardd.systemd.rules import UnitState
-from tests.unit.helpers import NVML, holder
+from tests.unit.helpers import NVML, CountingNvml, SweepCounter, holder
 
 
 class FakeSystemd:
@@ -44,7 +52,7 @@ class Harness:
     def __init__(self, holders: list[Holder], states: dict[str, UnitState]) -> None:
         self.requests: list[SweepRequest] = []
         self.release = asyncio.Event()
-        self.engine = SimpleNamespace(config=SimpleNamespace(dry_run=False))
+        self.engine = SimpleNamespace(config=SimpleNamespace(dry_run=False), prepare=self.prepare, pin=self.pin)
         inventory = SimpleNamespace(fresh_scan=self.scan, snapshot=NVML)
         self.watch = UnitSweeps(self, inventory, None, ["sglang-*"], "")  # type: ignore[arg-type]
         self.watch.systemd = FakeSystemd(states)
@@ -52,6 +60,15 @@ class Harness:
 
     async def scan(self) -> ScanResult:
         return ScanResult(holders=self.holders, nvml=NVML)
+
+    def prepare(self, request: SweepRequest) -> Prepared:
+        return Prepared(0, NVML, Scope(unit=request.unit), [])
+
+    def pin(self, prepared: Prepared) -> ScanResult:
+        return ScanResult(holders=self.holders, nvml=NVML)
+
+    async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
 
     async def run(self, request: SweepRequest, prepared: object = None) -> Report:
         self.requests.append(request)
@@ -157,3 +174,38 @@ def test_unit_records_that_cannot_be_kept_are_said_once_not_every_poll(
         (tmp_path / "gone").mkdir()
         watch.observe([*held, holder(11, "sglang-a.service", [1])])
     assert (tmp_path / "gone" / "units.json").exists()
+
+
+def test_a_unit_sweep_walks_proc_once_for_its_leftovers_and_itself(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit's escaped leftovers are looked for in the sweep's own first scan: one GPU
+    reading and one /proc walk from the stop to the first signal, not a scan for the leftovers
+    and another for the sweep."""
+    nvml = CountingNvml()
+    engine = Engine(Config(runtime_directory=str(tmp_path / "run"), sysfs_path=str(tmp_path / "sys"),
+                           device_paths=(str(tmp_path / "dev" / "nvidia*"),)),
+                    nvml=nvml, use_pidfd=False)  # type: ignore[arg-type]
+    walks: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        walks.append(len(nvml.reads))
+        return find_holders(*args, **kwargs)
+    monkeypatch.setattr(engine_module, "find_holders", counted)
+    events = SweepCounter(nvml)
+
+    async def no_second_scan() -> ScanResult:
+        raise AssertionError("the leftovers were looked for in a scan of their own")
+
+    async def sweep(request: SweepRequest) -> Report | None:
+        with ThreadPoolExecutor(1) as sweeps, ThreadPoolExecutor(1) as io:
+            runner = SweepRunner(engine, sweeps, io, None, events, None)  # type: ignore[arg-type]
+            units = UnitSweeps(runner, SimpleNamespace(fresh_scan=no_second_scan), None,  # type: ignore[arg-type]
+                               ["sglang-*"], "")
+            units.systemd = FakeSystemd({})
+            return await units.sweep_unit(request)
+
+    unit = "sglang-a.service"
+    report = asyncio.run(sweep(SweepRequest(unit=unit, requested_by=f"hook:{unit}", requester_kind=RequesterKind.HOOK,
+                                            dry_run=True, audited=False)))
+    assert report is not None and report.outcome == Outcome.DRY_RUN
+    assert events.reads_at_start == 1 and walks == [1], (nvml.reads, walks)
