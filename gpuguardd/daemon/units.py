@@ -191,22 +191,18 @@ class UnitSweeps:
 
     async def _sweep(self, unit: str, request: SweepRequest, state: UnitState | None,
                      prepared: Prepared | None = None) -> Report:
-        if not request.container and self.systemd.available:
-            # The leftovers are found in the sweep's own first scan: one /proc walk for both.
-            prepared = prepared or await self.runner.io(self.runner.engine.prepare, request)
-            try:
+        try:
+            if not request.container and self.systemd.available:
+                # The leftovers are found in the sweep's own first scan: one /proc walk for both.
+                prepared = prepared or await self.runner.io(self.runner.engine.prepare, request)
                 scan = await self.runner.io(self.runner.engine.pin, prepared)
                 # A resumed sweep keeps its predecessor's adopted (PID, start time) pairs.
                 found = await leftovers(self.systemd, self.records, unit, scan, request.include_management)
-            except BaseException:
-                prepared.release()
-                raise
-            request.adopted = sorted(set(request.adopted) | set(found))
-        try:
+                request.adopted = sorted(set(request.adopted) | set(found))
             report = await self.runner.run(request, prepared)
         finally:
             if prepared is not None:
-                prepared.release()
+                prepared.release()  # the first scan's pidfds, if no sweep took them over
         if not report.dry_run and report.outcome in (Outcome.FREED, Outcome.NOTHING) \
                 and (state is None or state.stopped or state.active_state == "deactivating"):
             self.records.forget(unit)  # everything the unit left is gone: start afresh

@@ -137,9 +137,9 @@ class Engine:
         return pinned, snap, unreadable, warnings
 
     def scan(self, nvml: NvmlSnapshot | None = None) -> ScanResult:
-        pinned, snap, unreadable, warnings = self._scan_pinned(nvml)
-        close_all(pinned)
-        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
+        scan = self._scan_pinned(nvml)
+        close_all(scan[0])
+        return _result(scan)
 
     def list_holders(self, scope: Scope, include_protected: bool = True) -> tuple[list[Holder], ScanResult]:
         result = self.scan()
@@ -239,8 +239,7 @@ class Engine:
         """The sweep's first scan, taken now on `prepared`'s reading and kept for the sweep."""
         if prepared.first is None:
             prepared.first = self._scan_pinned(prepared.nvml)
-        pinned, snap, unreadable, warnings = prepared.first
-        return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
+        return _result(prepared.first)
 
     def sweep(self, request: SweepRequest, observer: SweepObserver | None = None,
               prepared: Prepared | None = None) -> Report:
@@ -291,6 +290,11 @@ class Engine:
 
     def reset_gpu(self, index: int, requested_by: str, reason: str = "") -> Report:
         return GpuReset(index, self.nvml, self.scan, self.config, requested_by, reason).run()
+
+
+def _result(scan: Scan) -> ScanResult:
+    pinned, snap, unreadable, warnings = scan
+    return ScanResult(holders=[h for h, _ in pinned], nvml=snap, unreadable=unreadable, warnings=warnings)
 
 
 def log_device_refusals(config: Config) -> None:
